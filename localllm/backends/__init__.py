@@ -1,0 +1,31 @@
+"""Backend registry. Backends import lazily so that an optional one that is not installed fails with the install
+hint only when it is chosen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import BackendUnavailable, InvalidInput
+from .base import Backend
+
+
+def get_backend(name: str) -> Backend:
+    if name == "llama.cpp":
+        from .llama_cpp import LlamaCppBackend
+
+        return LlamaCppBackend()
+    if name == "mlx":
+        try:
+            from .mlx import MlxBackend
+        except ImportError as exc:
+            raise BackendUnavailable(f"the MLX backend needs mlx and mlx-lm ({exc.name} is missing)",
+                                     hint="pip install 'localllm[mlx]'") from None
+        return MlxBackend()
+    raise InvalidInput(f"unknown backend {name!r}", hint="use auto, llama.cpp or mlx")
+
+
+def choose_backend(requested: str, weights: Path) -> str:
+    """auto: an MLX folder (config.json + safetensors) runs on mlx, anything else on llama.cpp."""
+    if requested != "auto":
+        return requested
+    return "mlx" if weights.is_dir() else "llama.cpp"
