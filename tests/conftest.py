@@ -1,0 +1,55 @@
+"""Shared fixtures.
+
+Every test gets its own empty LOCALLLM_HOME (autouse), so nothing touches the user's models. Tests that need the
+real catalog models use `models_home`: a home with `smollm2:135m` and `gemma3:270m` pulled once through the real pull
+path into a cache that later runs reuse (LOCALLLM_TEST_CACHE, default ~/.cache/localllm-tests)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+CATALOG_TEST_MODELS = ("smollm2:135m", "gemma3:270m")
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path, monkeypatch) -> Path:
+    home = tmp_path / "home"
+    monkeypatch.setenv("LOCALLLM_HOME", str(home))
+    monkeypatch.delenv("LOCALLLM_HOST", raising=False)
+    monkeypatch.delenv("LOCALLLM_API_KEY", raising=False)
+    return home
+
+
+def _test_cache() -> Path:
+    return Path(os.environ.get("LOCALLLM_TEST_CACHE", Path.home() / ".cache" / "localllm-tests")).expanduser()
+
+
+@pytest.fixture(scope="session")
+def models_home() -> Path:
+    """A LOCALLLM_HOME holding both catalog models, pulled once (a no-op when the cache has them)."""
+    from localllm.pull import pull_model
+    from localllm.store import Store
+
+    home = _test_cache() / "home"
+    store = Store(home / "models")
+    for name in CATALOG_TEST_MODELS:
+        for _ in pull_model(name, store):
+            pass
+    return home
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(models_home) -> Path:
+    from localllm.store import Store
+
+    return Store(models_home / "models").resolve("smollm2:135m").weights
+
+
+@pytest.fixture(scope="session")
+def gemma3_path(models_home) -> Path:
+    from localllm.store import Store
+
+    return Store(models_home / "models").resolve("gemma3:270m").weights
