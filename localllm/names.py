@@ -66,8 +66,10 @@ class ModelRef:
         """Path components of this name's manifest under models/manifests (validated parts only)."""
         if self.kind == "file":
             raise InvalidName(f"{self.path} is a file path, not a stored model name")
-        host = "hf.co" if self.kind == "hf" else self.host
-        return (host.replace(":", "_"), self.namespace, self.name, self.tag)
+        if self.kind == "hf":
+            # Short names are lower-cased when parsed; HF parts keep their case for display, so fold them here.
+            return ("hf.co", self.namespace.lower(), self.name.lower(), self.tag.lower())
+        return (self.host.replace(":", "_"), self.namespace, self.name, self.tag)
 
     def __str__(self) -> str:
         return self.display
