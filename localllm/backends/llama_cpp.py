@@ -1,0 +1,350 @@
+"""llama.cpp through llama-cpp-python's low-level API: one llama_context per loaded model with one sequence per slot.
+
+The context is created with a separate KV stream per sequence (kv_unified off), so every slot owns exactly `n_ctx`
+cells: the context a user asks for is per slot, never a total silently divided. Sampling runs in llama.cpp's C
+sampler chain; Python only picks which output row each chain reads."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+from typing import Optional, Sequence
+
+import llama_cpp
+import numpy as np
+
+from ..api import LoadOptions, SamplingOptions
+from ..errors import InvalidInput, LocalLLMError, ModelFormatError
+from .base import Batch, ModelMeta
+
+log = logging.getLogger(__name__)
+
+_KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+_init_lock = threading.Lock()
+_initialised = False
+
+
+def _init_backend() -> None:
+    """llama_backend_init once per process, and route llama.cpp's chatter through Python logging."""
+    global _initialised
+    with _init_lock:
+        if _initialised:
+            return
+        from llama_cpp import _logger
+
+        _logger.set_verbose(logging.getLogger("localllm").isEnabledFor(logging.DEBUG))
+        llama_cpp.llama_backend_init()
+        _initialised = True
+
+
+class LlamaCppBackend:
+    name = "llama.cpp"
+
+    def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> "LlamaCppModel":
+        _init_backend()
+        model = _load_weights(path, options)
+        try:
+            ctx = _new_context(model, options, n_seq=n_seq, n_ctx=n_ctx)
+        except BaseException:
+            llama_cpp.llama_model_free(model)
+            raise
+        return LlamaCppModel(path, model, ctx, options, n_seq=n_seq)
+
+
+def _load_weights(path: Path, options: LoadOptions):
+    if not Path(path).is_file():
+        raise ModelFormatError(f"weights file {path} does not exist")
+    params = llama_cpp.llama_model_default_params()
+    # num_gpu None means "all layers that fit": llama.cpp clamps a large count to the model's layers.
+    params.n_gpu_layers = 999 if options.num_gpu is None or options.num_gpu < 0 else options.num_gpu
+    params.use_mmap = options.use_mmap
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise ModelFormatError(f"llama.cpp could not load {path}",
+                               hint="the file is not a GGUF model this llama.cpp supports; `localllm verify` checks it")
+    return model
+
+
+def _context_params(options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings: bool = False):
+    from .. import config
+
+    params = llama_cpp.llama_context_default_params()
+    threads = options.num_thread or config.NUM_THREAD.get()
+    params.n_ctx = n_ctx * n_seq
+    params.n_batch = max(options.num_batch, n_seq)
+    params.n_ubatch = params.n_batch
+    params.n_seq_max = n_seq
+    params.n_threads = threads
+    params.n_threads_batch = threads
+    params.kv_unified = False
+    params.no_perf = True
+    kv = _KV_TYPES[options.kv_type or config.KV_CACHE_TYPE.get()]
+    params.type_k = kv
+    params.type_v = kv
+    flash = options.flash_attn if options.flash_attn is not None else config.FLASH_ATTENTION.get()
+    # A quantized V cache needs flash attention in llama.cpp; turn it on rather than fail.
+    params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash or kv != llama_cpp.GGML_TYPE_F16
+                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    params.embeddings = embeddings
+    if embeddings:
+        params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
+    return params
+
+
+def _new_context(model, options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings: bool = False):
+    params = _context_params(options, n_seq=n_seq, n_ctx=n_ctx, embeddings=embeddings)
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    if not ctx:
+        raise LocalLLMError(f"llama.cpp could not create a context of {n_seq} x {n_ctx} tokens",
+                            hint="lower num_ctx or num_parallel; `localllm plan` shows the memory needed")
+    return ctx
+
+
+def _meta_str(model, key: str) -> Optional[str]:
+    buf = ctypes.create_string_buffer(4096)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+
+def _read_meta(model, path: Path) -> ModelMeta:
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    template = llama_cpp.llama_model_chat_template(model, None)
+    desc = ctypes.create_string_buffer(256)
+    llama_cpp.llama_model_desc(model, desc, len(desc))
+
+    def token_or_none(tok: int) -> Optional[int]:
+        return tok if tok >= 0 else None
+
+    return ModelMeta(
+        architecture=_meta_str(model, "general.architecture") or "unknown",
+        n_vocab=llama_cpp.llama_vocab_n_tokens(vocab),
+        n_ctx_train=llama_cpp.llama_model_n_ctx_train(model),
+        n_embd=llama_cpp.llama_model_n_embd(model),
+        bos_token=token_or_none(llama_cpp.llama_vocab_bos(vocab)),
+        eos_token=token_or_none(llama_cpp.llama_vocab_eos(vocab)),
+        add_bos=bool(llama_cpp.llama_vocab_get_add_bos(vocab)),
+        chat_template=template.decode("utf-8") if template else None,
+        n_params=llama_cpp.llama_model_n_params(model),
+        size_bytes=llama_cpp.llama_model_size(model),
+        has_mtp=llama_cpp.llama_model_n_layer_nextn(model) > 0,
+        description=desc.value.decode("utf-8", "replace"),
+    )
+
+
+class LlamaCppModel:
+    """A loaded GGUF: weights, one context of `n_seq` sequences, and a reusable batch buffer."""
+
+    def __init__(self, path: Path, model, ctx, options: LoadOptions, *, n_seq: int):
+        self.path = path
+        self.options = options
+        self._model = model
+        self._ctx = ctx
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        self._mem = llama_cpp.llama_get_memory(ctx)
+        self.meta = _read_meta(model, path)
+        self.n_seq = n_seq
+        self.n_ctx = llama_cpp.llama_n_ctx_seq(ctx)
+        self.n_batch = llama_cpp.llama_n_batch(ctx)
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._embed_ctx = None
+        self._piece_cache: dict[int, bytes] = {}
+
+    # ----------------------------------------------------------------------------------------------- text
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 16
+        buf = (llama_cpp.llama_token * capacity)()
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:  # llama.cpp returns minus the size it needs
+            capacity = -n
+            buf = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._piece_cache.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            piece = buf.raw[:n]
+            self._piece_cache[token] = piece
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    # ----------------------------------------------------------------------------------------------- compute
+
+    def decode(self, batch: Batch) -> None:
+        n = len(batch)
+        if n == 0:
+            return
+        if n > self.n_batch:
+            raise InvalidInput(f"batch of {n} tokens exceeds num_batch {self.n_batch}")
+        b = self._batch
+        b.n_tokens = n
+        for i in range(n):
+            b.token[i] = batch.tokens[i]
+            b.pos[i] = batch.positions[i]
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = batch.seqs[i]
+            b.logits[i] = batch.logits[i]
+        status = llama_cpp.llama_decode(self._ctx, b)
+        if status != 0:
+            raise LocalLLMError(f"llama_decode failed with status {status} on a batch of {n} tokens",
+                                hint="1 means the KV cache is full: lower num_parallel or raise num_ctx")
+
+    def logits(self, row: int) -> np.ndarray:
+        ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
+        if not ptr:
+            raise LocalLLMError(f"no logits for batch row {row}")
+        return np.ctypeslib.as_array(ptr, shape=(self.meta.n_vocab,)).copy()
+
+    def make_sampler(self, options: SamplingOptions, *, grammar: Optional[str] = None) -> "LlamaCppSampler":
+        return LlamaCppSampler(self, options, grammar)
+
+    # ----------------------------------------------------------------------------------------------- cache
+
+    def remove(self, seq: int, start: int, end: int = -1) -> None:
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, start, end)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        # Each sequence has its own KV stream, and llama.cpp copies across streams only whole: copy, then cut.
+        llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        llama_cpp.llama_memory_seq_rm(self._mem, dst, n, -1)
+
+    def embed(self, tokens: Sequence[int]) -> list[float]:
+        ctx = self._embedding_context(len(tokens))
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+        try:
+            batch.n_tokens = len(tokens)
+            for i, tok in enumerate(tokens):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, i, 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = True
+            if llama_cpp.llama_decode(ctx, batch) != 0:
+                raise LocalLLMError(f"embedding decode failed for {len(tokens)} tokens")
+            ptr = llama_cpp.llama_get_embeddings_seq(ctx, 0)
+            vec = np.ctypeslib.as_array(ptr, shape=(self.meta.n_embd,)).astype(np.float64)
+        finally:
+            llama_cpp.llama_batch_free(batch)
+        norm = float(np.linalg.norm(vec)) or 1.0
+        return (vec / norm).tolist()
+
+    def _embedding_context(self, n_tokens: int):
+        # A second, small context over the same weights: pooled output needs embeddings mode, which would slow the
+        # generation context. Sized to the per-slot context; longer inputs were truncated or rejected upstream.
+        if self._embed_ctx is None:
+            opts = self.options.model_copy(update={"num_batch": self.n_ctx})
+            self._embed_ctx = _new_context(self._model, opts, n_seq=1, n_ctx=self.n_ctx, embeddings=True)
+        if n_tokens > self.n_ctx:
+            raise InvalidInput(f"input is {n_tokens} tokens; the embedding context holds {self.n_ctx}")
+        return self._embed_ctx
+
+    def close(self) -> None:
+        if self._ctx is None:
+            return
+        llama_cpp.llama_batch_free(self._batch)
+        if self._embed_ctx is not None:
+            llama_cpp.llama_free(self._embed_ctx)
+        llama_cpp.llama_free(self._ctx)
+        llama_cpp.llama_model_free(self._model)
+        self._ctx = self._embed_ctx = self._model = None
+
+    @property
+    def raw_handles(self):
+        """(model, context) pointers, for speculative drafters that share the weights (MTP)."""
+        return self._model, self._ctx
+
+
+class LlamaCppSampler:
+    """llama.cpp's sampler chain, built once per request from its options (factory, not flags in the hot path).
+
+    Order as in llama.cpp's common sampler: logit bias, penalties, grammar, then top-k, typical, top-p, min-p,
+    temperature and the seeded draw; temperature 0 is greedy."""
+
+    def __init__(self, model: LlamaCppModel, opts: SamplingOptions, grammar: Optional[str]):
+        self._ctx = model._ctx
+        params = llama_cpp.llama_sampler_chain_default_params()
+        params.no_perf = True
+        self._chain = llama_cpp.llama_sampler_chain_init(params)
+        self._penalties = None
+        for smpl in _chain_steps(model, opts, grammar):
+            llama_cpp.llama_sampler_chain_add(self._chain, smpl)
+            if smpl is not None and getattr(smpl, "_is_penalties", False):
+                self._penalties = smpl
+
+    def sample(self, row: int) -> int:
+        return llama_cpp.llama_sampler_sample(self._chain, self._ctx, row)
+
+    def accept(self, token: int) -> None:
+        # Prompt tokens count for repetition penalties but must not advance a grammar.
+        if self._penalties is not None:
+            llama_cpp.llama_sampler_accept(self._penalties.ptr, token)
+
+    def close(self) -> None:
+        if self._chain is not None:
+            llama_cpp.llama_sampler_free(self._chain)
+            self._chain = None
+
+    def __del__(self):
+        self.close()
+
+
+class _Penalties:
+    """Marks the penalties sampler so the chain can feed it prompt tokens."""
+
+    _is_penalties = True
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    @property
+    def _as_parameter_(self):
+        return self.ptr
+
+
+def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: Optional[str]):
+    vocab = model._vocab
+    if opts.logit_bias:
+        biases = (llama_cpp.llama_logit_bias * len(opts.logit_bias))()
+        for i, (tok, bias) in enumerate(opts.logit_bias.items()):
+            biases[i].token, biases[i].bias = int(tok), float(bias)
+        yield llama_cpp.llama_sampler_init_logit_bias(model.meta.n_vocab, len(opts.logit_bias), biases)
+    if opts.ignore_eos:
+        eog = [t for t in (model.meta.eos_token,) if t is not None]
+        biases = (llama_cpp.llama_logit_bias * len(eog))()
+        for i, tok in enumerate(eog):
+            biases[i].token, biases[i].bias = tok, float("-inf")
+        yield llama_cpp.llama_sampler_init_logit_bias(model.meta.n_vocab, len(eog), biases)
+    if (opts.repeat_penalty != 1.0 or opts.presence_penalty or opts.frequency_penalty) and opts.repeat_last_n != 0:
+        last_n = model.n_ctx if opts.repeat_last_n == -1 else opts.repeat_last_n
+        yield _Penalties(llama_cpp.llama_sampler_init_penalties(last_n, opts.repeat_penalty,
+                                                                 opts.frequency_penalty, opts.presence_penalty))
+    if grammar:
+        smpl = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+        if not smpl:
+            raise InvalidInput("the grammar (from format / response_format / tools) does not parse")
+        yield smpl
+    if opts.temperature <= 0:
+        yield llama_cpp.llama_sampler_init_greedy()
+        return
+    if opts.top_k > 0:
+        yield llama_cpp.llama_sampler_init_top_k(opts.top_k)
+    if opts.typical_p < 1.0:
+        yield llama_cpp.llama_sampler_init_typical(opts.typical_p, 1)
+    if opts.top_p < 1.0:
+        yield llama_cpp.llama_sampler_init_top_p(opts.top_p, 1)
+    if opts.min_p > 0.0:
+        yield llama_cpp.llama_sampler_init_min_p(opts.min_p, 1)
+    yield llama_cpp.llama_sampler_init_temp(opts.temperature)
+    seed = llama_cpp.LLAMA_DEFAULT_SEED if opts.seed is None else opts.seed & 0xFFFFFFFF
+    yield llama_cpp.llama_sampler_init_dist(seed)

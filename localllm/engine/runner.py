@@ -1,0 +1,378 @@
+"""The engine thread: the one owner of a loaded model's native context.
+
+Everything else talks to it through plain values: `submit()` puts a request on the inbox and returns a Stream that
+yields EngineChunks from an outbox; exceptions cross as values too. The loop is schedule → decode → sample → update →
+emit, built from named steps."""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence
+
+from ..api import SamplingOptions, Timings
+from ..backends.base import LoadedModel
+from ..errors import Cancelled, ContextOverflow, LocalLLMError, QueueFull
+from ..scheduler import Request, Scheduler, Step
+from .text import TextStream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineChunk:
+    """A piece of a generation. The last one has done=True, a done_reason and the timings."""
+
+    text: str = ""
+    tokens: tuple[int, ...] = ()
+    done: bool = False
+    done_reason: Optional[str] = None
+    timings: Optional[Timings] = None
+
+
+@dataclass
+class GenerationParams:
+    prompt: list[int]
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    grammar: Optional[str] = None
+    truncate: bool = False
+
+
+@dataclass
+class EngineStats:
+    slots_total: int = 0
+    slots_busy: int = 0
+    queue_depth: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    decode_seconds: float = 0.0
+
+
+class Stream:
+    """What submit() returns: iterate for chunks; cancel() (or closing the iterator) frees the slot next step."""
+
+    def __init__(self, request: Request, outbox: "queue.SimpleQueue"):
+        self._request = request
+        self._outbox = outbox
+        self.done = False
+
+    def __iter__(self) -> Iterator[EngineChunk]:
+        try:
+            while not self.done:
+                item = self._outbox.get()
+                if isinstance(item, BaseException):
+                    self.done = True
+                    raise item
+                self.done = item.done
+                yield item
+        finally:
+            if not self.done:
+                self.cancel()
+
+    def cancel(self) -> None:
+        self._request.cancelled = True
+
+
+@dataclass
+class _Output:
+    """Per-request engine-side state: where chunks go, the text stream, and timing marks."""
+
+    outbox: "queue.SimpleQueue"
+    text: TextStream
+    truncated: int = 0
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_start: float = 0.0
+    t_first: float = 0.0
+
+
+class ModelEngine:
+    def __init__(self, model: LoadedModel, *, max_queue: int, num_batch: Optional[int] = None,
+                 load_seconds: float = 0.0, make_drafter: Optional[Callable] = None):
+        self.model = model
+        self.n_slots = model.n_seq
+        self.n_ctx = model.n_ctx
+        self.load_seconds = load_seconds
+        self.max_queue = max_queue
+        self._make_drafter = make_drafter
+        n_batch = num_batch or getattr(model, "n_batch", 512)
+        self._scheduler = Scheduler(n_slots=model.n_seq, n_ctx=model.n_ctx, n_batch=n_batch, max_queue=max_queue)
+        self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._outstanding = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.stats = EngineStats(slots_total=model.n_seq)
+        self._thread = threading.Thread(target=self._run, name="localllm-engine", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------------------------- any thread
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def submit(self, params: GenerationParams) -> Stream:
+        """Queue a generation; raises ContextOverflow or QueueFull at once, never later."""
+        if self._closed:
+            raise Cancelled("the model is being unloaded")
+        prompt, truncated = self._fit_prompt(params)
+        with self._lock:
+            if self._outstanding >= self.n_slots + self.max_queue:
+                raise QueueFull(f"all {self.n_slots} slots are busy and {self.max_queue} requests are waiting",
+                                hint="retry shortly, or raise LOCALLLM_MAX_QUEUE / LOCALLLM_NUM_PARALLEL")
+            self._outstanding += 1
+        opts = params.sampling
+        max_tokens = opts.num_predict if opts.num_predict > 0 else math.inf
+        outbox: "queue.SimpleQueue" = queue.SimpleQueue()
+        request = Request(prompt=prompt, max_tokens=max_tokens)  # type: ignore[arg-type]
+        request.sink = _Output(outbox, TextStream(self.model.token_bytes, opts.stop), truncated=truncated)
+        self._inbox.put(("submit", request, params))
+        return Stream(request, outbox)
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        future: Future = Future()
+        self._inbox.put(("embed", list(map(list, inputs)), future))
+        return future.result()
+
+    def busy(self) -> bool:
+        return self._outstanding > 0
+
+    def close(self) -> None:
+        """Stop the thread; unfinished requests end with Cancelled. Frees the native context."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(("close",))
+        self._thread.join()
+
+    def _fit_prompt(self, params: GenerationParams) -> tuple[list[int], int]:
+        prompt, n_ctx = list(params.prompt), self.n_ctx
+        if not prompt:
+            raise LocalLLMError("the prompt is empty after templating")
+        if len(prompt) < n_ctx:
+            return prompt, 0
+        if not params.truncate:
+            raise ContextOverflow(prompt_tokens=len(prompt), num_ctx=n_ctx)
+        # Keep the newest tokens (and a leading BOS), leaving a quarter of the context for the answer.
+        keep = max(1, n_ctx - max(1, n_ctx // 4))
+        head = prompt[:1] if prompt[0] == self.model.meta.bos_token else []
+        tail = prompt[len(prompt) - (keep - len(head)):]
+        return head + tail, len(prompt) - len(head) - len(tail)
+
+    # ----------------------------------------------------------------------------------------------- engine thread
+
+    def _run(self) -> None:
+        try:
+            while self._serve_inbox(block=self._scheduler.idle):
+                step = self._scheduler.schedule()
+                self._report(step.finished)
+                if step.batch.tokens:
+                    self._run_step(step)
+        except BaseException as exc:  # the thread must never die silently: fail everything in flight
+            log.exception("engine thread failed")
+            self._fail_all(exc if isinstance(exc, LocalLLMError) else LocalLLMError(f"engine failed: {exc}"))
+        finally:
+            self._fail_all(Cancelled("the model was unloaded"))
+            self.model.close()
+
+    def _serve_inbox(self, *, block: bool) -> bool:
+        """Take every pending command; block for one when there is nothing to do. False means close."""
+        while True:
+            try:
+                cmd = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd[0] == "close":
+                return False
+            if cmd[0] == "submit":
+                self._admit(cmd[1], cmd[2])
+            elif cmd[0] == "embed":
+                self._embed(cmd[1], cmd[2])
+
+    def _admit(self, request: Request, params: GenerationParams) -> None:
+        try:
+            request.sampler = self.model.make_sampler(params.sampling, grammar=params.grammar)
+            for tok in request.prompt:
+                request.sampler.accept(tok)
+            if self._make_drafter is not None:
+                request.drafter = self._make_drafter(request, params)
+            self._scheduler.admit(request)
+        except LocalLLMError as exc:
+            self._close_request(request, exc)
+
+    def _embed(self, inputs: list[list[int]], future: Future) -> None:
+        try:
+            future.set_result([self.model.embed(tokens) for tokens in inputs])
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    def _run_step(self, step: Step) -> None:
+        self._apply_cache_ops(step)
+        t0 = time.perf_counter()
+        try:
+            self.model.decode(step.batch)
+        except LocalLLMError as exc:
+            for work in step.work:
+                self._scheduler.finish(work.request, "error")
+                self._close_request(work.request, exc)
+            return
+        sampled = self._sample(step)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self._scheduler.update(step, sampled)
+        self._drop_rejected(step)
+        self._emit(step, sampled)
+
+    def _apply_cache_ops(self, step: Step) -> None:
+        for seq, keep in step.trims:
+            self.model.remove(seq, keep)
+        for src, dst, n in step.copies:
+            self.model.copy_prefix(src, dst, n)
+        now = time.perf_counter()
+        for work in step.work:
+            out: _Output = work.request.sink
+            if not out.t_start:
+                out.t_start = now
+
+    def _sample(self, step: Step) -> dict[int, list[int]]:
+        sampled: dict[int, list[int]] = {}
+        for work in step.work:
+            req = work.request
+            if req.finished:
+                continue
+            tokens = self._verify(req.sampler, work.rows, work.draft)
+            req.n_drafted += len(work.draft)
+            req.n_accepted += min(len(tokens) - 1, len(work.draft))
+            sampled[req.id] = tokens
+        return sampled
+
+    @staticmethod
+    def _verify(sampler, rows: list[int], draft: list[int]) -> list[int]:
+        # Lossless speculative acceptance: sample the target at every position with the request's own chain and keep
+        # draft token i only while it equals what the target sampled there; the first disagreement is replaced by
+        # the target's token (so each step yields 1..len(draft)+1 tokens, exactly the non-speculative sequence).
+        tokens: list[int] = []
+        for i, row in enumerate(rows):
+            tok = sampler.sample(row)
+            tokens.append(tok)
+            if i >= len(draft) or tok != draft[i]:
+                break
+        return tokens
+
+    def _drop_rejected(self, step: Step) -> None:
+        """Remove rejected draft tokens from the slot's KV: update() kept only the verified ones in `cached`."""
+        for work in step.work:
+            req = work.request
+            if work.draft and req.slot is not None and req.slot.request is req:
+                self.model.remove(req.slot.seq, len(req.slot.cached))
+
+    def _emit(self, step: Step, sampled: dict[int, list[int]]) -> None:
+        now = time.perf_counter()
+        for work in step.work:
+            req = work.request
+            tokens = sampled.get(req.id)
+            if not tokens or req.finished:
+                continue
+            out: _Output = req.sink
+            if not out.t_first:
+                out.t_first = now
+            self._emit_tokens(req, tokens)
+
+    def _emit_tokens(self, req: Request, tokens: list[int]) -> None:
+        out: _Output = req.sink
+        text, shown = [], []
+        reason = None
+        for tok in tokens:
+            if self.model.is_eog(tok):
+                reason = "stop"
+                break
+            shown.append(tok)
+            text.append(out.text.feed(tok))
+            if out.text.stopped:
+                reason = "stop"
+                break
+            if len(req.generated) - len(tokens) + len(shown) >= req.max_tokens:
+                reason = "length"
+                break
+        if reason is None and self._scheduler.context_left(req) <= 1:
+            reason = "length"
+        if reason is not None:
+            # Tokens past the end (after EOS, a stop string or the limit) are not part of the answer.
+            del req.generated[len(req.generated) - len(tokens) + len(shown):]
+        if text or shown:
+            out.outbox.put(EngineChunk(text="".join(text), tokens=tuple(shown)))
+        if reason is not None:
+            self._scheduler.finish(req, reason)
+            self._report([req])
+
+    def _report(self, finished: list[Request]) -> None:
+        for req in finished:
+            out: _Output = req.sink
+            tail = out.text.flush() if req.done_reason != "cancelled" else ""
+            self._count(req)
+            out.outbox.put(EngineChunk(text=tail, done=True, done_reason=req.done_reason, timings=self._timings(req)))
+            self._release(req)
+
+    def _count(self, req: Request) -> None:
+        s = self.stats
+        s.requests += 1
+        s.prompt_tokens += len(req.prompt)
+        s.cached_tokens += req.n_cached
+        s.generated_tokens += len(req.generated)
+        s.draft_tokens += req.n_drafted
+        s.accepted_tokens += req.n_accepted
+
+    def _timings(self, req: Request) -> Timings:
+        out: _Output = req.sink
+        end = time.perf_counter()
+        first = out.t_first or end
+        start = out.t_start or first
+
+        def ns(seconds: float) -> int:
+            return max(0, int(seconds * 1e9))
+
+        return Timings(
+            total_duration=ns(end - out.t_submit), prompt_eval_count=len(req.prompt),
+            prompt_eval_duration=ns(first - start), eval_count=len(req.generated), eval_duration=ns(end - first),
+            prompt_cache_count=req.n_cached, truncated_tokens=out.truncated, draft_count=req.n_drafted,
+            draft_accepted=req.n_accepted)
+
+    def _close_request(self, req: Request, exc: BaseException) -> None:
+        req.sink.outbox.put(exc)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        if req.sampler is not None:
+            req.sampler.close()
+            req.sampler = None
+        with self._lock:
+            self._outstanding -= 1
+
+    def _fail_all(self, exc: LocalLLMError) -> None:
+        pending = list(self._scheduler.waiting) + self._scheduler.running
+        self._scheduler.waiting.clear()
+        for req in pending:
+            self._scheduler.finish(req, "error")
+            self._close_request(req, exc)
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "submit":
+                self._close_request(cmd[1], exc)
+            elif cmd[0] == "embed":
+                cmd[2].set_exception(exc)
+
+    def snapshot(self) -> EngineStats:
+        s = self.stats
+        s.slots_busy = len(self._scheduler.table.busy())
+        s.queue_depth = len(self._scheduler.waiting)
+        return s

@@ -1,0 +1,207 @@
+"""The scheduler: pure bookkeeping over slots and a bounded queue. It never calls a backend.
+
+    admit(request)          queue a request (QueueFull when the queue is full)
+    schedule() -> Step      the next batch: one decode row (plus drafts) per generating slot, and prefill chunks
+                            of admitted requests in the rest of the token budget (chunked prefill: a long prompt
+                            never stalls the others)
+    update(step, sampled)   record what the backend decoded and what was sampled; returns newly accepted tokens
+    finish(request, why)    free its slot; its cache stays behind for prefix reuse
+    cancel(request)         finish at the next schedule()
+
+The engine thread runs schedule → backend.decode → sample → update in a loop (engine/runner.py)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .backends.base import Batch
+from .errors import QueueFull
+from .slots import Slot, SlotState, SlotTable
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: its prompt, limits and progress. `sampler`, `drafter` and `sink` are the engine's objects;
+    the scheduler only carries them."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampler: Any = None
+    drafter: Any = None
+    sink: Any = None
+    id: int = field(default_factory=lambda: next(_ids))
+    slot: Optional[Slot] = None
+    generated: list[int] = field(default_factory=list)
+    n_cached: int = 0  # prompt tokens reused from the cache
+    n_prefilled: int = 0  # prompt tokens now in the slot's KV (cached ones included)
+    cancelled: bool = False
+    done_reason: Optional[str] = None
+    draft: list[int] = field(default_factory=list)  # draft tokens in the current step
+    n_drafted: int = 0
+    n_accepted: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.done_reason is not None
+
+
+@dataclass
+class SlotWork:
+    """The rows of one request in a step. `rows[i]` is the batch row whose output predicts the token after
+    `tokens[i]`; rows holds only the rows to sample (the last prefill row, or the decode row and its drafts)."""
+
+    request: Request
+    rows: list[int]
+    draft: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Step:
+    batch: Batch = field(default_factory=Batch)
+    work: list[SlotWork] = field(default_factory=list)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src_seq, dst_seq, n_tokens)
+    trims: list[tuple[int, int]] = field(default_factory=list)  # (seq, keep_first_n)
+    finished: list[Request] = field(default_factory=list)  # cancelled or over-long requests to report
+
+    def __bool__(self) -> bool:
+        return bool(self.batch.tokens or self.finished)
+
+
+class Scheduler:
+    def __init__(self, *, n_slots: int, n_ctx: int, n_batch: int, max_queue: int):
+        self.table = SlotTable(n_slots)
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.max_queue = max_queue
+        self.waiting: deque[Request] = deque()
+        self._steps = 0
+
+    # ----------------------------------------------------------------------------------------------- intake
+
+    def admit(self, request: Request) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests are already waiting for a slot",
+                            hint="retry shortly, or raise LOCALLLM_MAX_QUEUE / LOCALLLM_NUM_PARALLEL")
+        self.waiting.append(request)
+
+    def cancel(self, request: Request) -> None:
+        request.cancelled = True
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.table.busy()
+
+    @property
+    def running(self) -> list[Request]:
+        return [s.request for s in self.table.busy()]  # type: ignore[misc]
+
+    # ----------------------------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> Step:
+        self._steps += 1
+        step = Step()
+        self._drop_cancelled(step)
+        self._assign_waiting(step)
+        budget = self.n_batch
+        for slot in self.table.busy():
+            if slot.state is SlotState.DECODE:
+                budget -= self._add_decode(step, slot, budget)
+        for slot in self.table.busy():
+            if slot.state is SlotState.PREFILL and budget > 0:
+                budget -= self._add_prefill_chunk(step, slot, budget)
+        return step
+
+    def _drop_cancelled(self, step: Step) -> None:
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            req.done_reason = "cancelled"
+            step.finished.append(req)
+        for slot in self.table.busy():
+            req: Request = slot.request  # type: ignore[assignment]
+            if req.cancelled:
+                self.finish(req, "cancelled")
+                step.finished.append(req)
+
+    def _assign_waiting(self, step: Step) -> None:
+        while self.waiting:
+            choice = self.table.choose(self.waiting[0].prompt)
+            if choice is None:
+                return
+            req = self.waiting.popleft()
+            slot = choice.slot
+            # Keep at least the last prompt token to decode: its output is the first generated token.
+            reuse = min(choice.reuse, len(req.prompt) - 1)
+            if choice.copy_from is not None and reuse > 0:
+                step.copies.append((choice.copy_from.seq, slot.seq, reuse))
+            elif len(slot.cached) > reuse:
+                step.trims.append((slot.seq, reuse))
+            slot.cached = req.prompt[:reuse]
+            slot.state, slot.request, slot.last_used = SlotState.PREFILL, req, self._steps
+            req.slot, req.n_cached, req.n_prefilled = slot, reuse, reuse
+
+    def _add_decode(self, step: Step, slot: Slot, budget: int) -> int:
+        req: Request = slot.request  # type: ignore[assignment]
+        room = self.n_ctx - len(slot.cached) - 1  # positions left after the decode row itself
+        draft = req.draft[: max(0, min(room, budget - 1))]
+        req.draft = draft
+        pos = len(slot.cached)
+        tokens = [req.generated[-1], *draft]
+        rows = [step.batch.add(tok, pos + i, slot.seq, True) for i, tok in enumerate(tokens)]
+        step.work.append(SlotWork(req, rows, draft))
+        slot.last_used = self._steps
+        return len(rows)
+
+    def _add_prefill_chunk(self, step: Step, slot: Slot, budget: int) -> int:
+        req: Request = slot.request  # type: ignore[assignment]
+        start = req.n_prefilled
+        end = min(len(req.prompt), start + budget)
+        last_row = -1
+        for pos in range(start, end):
+            last_row = step.batch.add(req.prompt[pos], pos, slot.seq, pos == len(req.prompt) - 1)
+        if end == len(req.prompt):
+            step.work.append(SlotWork(req, [last_row]))
+        req.n_prefilled = end
+        return end - start
+
+    # ----------------------------------------------------------------------------------------------- update
+
+    def update(self, step: Step, sampled: dict[int, list[int]]) -> None:
+        """Record a decoded step. `sampled[request.id]` holds the tokens accepted for that request this step: one,
+        or up to 1 + len(draft) when drafts were verified."""
+        for slot in self.table.busy():
+            req: Request = slot.request  # type: ignore[assignment]
+            if slot.state is SlotState.PREFILL:
+                slot.cached = req.prompt[: req.n_prefilled]
+        for work in step.work:
+            req, slot = work.request, work.request.slot
+            if slot is None or req.finished or slot.request is not req:
+                continue
+            tokens = sampled.get(req.id, [])
+            if slot.state is SlotState.PREFILL:
+                slot.state = SlotState.DECODE
+            else:
+                # The decode row's input and the drafts that matched are now valid KV; the engine removes the rest.
+                slot.cached.append(req.generated[-1])
+                slot.cached.extend(work.draft[: len(tokens) - 1])
+            req.generated.extend(tokens)
+
+    def rejected_tail(self, request: Request) -> int:
+        """Position from which the slot's KV holds rejected draft tokens (to remove after verification)."""
+        return len(request.slot.cached) if request.slot else 0
+
+    def finish(self, request: Request, reason: str) -> None:
+        request.done_reason = request.done_reason or reason
+        slot = request.slot
+        if slot is not None and slot.request is request:
+            if slot.state is SlotState.PREFILL:
+                slot.cached = list(request.prompt[: request.n_prefilled])
+            slot.state, slot.request = SlotState.IDLE, None
+
+    def context_left(self, request: Request) -> int:
+        slot = request.slot
+        return self.n_ctx - len(slot.cached) if slot else self.n_ctx

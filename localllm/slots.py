@@ -1,0 +1,86 @@
+"""Slots: the only holder of per-sequence cache facts. A slot is one sequence id in the backend's context; it
+remembers which tokens its KV cache holds so the next request with the same prefix skips them.
+
+A slot holds sequence facts only; everything about the request it serves (sampler, stop strings, statistics) lives
+in the request (scheduler.Request)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional, Sequence
+
+
+class SlotState(Enum):
+    IDLE = "idle"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class Slot:
+    seq: int
+    state: SlotState = SlotState.IDLE
+    cached: list[int] = field(default_factory=list)  # tokens whose KV this sequence holds, in position order
+    request: Optional[object] = None  # the scheduler.Request being served
+    last_used: int = 0  # step counter, to prefer evicting the coldest cache
+
+    @property
+    def busy(self) -> bool:
+        return self.state is not SlotState.IDLE
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class SlotChoice:
+    """Where a new request goes: `slot`, reusing `reuse` of its own cached tokens, or first copying the prefix of
+    `copy_from` (another slot's sequence) when that shares more."""
+
+    slot: Slot
+    reuse: int
+    copy_from: Optional[Slot] = None
+
+
+class SlotTable:
+    def __init__(self, n_slots: int):
+        self.slots = [Slot(seq=i) for i in range(n_slots)]
+
+    def free(self) -> list[Slot]:
+        return [s for s in self.slots if not s.busy]
+
+    def busy(self) -> list[Slot]:
+        return [s for s in self.slots if s.busy]
+
+    def choose(self, prompt: Sequence[int]) -> Optional[SlotChoice]:
+        """The free slot whose cache shares the longest prefix with `prompt` (ties: the least recently used), and
+        a donor slot when another one, busy or not, holds a longer shared prefix (a common system prompt)."""
+        free = self.free()
+        if not free:
+            return None
+        scored = [(common_prefix(s.cached, prompt), -s.last_used, s) for s in free]
+        own, _, slot = max(scored, key=lambda t: (t[0], t[1]))
+        if own == 0:
+            # Nothing to reuse: take the coldest free cache, so warm prefixes survive for later requests.
+            slot = min(free, key=lambda s: (len(s.cached) > 0, s.last_used))
+        donor, shared = self._best_donor(prompt, exclude=slot)
+        if donor is not None and shared > own:
+            return SlotChoice(slot=slot, reuse=shared, copy_from=donor)
+        return SlotChoice(slot=slot, reuse=own)
+
+    def _best_donor(self, prompt: Sequence[int], *, exclude: Slot) -> tuple[Optional[Slot], int]:
+        best, best_len = None, 0
+        for s in self.slots:
+            if s is exclude:
+                continue
+            n = common_prefix(s.cached, prompt)
+            if n > best_len:
+                best, best_len = s, n
+        return best, best_len

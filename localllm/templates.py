@@ -1,0 +1,69 @@
+"""Chat templates: render a conversation into the prompt text a model was trained on.
+
+The template is the model's own Jinja chat template from GGUF metadata (or a Modelfile TEMPLATE, which overrides it),
+rendered in jinja2's ImmutableSandboxedEnvironment: a template is data from a downloaded file, so it must not reach
+Python internals or mutate what it is given. A model without any template (a base model) gets a plain transcript."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Optional, Sequence
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from .errors import InvalidInput
+
+# For models that ship no chat template (base models): a transcript the model can continue.
+PLAIN_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}{{ m.content }}\n\n"
+    "{%- elif m.role == 'user' -%}User: {{ m.content }}\n"
+    "{%- elif m.role == 'tool' -%}Tool result: {{ m.content }}\n"
+    "{%- else -%}Assistant: {{ m.content }}\n{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}Assistant:{%- endif -%}"
+)
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, indent: Optional[int] = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str):
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise InvalidInput(f"the chat template does not parse: {exc}") from None
+
+
+def render_chat(template: Optional[str], messages: Sequence[dict[str, Any]], *, tools: Optional[list] = None,
+                add_generation_prompt: bool = True, bos_token: str = "", eos_token: str = "",
+                extra: Optional[dict[str, Any]] = None) -> str:
+    """Render `messages` (dicts with role/content/...) with `template` (None: the plain transcript)."""
+    compiled = _compile(template or PLAIN_TEMPLATE)
+    context = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt,
+               "bos_token": bos_token, "eos_token": eos_token, **(extra or {})}
+    if tools:
+        context["tools"] = tools
+    try:
+        return compiled.render(**context)
+    except SecurityError as exc:
+        raise InvalidInput(f"the chat template tried an unsafe operation and was stopped: {exc}") from None
+    except TemplateError as exc:
+        raise InvalidInput(f"the chat template failed: {exc}") from None
