@@ -176,6 +176,11 @@ class LlamaCppModel:
             self._piece_cache[token] = piece
         return piece
 
+    def token_text(self, token: int) -> str:
+        """The token's own text, special tokens included (for templates that write BOS/EOS themselves)."""
+        text = llama_cpp.llama_vocab_get_text(self._vocab, token)
+        return text.decode("utf-8", "replace") if text else ""
+
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 

@@ -1,0 +1,197 @@
+"""The model pool: loads models on first use, keeps them for keep_alive, evicts the least recently used idle one
+when LOCALLLM_MAX_LOADED_MODELS is reached, and reloads a model whose load options change.
+
+Load options come from the model's Modelfile parameters, overridden by the request's options; `needs_reload` compares
+LoadOptions only (sampling options never cause a reload)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, Iterator, Optional
+
+from pydantic import ValidationError
+
+from .. import api, config
+from ..backends import choose_backend, get_backend
+from ..errors import InvalidInput, QueueFull
+from ..store import ResolvedModel, Store
+from .runner import ModelEngine
+
+log = logging.getLogger(__name__)
+
+
+def validate_options(kind: type, values: dict[str, Any]):
+    """Build LoadOptions / SamplingOptions, turning pydantic's error into one line naming the field."""
+    try:
+        return kind(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise InvalidInput(f"option {where}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def resolve_options(model: ResolvedModel, options: dict[str, Any] | None
+                    ) -> tuple[api.LoadOptions, api.SamplingOptions]:
+    """Modelfile parameters, then request options on top; split by lifetime."""
+    base_load, base_sampling = api.split_options(model.parameters)
+    req_load, req_sampling = api.split_options(options)
+    load = validate_options(api.LoadOptions, {**base_load, **req_load})
+    sampling = validate_options(api.SamplingOptions, {**base_sampling, **req_sampling})
+    if load.draft is None and model.draft:
+        load = load.model_copy(update={"draft": model.draft})
+    return load, sampling
+
+
+def effective_load(load: api.LoadOptions) -> api.LoadOptions:
+    """Fill unset load options from the environment, so two requests that mean the same thing compare equal."""
+    return load.model_copy(update={
+        "num_ctx": load.num_ctx or config.CONTEXT_LENGTH.get(),
+        "num_parallel": load.num_parallel or config.NUM_PARALLEL.get(),
+        "num_thread": load.num_thread or config.NUM_THREAD.get(),
+        "kv_type": load.kv_type or config.KV_CACHE_TYPE.get(),
+        "flash_attn": config.FLASH_ATTENTION.get() if load.flash_attn is None else load.flash_attn,
+    })
+
+
+@dataclass(eq=False)
+class Loaded:
+    """One loaded model in the pool."""
+
+    model: ResolvedModel
+    options: api.LoadOptions
+    engine: ModelEngine
+    backend: str
+    load_seconds: float
+    keep_alive: float
+    users: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    expires_at: Optional[datetime] = None
+
+    @property
+    def key(self) -> str:
+        return self.model.digest
+
+
+class ModelPool:
+    def __init__(self, store: Optional[Store] = None, *, drafter_factory=None):
+        self.store = store or Store()
+        self._loaded: dict[str, Loaded] = {}
+        self._lock = threading.RLock()
+        self._load_lock = threading.Lock()
+        self._drafter_factory = drafter_factory
+        self._reaper = threading.Thread(target=self._reap_forever, name="localllm-keepalive", daemon=True)
+        self._stopping = threading.Event()
+        self._reaper.start()
+
+    @contextmanager
+    def acquire(self, model: ResolvedModel, load: api.LoadOptions, *,
+                keep_alive: Optional[float] = None) -> Iterator[Loaded]:
+        """Hold a loaded model for one request; keep_alive (seconds, inf forever) starts counting on release."""
+        entry = self._get_or_load(model, effective_load(load), keep_alive)
+        try:
+            yield entry
+        finally:
+            self._release(entry, keep_alive)
+
+    def _get_or_load(self, model: ResolvedModel, load: api.LoadOptions, keep_alive: Optional[float]) -> Loaded:
+        with self._load_lock:  # one load at a time: loading twice would double the memory
+            with self._lock:
+                entry = self._loaded.get(model.digest)
+                if entry is not None and not self._needs_reload(entry, load):
+                    entry.users += 1
+                    entry.expires_at = None
+                    return entry
+                if entry is not None:
+                    self._unload_when_idle(entry, reason="load options changed")
+                self._make_room()
+            entry = self._load(model, load, keep_alive)
+            with self._lock:
+                entry.users += 1
+                self._loaded[model.digest] = entry
+            return entry
+
+    @staticmethod
+    def _needs_reload(entry: Loaded, load: api.LoadOptions) -> bool:
+        return entry.options != load
+
+    def _unload_when_idle(self, entry: Loaded, *, reason: str) -> None:
+        if entry.users > 0:
+            raise QueueFull(f"{entry.model.name} is busy with other load options ({reason})",
+                            hint="retry when its requests finish, or use the same options")
+        self._unload(entry)
+
+    def _make_room(self) -> None:
+        limit = config.MAX_LOADED_MODELS.get()
+        while len(self._loaded) >= limit:
+            idle = [e for e in self._loaded.values() if e.users == 0]
+            if not idle:
+                raise QueueFull(f"all {len(self._loaded)} loaded models are busy (LOCALLLM_MAX_LOADED_MODELS={limit})",
+                                hint="retry shortly or raise LOCALLLM_MAX_LOADED_MODELS")
+            self._unload(min(idle, key=lambda e: e.last_used))
+
+    def _load(self, model: ResolvedModel, load: api.LoadOptions, keep_alive: Optional[float]) -> Loaded:
+        backend_name = choose_backend(load.backend, model.weights)
+        t0 = time.perf_counter()
+        loaded = get_backend(backend_name).load(model.weights, load, n_seq=load.num_parallel or 1,
+                                                n_ctx=load.num_ctx or config.CONTEXT_LENGTH.get())
+        seconds = time.perf_counter() - t0
+        drafter = self._drafter_factory(model, load, loaded) if self._drafter_factory else None
+        engine = ModelEngine(loaded, max_queue=config.MAX_QUEUE.get(), load_seconds=seconds, make_drafter=drafter)
+        log.info("loaded %s on %s in %.2fs: %d slots x %d tokens", model.name, backend_name, seconds,
+                 loaded.n_seq, loaded.n_ctx)
+        return Loaded(model=model, options=load, engine=engine, backend=backend_name, load_seconds=seconds,
+                      keep_alive=config.KEEP_ALIVE.get() if keep_alive is None else keep_alive)
+
+    def _release(self, entry: Loaded, keep_alive: Optional[float]) -> None:
+        with self._lock:
+            entry.users -= 1
+            entry.last_used = time.monotonic()
+            if keep_alive is not None:
+                entry.keep_alive = keep_alive
+            if entry.users == 0:
+                self._set_expiry(entry)
+                if entry.keep_alive <= 0:
+                    self._unload(entry)
+
+    @staticmethod
+    def _set_expiry(entry: Loaded) -> None:
+        ka = entry.keep_alive
+        entry.expires_at = None if ka == float("inf") else datetime.now(timezone.utc) + timedelta(seconds=ka)
+
+    def _unload(self, entry: Loaded) -> None:
+        with self._lock:
+            if self._loaded.get(entry.key) is entry:
+                del self._loaded[entry.key]
+        entry.engine.close()
+        log.info("unloaded %s", entry.model.name)
+
+    def unload(self, name_or_digest: str) -> bool:
+        """Unload now (`localllm stop`); False when it was not loaded."""
+        with self._lock:
+            matches = [e for e in self._loaded.values() if name_or_digest in (e.model.name, e.model.digest)]
+        for entry in matches:
+            self._unload(entry)
+        return bool(matches)
+
+    def entries(self) -> list[Loaded]:
+        with self._lock:
+            return list(self._loaded.values())
+
+    def _reap_forever(self) -> None:
+        while not self._stopping.wait(0.5):
+            now = datetime.now(timezone.utc)
+            with self._lock:
+                expired = [e for e in self._loaded.values()
+                           if e.users == 0 and e.expires_at is not None and e.expires_at <= now]
+            for entry in expired:
+                self._unload(entry)
+
+    def close(self) -> None:
+        self._stopping.set()
+        for entry in self.entries():
+            self._unload(entry)

@@ -1,0 +1,103 @@
+"""Structured output and tool calls: grammars that constrain sampling, and parsing of the tool calls models emit.
+
+`format` ("json" or a JSON schema) and forced tool calls become GBNF grammars for llama.cpp's grammar sampler, so the
+output is valid by construction. JSON schema to GBNF is llama-cpp-python's converter (the one llama.cpp ships)."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Optional
+
+from .api import Format, Tool, ToolCall, ToolCallFunction
+from .errors import InvalidInput
+
+
+def grammar_for_format(fmt: Format) -> Optional[str]:
+    """GBNF for Ollama's `format`: None/"" no constraint, "json" any JSON object, a dict a JSON schema."""
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        from llama_cpp.llama_grammar import JSON_GBNF
+
+        return JSON_GBNF
+    if isinstance(fmt, dict):
+        return schema_grammar(fmt)
+    raise InvalidInput(f"format {fmt!r} is not valid", hint='use "json" or a JSON schema object')
+
+
+def schema_grammar(schema: dict[str, Any]) -> str:
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    try:
+        return json_schema_to_gbnf(json.dumps(schema))
+    except Exception as exc:  # the converter raises bare exceptions on schemas it cannot express
+        raise InvalidInput(f"the JSON schema cannot be turned into a grammar: {exc}") from None
+
+
+def tool_call_schema(tools: list[Tool], *, name: Optional[str] = None) -> dict[str, Any]:
+    """Schema of one call {"name": ..., "arguments": {...}} to any of `tools` (or only to `name`)."""
+    chosen = [t for t in tools if name is None or t.function.name == name]
+    if not chosen:
+        raise InvalidInput(f"tool_choice names {name!r}, which is not among the tools")
+    variants = [{"type": "object",
+                 "properties": {"name": {"const": t.function.name},
+                                "arguments": t.function.parameters or {"type": "object"}},
+                 "required": ["name", "arguments"]} for t in chosen]
+    return variants[0] if len(variants) == 1 else {"oneOf": variants}
+
+
+def tool_choice_grammar(tools: Optional[list[Tool]], tool_choice: Any) -> Optional[str]:
+    """A grammar forcing a tool call when tool_choice is "required" or names a function; else None."""
+    if not tools or tool_choice in (None, "auto", "none"):
+        return None
+    if tool_choice == "required":
+        return schema_grammar(tool_call_schema(tools))
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        return schema_grammar(tool_call_schema(tools, name=name))
+    raise InvalidInput(f"tool_choice {tool_choice!r} is not valid", hint='use "auto", "none", "required" or a function')
+
+
+_TAGGED = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+def parse_tool_calls(text: str, tools: Optional[list[Tool]]) -> tuple[str, list[ToolCall]]:
+    """Split model output into (content, tool calls). Understands Hermes-style <tool_call>{...}</tool_call> blocks
+    and a bare JSON object or list of {"name", "arguments"} naming a known tool (what forced calls produce)."""
+    if not tools:
+        return text, []
+    known = {t.function.name for t in tools}
+    calls = [c for c in (_as_call(m, known) for m in _TAGGED.findall(text)) if c]
+    if calls:
+        return _TAGGED.sub("", text).strip(), calls
+    stripped = text.strip()
+    if stripped.startswith(("{", "[")):
+        try:
+            data = json.loads(stripped)
+        except ValueError:
+            return text, []
+        items = data if isinstance(data, list) else [data]
+        calls = [c for c in (_as_call(json.dumps(i), known) for i in items) if c]
+        if calls and len(calls) == len(items):
+            return "", calls
+    return text, []
+
+
+def _as_call(raw: str, known: set[str]) -> Optional[ToolCall]:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or data.get("name") not in known:
+        return None
+    args = data.get("arguments", data.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:12]}", function=ToolCallFunction(name=data["name"], arguments=args))
