@@ -128,6 +128,17 @@ class Store:
                 details=self._details(manifest)))
         return sorted(rows, key=lambda row: row.modified_at, reverse=True)
 
+    def weights_of(self, name: str) -> tuple[str, Union[str, dict[str, str]]]:
+        """(format, weights) of a stored model in the form write_model takes: a digest, or {file name: digest}."""
+        manifest = self._read_manifest(parse_ref(name))
+        if manifest.format == "mlx":
+            return "mlx", {layer["name"]: layer["digest"] for layer in manifest.layers_of(MEDIA_MLX)}
+        self._weights_path(manifest)  # exactly one GGUF layer, present
+        return "gguf", manifest.layers_of(MEDIA_GGUF)[0]["digest"]
+
+    def adapter_digests(self, name: str) -> list[str]:
+        return [layer["digest"] for layer in self._read_manifest(parse_ref(name)).layers_of(MEDIA_ADAPTER)]
+
     def blob_path(self, digest: str) -> Path:
         return self.blobs_dir / parse_digest(digest)
 
@@ -333,7 +344,10 @@ class Store:
         if cached is not None:
             return api.ModelDetails.model_validate(cached)
         if manifest.format == "gguf":
-            found = _inspect_details(self._weights_path(manifest))
+            try:
+                found = _inspect_details(self._weights_path(manifest))
+            except ModelFormatError:  # verified bytes we cannot describe: loading them will say why
+                found = None
             if found is not None:
                 return found
         return api.ModelDetails(format=manifest.format)

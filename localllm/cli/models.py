@@ -1,3 +1,211 @@
-"""Commands registered on the shared app (see cli/app.py)."""
+"""Model commands: pull, list, show, rm, cp, create, verify. Each parses its arguments, calls the store / pull /
+create functions and renders the result; errors are raised as errors.* and mapped to exit codes in cli/app.py."""
 
-from .app import app  # noqa: F401
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable, List, Optional
+
+import typer
+from rich.progress import (BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+from rich.table import Table
+
+from .. import api
+from ..errors import IntegrityError, InvalidInput, ModelNotFound
+from ..names import parse_ref
+from .app import app, console
+
+
+def _store():
+    from ..store import Store
+
+    return Store()
+
+
+# ---------------------------------------------------------------------------------------------------------- pull
+
+def render_pull(stream: Iterable[api.PullProgress]) -> None:
+    """Show a pull (or create) stream: byte counts as a progress bar with rate and ETA, other steps as lines."""
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn(), console=console)
+    tasks: dict[str, TaskID] = {}
+    last_line = None
+    try:
+        for progress in stream:
+            if progress.status.startswith("pulling ") and progress.completed is not None:
+                key = progress.digest or progress.status
+                if not tasks:
+                    bar.start()  # only once there are bytes to show: a pull with nothing to fetch stays two lines
+                if key not in tasks:
+                    tasks[key] = bar.add_task(progress.status, total=progress.total)
+                bar.update(tasks[key], completed=progress.completed, total=progress.total)
+            elif progress.status != last_line:
+                console.print(progress.status, highlight=False, soft_wrap=True)
+                last_line = progress.status
+    finally:
+        if tasks:
+            bar.stop()
+
+
+@app.command()
+def pull(model: str = typer.Argument(..., help="catalog name, hf.co/<org>/<repo>[:<quant>], URL or .gguf path")):
+    """Download a model into the store (resumes an interrupted pull)."""
+    from ..pull import pull_model
+
+    render_pull(pull_model(model, _store()))
+
+
+# ---------------------------------------------------------------------------------------------------------- list
+
+@app.command("list")
+def list_models(as_json: bool = typer.Option(False, "--json", help="print api.ListResponse as JSON")):
+    """List the models in the store."""
+    rows = _store().list()
+    if as_json:
+        typer.echo(api.ListResponse(models=rows).model_dump_json(indent=2))
+        return
+    table = Table(box=None, pad_edge=False)
+    for column in ("NAME", "ID", "SIZE", "FORMAT", "MODIFIED"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row.name, row.digest[:12], human_size(row.size), row.details.format, human_age(row.modified_at))
+    console.print(table)
+
+
+def human_size(size: int) -> str:
+    """Decimal units, as Ollama prints them: 98 MB, 1.2 GB."""
+    value = float(size)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit in ("B", "KB", "MB") else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{size} B"
+
+
+def human_age(moment: datetime) -> str:
+    seconds = max(0, int((datetime.now(timezone.utc) - moment).total_seconds()))
+    for unit, length in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= length:
+            count = seconds // length
+            return f"{count} {unit}{'s' if count > 1 else ''} ago"
+    return "just now"
+
+
+# ---------------------------------------------------------------------------------------------------------- show
+
+@app.command()
+def show(model: str = typer.Argument(..., help="stored model name or .gguf path"),
+         as_json: bool = typer.Option(False, "--json", help="print api.ShowResponse as JSON"),
+         modelfile: bool = typer.Option(False, "--modelfile", help="print a Modelfile that rebuilds the model"),
+         parameters: bool = typer.Option(False, "--parameters", help="print the parameters only"),
+         template: bool = typer.Option(False, "--template", help="print the chat template only"),
+         system: bool = typer.Option(False, "--system", help="print the system message only"),
+         license: bool = typer.Option(False, "--license", help="print the license only")):
+    """Describe a model: architecture, size, quantization, context, template, parameters."""
+    from ..model_info import show_model
+
+    info = show_model(_store(), model)
+    if as_json:
+        typer.echo(info.model_dump_json(indent=2))
+        return
+    single = {"modelfile": modelfile, "parameters": parameters, "template": template, "system": system,
+              "license": license}
+    chosen = [name for name, wanted in single.items() if wanted]
+    if chosen:
+        for name in chosen:
+            typer.echo(getattr(info, name))
+        return
+    _print_show(info)
+
+
+def _print_show(info: api.ShowResponse) -> None:
+    from ..model_info import context_length
+
+    facts = Table(box=None, show_header=False, pad_edge=False)
+    facts.add_column(style="bold")
+    facts.add_column(overflow="fold")
+    details = info.details
+    for label, value in (("architecture", details.family), ("parameters", details.parameter_size),
+                         ("quantization", details.quantization_level), ("context length", context_length(info)),
+                         ("format", details.format), ("parent", details.parent_model), ("draft", info.draft),
+                         ("path", info.path)):
+        if value:
+            facts.add_row(f"  {label}", str(value))
+    console.print("[bold]Model[/]")
+    console.print(facts)
+    for title, text in (("Template", info.template), ("System", info.system), ("Parameters", info.parameters),
+                        ("License", _first_lines(info.license, 3))):
+        if text:
+            console.print(f"\n[bold]{title}[/]")
+            console.print(_indent(text), markup=False, highlight=False, soft_wrap=True)
+
+
+def _first_lines(text: str, count: int) -> str:
+    lines = text.strip().splitlines()
+    return "\n".join(lines[:count] + (["..."] if len(lines) > count else []))
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
+
+
+# ---------------------------------------------------------------------------------------------------------- rm, cp
+
+@app.command()
+def rm(models: List[str] = typer.Argument(..., help="stored model names")):
+    """Remove models (blobs no other model uses are deleted)."""
+    store = _store()
+    for name in models:  # every name is checked before anything is removed
+        _check_stored(store, name)
+    for name in models:
+        store.delete(name)
+        console.print(f"deleted '{parse_ref(name).display}'", highlight=False)
+
+
+def _check_stored(store, name: str) -> None:
+    ref = parse_ref(name)
+    ref.manifest_parts  # noqa: B018  (a file path is not a stored model: InvalidName)
+    if not store.exists(name):
+        raise ModelNotFound(f"model {ref.display!r} not found", hint="see `localllm list`")
+
+
+@app.command()
+def cp(source: str = typer.Argument(..., help="stored model"),
+       destination: str = typer.Argument(..., help="new name")):
+    """Copy a model under a new name (no bytes are copied)."""
+    _store().copy(source, destination)
+    console.print(f"copied '{parse_ref(source).display}' to '{parse_ref(destination).display}'", highlight=False)
+
+
+# ---------------------------------------------------------------------------------------------------------- create
+
+@app.command()
+def create(name: str = typer.Argument(..., help="name of the new model, e.g. me/assistant:v1"),
+           file: Path = typer.Option(Path("Modelfile"), "--file", "-f", help="the Modelfile"),
+           quantize: Optional[str] = typer.Option(None, "--quantize", "-q", help="quantize to TYPE (not supported "
+                                                                                 "yet)")):
+    """Create a model from a Modelfile."""
+    from ..create import create_model
+    from ..modelfile import parse_modelfile
+
+    if not file.is_file():
+        raise InvalidInput(f"no Modelfile at {file}", hint="pass one with -f PATH")
+    request = parse_modelfile(file.read_text(encoding="utf-8"))
+    request = request.model_copy(update={"model": name, "quantize": quantize})
+    render_pull(create_model(request, _store(), base_dir=file.resolve().parent))
+
+
+# ---------------------------------------------------------------------------------------------------------- verify
+
+@app.command()
+def verify(model: Optional[str] = typer.Argument(None, help="one stored model (default: all)")):
+    """Re-hash the blobs of one model or of all models; exit 1 naming any corrupt or missing blob."""
+    problems = _store().verify(model)
+    for problem in problems:
+        console.print(problem, highlight=False, markup=False)
+    if problems:
+        raise IntegrityError(f"{len(problems)} problem(s) found",
+                             hint="remove the affected models with `localllm rm` and pull them again")
+    console.print("all blobs intact")

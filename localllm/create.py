@@ -1,0 +1,126 @@
+"""`localllm create` and POST /api/create: a CreateRequest (usually parsed from a Modelfile) becomes a stored model.
+
+The new manifest reuses the parent's weights blob (nothing is copied) and adds layers for what the request sets:
+template, system, parameters, messages, license, draft and adapters. Whatever the request leaves out is inherited
+from the parent, parameters merged name by name, as Ollama does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+from . import api
+from .errors import InvalidInput, InvalidName
+from .names import parse_ref
+from .pull import make_source, pull_model
+from .store import ResolvedModel, Store
+
+Progress = Iterator[api.PullProgress]
+
+
+def create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional[Path] = None) -> Progress:
+    """Store the model `request` describes, yielding progress (the parent is pulled first if it is missing).
+
+    Args:
+        request: the fields of a Modelfile; `modelfile` text, when given, is parsed and the other fields override it.
+        base_dir: where relative paths in FROM and ADAPTER are looked up (the Modelfile's folder); default the cwd.
+    Raises:
+        InvalidName: the new name or FROM is not a valid name.
+        InvalidInput: no FROM, --quantize, unknown parameters or a missing adapter file.
+    """
+    request = _merge_modelfile(request)
+    target = parse_ref(request.model)
+    if target.kind == "file":
+        raise InvalidName(f"{request.model!r} is a file path; name the new model like me/mymodel:v1")
+    if request.quantize:
+        raise InvalidInput(f"quantize {request.quantize!r} is not supported yet",
+                           hint="create from an already quantized GGUF")
+    if not request.from_:
+        raise InvalidInput("the model to build on is missing (FROM)")
+    api.split_options(request.parameters)  # an unknown parameter name fails here, before anything is written
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    yield api.PullProgress(status="parsing modelfile")
+    parent = yield from _resolve_parent(request.from_, store, base)
+    fmt, weights = parent.format, parent.weights_spec
+    yield api.PullProgress(status=f"using existing layer {weights if isinstance(weights, str) else 'mlx files'}")
+    adapters = parent.adapters + [_adapter_digest(path, digest, store, base)
+                                  for path, digest in request.adapters.items()]
+    yield api.PullProgress(status="writing manifest")
+    store.write_model(
+        target.display, weights=weights, fmt=fmt,
+        template=_pick(request.template, parent.model.template),
+        system=_pick(request.system, parent.model.system),
+        parameters={**parent.model.parameters, **request.parameters},
+        messages=request.messages or parent.model.messages,
+        license=_pick(request.license, parent.model.license),
+        draft=_draft_name(request.draft, base) if request.draft else parent.model.draft,
+        adapters=adapters,
+        details=parent.model.details.model_copy(update={"parent_model": parent.label}),
+    )
+    yield api.PullProgress(status="success")
+
+
+class _Parent:
+    """The model a new one builds on: its resolved fields, its weights as write_model takes them, its adapters."""
+
+    def __init__(self, model: ResolvedModel, weights_spec: Union[str, dict[str, str]], adapters: list[str],
+                 label: str):
+        self.model = model
+        self.format = model.format
+        self.weights_spec = weights_spec
+        self.adapters = adapters
+        self.label = label
+
+
+def _resolve_parent(from_: str, store: Store, base: Path) -> Iterator[api.PullProgress]:
+    """FROM is a .gguf path (relative to the Modelfile), a stored model, or a name to pull."""
+    ref = parse_ref(from_)
+    if ref.kind == "file":
+        path = _relative_to(ref.path or Path(from_), base)
+        model = store.resolve(str(path))
+        yield api.PullProgress(status=f"copying {path}", total=model.size, completed=0)
+        digest = store.add_blob_from_file(path)
+        return _Parent(model, digest, [], path.name)
+    name = ref.display
+    if not store.exists(name):
+        yield from pull_model(name, store)
+        name = make_source(name).stored_name
+    _, weights = store.weights_of(name)
+    return _Parent(store.resolve(name), weights, store.adapter_digests(name), name)
+
+
+def _adapter_digest(path: str, digest: str, store: Store, base: Path) -> str:
+    if digest:
+        if not store.has_blob(digest):
+            raise InvalidInput(f"adapter blob {digest} for {path!r} is not in the store")
+        return digest
+    file = _relative_to(Path(path).expanduser(), base)
+    if not file.is_file():
+        raise InvalidInput(f"adapter file {file} does not exist", hint="ADAPTER paths are relative to the Modelfile")
+    return store.add_blob_from_file(file)
+
+
+def _draft_name(draft: str, base: Path) -> str:
+    ref = parse_ref(draft)  # an invalid name fails now, not when the model first loads
+    if ref.kind == "file":
+        return str(_relative_to(ref.path or Path(draft), base))
+    return ref.display
+
+
+def _merge_modelfile(request: api.CreateRequest) -> api.CreateRequest:
+    if not request.modelfile:
+        return request
+    from .modelfile import parse_modelfile
+
+    parsed = parse_modelfile(request.modelfile)
+    explicit = {name: getattr(request, name) for name in request.model_fields_set if name != "modelfile"}
+    return parsed.model_copy(update={**explicit, "model": request.model})
+
+
+def _relative_to(path: Path, base: Path) -> Path:
+    path = path.expanduser()
+    return path if path.is_absolute() else (base / path).resolve()
+
+
+def _pick(value: Any, inherited: Any) -> Any:
+    return inherited if value is None else value
