@@ -135,6 +135,8 @@ class _InferenceRequest(_Model):
     keep_alive: Union[str, int, float, None] = None
     think: Union[bool, str, None] = None
     truncate: bool = Field(False, description="drop the oldest prompt tokens on overflow instead of failing")
+    logprobs: bool = Field(False, description="return each generated token's log-probability")
+    top_logprobs: int = Field(0, ge=0, le=20, description="and this many most likely alternatives per token")
 
 
 class GenerateRequest(_InferenceRequest):
@@ -186,6 +188,16 @@ class Timings(_Model):
     draft_accepted: int = Field(0, description="speculative tokens accepted")
 
 
+class TopLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
 DoneReason = Literal["stop", "length", "cancelled", "load", "unload", "error"]
 
 
@@ -198,6 +210,7 @@ class GenerateChunk(Timings):
     done_reason: Optional[DoneReason] = None
     context: Optional[list[int]] = None
     tokens: Optional[list[int]] = Field(None, description="token ids in this chunk (localllm extension)")
+    logprobs: Optional[list[TokenLogprob]] = None
 
 
 class ChatChunk(Timings):
@@ -207,6 +220,7 @@ class ChatChunk(Timings):
     done: bool = False
     done_reason: Optional[DoneReason] = None
     tokens: Optional[list[int]] = Field(None, description="token ids in this chunk (localllm extension)")
+    logprobs: Optional[list[TokenLogprob]] = None
 
 
 # ---------------------------------------------------------------------------------------------------------- models

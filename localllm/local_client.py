@@ -92,7 +92,8 @@ class LocalClient:
         grammar = grammar_for_format(request.format)
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
             tokens = self._generate_tokens(loaded, model, request)
-            stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate))
+            stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate,
+                                                           _logprobs_wanted(request)))
             first = loaded.engine.stats.requests == 0
             for chunk in stream:
                 yield self._generate_chunk(request.model, chunk, loaded, first, tokens)
@@ -110,7 +111,8 @@ class LocalClient:
     def _generate_chunk(name: str, chunk: EngineChunk, loaded: Loaded, first: bool,
                         prompt: list[int]) -> api.GenerateChunk:
         if not chunk.done:
-            return api.GenerateChunk(model=name, response=chunk.text, tokens=list(chunk.tokens))
+            return api.GenerateChunk(model=name, response=chunk.text, tokens=list(chunk.tokens),
+                                     logprobs=_logprobs(loaded, chunk))
         return api.GenerateChunk(model=name, response=chunk.text, done=True, done_reason=chunk.done_reason,
                                  **_timing_fields(chunk, loaded, first))
 
@@ -130,7 +132,8 @@ class LocalClient:
             messages = _messages_with_system(model, None, request.messages)
             text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None)
             tokens = self._tokenize(loaded, text)
-            stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate))
+            stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate,
+                                                           _logprobs_wanted(request)))
             first = loaded.engine.stats.requests == 0
             if tools:
                 yield from self._chat_with_tools(request.model, stream, loaded, first, tools)
@@ -153,7 +156,8 @@ class LocalClient:
     def _chat_chunk(name: str, chunk: EngineChunk, loaded: Loaded, first: bool) -> api.ChatChunk:
         message = api.Message(role="assistant", content=chunk.text)
         if not chunk.done:
-            return api.ChatChunk(model=name, message=message, tokens=list(chunk.tokens))
+            return api.ChatChunk(model=name, message=message, tokens=list(chunk.tokens),
+                                 logprobs=_logprobs(loaded, chunk))
         return api.ChatChunk(model=name, message=message, done=True, done_reason=chunk.done_reason,
                              **_timing_fields(chunk, loaded, first))
 
@@ -204,6 +208,23 @@ class LocalClient:
         # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
         add_special = not (bos and text.startswith(bos))
         return loaded.engine.tokenize(text, add_special=add_special, parse_special=True)
+
+
+def _logprobs_wanted(request: api.GenerateRequest | api.ChatRequest) -> Optional[int]:
+    return request.top_logprobs if request.logprobs or request.top_logprobs else None
+
+
+def _logprobs(loaded: Loaded, chunk: EngineChunk) -> Optional[list[api.TokenLogprob]]:
+    if not chunk.logprobs:
+        return None
+    piece = loaded.engine.model.token_bytes
+
+    def entry(token: int, logprob: float) -> dict:
+        raw = piece(token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return [api.TokenLogprob(**entry(lp.token, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
+            for lp in chunk.logprobs]
 
 
 def _token_text(loaded: Loaded, token: Optional[int]) -> str:

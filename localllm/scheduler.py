@@ -96,6 +96,10 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.table.busy()
 
+    def decoding(self) -> list[Request]:
+        """Requests past their prompt, generating one token (plus drafts) per step."""
+        return [s.request for s in self.table.busy() if s.state is SlotState.DECODE]  # type: ignore[misc]
+
     @property
     def running(self) -> list[Request]:
         return [s.request for s in self.table.busy()]  # type: ignore[misc]

@@ -11,6 +11,8 @@ import math
 import queue
 import threading
 import time
+
+import numpy as np
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
@@ -33,6 +35,16 @@ class EngineChunk:
     done: bool = False
     done_reason: Optional[str] = None
     timings: Optional[Timings] = None
+    logprobs: tuple["TokenLogprob", ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability under the model (before sampling filters) and the top alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -41,6 +53,7 @@ class GenerationParams:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     grammar: Optional[str] = None
     truncate: bool = False
+    logprobs: Optional[int] = None  # None: none; n: the chosen token's and the n most likely alternatives
 
 
 @dataclass
@@ -89,6 +102,8 @@ class _Output:
     outbox: "queue.SimpleQueue"
     text: TextStream
     truncated: int = 0
+    logprobs: Optional[int] = None
+    pending_logprobs: list = field(default_factory=list)
     t_submit: float = field(default_factory=time.perf_counter)
     t_start: float = 0.0
     t_first: float = 0.0
@@ -132,7 +147,8 @@ class ModelEngine:
         max_tokens = opts.num_predict if opts.num_predict > 0 else math.inf
         outbox: "queue.SimpleQueue" = queue.SimpleQueue()
         request = Request(prompt=prompt, max_tokens=max_tokens)  # type: ignore[arg-type]
-        request.sink = _Output(outbox, TextStream(self.model.token_bytes, opts.stop), truncated=truncated)
+        request.sink = _Output(outbox, TextStream(self.model.token_bytes, opts.stop), truncated=truncated,
+                               logprobs=params.logprobs)
         self._inbox.put(("submit", request, params))
         return Stream(request, outbox)
 
@@ -171,6 +187,7 @@ class ModelEngine:
     def _run(self) -> None:
         try:
             while self._serve_inbox(block=self._scheduler.idle):
+                self._propose_drafts()
                 step = self._scheduler.schedule()
                 self._report(step.finished)
                 if step.batch.tokens:
@@ -214,6 +231,13 @@ class ModelEngine:
         except BaseException as exc:
             future.set_exception(exc)
 
+    def _propose_drafts(self) -> None:
+        """Ask each generating request's drafter for this step's draft tokens (speculative decoding)."""
+        busy = len(self._scheduler.running)
+        for req in self._scheduler.decoding():
+            if req.drafter is not None:
+                req.draft = req.drafter.propose(req.prompt + req.generated, busy_slots=busy)
+
     def _run_step(self, step: Step) -> None:
         self._apply_cache_ops(step)
         t0 = time.perf_counter()
@@ -250,6 +274,10 @@ class ModelEngine:
             tokens = self._verify(req.sampler, work.rows, work.draft)
             req.n_drafted += len(work.draft)
             req.n_accepted += min(len(tokens) - 1, len(work.draft))
+            if req.drafter is not None:
+                req.drafter.feedback(drafted=len(work.draft), accepted=min(len(tokens) - 1, len(work.draft)))
+            if req.sink.logprobs is not None:
+                req.sink.pending_logprobs.extend(self._logprobs(work.rows, tokens, req.sink.logprobs))
             sampled[req.id] = tokens
         return sampled
 
@@ -265,6 +293,16 @@ class ModelEngine:
             if i >= len(draft) or tok != draft[i]:
                 break
         return tokens
+
+    def _logprobs(self, rows: list[int], tokens: list[int], top_n: int) -> list[TokenLogprob]:
+        out = []
+        for row, tok in zip(rows, tokens):
+            logits = self.model.logits(row).astype(np.float64)
+            logz = float(np.logaddexp.reduce(logits))
+            top = np.argsort(-logits)[:top_n] if top_n else []
+            out.append(TokenLogprob(tok, float(logits[tok]) - logz,
+                                    tuple((int(t), float(logits[t]) - logz) for t in top)))
+        return out
 
     def _drop_rejected(self, step: Step) -> None:
         """Remove rejected draft tokens from the slot's KV: update() kept only the verified ones in `cached`."""
@@ -307,7 +345,9 @@ class ModelEngine:
             # Tokens past the end (after EOS, a stop string or the limit) are not part of the answer.
             del req.generated[len(req.generated) - len(tokens) + len(shown):]
         if text or shown:
-            out.outbox.put(EngineChunk(text="".join(text), tokens=tuple(shown)))
+            logprobs = tuple(out.pending_logprobs[: len(shown)])
+            out.pending_logprobs.clear()
+            out.outbox.put(EngineChunk(text="".join(text), tokens=tuple(shown), logprobs=logprobs))
         if reason is not None:
             self._scheduler.finish(req, reason)
             self._report([req])
@@ -349,6 +389,9 @@ class ModelEngine:
         self._release(req)
 
     def _release(self, req: Request) -> None:
+        if req.drafter is not None:
+            req.drafter.close()
+            req.drafter = None
         if req.sampler is not None:
             req.sampler.close()
             req.sampler = None
