@@ -3,19 +3,17 @@ create functions and renders the result; errors are raised as errors.* and mappe
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import List, Optional
 
 import typer
-from rich.progress import (BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
 from rich.table import Table
 
 from .. import api
 from ..errors import IntegrityError, InvalidInput, ModelNotFound
 from ..names import parse_ref
 from .app import app, console
+from .render import human_age, human_size, print_show, render_pull  # noqa: F401  (also imported from here)
 
 
 def _store():
@@ -25,29 +23,6 @@ def _store():
 
 
 # ---------------------------------------------------------------------------------------------------------- pull
-
-def render_pull(stream: Iterable[api.PullProgress]) -> None:
-    """Show a pull (or create) stream: byte counts as a progress bar with rate and ETA, other steps as lines."""
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   TimeRemainingColumn(), console=console)
-    tasks: dict[str, TaskID] = {}
-    last_line = None
-    try:
-        for progress in stream:
-            if progress.status.startswith("pulling ") and progress.completed is not None:
-                key = progress.digest or progress.status
-                if not tasks:
-                    bar.start()  # only once there are bytes to show: a pull with nothing to fetch stays two lines
-                if key not in tasks:
-                    tasks[key] = bar.add_task(progress.status, total=progress.total)
-                bar.update(tasks[key], completed=progress.completed, total=progress.total)
-            elif progress.status != last_line:
-                console.print(progress.status, highlight=False, soft_wrap=True)
-                last_line = progress.status
-    finally:
-        if tasks:
-            bar.stop()
-
 
 @app.command()
 def pull(model: str = typer.Argument(..., help="catalog name, hf.co/<org>/<repo>[:<quant>], URL or .gguf path")):
@@ -74,25 +49,6 @@ def list_models(as_json: bool = typer.Option(False, "--json", help="print api.Li
     console.print(table)
 
 
-def human_size(size: int) -> str:
-    """Decimal units, as Ollama prints them: 98 MB, 1.2 GB."""
-    value = float(size)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit in ("B", "KB", "MB") else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{size} B"
-
-
-def human_age(moment: datetime) -> str:
-    seconds = max(0, int((datetime.now(timezone.utc) - moment).total_seconds()))
-    for unit, length in (("day", 86400), ("hour", 3600), ("minute", 60)):
-        if seconds >= length:
-            count = seconds // length
-            return f"{count} {unit}{'s' if count > 1 else ''} ago"
-    return "just now"
-
-
 # ---------------------------------------------------------------------------------------------------------- show
 
 @app.command()
@@ -117,38 +73,7 @@ def show(model: str = typer.Argument(..., help="stored model name or .gguf path"
         for name in chosen:
             typer.echo(getattr(info, name))
         return
-    _print_show(info)
-
-
-def _print_show(info: api.ShowResponse) -> None:
-    from ..model_info import context_length
-
-    facts = Table(box=None, show_header=False, pad_edge=False)
-    facts.add_column(style="bold")
-    facts.add_column(overflow="fold")
-    details = info.details
-    for label, value in (("architecture", details.family), ("parameters", details.parameter_size),
-                         ("quantization", details.quantization_level), ("context length", context_length(info)),
-                         ("format", details.format), ("parent", details.parent_model), ("draft", info.draft),
-                         ("path", info.path)):
-        if value:
-            facts.add_row(f"  {label}", str(value))
-    console.print("[bold]Model[/]")
-    console.print(facts)
-    for title, text in (("Template", info.template), ("System", info.system), ("Parameters", info.parameters),
-                        ("License", _first_lines(info.license, 3))):
-        if text:
-            console.print(f"\n[bold]{title}[/]")
-            console.print(_indent(text), markup=False, highlight=False, soft_wrap=True)
-
-
-def _first_lines(text: str, count: int) -> str:
-    lines = text.strip().splitlines()
-    return "\n".join(lines[:count] + (["..."] if len(lines) > count else []))
-
-
-def _indent(text: str) -> str:
-    return "\n".join("  " + line for line in text.splitlines())
+    print_show(info)
 
 
 # ---------------------------------------------------------------------------------------------------------- rm, cp
