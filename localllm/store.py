@@ -345,11 +345,9 @@ class Store:
             return api.ModelDetails.model_validate(cached)
         if manifest.format == "gguf":
             try:
-                found = _inspect_details(self._weights_path(manifest))
+                return _inspect_details(self._weights_path(manifest))
             except ModelFormatError:  # verified bytes we cannot describe: loading them will say why
-                found = None
-            if found is not None:
-                return found
+                pass
         return api.ModelDetails(format=manifest.format)
 
     def _weight_layers(self, weights: Union[str, dict[str, str]], fmt: str) -> list[dict[str, Any]]:
@@ -495,14 +493,12 @@ def _resolve_file(ref: ModelRef) -> ResolvedModel:
     return ResolvedModel(
         name=str(path), digest=f"sha256-{hashlib.sha256(identity).hexdigest()}", weights=path, format="gguf",
         size=stat.st_size, modified_at=datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc),
-        details=_inspect_details(path) or api.ModelDetails())
+        details=_inspect_details(path))
 
 
-def _inspect_details(path: Path) -> Optional[api.ModelDetails]:
-    try:
-        from .quant.gguf import inspect_gguf
-    except ImportError:  # TODO(store): remove once quant/gguf.py has landed
-        return None
+def _inspect_details(path: Path) -> api.ModelDetails:
+    from .quant.gguf import inspect_gguf
+
     return inspect_gguf(path).details()
 
 
