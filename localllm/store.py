@@ -189,7 +189,7 @@ class Store:
             key: names the partial file when the digest is unknown (e.g. the URL), so a retry resumes it.
             size: the expected size in bytes, when known.
         """
-        digest = parse_digest(digest) if digest else None
+        digest = parse_digest(digest) if digest is not None else None
         stem = digest or f"download-{hashlib.sha256(key.encode()).hexdigest()[:32]}"
         with _file_lock(self.locks_dir / f"{stem}.lock"):
             partial = PartialBlob(self, digest, self.blobs_dir / f"{stem}-partial", size)
