@@ -13,6 +13,7 @@ killed pull resumes where it stopped. With LOCALLLM_OFFLINE nothing here touches
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -99,7 +100,7 @@ class CatalogSource:
             try:
                 yield from self._fetch_from(mirror, store)
                 return
-            except (NetworkError, IntegrityError, ModelFormatError) as exc:
+            except (NetworkError, IntegrityError, ModelFormatError, ModelNotFound) as exc:
                 failures.append(f"{_describe_mirror(mirror)}: {exc}")
         raise NetworkError(f"no mirror of {self.stored_name} delivered its bytes: " + "; ".join(failures))
 
@@ -201,7 +202,7 @@ class _HFApi:
                                 hint="check the name; private or gated repos need `hf auth login`") from None
         except HfHubHTTPError as exc:
             raise NetworkError(f"Hugging Face answered {_status(exc)} for hf.co/{repo}") from None
-        except OSError as exc:
+        except _transport_errors() as exc:
             raise NetworkError(f"cannot reach {self.endpoint} for hf.co/{repo}: {exc}") from None
         return info.sha, list(info.siblings or [])
 
@@ -209,6 +210,17 @@ class _HFApi:
         from huggingface_hub import hf_hub_url
 
         return hf_hub_url(repo, filename, revision=revision, endpoint=self.endpoint)
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """What a failed connection raises inside huggingface_hub, whose HTTP library differs between its versions."""
+    errors: list[type[BaseException]] = [OSError]
+    for module in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(module).HTTPError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(errors)
 
 
 def _hf_api() -> _HFApi:

@@ -3,14 +3,14 @@ index; resume after a dropped connection; refusal of wrong bytes; offline mode."
 
 from __future__ import annotations
 
-import shutil
+import socket
 from pathlib import Path
 
 import pytest
 
-from localllm.catalog import CATALOG
+from localllm.catalog import CATALOG, CatalogEntry, HFFile
 from localllm.errors import IntegrityError, ModelFormatError, ModelNotFound, NetworkError
-from localllm.pull import choose_gguf, ensure_model, pull_model
+from localllm.pull import CatalogSource, choose_gguf, ensure_model, pull_model
 from localllm.store import Store
 
 from hfserver import Hub, HubServer, sha256_of, write_tiny_gguf
@@ -114,6 +114,15 @@ def test_hf_names_that_match_nothing_are_clear_errors(endpoint, store, name, mes
     assert store.list() == []
 
 
+def test_an_unreachable_hub_is_a_network_error(store, monkeypatch):
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(NetworkError, match="cannot reach"):
+        _statuses(f"hf.co/{REPO}", store)
+
+
 def test_an_mlx_repo_is_not_supported_yet(endpoint, hub, store):
     hub.repos["mlx-community/tiny-4bit"] = {"config.json": b"{}", "model.safetensors": b"\0" * 16}
     with pytest.raises(ModelFormatError, match="not supported yet"):
@@ -192,6 +201,19 @@ def test_unknown_short_names_say_what_can_be_pulled(store):
 
 
 # ------------------------------------------------------------------------------------------------------- catalog
+
+def test_a_catalog_entry_falls_back_to_the_next_mirror(endpoint, hub, store, gguf_bytes):
+    data = gguf_bytes["Q8_0"]
+    entry = CatalogEntry(name="tiny:1", description="test", sha256=sha256_of(data), size=len(data),
+                         mirrors=(HFFile(REPO, "gone.gguf"), HFFile(REPO, "tiny.Q4_K_M.gguf"),
+                                  HFFile(REPO, "tiny.Q8_0.gguf")))
+    list(CatalogSource(entry).pull(store))  # 404, then other bytes (refused), then the pinned bytes
+    assert store.resolve("tiny:1").weights.read_bytes() == data
+    entry = CatalogEntry(name="tiny:2", description="test", sha256="0" * 64, size=1,
+                         mirrors=(HFFile(REPO, "gone.gguf"),))
+    with pytest.raises(NetworkError, match="no mirror of tiny:2 delivered its bytes: hf.co/.*gone.gguf"):
+        list(CatalogSource(entry).pull(store))
+
 
 @pytest.mark.models
 def test_catalog_models_are_stored_with_their_pinned_digest(models_home):
