@@ -1,0 +1,419 @@
+"""The MLX backend behind the backend Protocol.
+
+Plumbing runs on a tiny random llama (2 layers, hidden 64) with a byte-level BPE tokenizer trained in the test, so
+it needs no download. The cross-checks against llama.cpp run on the real smollm2 (converted once per module): on an
+F32 copy of the weights the two backends must agree greedily for 30 tokens; on the Q4_1 model their logits must
+correlate above 0.99 (llama.cpp quantizes activations in its Q4 dot products, so exact agreement is not expected)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+import mlx.core as mx  # noqa: E402
+
+from localllm.api import LoadOptions, SamplingOptions  # noqa: E402
+from localllm.backends import choose_backend, get_backend  # noqa: E402
+from localllm.backends.base import Batch  # noqa: E402
+from localllm.backends.mlx import GRAMMAR_UNSUPPORTED, MlxBackend, MlxModel  # noqa: E402
+from localllm.errors import InvalidInput, LocalLLMError, ModelFormatError  # noqa: E402
+
+pytestmark = pytest.mark.mlx
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = ["The capital of France is Paris.", "Hello world, hello tests.", "def add(a, b): return a + b",
+          "Quantized models run locally on a laptop."]
+
+
+# ------------------------------------------------------------------------------------------------------- fixtures
+
+def _train_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 10, trainer)
+    return tok
+
+
+def _write_tiny_llama(folder: Path) -> None:
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    tok = _train_tokenizer()
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+              "vocab_size": tok.get_vocab_size(), "max_position_embeddings": 512, "tie_word_embeddings": True,
+              "bos_token_id": 1, "eos_token_id": 2}
+    mx.random.seed(7)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    # Larger embeddings than the default init make the logits peaked, so greedy choices are not near-ties.
+    model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * 0.5
+    folder.mkdir(parents=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>", "chat_template": CHATML}))
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("mlx") / "tiny-llama"
+    _write_tiny_llama(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder) -> MlxModel:
+    model = MlxBackend().load(tiny_folder, LoadOptions(), n_seq=3, n_ctx=64)
+    yield model
+    model.close()
+
+
+@pytest.fixture(autouse=True)
+def _clear_sequences(request):
+    yield
+    if "tiny" in request.fixturenames:
+        model = request.getfixturevalue("tiny")
+        for seq in range(model.n_seq):
+            model.remove(seq, 0)
+
+
+def _prefill(model, seq: int, tokens: list[int], start: int = 0) -> int:
+    """Decode `tokens` into `seq` from position `start`; returns the batch row holding the last logits."""
+    batch = Batch()
+    for i, tok in enumerate(tokens):
+        batch.add(tok, start + i, seq, i == len(tokens) - 1)
+    model.decode(batch)
+    return len(tokens) - 1
+
+
+def _greedy(model, tokens: list[int], n: int, *, seq: int = 0) -> list[int]:
+    row = _prefill(model, seq, tokens)
+    sampler = model.make_sampler(SamplingOptions(temperature=0))
+    out: list[int] = []
+    for pos in range(len(tokens), len(tokens) + n):
+        out.append(sampler.sample(row))
+        if len(out) == n:
+            break
+        batch = Batch()
+        row = batch.add(out[-1], pos, seq, True)
+        model.decode(batch)
+    sampler.close()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- loading
+
+def test_registry_picks_mlx_for_folders(tiny_folder, tmp_path):
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    assert choose_backend("auto", tiny_folder) == "mlx"
+    assert choose_backend("auto", gguf_file) == "llama.cpp"
+    assert isinstance(get_backend("mlx"), MlxBackend)
+
+
+def test_meta_comes_from_config_and_tokenizer(tiny, tiny_folder):
+    meta = tiny.meta
+    vocab = json.loads((tiny_folder / "config.json").read_text())["vocab_size"]
+    assert (meta.architecture, meta.n_vocab, meta.n_ctx_train, meta.n_embd) == ("llama", vocab, 512, 64)
+    assert meta.bos_token == 1 and meta.eos_token == 2 and meta.add_bos is False
+    assert meta.chat_template == CHATML
+    assert meta.n_params > 0 and meta.size_bytes > 0
+    assert tiny.is_eog(2) and not tiny.is_eog(5)
+
+
+def test_missing_or_incomplete_folder_is_a_format_error(tmp_path):
+    with pytest.raises(ModelFormatError, match="does not exist"):
+        MlxBackend().load(tmp_path / "nope", LoadOptions(), n_seq=1, n_ctx=16)
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text("{}")
+    with pytest.raises(ModelFormatError, match=r"\*\.safetensors"):
+        MlxBackend().load(tmp_path / "half", LoadOptions(), n_seq=1, n_ctx=16)
+
+
+# ------------------------------------------------------------------------------------------------------- text
+
+def test_token_bytes_rebuild_the_text_exactly(tiny):
+    text = "Hello héllo wörld 🙂 — Paris!\n\ttabs"
+    tokens = tiny.tokenize(text, add_special=False)
+    assert b"".join(tiny.token_bytes(t) for t in tokens) == text.encode()
+    # Multi-byte characters split across byte-level tokens come back as partial UTF-8, not replacement chars.
+    assert any(not _is_utf8(tiny.token_bytes(t)) for t in tokens)
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_special_tokens_parse_only_when_asked(tiny):
+    assert tiny.tokenize("<|im_end|>", parse_special=True) == [2]
+    plain = tiny.tokenize("<|im_end|>", parse_special=False)
+    assert 2 not in plain and b"".join(tiny.token_bytes(t) for t in plain) == b"<|im_end|>"
+    assert tiny.token_bytes(2) == b""  # control tokens render as nothing, like llama.cpp
+
+
+# ------------------------------------------------------------------------------------------------------- decode
+
+def test_mixed_batch_matches_each_sequence_alone(tiny):
+    a = tiny.tokenize("The capital of France")
+    b = tiny.tokenize("def add(a, b):")
+    alone_a = tiny.logits(_prefill(tiny, 0, a))
+    alone_b = tiny.logits(_prefill(tiny, 1, b))
+    tiny.remove(0, 0)
+    tiny.remove(1, 0)
+    batch = Batch()
+    for i, tok in enumerate(b):
+        row_b = batch.add(tok, i, 2, i == len(b) - 1)
+    for i, tok in enumerate(a):
+        row_a = batch.add(tok, i, 0, i == len(a) - 1)
+    tiny.decode(batch)
+    np.testing.assert_allclose(tiny.logits(row_a), alone_a, atol=1e-4)
+    np.testing.assert_allclose(tiny.logits(row_b), alone_b, atol=1e-4)
+
+
+def test_chunked_prefill_matches_one_pass(tiny):
+    tokens = tiny.tokenize("Quantized models run locally on a laptop.")
+    whole = tiny.logits(_prefill(tiny, 0, tokens))
+    _prefill(tiny, 1, tokens[:4])
+    chunked = tiny.logits(_prefill(tiny, 1, tokens[4:], start=4))
+    np.testing.assert_allclose(chunked, whole, atol=1e-4)
+
+
+def test_rows_without_logits_have_none(tiny):
+    tokens = tiny.tokenize("Hello world")
+    last = _prefill(tiny, 0, tokens)
+    assert tiny.logits(last).shape == (tiny.meta.n_vocab,)
+    with pytest.raises(LocalLLMError, match="row 0"):
+        tiny.logits(0)
+
+
+def test_rows_must_continue_the_cache(tiny):
+    _prefill(tiny, 0, tiny.tokenize("Hello"))
+    batch = Batch()
+    batch.add(5, 0, 0, True)  # position 0 again: the cache already holds it
+    with pytest.raises(LocalLLMError, match="rows must continue the cache"):
+        tiny.decode(batch)
+
+
+def test_a_full_context_is_an_error_not_a_wraparound(tiny):
+    tokens = (tiny.tokenize("Hello world, hello tests. ") * 40)[:tiny.n_ctx + 1]
+    with pytest.raises(LocalLLMError, match="context is 64"):
+        _prefill(tiny, 0, tokens)
+
+
+def test_decode_runs_on_another_thread_than_load(tiny):
+    tokens = tiny.tokenize("The capital of France")
+    expected = _greedy(tiny, tokens, 4)
+    tiny.remove(0, 0)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(out=_greedy(tiny, tokens, 4)))
+    worker.start()
+    worker.join(60)
+    assert result.get("out") == expected
+
+
+# ------------------------------------------------------------------------------------------------------- cache
+
+def test_trim_then_redecode_gives_the_same_logits(tiny):
+    tokens = tiny.tokenize("The capital of France is Paris.")
+    full = tiny.logits(_prefill(tiny, 0, tokens))
+    tiny.remove(0, 3)
+    assert tiny.cached_tokens(0) == 3
+    again = tiny.logits(_prefill(tiny, 0, tokens[3:], start=3))
+    np.testing.assert_allclose(again, full, atol=1e-4)
+
+
+def test_only_a_suffix_can_be_removed(tiny):
+    _prefill(tiny, 0, tiny.tokenize("The capital of France is Paris."))
+    with pytest.raises(InvalidInput, match="only drop the end"):
+        tiny.remove(0, 1, 3)
+    tiny.remove(0, 2, 10_000)  # an end past the cache is a suffix too
+    assert tiny.cached_tokens(0) == 2
+
+
+def test_copy_prefix_shares_the_prefix_and_nothing_after(tiny):
+    tokens = tiny.tokenize("The capital of France is Paris.")
+    full = tiny.logits(_prefill(tiny, 0, tokens))
+    tiny.copy_prefix(0, 1, 4)
+    assert tiny.cached_tokens(1) == 4
+    # The source keeps growing; the copy must not see those writes.
+    _prefill(tiny, 0, tiny.tokenize(" Hello"), start=len(tokens))
+    copied = tiny.logits(_prefill(tiny, 1, tokens[4:], start=4))
+    np.testing.assert_allclose(copied, full, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------------- sampling
+
+def test_greedy_is_argmax(tiny):
+    row = _prefill(tiny, 0, tiny.tokenize("Hello world"))
+    sampler = tiny.make_sampler(SamplingOptions(temperature=0))
+    assert sampler.sample(row) == int(np.argmax(tiny.logits(row)))
+
+
+def test_seeded_sampling_repeats_and_seeds_differ(tiny):
+    row = _prefill(tiny, 0, tiny.tokenize("Hello world"))
+
+    def draws(seed: int) -> list[int]:
+        sampler = tiny.make_sampler(SamplingOptions(temperature=10.0, top_k=0, top_p=1.0, seed=seed))
+        return [sampler.sample(row) for _ in range(24)]
+
+    assert draws(1) == draws(1)
+    assert draws(1) != draws(2)
+
+
+def test_truncation_filters_limit_the_choice(tiny):
+    row = _prefill(tiny, 0, tiny.tokenize("Hello world"))
+    top = int(np.argmax(tiny.logits(row)))
+    for opts in (dict(top_k=1), dict(top_p=1e-6, top_k=0), dict(min_p=1.0, top_k=0),
+                 dict(typical_p=1e-6, top_k=0, top_p=1.0)):
+        sampler = tiny.make_sampler(SamplingOptions(temperature=1.0, seed=3, **opts))
+        picks = {sampler.sample(row) for _ in range(8)}
+        if "typical_p" in opts:  # typical keeps the one token closest to the entropy, not always the argmax
+            assert len(picks) == 1, opts
+        else:
+            assert picks == {top}, opts
+
+
+def test_logit_bias_and_ignore_eos(tiny):
+    row = _prefill(tiny, 0, tiny.tokenize("Hello world"))
+    forced = tiny.make_sampler(SamplingOptions(temperature=0, logit_bias={2: 1e4}))
+    assert forced.sample(row) == 2
+    blocked = tiny.make_sampler(SamplingOptions(temperature=0, logit_bias={2: 1e4}, ignore_eos=True))
+    assert blocked.sample(row) != 2
+
+
+def test_penalties_see_accepted_prompt_tokens(tiny):
+    row = _prefill(tiny, 0, tiny.tokenize("Hello world"))
+    top = int(np.argmax(tiny.logits(row)))
+    sampler = tiny.make_sampler(SamplingOptions(temperature=0, presence_penalty=1e4))
+    sampler.accept(top)
+    assert sampler.sample(row) != top
+
+
+def test_grammar_is_refused_clearly(tiny):
+    with pytest.raises(InvalidInput, match="not supported on the MLX backend") as err:
+        tiny.make_sampler(SamplingOptions(), grammar='root ::= "a"')
+    assert err.value.status_code == 400 and GRAMMAR_UNSUPPORTED in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------------- embeddings
+
+def test_embeddings_are_normalised_and_deterministic(tiny):
+    one = tiny.embed(tiny.tokenize("The capital of France"))
+    assert len(one) == tiny.meta.n_embd
+    assert abs(float(np.linalg.norm(one)) - 1.0) < 1e-5
+    assert one == tiny.embed(tiny.tokenize("The capital of France"))
+    assert one != tiny.embed(tiny.tokenize("def add(a, b):"))
+    with pytest.raises(InvalidInput):
+        tiny.embed([])
+
+
+# ------------------------------------------------------------------------------------------------------- real model
+
+def _write_f32_gguf(src: Path, dst: Path) -> None:
+    """An F32 copy of a GGUF: same metadata, every tensor dequantized exactly (file_type 0)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    writer.add_file_type(0)
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        writer.add_tensor(t.name, dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def smol_mlx(smollm2_path, tmp_path_factory) -> Path:
+    from localllm.quant.mlx_convert import convert_gguf_to_mlx
+
+    return convert_gguf_to_mlx(smollm2_path, tmp_path_factory.mktemp("smol") / "mlx")
+
+
+def _load_pair(gguf_path: Path, mlx_folder: Path):
+    from localllm.backends.llama_cpp import LlamaCppBackend
+
+    # One thread: llama.cpp collapses when its threads outnumber free cores on a shared machine.
+    opts = LoadOptions(num_thread=1, num_batch=128)
+    return (LlamaCppBackend().load(gguf_path, opts, n_seq=1, n_ctx=128),
+            MlxBackend().load(mlx_folder, opts, n_seq=1, n_ctx=128))
+
+
+PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.models
+def test_smollm2_converted_answers_paris_with_llama_cpp_tokens(smollm2_path, smol_mlx):
+    llama, mlx = _load_pair(smollm2_path, smol_mlx)
+    try:
+        for text in (PROMPT, "In 2024, 12345 apples cost $3.50!", "héllo  wörld\n\n\t🙂", "<|im_end|> raw"):
+            for special in (True, False):
+                assert mlx.tokenize(text, parse_special=special) == llama.tokenize(text, parse_special=special)
+        answer = _greedy(mlx, mlx.tokenize(PROMPT), 10)
+        text = b"".join(mlx.token_bytes(t) for t in answer).decode("utf-8", "replace")
+        assert "Paris" in text
+    finally:
+        llama.close()
+        mlx.close()
+
+
+@pytest.mark.models
+@pytest.mark.slow
+def test_f32_weights_agree_greedily_with_llama_cpp(smollm2_path, tmp_path):
+    from localllm.quant.mlx_convert import convert_gguf_to_mlx
+
+    f32 = tmp_path / "smollm2-f32.gguf"
+    _write_f32_gguf(smollm2_path, f32)
+    folder = convert_gguf_to_mlx(f32, tmp_path / "f32-mlx")
+    assert "quantization" not in json.loads((folder / "config.json").read_text())
+    llama, mlx = _load_pair(f32, folder)
+    try:
+        prompt = llama.tokenize("<|im_start|>user\nTell me about the history of Rome.<|im_end|>\n"
+                                "<|im_start|>assistant\n")
+        assert _greedy(mlx, prompt, 30) == _greedy(llama, prompt, 30)
+    finally:
+        llama.close()
+        mlx.close()
+
+
+@pytest.mark.models
+def test_quantized_logits_correlate_with_llama_cpp(smollm2_path, smol_mlx):
+    llama, mlx = _load_pair(smollm2_path, smol_mlx)
+    try:
+        tokens = llama.tokenize(PROMPT)
+        a = llama.logits(_prefill(llama, 0, tokens))
+        b = mlx.logits(_prefill(mlx, 0, tokens))
+        assert float(np.corrcoef(a, b)[0, 1]) > 0.99
+        assert int(np.argmax(a)) == int(np.argmax(b))
+    finally:
+        llama.close()
+        mlx.close()
