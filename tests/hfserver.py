@@ -143,7 +143,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self.connection.shutdown(2)  # mid-body: the client sees a connection closed early
                 return
             piece = body[sent:sent + min(self.hub.chunk, (drop - sent) if drop is not None else self.hub.chunk)]
-            self.wfile.write(piece)
+            try:
+                self.wfile.write(piece)
+            except (BrokenPipeError, ConnectionResetError):  # the client went away (a killed pull)
+                self.close_connection = True
+                return
             sent += len(piece)
             if self.hub.delay:
                 time.sleep(self.hub.delay)
