@@ -1,0 +1,170 @@
+"""The Client over HTTP: the same methods and api types as LocalClient, spoken to a running `localllm serve` through
+the Ollama-native REST API (so it also works against Ollama itself).
+
+Streams are NDJSON read line by line; closing an iterator early closes the connection, which the server takes as
+a cancel. HTTP errors become the errors.* class of their status with the server's message; a refused connection is
+ServerUnreachable naming the address."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, TypeVar, Union
+
+import httpx
+from pydantic import BaseModel
+
+from . import api, config
+from .errors import (BackendUnavailable, Cancelled, Forbidden, InvalidInput, LocalLLMError, ModelNotFound,
+                     NetworkError, PayloadTooLarge, QueueFull, ServerUnreachable, Unauthorized)
+
+M = TypeVar("M", bound=BaseModel)
+
+# No read timeout: a request may wait for a model load or a slot for a long time before its first byte.
+DEFAULT_TIMEOUT = httpx.Timeout(10.0, read=None)
+
+_ERRORS_BY_STATUS: dict[int, type[LocalLLMError]] = {
+    400: InvalidInput, 401: Unauthorized, 403: Forbidden, 404: ModelNotFound, 413: PayloadTooLarge, 499: Cancelled,
+    501: BackendUnavailable, 502: NetworkError, 503: QueueFull,
+}
+
+
+def normalize_url(base_url: Optional[str]) -> str:
+    url = (base_url or config.base_url()).rstrip("/")
+    return url if "://" in url else f"http://{url}"
+
+
+def error_for(response: httpx.Response) -> LocalLLMError:
+    """The errors.* instance for an error response, carrying the server's own message."""
+    try:
+        message = str(response.json().get("error") or response.text)
+    except (ValueError, AttributeError):
+        message = response.text or response.reason_phrase
+    kind = _ERRORS_BY_STATUS.get(response.status_code, LocalLLMError)
+    exc = kind(message or f"HTTP {response.status_code}")
+    if isinstance(exc, QueueFull) and response.headers.get("retry-after", "").isdigit():
+        exc.retry_after = int(response.headers["retry-after"])
+    return exc
+
+
+def server_running(base_url: Optional[str] = None) -> bool:
+    """True when something answers `GET /` with 200 at the address (default: LOCALLLM_HOST)."""
+    try:
+        return httpx.get(normalize_url(base_url) + "/", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class HttpClient:
+    """Client over a running server. Use as a context manager, or call close()."""
+
+    def __init__(self, base_url: Optional[str] = None, *, api_key: Optional[str] = None,
+                 timeout: Union[httpx.Timeout, float, None] = DEFAULT_TIMEOUT):
+        self.base_url = normalize_url(base_url)
+        key = config.API_KEY.get() if api_key is None else api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "HttpClient":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------------------------- transport
+
+    @contextmanager
+    def _reaching_server(self) -> Iterator[None]:
+        try:
+            yield
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise ServerUnreachable(f"no localllm server answers at {self.base_url} ({exc})",
+                                    hint="start one with `localllm serve`, or set LOCALLLM_HOST") from None
+        except httpx.TransportError as exc:
+            raise ServerUnreachable(f"lost the connection to the server at {self.base_url}: {exc!r}",
+                                    hint="is `localllm serve` still running?") from None
+
+    def _call(self, method: str, path: str, body: Optional[dict] = None) -> httpx.Response:
+        with self._reaching_server():
+            response = self._http.request(method, path, json=body)
+        if response.status_code >= 400:
+            raise error_for(response)
+        return response
+
+    def _get(self, path: str, kind: type[M]) -> M:
+        return kind.model_validate(self._call("GET", path).json())
+
+    def _post(self, path: str, body: dict, kind: type[M]) -> M:
+        return kind.model_validate(self._call("POST", path, body).json())
+
+    def _stream(self, path: str, body: dict, kind: type[M]) -> Iterator[M]:
+        """POST and yield one `kind` per NDJSON line; an {"error": ...} line raises. Closing the generator early
+        closes the connection (the server cancels the request)."""
+        with self._reaching_server(), self._http.stream("POST", path, json=body) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise error_for(response)
+            for line in response.iter_lines():
+                if line.strip():
+                    yield _parse_line(line, kind)
+
+    # ----------------------------------------------------------------------------------------------- models
+
+    def version(self) -> str:
+        return self._get("/api/version", api.VersionResponse).version
+
+    def list_models(self) -> api.ListResponse:
+        return self._get("/api/tags", api.ListResponse)
+
+    def show(self, model: str) -> api.ShowResponse:
+        return self._post("/api/show", {"model": model}, api.ShowResponse)
+
+    def pull(self, model: str) -> Iterator[api.PullProgress]:
+        return self._stream("/api/pull", {"model": model, "stream": True}, api.PullProgress)
+
+    def create(self, request: api.CreateRequest) -> Iterator[api.PullProgress]:
+        return self._stream("/api/create", _body(request), api.PullProgress)
+
+    def copy(self, source: str, destination: str) -> None:
+        self._call("POST", "/api/copy", {"source": source, "destination": destination})
+
+    def delete(self, model: str) -> None:
+        self._call("DELETE", "/api/delete", {"model": model})
+
+    def ps(self) -> api.ProcessResponse:
+        return self._get("/api/ps", api.ProcessResponse)
+
+    def stop(self, model: str) -> None:
+        # Ollama's way to unload: nothing to generate and keep_alive 0.
+        self._call("POST", "/api/generate", {"model": model, "keep_alive": 0, "stream": False})
+
+    # ----------------------------------------------------------------------------------------------- inference
+
+    def generate(self, request: api.GenerateRequest) -> Iterator[api.GenerateChunk]:
+        return self._stream("/api/generate", _body(request), api.GenerateChunk)
+
+    def chat(self, request: api.ChatRequest) -> Iterator[api.ChatChunk]:
+        return self._stream("/api/chat", _body(request), api.ChatChunk)
+
+    def embed(self, request: api.EmbedRequest) -> api.EmbedResponse:
+        return self._post("/api/embed", _body(request), api.EmbedResponse)
+
+
+def _body(request: BaseModel) -> dict:
+    body = request.model_dump(mode="json", exclude_none=True, by_alias=True)
+    if "stream" in type(request).model_fields:
+        body["stream"] = True  # the Client API always yields chunks
+    return body
+
+
+def _parse_line(line: str, kind: type[M]) -> M:
+    try:
+        data = json.loads(line)
+    except ValueError:
+        raise LocalLLMError(f"the server sent a line that is not JSON: {line[:200]!r}") from None
+    if isinstance(data, dict) and "error" in data:
+        raise LocalLLMError(str(data["error"]))
+    return kind.model_validate(data)

@@ -1,0 +1,95 @@
+"""The REST server: `create_app(client)` builds the FastAPI app that serves Ollama's API and OpenAI's on one port.
+
+Handlers only go through the Client interface (client.py); nothing here imports an engine or a backend. Middleware,
+outermost first: the guard (Host, key, body size), CORS for configured origins only, the access log and metrics."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Optional
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .. import __version__, config
+from ..client import Client
+from . import ollama_routes
+from .metrics import CONTENT_TYPE, AccessLog, ServerMetrics
+from .responses import install_error_handlers
+from .security import GuardMiddleware, GuardSettings
+from .state import ServerState, State
+
+service = APIRouter()
+
+
+@service.get("/")
+@service.head("/")
+async def root() -> PlainTextResponse:
+    return PlainTextResponse("localllm is running")
+
+
+@service.get("/health")
+async def health() -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+@service.get("/metrics")
+def metrics(state: State) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+class AssumeJson:
+    """Ollama reads every body as JSON whatever its Content-Type (`curl -d` sends a form type); FastAPI would
+    ignore such a body, so it is relabelled before routing."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "DELETE"):
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            # In place: the access log reads the matched route from this same scope afterwards.
+            scope["headers"] = headers + [(b"content-type", b"application/json")]
+        await self.app(scope, receive, send)
+
+
+def _default_client() -> Client:
+    from ..local_client import LocalClient
+
+    return LocalClient()
+
+
+def create_app(client: Optional[Client] = None, *, bound_host: Optional[str] = None) -> FastAPI:
+    """The app serving `client` (default: a LocalClient on LOCALLLM_HOME, closed on shutdown).
+
+    Args:
+        client: what the routes call; any Client implementation.
+        bound_host: the host the server listens on, accepted in Host headers (default: LOCALLLM_HOST's host).
+    """
+    owned = client is None
+    served = client if client is not None else _default_client()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        close = getattr(served, "close", None)
+        if owned and close is not None:
+            close()
+
+    app = FastAPI(title="localllm", version=__version__, lifespan=lifespan)
+    state = ServerState(client=served, metrics=ServerMetrics(served))
+    app.state.localllm = state
+    install_error_handlers(app)
+    app.include_router(service)
+    app.include_router(ollama_routes.router)
+    # add_middleware wraps, so the last added runs first.
+    app.add_middleware(AssumeJson)
+    app.add_middleware(AccessLog, metrics=state.metrics)
+    origins = config.ORIGINS.get()
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(GuardMiddleware, settings=GuardSettings.from_config(bound_host))
+    return app
+

@@ -1,0 +1,127 @@
+"""Responses: the one place where errors become HTTP statuses, and the streaming response that closes its stream.
+
+Every error body is `{"error": "..."}` (Ollama's shape, which OpenAI clients also print). Status codes come from the
+`status_code` of the errors.* class; a QueueFull adds Retry-After, an Unauthorized adds WWW-Authenticate."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ..api import Timings
+from ..errors import LocalLLMError, QueueFull, Unauthorized
+from .chunk_stream import ChunkStream
+
+log = logging.getLogger(__name__)
+
+NDJSON = "application/x-ndjson"
+
+
+# ---------------------------------------------------------------------------------------------------------- errors
+
+def error_headers(exc: Exception) -> dict[str, str]:
+    if isinstance(exc, QueueFull):
+        return {"Retry-After": str(exc.retry_after)}
+    if isinstance(exc, Unauthorized):
+        return {"WWW-Authenticate": "Bearer"}
+    return {}
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    """The JSON error for any exception: errors.* by their status, anything else a logged 500."""
+    if isinstance(exc, LocalLLMError):
+        return JSONResponse({"error": str(exc)}, status_code=exc.status_code, headers=error_headers(exc))
+    log.error("unexpected error", exc_info=exc)
+    return JSONResponse({"error": f"internal error: {exc}"}, status_code=500)
+
+
+def describe_validation(exc: RequestValidationError) -> str:
+    """pydantic's first complaint as one line naming the field, e.g. `messages.0.role: Input should be ...`."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    field = ".".join(loc) or "body"
+    if err.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
+    return f"invalid field {field}: {err.get('msg')}"
+
+
+async def _on_local_error(_: Request, exc: LocalLLMError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return JSONResponse({"error": describe_validation(exc)}, status_code=400)
+
+
+async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(exc)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(LocalLLMError, _on_local_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _on_validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _on_http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _on_unexpected)
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """What a stream sends when it fails after output has started (the status line is already gone)."""
+    if not isinstance(exc, LocalLLMError):
+        log.error("stream failed", exc_info=exc)
+    return {"error": str(exc) if isinstance(exc, LocalLLMError) else f"internal error: {exc}"}
+
+
+# ---------------------------------------------------------------------------------------------------------- streams
+
+class StreamResponse(StreamingResponse):
+    """A streaming response that always closes its ChunkStream, even when the body never started (client gone)."""
+
+    def __init__(self, body: AsyncIterator[bytes], stream: ChunkStream, *, media_type: str):
+        super().__init__(body, media_type=media_type)
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stream.aclose()
+
+
+# Ollama sends the timing fields only with the final chunk.
+_TIMING_FIELDS = frozenset(Timings.model_fields)
+
+
+def chunk_json(chunk: BaseModel) -> bytes:
+    exclude = None if getattr(chunk, "done", True) else _TIMING_FIELDS
+    return chunk.model_dump_json(exclude_none=True, exclude=exclude).encode()
+
+
+async def _ndjson_lines(stream: ChunkStream) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in stream:
+            yield chunk_json(chunk) + b"\n"
+    except Exception as exc:  # noqa: BLE001 - after the first byte an error can only travel as a final line
+        yield json.dumps(error_payload(exc)).encode() + b"\n"
+
+
+def ndjson_response(stream: ChunkStream) -> StreamResponse:
+    """Ollama's streaming format: one JSON object per line, errors as a last {"error": ...} line."""
+    return StreamResponse(_ndjson_lines(stream), stream, media_type=NDJSON)
+
+
+def sse_response(stream: ChunkStream, render: Callable[[ChunkStream], AsyncIterator[bytes]]) -> StreamResponse:
+    """OpenAI's streaming format; `render` turns the chunks into `data: ...` events."""
+    return StreamResponse(render(stream), stream, media_type="text/event-stream")

@@ -1,0 +1,119 @@
+"""The server's guard: Host check (DNS rebinding), bearer key, and body size limit, as one pure ASGI middleware.
+
+Pure ASGI rather than BaseHTTPMiddleware so streaming responses and client disconnects pass through untouched.
+
+DNS rebinding works by pointing an attacker's *name* at 127.0.0.1, so the browser sends that name as Host. A Host
+that is an IP literal, `localhost`, the bound host, this machine's name or a configured name is safe; any other name
+gets 403 (Ollama does the same)."""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import socket
+from dataclasses import dataclass, field
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .. import config
+from ..errors import Forbidden, LocalLLMError, PayloadTooLarge, Unauthorized
+from .responses import error_response
+
+# Routes a load balancer or a "is it up?" probe may call without the key.
+OPEN_PATHS = frozenset({"/", "/health"})
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    allowed_hosts: frozenset[str]
+    api_key: str = ""
+    max_body: int = 32 * 1024 * 1024
+    any_host: bool = False
+
+    @classmethod
+    def from_config(cls, bound_host: str | None = None) -> "GuardSettings":
+        host = bound_host if bound_host is not None else config.HOST.get()[0]
+        extra = {h.lower() for h in config.ALLOWED_HOSTS.get()}
+        names = {"localhost", host.lower(), socket.gethostname().lower()} | extra
+        return cls(allowed_hosts=frozenset(names), api_key=config.API_KEY.get(), max_body=config.MAX_BODY.get(),
+                   any_host="*" in extra)
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header without its port: "[::1]:80" → "::1", "example.com:80" → "example.com"."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def host_allowed(header: str | None, settings: GuardSettings) -> bool:
+    if not header or settings.any_host:
+        return True
+    name = host_name(header)
+    try:
+        ipaddress.ip_address(name)
+        return True  # an address literal cannot be rebound
+    except ValueError:
+        pass
+    return name in settings.allowed_hosts or name.endswith(".localhost")
+
+
+def key_matches(authorization: str | None, api_key: str) -> bool:
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+@dataclass
+class GuardMiddleware:
+    app: ASGIApp
+    settings: GuardSettings = field(default_factory=GuardSettings.from_config)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            self._check(scope)
+        except LocalLLMError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        await self.app(scope, self._limited(receive), send)
+
+    def _check(self, scope: Scope) -> None:
+        headers = Headers(scope=scope)
+        if not host_allowed(headers.get("host"), self.settings):
+            raise Forbidden(f"Host {headers.get('host')!r} is not allowed",
+                            hint="call the server by 127.0.0.1 or localhost, or add the name to LOCALLLM_ALLOWED_HOSTS")
+        if self._needs_key(scope) and not key_matches(headers.get("authorization"), self.settings.api_key):
+            raise Unauthorized("missing or wrong API key", hint="send `Authorization: Bearer <LOCALLLM_API_KEY>`")
+        length = headers.get("content-length")
+        if length and length.isdigit() and int(length) > self.settings.max_body:
+            raise self._too_large(length)
+
+    def _needs_key(self, scope: Scope) -> bool:
+        if not self.settings.api_key or scope["method"] == "OPTIONS":  # CORS preflights never carry credentials
+            return False
+        return not (scope["path"] in OPEN_PATHS and scope["method"] in ("GET", "HEAD"))
+
+    def _too_large(self, size: str) -> PayloadTooLarge:
+        return PayloadTooLarge(f"the request body ({size} bytes) is over the limit of {self.settings.max_body} bytes",
+                               hint="raise LOCALLLM_MAX_BODY")
+
+    def _limited(self, receive: Receive) -> Receive:
+        """Count body bytes as they arrive: a chunked upload has no Content-Length to check up front."""
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.settings.max_body:
+                    # FastAPI turns other exceptions raised while reading the body into a 400; HTTPException passes.
+                    raise HTTPException(413, detail=str(self._too_large(f"at least {seen}")))
+            return message
+
+        return counted

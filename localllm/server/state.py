@@ -1,0 +1,24 @@
+"""What every route needs from the app: the client it serves and the metrics it feeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from ..client import Client
+from .metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    client: Client
+    metrics: ServerMetrics
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.localllm
+
+
+State = Annotated[ServerState, Depends(get_state)]

@@ -1,0 +1,75 @@
+"""Helpers for the server tests: the real app under real uvicorn in a background thread on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import uvicorn
+
+SYSTEM = "You are a helpful AI assistant."
+SMALL = {"temperature": 0, "num_predict": 12}
+
+
+@contextmanager
+def serve_in_thread(app) -> Iterator[str]:
+    """Serve `app` on 127.0.0.1:<free port>; yields the base URL and stops the server on exit."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+@contextmanager
+def env(**values: str) -> Iterator[None]:
+    """Set LOCALLLM_* variables for a whole module's server (module fixtures cannot use `monkeypatch`)."""
+    patch = pytest.MonkeyPatch()
+    for name, value in values.items():
+        patch.setenv(name, value)
+    try:
+        yield
+    finally:
+        patch.undo()
+
+
+def local_client(models_home: Path):
+    """A LocalClient on the shared, read-only test home."""
+    from localllm.local_client import LocalClient
+    from localllm.store import Store
+
+    return LocalClient(store=Store(models_home / "models"))
+
+
+def private_home(models_home: Path, target: Path) -> Path:
+    """A home of our own holding the catalog models, for tests that pull, copy, create or delete: manifests are
+    copied, blobs hard-linked (or copied across devices), so the shared cache is never changed."""
+    src, dst = models_home / "models", target / "models"
+    shutil.copytree(src / "manifests", dst / "manifests")
+    (dst / "blobs").mkdir(parents=True)
+    for blob in (src / "blobs").iterdir():
+        if blob.is_file():
+            try:
+                os.link(blob, dst / "blobs" / blob.name)
+            except OSError:
+                shutil.copy2(blob, dst / "blobs" / blob.name)
+    return target

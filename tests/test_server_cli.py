@@ -1,0 +1,51 @@
+"""`localllm serve` as a user runs it: a real process on a free loopback port, its help and its request log."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from typer.testing import CliRunner
+
+from localllm import config
+from localllm.cli import app
+from localllm.http_client import server_running
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_help_lists_every_setting():
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "160"})
+    assert result.exit_code == 0
+    for setting in config.ALL:
+        assert setting.name in result.output
+
+
+def test_serve_runs_and_logs_each_request(isolated_home):
+    port = free_port()
+    env = {**os.environ, "LOCALLLM_HOST": f"127.0.0.1:{port}", "LOCALLLM_HOME": str(isolated_home)}
+    proc = subprocess.Popen([sys.executable, "-m", "localllm", "serve"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not server_running(f"127.0.0.1:{port}"):
+            assert proc.poll() is None and time.monotonic() < deadline, "localllm serve did not come up"
+            time.sleep(0.1)
+        assert httpx.get(f"http://127.0.0.1:{port}/api/tags").json() == {"models": []}
+        busy = subprocess.run([sys.executable, "-m", "localllm", "serve"], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert busy.returncode == 1 and f"127.0.0.1:{port}" in busy.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+    assert f"http://127.0.0.1:{port}" in output
+    assert "GET /api/tags 200" in output

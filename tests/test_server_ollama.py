@@ -1,0 +1,171 @@
+"""The Ollama-native API, driven by the official `ollama` Python package against the real server and model."""
+
+from __future__ import annotations
+
+import httpx
+import ollama
+import pytest
+
+from localllm.server.app import create_app
+from server_harness import SMALL, SYSTEM, env, local_client, private_home, serve_in_thread
+
+pytestmark = pytest.mark.models
+
+PARIS = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def base_url(models_home):
+    with env(LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2"):
+        client = local_client(models_home)
+        try:
+            with serve_in_thread(create_app(client)) as url:
+                yield url
+        finally:
+            client.close()
+
+
+@pytest.fixture(scope="module")
+def api(base_url) -> ollama.Client:
+    return ollama.Client(host=base_url)
+
+
+def test_root_and_version(base_url, api):
+    assert httpx.get(base_url + "/").text == "localllm is running"
+    assert api._client.get("/api/version").json()["version"]
+
+
+def test_chat_non_streaming_answers_paris(api):
+    reply = api.chat(model="smollm2:135m", messages=PARIS, options={"temperature": 0, "num_predict": 24})
+    assert "Paris" in reply.message.content
+    assert reply.done and reply.done_reason in ("stop", "length")
+    assert reply.prompt_eval_count > 0 and reply.eval_count > 0 and reply.total_duration > 0
+
+
+def test_chat_streaming_matches_non_streaming(api):
+    parts = list(api.chat(model="smollm2:135m", messages=PARIS, options={"temperature": 0, "num_predict": 24},
+                          stream=True))
+    whole = api.chat(model="smollm2:135m", messages=PARIS, options={"temperature": 0, "num_predict": 24})
+    assert len(parts) > 2
+    assert [p.done for p in parts].count(True) == 1 and parts[-1].done
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert parts[-1].eval_count == whole.eval_count
+
+
+def test_stream_lines_carry_timings_only_at_the_end(base_url):
+    body = {"model": "smollm2:135m", "prompt": "Say hi", "options": SMALL}
+    with httpx.stream("POST", base_url + "/api/generate", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("application/x-ndjson")
+        lines = [httpx.Response(200, content=line).json() for line in response.iter_lines() if line]
+    assert all("eval_count" not in line for line in lines[:-1])
+    assert {"total_duration", "load_duration", "prompt_eval_count", "eval_count", "eval_duration"} <= set(lines[-1])
+
+
+def test_generate_streaming_and_not(api):
+    parts = list(api.generate(model="smollm2:135m", prompt="Count: one, two,", options=SMALL, stream=True))
+    whole = api.generate(model="smollm2:135m", prompt="Count: one, two,", options=SMALL)
+    assert "".join(p.response for p in parts) == whole.response
+    assert whole.done_reason == "length" and whole.eval_count == SMALL["num_predict"]
+
+
+def test_generate_raw_and_json_format(api):
+    raw = api.generate(model="smollm2:135m", prompt="The sky is", raw=True, options=SMALL)
+    assert raw.response.strip()
+    shaped = api.generate(model="smollm2:135m", prompt="Give a JSON object with a name.", format="json",
+                          options={"temperature": 0, "num_predict": 40})
+    assert shaped.response.lstrip().startswith("{")
+
+
+def test_embed_and_legacy_embeddings(api):
+    result = api.embed(model="smollm2:135m", input=["hello", "bonjour"])
+    assert len(result.embeddings) == 2 and len(result.embeddings[0]) > 10
+    legacy = api.embeddings(model="smollm2:135m", prompt="hello")
+    assert legacy.embedding == pytest.approx(result.embeddings[0], abs=1e-4)
+
+
+def test_list_show_ps(api):
+    api.generate(model="smollm2:135m", prompt="Hi", options=SMALL)
+    names = [m.model for m in api.list().models]
+    assert "smollm2:135m" in names
+    shown = api.show("smollm2:135m")
+    assert shown.details.family and shown.template
+    running = api.ps().models
+    assert [m.model for m in running] == ["smollm2:135m"]
+    assert running[0].size > 0
+
+
+def test_unknown_model_is_404_with_pull_hint(api):
+    with pytest.raises(ollama.ResponseError) as info:
+        api.chat(model="no-such-model:1b", messages=PARIS)
+    assert info.value.status_code == 404
+    assert "no-such-model" in info.value.error and "pull" in info.value.error
+
+
+def test_context_overflow_is_400_with_numbers(api):
+    long_prompt = "word " * 3000
+    with pytest.raises(ollama.ResponseError) as info:
+        api.generate(model="smollm2:135m", prompt=long_prompt, options=SMALL, stream=True).__next__()
+    assert info.value.status_code == 400
+    assert "1024" in info.value.error and "tokens" in info.value.error
+
+
+def test_bad_field_is_400_naming_it(base_url):
+    response = httpx.post(base_url + "/api/chat", json={"model": "smollm2:135m", "messages": [{"role": "robot"}]})
+    assert response.status_code == 400
+    assert "messages.0.role" in response.json()["error"]
+    bad_option = httpx.post(base_url + "/api/generate",
+                            json={"model": "smollm2:135m", "prompt": "x", "options": {"temprature": 1}})
+    assert bad_option.status_code == 400 and "temprature" in bad_option.json()["error"]
+
+
+def test_images_are_refused_clearly(api):
+    with pytest.raises(ollama.ResponseError) as info:
+        api.chat(model="smollm2:135m", messages=[{"role": "user", "content": "what is this?", "images": ["aGk="]}])
+    assert info.value.status_code == 400 and "images" in info.value.error
+
+
+def test_body_without_json_content_type_is_read_as_json(base_url):
+    # what `curl -d` sends
+    response = httpx.post(base_url + "/api/show", content=b'{"model": "smollm2:135m"}',
+                          headers={"content-type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 200 and response.json()["details"]["family"]
+
+
+def test_keep_alive_zero_unloads(api):
+    api.generate(model="smollm2:135m", prompt="Hi", options=SMALL)
+    assert api.ps().models
+    answer = api.generate(model="smollm2:135m", keep_alive=0)
+    assert answer.done_reason == "unload"
+    assert api.ps().models == []
+
+
+@pytest.fixture(scope="module")
+def own_api(models_home, tmp_path_factory):
+    """A server on a private home, for the tests that change the store."""
+    from localllm.local_client import LocalClient
+    from localllm.store import Store
+
+    home = private_home(models_home, tmp_path_factory.mktemp("own-home"))
+    client = LocalClient(store=Store(home / "models"))
+    try:
+        with serve_in_thread(create_app(client)) as url:
+            yield ollama.Client(host=url)
+    finally:
+        client.close()
+
+
+def test_pull_copy_delete_create(own_api):
+    progress = list(own_api.pull("smollm2:135m", stream=True))
+    assert progress[-1].status == "success"
+    assert own_api.pull("smollm2:135m").status == "success"
+    own_api.copy("smollm2:135m", "mine:copy")
+    assert "mine:copy" in [m.model for m in own_api.list().models]
+    own_api.delete("mine:copy")
+    assert "mine:copy" not in [m.model for m in own_api.list().models]
+    created = list(own_api.create(model="pirate:1", from_="smollm2:135m", system="Talk like a pirate.", stream=True))
+    assert created[-1].status == "success"
+    shown = own_api._client.post("/api/show", json={"model": "pirate:1"}).json()
+    assert shown["system"] == "Talk like a pirate."
+    with pytest.raises(ollama.ResponseError) as info:
+        own_api.delete("never-was:1")
+    assert info.value.status_code == 404
