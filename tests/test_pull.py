@@ -4,7 +4,6 @@ index; resume after a dropped connection; refusal of wrong bytes; offline mode."
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 
 import pytest
 
