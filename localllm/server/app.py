@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__, config
 from ..client import Client
-from . import ollama_routes
+from . import ollama_routes, openai_routes
 from .metrics import CONTENT_TYPE, AccessLog, ServerMetrics
 from .responses import install_error_handlers
 from .security import GuardMiddleware, GuardSettings
@@ -84,6 +84,7 @@ def create_app(client: Optional[Client] = None, *, bound_host: Optional[str] = N
     install_error_handlers(app)
     app.include_router(service)
     app.include_router(ollama_routes.router)
+    app.include_router(openai_routes.router)
     # add_middleware wraps, so the last added runs first.
     app.add_middleware(AssumeJson)
     app.add_middleware(AccessLog, metrics=state.metrics)

@@ -91,9 +91,8 @@ def merge_generate(chunks: list[api.GenerateChunk]) -> api.GenerateChunk:
     """One non-streamed answer: all the text, with the final chunk's reason and timings."""
     last = chunks[-1]
     thinking = "".join(c.thinking or "" for c in chunks)
-    tokens = [t for c in chunks for t in (c.tokens or [])]
     return last.model_copy(update={"response": "".join(c.response for c in chunks), "thinking": thinking or None,
-                                   "tokens": tokens or None})
+                                   **_joined_tokens(chunks)})
 
 
 def merge_chat(chunks: list[api.ChatChunk]) -> api.ChatChunk:
@@ -102,6 +101,11 @@ def merge_chat(chunks: list[api.ChatChunk]) -> api.ChatChunk:
     content = "".join(c.message.content for c in chunks)
     thinking = "".join(c.message.thinking or "" for c in chunks)
     calls = [call for c in chunks for call in (c.message.tool_calls or [])]
-    tokens = [t for c in chunks for t in (c.tokens or [])]
     message = api.Message(role="assistant", content=content, thinking=thinking or None, tool_calls=calls or None)
-    return last.model_copy(update={"message": message, "tokens": tokens or None})
+    return last.model_copy(update={"message": message, **_joined_tokens(chunks)})
+
+
+def _joined_tokens(chunks: list[Any]) -> dict[str, Any]:
+    tokens = [t for c in chunks for t in (c.tokens or [])]
+    logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
+    return {"tokens": tokens or None, "logprobs": logprobs or None}

@@ -52,7 +52,8 @@ class ServerMetrics:
         self.requests = Counter("localllm_requests", "HTTP requests", ["method", "route", "status"], registry=reg)
         self.duration = Histogram("localllm_request_duration_seconds", "HTTP request time, streaming included",
                                   ["route"], registry=reg)
-        self.tokens_in = Counter("localllm_prompt_tokens", "prompt tokens of answered requests (cached ones included)", ["model"], registry=reg)
+        self.tokens_in = Counter("localllm_prompt_tokens", "prompt tokens of answered requests, cached ones included",
+                                 ["model"], registry=reg)
         self.tokens_out = Counter("localllm_generated_tokens", "tokens generated", ["model"], registry=reg)
         self.cached = Counter("localllm_prompt_cached_tokens", "prompt tokens reused from the prefix cache",
                               ["model"], registry=reg)

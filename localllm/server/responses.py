@@ -1,7 +1,7 @@
 """Responses: the one place where errors become HTTP statuses, and the streaming response that closes its stream.
 
-Every error body is `{"error": "..."}` (Ollama's shape, which OpenAI clients also print). Status codes come from the
-`status_code` of the errors.* class; a QueueFull adds Retry-After, an Unauthorized adds WWW-Authenticate."""
+Every error body is `{"error": ...}`: a string under Ollama's routes, OpenAI's object under /v1. Status codes come
+from the `status_code` of the errors.* class; a QueueFull adds Retry-After, an Unauthorized adds WWW-Authenticate."""
 
 from __future__ import annotations
 
@@ -36,12 +36,27 @@ def error_headers(exc: Exception) -> dict[str, str]:
     return {}
 
 
-def error_response(exc: Exception) -> JSONResponse:
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "invalid_request_error", 413: "invalid_request_error", 503: "server_overloaded"}
+
+
+def error_json(message: str, status: int, path: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """Ollama's `{"error": "..."}`; under /v1 OpenAI's `{"error": {"message": ..., "type": ...}}`, which its
+    client libraries read."""
+    if path.startswith("/v1/"):
+        body: dict[str, Any] = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"),
+                                          "param": None, "code": status}}
+    else:
+        body = {"error": message}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_response(exc: Exception, path: str = "") -> JSONResponse:
     """The JSON error for any exception: errors.* by their status, anything else a logged 500."""
     if isinstance(exc, LocalLLMError):
-        return JSONResponse({"error": str(exc)}, status_code=exc.status_code, headers=error_headers(exc))
+        return error_json(str(exc), exc.status_code, path, error_headers(exc))
     log.error("unexpected error", exc_info=exc)
-    return JSONResponse({"error": f"internal error: {exc}"}, status_code=500)
+    return error_json(f"internal error: {exc}", 500, path)
 
 
 def describe_validation(exc: RequestValidationError) -> str:
@@ -54,20 +69,20 @@ def describe_validation(exc: RequestValidationError) -> str:
     return f"invalid field {field}: {err.get('msg')}"
 
 
-async def _on_local_error(_: Request, exc: LocalLLMError) -> JSONResponse:
-    return error_response(exc)
+async def _on_local_error(request: Request, exc: LocalLLMError) -> JSONResponse:
+    return error_response(exc, request.url.path)
 
 
-async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return JSONResponse({"error": describe_validation(exc)}, status_code=400)
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_json(describe_validation(exc), 400, request.url.path)
 
 
-async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
-    return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    return error_json(str(exc.detail), exc.status_code, request.url.path, exc.headers)
 
 
-async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-    return error_response(exc)
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(exc, request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

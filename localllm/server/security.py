@@ -78,7 +78,7 @@ class GuardMiddleware:
         try:
             self._check(scope)
         except LocalLLMError as exc:
-            await error_response(exc)(scope, receive, send)
+            await error_response(exc, scope["path"])(scope, receive, send)
             return
         await self.app(scope, self._limited(receive), send)
 
