@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import time
 
+import httpx
 import pytest
 
 from localllm import api
@@ -108,6 +109,18 @@ def test_closing_a_stream_frees_the_slot(http, served):
     assert engine.snapshot().generated_tokens - before < 900
     answer = list(http.generate(api.GenerateRequest(model="smollm2:135m", prompt="Hi", options=SMALL)))
     assert answer[-1].done and answer[-1].done_reason in ("stop", "length")
+
+
+def test_a_client_leaving_a_non_streamed_request_cancels_it(http, served):
+    list(http.generate(api.GenerateRequest(model="smollm2:135m", prompt="Hi", options=SMALL)))
+    engine = served[1].pool.entries()[0].engine
+    before = engine.snapshot().generated_tokens
+    body = {"model": "smollm2:135m", "prompt": "Tell a long story.", "stream": False,
+            "options": {"temperature": 0, "num_predict": 900, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 900 tokens could be ready
+        httpx.post(served[0] + "/api/generate", json=body, timeout=httpx.Timeout(10, read=1.0))
+    wait_until_idle(http, limit=120)
+    assert engine.snapshot().generated_tokens - before < 900
 
 
 def test_api_key(models_home):

@@ -8,7 +8,7 @@ closes the client's iterator, which cancels the request in the engine and frees 
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator, Callable, Generic, Iterator, Optional, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Iterator, Optional, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -81,8 +81,25 @@ class ChunkStream(Generic[T]):
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(_close_iterator, self._iterator, limiter=_STREAM_THREADS)
 
-    async def collect(self) -> list[T]:
-        return [chunk async for chunk in self]
+    async def collect(self, *, disconnected: Optional[Callable[[], Awaitable[bool]]] = None) -> Optional[list[T]]:
+        """All chunks, for a non-streamed answer. With `disconnected` (Request.is_disconnected), a client that
+        leaves while it waits cancels the request too; then the result is None."""
+        if disconnected is None:
+            return [chunk async for chunk in self]
+        chunks: list[T] = []
+        async with anyio.create_task_group() as group:
+            group.start_soon(self._cancel_when_gone, disconnected, group.cancel_scope)
+            async for chunk in self:
+                chunks.append(chunk)
+            group.cancel_scope.cancel()
+            return chunks
+        return None  # cancelled because the client went away
+
+    @staticmethod
+    async def _cancel_when_gone(disconnected: Callable[[], Awaitable[bool]], scope: anyio.CancelScope) -> None:
+        while not await disconnected():
+            await anyio.sleep(0.25)
+        scope.cancel()
 
 
 # ---------------------------------------------------------------------------------------------------------- merging

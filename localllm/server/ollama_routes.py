@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from .. import api, config
 from .chunk_stream import ChunkStream, merge_chat, merge_generate
-from .responses import ndjson_response
+from .responses import client_gone, ndjson_response
 from .state import State
 
 router = APIRouter()
@@ -90,23 +90,25 @@ async def create(body: api.CreateRequest, state: State) -> Response:
 # ---------------------------------------------------------------------------------------------------------- inference
 
 @router.post("/api/generate")
-async def generate(body: api.GenerateRequest, state: State) -> Response:
+async def generate(body: api.GenerateRequest, state: State, http: Request) -> Response:
     if not body.prompt and not body.context and asks_unload(body.keep_alive):
         return await unload(body.model, state)
     chunks = await ChunkStream.open(lambda: state.client.generate(body), observe=state.metrics.observe_chunk)
     if body.stream:
         return ndjson_response(chunks)
-    return json_of(merge_generate(await chunks.collect()))
+    collected = await chunks.collect(disconnected=http.is_disconnected)
+    return json_of(merge_generate(collected)) if collected else client_gone()
 
 
 @router.post("/api/chat")
-async def chat(body: api.ChatRequest, state: State) -> Response:
+async def chat(body: api.ChatRequest, state: State, http: Request) -> Response:
     if not body.messages and asks_unload(body.keep_alive):
         return await unload(body.model, state, chat=True)
     chunks = await ChunkStream.open(lambda: state.client.chat(body), observe=state.metrics.observe_chunk)
     if body.stream:
         return ndjson_response(chunks)
-    return json_of(merge_chat(await chunks.collect()))
+    collected = await chunks.collect(disconnected=http.is_disconnected)
+    return json_of(merge_chat(collected)) if collected else client_gone()
 
 
 async def unload(model: str, state: State, *, chat: bool = False) -> JSONResponse:

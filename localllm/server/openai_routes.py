@@ -3,7 +3,7 @@ render the answer (openai_render). Streams are server-sent events ending in `dat
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from ..errors import ModelNotFound
@@ -11,32 +11,34 @@ from . import openai_render as render
 from .chunk_stream import ChunkStream, merge_chat, merge_generate
 from .openai_requests import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, chat_request,
                               completion_request, embed_request)
-from .responses import sse_response
+from .responses import client_gone, sse_response
 from .state import State
 
 router = APIRouter(prefix="/v1")
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, state: State) -> Response:
+async def chat_completions(body: ChatCompletionRequest, state: State, http: Request) -> Response:
     request = chat_request(body)
     chunks = await ChunkStream.open(lambda: state.client.chat(request), observe=state.metrics.observe_chunk)
     envelope = render.Envelope(model=body.model, prefix="chatcmpl")
     if body.stream:
         events = render.ChatEvents(envelope, include_usage=body.include_usage)
         return sse_response(chunks, lambda s: render.sse_events(s, events))
-    return JSONResponse(render.chat_completion(merge_chat(await chunks.collect()), envelope))
+    collected = await chunks.collect(disconnected=http.is_disconnected)
+    return JSONResponse(render.chat_completion(merge_chat(collected), envelope)) if collected else client_gone()
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, state: State) -> Response:
+async def completions(body: CompletionRequest, state: State, http: Request) -> Response:
     request = completion_request(body)
     chunks = await ChunkStream.open(lambda: state.client.generate(request), observe=state.metrics.observe_chunk)
     envelope = render.Envelope(model=body.model, prefix="cmpl")
     if body.stream:
         events = render.CompletionEvents(envelope, include_usage=body.include_usage)
         return sse_response(chunks, lambda s: render.sse_events(s, events))
-    return JSONResponse(render.text_completion(merge_generate(await chunks.collect()), envelope))
+    collected = await chunks.collect(disconnected=http.is_disconnected)
+    return JSONResponse(render.text_completion(merge_generate(collected), envelope)) if collected else client_gone()
 
 
 @router.post("/embeddings")

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..api import Timings
@@ -100,6 +100,12 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------------- streams
+
+def client_gone() -> Response:
+    """What a handler returns when its client left before the answer was ready (nobody reads it; 499 is nginx's
+    code for that, and it shows in the access log)."""
+    return Response(status_code=499)
+
 
 class StreamResponse(StreamingResponse):
     """A streaming response that always closes its ChunkStream, even when the body never started (client gone)."""
