@@ -32,16 +32,26 @@ def create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional
     target = parse_ref(request.model)
     if target.kind == "file":
         raise InvalidName(f"{request.model!r} is a file path; name the new model like me/mymodel:v1")
-    if request.quantize:
+    if request.quantize and not _wants_mlx(request):
         raise InvalidInput(f"quantize {request.quantize!r} is not supported yet",
-                           hint="create from an already quantized GGUF")
+                           hint="create from an already quantized GGUF, or pass --format mlx to requantize")
     if not request.from_:
         raise InvalidInput("the model to build on is missing (FROM)")
+    if _wants_mlx(request):
+        from .quant.mlx_convert import check_quantize
+
+        check_quantize(request.quantize)  # before the parent is pulled or copied
     api.split_options(request.parameters)  # an unknown parameter name fails here, before anything is written
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     yield api.PullProgress(status="parsing modelfile")
     parent = yield from _resolve_parent(request.from_, store, base)
     fmt, weights = parent.format, parent.weights_spec
+    details = parent.model.details.model_copy(update={"parent_model": parent.label})
+    if _wants_mlx(request) and fmt == "gguf":
+        weights = yield from _convert_to_mlx(parent.model.weights, store, request.quantize)
+        fmt = "mlx"
+        details = details.model_copy(update={"format": "mlx", "quantization_level": (request.quantize or "").upper()
+                                             or details.quantization_level})
     yield api.PullProgress(status=f"using existing layer {weights if isinstance(weights, str) else 'mlx files'}")
     adapters = parent.adapters + [_adapter_digest(path, digest, store, base)
                                   for path, digest in request.adapters.items()]
@@ -55,9 +65,30 @@ def create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional
         license=_pick(request.license, parent.model.license),
         draft=_draft_name(request.draft, base) if request.draft else parent.model.draft,
         adapters=adapters,
-        details=parent.model.details.model_copy(update={"parent_model": parent.label}),
+        details=details,
     )
     yield api.PullProgress(status="success")
+
+
+def _wants_mlx(request: api.CreateRequest) -> bool:
+    """`--format mlx` or a Modelfile's `PARAMETER backend mlx`: store MLX weights, converted from a GGUF parent."""
+    return request.format == "mlx" or request.parameters.get("backend") == "mlx"
+
+
+def _convert_to_mlx(gguf: Path, store: Store, quantize: Optional[str]) -> Iterator[api.PullProgress]:
+    """Convert the parent's GGUF into an MLX folder and add its files as blobs; returns {file name: digest}."""
+    import tempfile
+
+    from .quant.mlx_convert import convert_gguf_to_mlx
+
+    yield api.PullProgress(status="converting to MLX")
+    with tempfile.TemporaryDirectory(prefix="localllm-mlx-") as tmp:
+        folder = convert_gguf_to_mlx(gguf, Path(tmp) / "mlx", quantize=quantize)
+        digests: dict[str, str] = {}
+        for file in sorted(folder.iterdir()):
+            yield api.PullProgress(status=f"writing {file.name}", total=file.stat().st_size)
+            digests[file.name] = store.add_blob_from_file(file)
+        return digests
 
 
 class _Parent:

@@ -70,8 +70,10 @@ def render_model_modelfile(model: ResolvedModel, *, template: Optional[str]) -> 
 
 
 def _inspect(model: ResolvedModel):
-    if model.format != "gguf":
-        return None  # TODO(mlx backend): describe MLX folders from their config.json
+    if model.format == "mlx":
+        from .quant.mlx_convert import inspect_mlx_folder
+
+        return inspect_mlx_folder(model.weights)
     from .quant.gguf import inspect_gguf
 
     return inspect_gguf(model.weights)

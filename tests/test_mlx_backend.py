@@ -417,3 +417,30 @@ def test_quantized_logits_correlate_with_llama_cpp(smollm2_path, smol_mlx):
     finally:
         llama.close()
         mlx.close()
+
+
+@pytest.mark.models
+def test_create_format_mlx_then_chat_answers_paris(smollm2_path, tmp_path, isolated_home):
+    """The acceptance path: `localllm create smollm2-mlx --from <smollm2> --format mlx`, then a chat through the
+    same client, engine and scheduler as llama.cpp models."""
+    from typer.testing import CliRunner
+
+    from localllm import api
+    from localllm.cli import app
+    from localllm.local_client import LocalClient
+
+    link = tmp_path / "smollm2.gguf"
+    link.symlink_to(smollm2_path)
+    created = CliRunner().invoke(app, ["create", "smollm2-mlx", "--from", str(link), "--format", "mlx"],
+                                 catch_exceptions=False)
+    assert created.exit_code == 0, created.output
+    client = LocalClient()
+    try:
+        request = api.ChatRequest(model="smollm2-mlx", stream=True, options={"temperature": 0, "num_predict": 12},
+                                  messages=[api.Message(role="user", content="What is the capital of France?")])
+        chunks = list(client.chat(request))
+        assert "Paris" in "".join(c.message.content for c in chunks)
+        assert chunks[-1].done and chunks[-1].prompt_eval_count > 0
+        assert [m.backend for m in client.ps().models] == ["mlx"]
+    finally:
+        client.close()

@@ -338,3 +338,52 @@ def test_bad_requests_name_the_value(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all" * 10)
     with pytest.raises(ModelFormatError, match="not a readable GGUF"):
         convert_gguf_to_mlx(tmp_path / "junk.gguf", tmp_path / "out")
+
+
+# ------------------------------------------------------------------------------------------------------- create
+
+def _invoke(*args: str):
+    from typer.testing import CliRunner
+
+    from localllm.cli import app
+
+    return CliRunner().invoke(app, list(args), catch_exceptions=False)
+
+
+def test_modelfile_backend_mlx_stores_a_converted_folder(vocab_size, tmp_path, isolated_home):
+    from localllm.store import Store
+
+    export = TinyExport("llama", llama_config(vocab_size), tmp_path / "m.gguf")
+    (tmp_path / "Modelfile").write_text("FROM ./m.gguf\nPARAMETER backend mlx\nPARAMETER temperature 0\n")
+    result = _invoke("create", "tiny-mlx", "-f", str(tmp_path / "Modelfile"))
+    assert result.exit_code == 0 and "converting to MLX" in result.output
+    stored = Store().resolve("tiny-mlx")
+    assert stored.format == "mlx" and stored.weights.is_dir() and stored.parameters["backend"] == "mlx"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in stored.weights.iterdir()}
+    tokens = [5, 17, 42, 99]
+    np.testing.assert_allclose(_incremental_logits(stored.weights, tokens), _reference_logits(export, tokens),
+                               atol=2e-4, rtol=1e-4)
+    shown = _invoke("show", "tiny-mlx").output
+    assert "mlx" in shown and "<|im_start|>" in shown and "256" in shown  # format, template, context length
+
+
+def test_create_from_with_format_mlx_and_quantize(vocab_size, tmp_path, isolated_home):
+    from localllm.store import Store
+
+    TinyExport("llama", llama_config(vocab_size), tmp_path / "m.gguf")
+    result = _invoke("create", "tiny-q8", "--from", str(tmp_path / "m.gguf"), "--format", "mlx", "--quantize", "q8")
+    assert result.exit_code == 0
+    stored = Store().resolve("tiny-q8")
+    assert stored.details.format == "mlx" and stored.details.quantization_level == "Q8"
+    assert json.loads((stored.weights / "config.json").read_text())["quantization"]["bits"] == 4  # Q4_0 q_proj kept
+
+
+def test_create_refuses_unknown_format_and_mlx_quantize(vocab_size, tmp_path, isolated_home):
+    from localllm.store import Store
+
+    TinyExport("llama", llama_config(vocab_size), tmp_path / "m.gguf")
+    bad_format = _invoke("create", "x", "--from", str(tmp_path / "m.gguf"), "--format", "onnx")
+    assert bad_format.exit_code == 1 and "format 'onnx'" in bad_format.output
+    bad_quant = _invoke("create", "x", "--from", str(tmp_path / "m.gguf"), "--format", "mlx", "--quantize", "q3")
+    assert bad_quant.exit_code == 1 and "'q3'" in bad_quant.output and "Traceback" not in bad_quant.output
+    assert not Store().root.exists() or not any(Store().root.rglob("sha256-*"))  # nothing copied in

@@ -65,6 +65,9 @@ def _prefer_float32_on_cpu(model) -> None:
     # GPUs half precision is the fast path, so only the CPU build is changed.
     if mx.default_device().type == mx.cpu:
         model.set_dtype(mx.float32)
+        # Evaluate the casts now: a lazy array belongs to this thread's stream, and the engine thread that decodes
+        # later cannot evaluate it ("There is no Stream(cpu, 0) in current thread").
+        mx.eval(model.parameters())
 
 
 def _check_cache_kinds(model, config: dict) -> None:

@@ -108,18 +108,28 @@ def cp(source: str = typer.Argument(..., help="stored model"),
 
 @app.command()
 def create(name: str = typer.Argument(..., help="name of the new model, e.g. me/assistant:v1"),
-           file: Path = typer.Option(Path("Modelfile"), "--file", "-f", help="the Modelfile"),
-           quantize: Optional[str] = typer.Option(None, "--quantize", "-q", help="quantize to TYPE (not supported "
-                                                                                 "yet)")):
-    """Create a model from a Modelfile."""
+           file: Optional[Path] = typer.Option(None, "--file", "-f", help="the Modelfile (default ./Modelfile)"),
+           from_: Optional[str] = typer.Option(None, "--from", help="the model to build on (FROM, without a "
+                                                                   "Modelfile)"),
+           fmt: Optional[str] = typer.Option(None, "--format", help="weights format: gguf, or mlx to convert"),
+           quantize: Optional[str] = typer.Option(None, "--quantize", "-q", help="quantize to TYPE (with --format "
+                                                                                 "mlx: f32, f16, bf16, q8, q4)")):
+    """Create a model from a Modelfile, or from another model with --from."""
     from ..create import create_model
     from ..modelfile import parse_modelfile
 
-    if not file.is_file():
-        raise InvalidInput(f"no Modelfile at {file}", hint="pass one with -f PATH")
-    request = parse_modelfile(file.read_text(encoding="utf-8"))
-    request = request.model_copy(update={"model": name, "quantize": quantize})
-    render_pull(create_model(request, _store(), base_dir=file.resolve().parent))
+    if fmt not in (None, "gguf", "mlx"):
+        raise InvalidInput(f"format {fmt!r} is not known", hint="use gguf or mlx")
+    if from_ is not None and file is None:
+        request, base = api.CreateRequest(model=name, **{"from": from_}), Path.cwd()
+    else:
+        file = file or Path("Modelfile")
+        if not file.is_file():
+            raise InvalidInput(f"no Modelfile at {file}", hint="pass one with -f PATH, or name a model with --from")
+        request, base = parse_modelfile(file.read_text(encoding="utf-8")), file.resolve().parent
+    update = {"model": name, "quantize": quantize, "format": fmt or request.format}
+    request = request.model_copy(update={**update, **({"from_": from_} if from_ else {})})
+    render_pull(create_model(request, _store(), base_dir=base))
 
 
 # ---------------------------------------------------------------------------------------------------------- verify

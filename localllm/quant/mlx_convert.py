@@ -412,6 +412,45 @@ def tokenizer_config(meta: _Metadata, tokens: list[str]) -> dict[str, Any]:
     return {key: value for key, value in config.items() if value is not None}
 
 
+# ------------------------------------------------------------------------------------------------------- reading back
+
+@dataclass(frozen=True)
+class MlxFolderInfo:
+    """What `show` tells about an MLX folder, read from its JSON files (no mlx import, no weights read)."""
+
+    config: dict[str, Any]
+    chat_template: Optional[str]
+    license: Optional[str] = None
+
+    def model_info(self) -> dict[str, Any]:
+        """Ollama-style model_info keys, named like the GGUF ones so `show` reads both the same way."""
+        arch = str(self.config.get("model_type", "unknown"))
+        keys = {"context_length": "max_position_embeddings", "embedding_length": "hidden_size",
+                "block_count": "num_hidden_layers", "feed_forward_length": "intermediate_size",
+                "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+                "vocab_size": "vocab_size"}
+        info: dict[str, Any] = {"general.architecture": arch, "general.format": "mlx"}
+        info.update({f"{arch}.{key}": self.config[name] for key, name in keys.items() if name in self.config})
+        if "quantization" in self.config:
+            info["general.quantization"] = self.config["quantization"]
+        return info
+
+
+def inspect_mlx_folder(folder: Path) -> MlxFolderInfo:
+    """Read config.json and the chat template of an MLX folder; ModelFormatError when config.json is unusable."""
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelFormatError(f"MLX folder {folder} has no readable config.json: {exc}") from None
+    template = None
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    elif (folder / "tokenizer_config.json").is_file():
+        template = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+    return MlxFolderInfo(config=config, chat_template=template if isinstance(template, str) else None)
+
+
 # ------------------------------------------------------------------------------------------------------- writing
 
 def _write_json(path: Path, value: dict) -> None:
@@ -441,6 +480,14 @@ def _verify_folder(folder: Path, arrays: dict[str, Any]) -> None:
         json.loads((folder / name).read_text(encoding="utf-8"))
 
 
+def _require_mlx() -> None:
+    try:
+        import mlx.core  # noqa: F401  (writes the safetensors and requantizes)
+    except ImportError as exc:
+        raise BackendUnavailable(f"converting to MLX needs mlx ({exc.name} is missing)",
+                                 hint="pip install 'localllm[mlx]'") from None
+
+
 def _open_reader(gguf_path: Path):
     from gguf import GGUFReader
 
@@ -452,10 +499,15 @@ def _open_reader(gguf_path: Path):
         raise ModelFormatError(f"{gguf_path} is not a readable GGUF file: {exc}") from None
 
 
-def _check_request(out_dir: Path, quantize: Optional[str]) -> None:
+def check_quantize(quantize: Optional[str]) -> None:
+    """InvalidInput naming `quantize` unless it is None or one of QUANTIZE_CHOICES."""
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise InvalidInput(f"quantize {quantize!r} is not available for MLX output",
                            hint=f"use one of {', '.join(QUANTIZE_CHOICES)}, or none to keep the GGUF's own")
+
+
+def _check_request(out_dir: Path, quantize: Optional[str]) -> None:
+    check_quantize(quantize)
     if out_dir.exists():
         raise InvalidInput(f"output folder {out_dir} already exists", hint="choose a new folder")
 
@@ -474,6 +526,7 @@ def convert_gguf_to_mlx(gguf_path: Path, out_dir: Path, *, quantize: Optional[st
     """
     out_dir = Path(out_dir)
     _check_request(out_dir, quantize)
+    _require_mlx()
     reader = _open_reader(Path(gguf_path))
     meta = _Metadata(reader)
     spec = _ARCHS.get(meta.arch)
