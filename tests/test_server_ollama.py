@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
+import jsonschema
 import ollama
 import pytest
 
@@ -74,6 +77,13 @@ def test_generate_raw_and_json_format(api):
     shaped = api.generate(model="smollm2:135m", prompt="Give a JSON object with a name.", format="json",
                           options={"temperature": 0, "num_predict": 40})
     assert shaped.response.lstrip().startswith("{")
+
+
+def test_chat_format_schema_validates(api):
+    schema = {"type": "object", "required": ["city"], "additionalProperties": False,
+              "properties": {"city": {"type": "string", "maxLength": 24}}}
+    reply = api.chat(model="smollm2:135m", messages=PARIS, format=schema, options={"temperature": 0, "num_predict": 40})
+    jsonschema.validate(json.loads(reply.message.content), schema)
 
 
 def test_embed_and_legacy_embeddings(api):

@@ -100,7 +100,9 @@ def test_errors_are_json(serve):
 def test_metrics_and_health(serve):
     with serve() as url:
         get(url, "/api/tags")
+        get(url, "/api/tags", headers={"host": "rebound.example"})
         assert get(url, "/health").json() == {"status": "ok"}
         text = get(url, "/metrics").text
         assert 'localllm_requests_total{method="GET",route="/api/tags",status="200"} 1.0' in text
+        assert 'localllm_requests_total{method="GET",route="unmatched",status="403"} 1.0' in text  # refusals count
         assert "localllm_models_loaded 0.0" in text

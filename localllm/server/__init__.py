@@ -1,0 +1,1 @@
+"""The REST server: Ollama's API and OpenAI's on one local port. `create_app(client)` in app.py builds it."""

@@ -1,7 +1,8 @@
 """The REST server: `create_app(client)` builds the FastAPI app that serves Ollama's API and OpenAI's on one port.
 
 Handlers only go through the Client interface (client.py); nothing here imports an engine or a backend. Middleware,
-outermost first: the guard (Host, key, body size), CORS for configured origins only, the access log and metrics."""
+outermost first: the access log and request metrics, CORS for configured origins only, the guard (Host, key, body
+size)."""
 
 from __future__ import annotations
 
@@ -85,12 +86,12 @@ def create_app(client: Optional[Client] = None, *, bound_host: Optional[str] = N
     app.include_router(service)
     app.include_router(ollama_routes.router)
     app.include_router(openai_routes.router)
-    # add_middleware wraps, so the last added runs first.
+    # add_middleware wraps, so the last added runs first: access log, CORS, guard, then the JSON relabelling.
     app.add_middleware(AssumeJson)
-    app.add_middleware(AccessLog, metrics=state.metrics)
-    origins = config.ORIGINS.get()
-    if origins:
-        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(GuardMiddleware, settings=GuardSettings.from_config(bound_host))
+    origins = config.ORIGINS.get()
+    if origins:  # outside the guard, so an allowed page can read the guard's errors too
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(AccessLog, metrics=state.metrics)
     return app
 

@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Iterator, O
 
 import anyio
 import anyio.to_thread
+from anyio.lowlevel import RunVar
 
 from .. import api
 
@@ -21,8 +22,17 @@ T = TypeVar("T")
 _END = object()
 
 # Waiting for a token is not CPU work; a dedicated limiter keeps many slow streams from starving the default thread
-# pool that FastAPI uses for plain `def` handlers.
-_STREAM_THREADS = anyio.CapacityLimiter(512)
+# pool that FastAPI uses for plain `def` handlers. One per event loop, as anyio keeps its own default limiter.
+_STREAM_THREADS: RunVar[anyio.CapacityLimiter] = RunVar("localllm_stream_threads")
+
+
+def _stream_threads() -> anyio.CapacityLimiter:
+    try:
+        return _STREAM_THREADS.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(512)
+        _STREAM_THREADS.set(limiter)
+        return limiter
 
 
 def _next_or_end(iterator: Iterator[Any]) -> Any:
@@ -48,7 +58,7 @@ class ChunkStream(Generic[T]):
     async def open(cls, make: Callable[[], Iterator[T]], *,
                    observe: Optional[Callable[[T], None]] = None) -> "ChunkStream[T]":
         """Start the request and wait for its first chunk; errors before any output raise here."""
-        iterator = await anyio.to_thread.run_sync(make, limiter=_STREAM_THREADS)
+        iterator = await anyio.to_thread.run_sync(make, limiter=_stream_threads())
         stream = cls(iterator, _END, observe)
         try:
             stream._first = await stream._pull()
@@ -58,7 +68,7 @@ class ChunkStream(Generic[T]):
         return stream
 
     async def _pull(self) -> Any:
-        chunk = await anyio.to_thread.run_sync(_next_or_end, self._iterator, limiter=_STREAM_THREADS)
+        chunk = await anyio.to_thread.run_sync(_next_or_end, self._iterator, limiter=_stream_threads())
         if chunk is not _END and self._observe is not None:
             self._observe(chunk)
         return chunk
@@ -79,7 +89,7 @@ class ChunkStream(Generic[T]):
         # Shielded: this runs when the client has gone and the task is being cancelled, which is exactly when the
         # engine must hear about it.
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(_close_iterator, self._iterator, limiter=_STREAM_THREADS)
+            await anyio.to_thread.run_sync(_close_iterator, self._iterator, limiter=_stream_threads())
 
     async def collect(self, *, disconnected: Optional[Callable[[], Awaitable[bool]]] = None) -> Optional[list[T]]:
         """All chunks, for a non-streamed answer. With `disconnected` (Request.is_disconnected), a client that
