@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import socket
 
-import typer
-
 from .. import config
 from ..errors import LocalLLMError
 from .app import app, console
