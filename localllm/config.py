@@ -120,8 +120,8 @@ NUM_THREAD = Setting("LOCALLLM_NUM_THREAD", "CPU threads for decoding (default: 
                      parse_positive_int, _default_threads)
 KV_CACHE_TYPE = Setting("LOCALLLM_KV_CACHE_TYPE", "KV cache type: f16, q8_0 or q4_0",
                         lambda raw: _one_of(raw, ("f16", "q8_0", "q4_0")), lambda: "f16")
-FLASH_ATTENTION = Setting("LOCALLLM_FLASH_ATTENTION", "use flash attention where the backend has it", parse_bool,
-                          lambda: False)
+FLASH_ATTENTION = Setting("LOCALLLM_FLASH_ATTENTION", "flash attention on/off (default: the backend decides)",
+                          parse_bool, lambda: None)
 ORIGINS = Setting("LOCALLLM_ORIGINS", "comma-separated origins allowed by CORS (none by default)", parse_list,
                   lambda: [])
 ALLOWED_HOSTS = Setting("LOCALLLM_ALLOWED_HOSTS", "extra Host header names accepted besides loopback", parse_list,

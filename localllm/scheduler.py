@@ -44,6 +44,7 @@ class Request:
     draft: list[int] = field(default_factory=list)  # draft tokens in the current step
     n_drafted: int = 0
     n_accepted: int = 0
+    n_draft_steps: int = 0  # steps whose decode row carried drafts
 
     @property
     def finished(self) -> bool:
@@ -84,7 +85,8 @@ class Scheduler:
     # ----------------------------------------------------------------------------------------------- intake
 
     def admit(self, request: Request) -> None:
-        if len(self.waiting) >= self.max_queue:
+        # Waiting requests take the free slots at the next schedule(); only the rest count against the queue.
+        if len(self.waiting) >= self.max_queue + len(self.table.free()):
             raise QueueFull(f"{len(self.waiting)} requests are already waiting for a slot",
                             hint="retry shortly, or raise LOCALLLM_MAX_QUEUE / LOCALLLM_NUM_PARALLEL")
         self.waiting.append(request)

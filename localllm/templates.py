@@ -18,13 +18,13 @@ from .errors import InvalidInput
 
 # For models that ship no chat template (base models): a transcript the model can continue.
 PLAIN_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'system' -%}{{ m.content }}\n\n"
-    "{%- elif m.role == 'user' -%}User: {{ m.content }}\n"
-    "{%- elif m.role == 'tool' -%}Tool result: {{ m.content }}\n"
-    "{%- else -%}Assistant: {{ m.content }}\n{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}Assistant:{%- endif -%}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}{{ m.content ~ '\\n\\n' }}"
+    "{% elif m.role == 'user' %}{{ 'User: ' ~ m.content ~ '\\n' }}"
+    "{% elif m.role == 'tool' %}{{ 'Tool result: ' ~ m.content ~ '\\n' }}"
+    "{% else %}{{ 'Assistant: ' ~ m.content ~ '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 
 

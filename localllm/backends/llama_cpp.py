@@ -60,6 +60,9 @@ def _load_weights(path: Path, options: LoadOptions):
     # num_gpu None means "all layers that fit": llama.cpp clamps a large count to the model's layers.
     params.n_gpu_layers = 999 if options.num_gpu is None or options.num_gpu < 0 else options.num_gpu
     params.use_mmap = options.use_mmap
+    # Weights with MTP (nextn) layers bring their heads for speculative decoding (speculative.py); the trunk's own
+    # context never runs them, and files without them are unaffected.
+    params.load_mtp = True
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise ModelFormatError(f"llama.cpp could not load {path}",
@@ -84,9 +87,13 @@ def _context_params(options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings:
     params.type_k = kv
     params.type_v = kv
     flash = options.flash_attn if options.flash_attn is not None else config.FLASH_ATTENTION.get()
-    # A quantized V cache needs flash attention in llama.cpp; turn it on rather than fail.
-    params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash or kv != llama_cpp.GGML_TYPE_F16
-                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    # A quantized V cache needs flash attention in llama.cpp; turn it on rather than fail. Unset: llama.cpp decides.
+    if flash or kv != llama_cpp.GGML_TYPE_F16:
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    elif flash is False:
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    else:
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
     params.embeddings = embeddings
     if embeddings:
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
@@ -150,6 +157,7 @@ class LlamaCppModel:
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._embed_ctx = None
         self._piece_cache: dict[int, bytes] = {}
+        self._eog: Optional[list[int]] = None
 
     # ----------------------------------------------------------------------------------------------- text
 
@@ -180,6 +188,12 @@ class LlamaCppModel:
         """The token's own text, special tokens included (for templates that write BOS/EOS themselves)."""
         text = llama_cpp.llama_vocab_get_text(self._vocab, token)
         return text.decode("utf-8", "replace") if text else ""
+
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token (EOS, EOT, ...), found once: ignore_eos bans them all, as llama.cpp does."""
+        if self._eog is None:
+            self._eog = [t for t in range(self.meta.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)]
+        return self._eog
 
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
@@ -325,7 +339,7 @@ def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: Optional[
             biases[i].token, biases[i].bias = int(tok), float(bias)
         yield llama_cpp.llama_sampler_init_logit_bias(model.meta.n_vocab, len(opts.logit_bias), biases)
     if opts.ignore_eos:
-        eog = [t for t in (model.meta.eos_token,) if t is not None]
+        eog = model.eog_tokens()
         biases = (llama_cpp.llama_logit_bias * len(eog))()
         for i, tok in enumerate(eog):
             biases[i].token, biases[i].bias = tok, float("-inf")

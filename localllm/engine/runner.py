@@ -67,6 +67,7 @@ class EngineStats:
     generated_tokens: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    draft_steps: int = 0  # verification steps that carried drafts: accepted_tokens / draft_steps is the mean run
     decode_seconds: float = 0.0
 
 
@@ -118,6 +119,9 @@ class ModelEngine:
         self.load_seconds = load_seconds
         self.max_queue = max_queue
         self._make_drafter = make_drafter
+        # A drafter factory with its own caches (speculative.Speculation) follows every decode and is freed here.
+        self._observe_decode = getattr(make_drafter, "observe", None)
+        self._close_drafters = getattr(make_drafter, "close", None)
         n_batch = num_batch or getattr(model, "n_batch", 512)
         self._scheduler = Scheduler(n_slots=model.n_seq, n_ctx=model.n_ctx, n_batch=n_batch, max_queue=max_queue)
         self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -131,6 +135,8 @@ class ModelEngine:
     # ----------------------------------------------------------------------------------------------- any thread
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        if self._closed:
+            raise Cancelled("the model was unloaded")
         return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def submit(self, params: GenerationParams) -> Stream:
@@ -197,6 +203,8 @@ class ModelEngine:
             self._fail_all(exc if isinstance(exc, LocalLLMError) else LocalLLMError(f"engine failed: {exc}"))
         finally:
             self._fail_all(Cancelled("the model was unloaded"))
+            if self._close_drafters is not None:
+                self._close_drafters()
             self.model.close()
 
     def _serve_inbox(self, *, block: bool) -> bool:
@@ -235,8 +243,14 @@ class ModelEngine:
         """Ask each generating request's drafter for this step's draft tokens (speculative decoding)."""
         busy = len(self._scheduler.running)
         for req in self._scheduler.decoding():
-            if req.drafter is not None:
+            if req.drafter is None:
+                continue
+            try:
                 req.draft = req.drafter.propose(req.prompt + req.generated, busy_slots=busy)
+            except LocalLLMError as exc:  # speculation only saves time: the request goes on without it
+                log.warning("speculation off for request %d: %s", req.id, exc)
+                req.drafter.close()
+                req.drafter, req.draft = None, []
 
     def _run_step(self, step: Step) -> None:
         self._apply_cache_ops(step)
@@ -248,6 +262,8 @@ class ModelEngine:
                 self._scheduler.finish(work.request, "error")
                 self._close_request(work.request, exc)
             return
+        if self._observe_decode is not None:
+            self._observe_decode(step, time.perf_counter() - t0)
         sampled = self._sample(step)
         self.stats.decode_seconds += time.perf_counter() - t0
         self._scheduler.update(step, sampled)
@@ -274,6 +290,7 @@ class ModelEngine:
             tokens = self._verify(req.sampler, work.rows, work.draft)
             req.n_drafted += len(work.draft)
             req.n_accepted += min(len(tokens) - 1, len(work.draft))
+            req.n_draft_steps += bool(work.draft)
             if req.drafter is not None:
                 req.drafter.feedback(drafted=len(work.draft), accepted=min(len(tokens) - 1, len(work.draft)))
             if req.sink.logprobs is not None:
@@ -368,6 +385,7 @@ class ModelEngine:
         s.generated_tokens += len(req.generated)
         s.draft_tokens += req.n_drafted
         s.accepted_tokens += req.n_accepted
+        s.draft_steps += req.n_draft_steps
 
     def _timings(self, req: Request) -> Timings:
         out: _Output = req.sink
@@ -382,7 +400,8 @@ class ModelEngine:
             total_duration=ns(end - out.t_submit), prompt_eval_count=len(req.prompt),
             prompt_eval_duration=ns(first - start), eval_count=len(req.generated), eval_duration=ns(end - first),
             prompt_cache_count=req.n_cached, truncated_tokens=out.truncated, draft_count=req.n_drafted,
-            draft_accepted=req.n_accepted)
+            draft_accepted=req.n_accepted,
+            draft_mean_accepted=round(req.n_accepted / req.n_draft_steps, 3) if req.n_draft_steps else 0.0)
 
     def _close_request(self, req: Request, exc: BaseException) -> None:
         req.sink.outbox.put(exc)

@@ -1,0 +1,347 @@
+"""Benchmarks as ratios against a reference measured in the same process: the raw llama.cpp decode loop through
+llama-cpp-python's low-level API (no scheduler, greedy sampling, the same model, threads and tokens).
+
+Used by `localllm bench MODEL` and scripts/bench.py (which also writes docs/BENCHMARKS.md), and by the tests that check
+our engine's greedy output equals the raw loop token for token."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import llama_cpp
+
+from .api import LoadOptions, SamplingOptions
+from .backends.llama_cpp import LlamaCppBackend, _init_backend
+from .engine.runner import GenerationParams, ModelEngine
+
+
+# --------------------------------------------------------------------------------------------------- raw reference
+
+class RawLoop:
+    """The reference: one llama_context, a greedy C sampler, llama_decode in a plain loop. Nothing of ours."""
+
+    def __init__(self, path: Path, *, n_ctx: int, n_seq: int = 1, threads: int = 1, n_batch: int = 512,
+                 ignore_eos: bool = False):
+        _init_backend()
+        mparams = llama_cpp.llama_model_default_params()
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx, cparams.n_seq_max = n_ctx * n_seq, n_seq
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.batch = llama_cpp.llama_batch_init(max(n_batch, n_seq), 0, 1)
+        self.n_batch = n_batch
+        chain = llama_cpp.llama_sampler_chain_default_params()
+        self.sampler = llama_cpp.llama_sampler_chain_init(chain)
+        if ignore_eos:
+            self._ban_eog()
+        llama_cpp.llama_sampler_chain_add(self.sampler, llama_cpp.llama_sampler_init_greedy())
+
+    def _ban_eog(self) -> None:
+        n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        eog = [t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
+        biases = (llama_cpp.llama_logit_bias * len(eog))()
+        for i, tok in enumerate(eog):
+            biases[i].token, biases[i].bias = tok, float("-inf")
+        llama_cpp.llama_sampler_chain_add(self.sampler, llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(eog), biases))
+
+    def tokenize(self, text: str) -> list[int]:
+        data = text.encode()
+        buf = (llama_cpp.llama_token * (len(data) + 16))()
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, len(buf), True, True)
+        return list(buf[:n])
+
+    def _decode(self, rows: Sequence[tuple[int, int, int, bool]]) -> None:
+        b = self.batch
+        b.n_tokens = len(rows)
+        for i, (tok, pos, seq, logits) in enumerate(rows):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, logits
+            b.seq_id[i][0] = seq
+        if llama_cpp.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("raw llama_decode failed")
+
+    def prefill(self, prompt: Sequence[int], seq: int = 0) -> None:
+        for start in range(0, len(prompt), self.n_batch):
+            chunk = prompt[start:start + self.n_batch]
+            self._decode([(t, start + i, seq, start + i == len(prompt) - 1) for i, t in enumerate(chunk)])
+
+    def _sample(self, row: int) -> Optional[int]:
+        tok = llama_cpp.llama_sampler_sample(self.sampler, self.ctx, row)
+        return None if llama_cpp.llama_vocab_is_eog(self.vocab, tok) else tok
+
+    def generate(self, prompt: Sequence[int], n: int, *, on_token: Optional[Callable[[], None]] = None) -> list[int]:
+        """Greedy tokens for one sequence (stops at end-of-generation)."""
+        return self.generate_batched([prompt], n, on_token=on_token)[0]
+
+    def generate_batched(self, prompts: Sequence[Sequence[int]], n: int, *, together: bool = False,
+                         on_token: Optional[Callable[[], None]] = None) -> list[list[int]]:
+        """Greedy tokens for several sequences decoded together: one token per live sequence per llama_decode.
+        `together` prefills all prompts in one batch (as our scheduler does when they arrive at once) instead of one
+        after another; llama.cpp's numerics depend on the batch's make-up for some models (gemma3).
+        `on_token` is called after each sampling round (the benchmark's clock starts at the first)."""
+        self.clear()
+        outs: list[list[int]] = [[] for _ in prompts]
+        nxt: dict[int, int] = {}
+        for seq, tok in self._prefill_all(prompts, together):
+            if tok is not None:
+                outs[seq].append(tok)
+                nxt[seq] = tok
+        if on_token:
+            on_token()
+        positions = [len(p) for p in prompts]
+        while True:
+            live = [seq for seq in sorted(nxt) if len(outs[seq]) < n]
+            if not live:
+                return outs
+            self._decode([(nxt[seq], positions[seq], seq, True) for seq in live])
+            for row, seq in enumerate(live):
+                positions[seq] += 1
+                tok = self._sample(row)
+                if tok is None:
+                    del nxt[seq]
+                else:
+                    outs[seq].append(tok)
+                    nxt[seq] = tok
+            if on_token:
+                on_token()
+
+    def _prefill_all(self, prompts: Sequence[Sequence[int]], together: bool) -> Iterator[tuple[int, Optional[int]]]:
+        """Prefill every prompt and yield (seq, first token), sampled before the next decode overwrites logits."""
+        if not together:
+            for seq, prompt in enumerate(prompts):
+                self.prefill(prompt, seq)
+                yield seq, self._sample(-1)
+            return
+        rows = [(t, pos, seq, pos == len(p) - 1) for seq, p in enumerate(prompts) for pos, t in enumerate(p)]
+        if len(rows) > self.n_batch:
+            raise ValueError(f"{len(rows)} prompt tokens do not fit one batch of {self.n_batch}")
+        self._decode(rows)
+        last_rows = [i for i, row in enumerate(rows) if row[3]]
+        for seq, row in enumerate(last_rows):
+            yield seq, self._sample(row)
+
+    def clear(self) -> None:
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
+
+    def close(self) -> None:
+        llama_cpp.llama_sampler_free(self.sampler)
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.ctx)
+        llama_cpp.llama_model_free(self.model)
+
+
+# --------------------------------------------------------------------------------------------------- figures
+
+@dataclass
+class Figure:
+    """One benchmark line: ours against the reference measured in the same run."""
+
+    name: str
+    ours: float
+    reference: float
+    unit: str
+    target: float  # the ratio ours/reference must reach (or stay under, when `lower_is_better`)
+    lower_is_better: bool = False
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.ours / self.reference if self.reference else float("nan")
+
+    @property
+    def met(self) -> bool:
+        return self.ratio <= self.target if self.lower_is_better else self.ratio >= self.target
+
+
+LONG_STORY = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
+FOUR_PROMPTS = ("Write a long story about a dragon.", "Explain how a steam engine works, in detail.",
+                "List one hundred animals and describe each one.", "Write a long poem about the sea.")
+
+
+def _shared_prefix_text(target_tokens: int, tokenize: Callable[[str], list[int]]) -> str:
+    """A system prompt of about `target_tokens` tokens (a product manual), as a long shared chat prefix."""
+    paragraph = ("Section {i}. The device must be cleaned weekly with a dry cloth. Do not immerse it in water. "
+                 "If the status light blinks red, hold the reset button for ten seconds and wait for green. ")
+    text, i = "", 0
+    while len(tokenize(text)) < target_tokens:
+        text += paragraph.format(i=i)
+        i += 1
+    return text
+
+
+@contextmanager
+def busy_core() -> Iterator[None]:
+    """Keep one core busy with a spinning process (the 'other work' of the contention figure)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+
+    def tick(self) -> None:
+        self.marks.append(time.perf_counter())
+
+    def rate(self, tokens: int) -> float:
+        """Tokens per second after the first mark (so prefill is excluded)."""
+        span = self.marks[-1] - self.marks[0] if len(self.marks) > 1 else 0.0
+        return tokens / span if span > 0 else 0.0
+
+
+def raw_decode_rate(path: Path, prompt: list[int], n: int, *, threads: int, n_ctx: int) -> tuple[float, list[int]]:
+    loop = RawLoop(path, n_ctx=n_ctx, threads=threads)
+    try:
+        clock = _Clock()
+        out = loop.generate(prompt, n, on_token=clock.tick)
+        return clock.rate(len(out) - 1), out
+    finally:
+        loop.close()
+
+
+def raw_batched_rate(path: Path, prompts: list[list[int]], n: int, *, threads: int, n_ctx: int) -> float:
+    loop = RawLoop(path, n_ctx=n_ctx, n_seq=len(prompts), threads=threads)
+    try:
+        clock = _Clock()
+        outs = loop.generate_batched(prompts, n, on_token=clock.tick)
+        return clock.rate(sum(len(o) - 1 for o in outs))
+    finally:
+        loop.close()
+
+
+def raw_prefill_rate(path: Path, prompt: list[int], *, threads: int, n_ctx: int) -> float:
+    loop = RawLoop(path, n_ctx=n_ctx, threads=threads)
+    try:
+        loop.prefill(prompt[:8])  # warm up the graph allocation
+        loop.clear()
+        t0 = time.perf_counter()
+        loop.prefill(prompt)
+        return len(prompt) / (time.perf_counter() - t0)
+    finally:
+        loop.close()
+
+
+@dataclass
+class EngineRun:
+    tokens: list[list[int]] = field(default_factory=list)
+    first: list[float] = field(default_factory=list)
+    last: list[float] = field(default_factory=list)
+    submitted: float = 0.0
+
+    def rate(self) -> float:
+        start = min(self.first)
+        return sum(len(t) - 1 for t in self.tokens) / (max(self.last) - start)
+
+    def ttft(self) -> float:
+        return min(self.first) - self.submitted
+
+
+def make_engine(path: Path, *, threads: Optional[int], n_ctx: int, n_slots: int = 1) -> ModelEngine:
+    opts = LoadOptions(num_thread=threads, num_ctx=n_ctx, num_parallel=n_slots)
+    model = LlamaCppBackend().load(path, opts, n_seq=n_slots, n_ctx=n_ctx)
+    return ModelEngine(model, max_queue=16)
+
+
+def engine_run(engine: ModelEngine, prompts: list[list[int]], n: int, **sampling) -> EngineRun:
+    opts = SamplingOptions(temperature=0, num_predict=n, spec_type="none", **sampling)
+    run = EngineRun(submitted=time.perf_counter())
+    streams = [engine.submit(GenerationParams(list(p), opts)) for p in prompts]
+    threads = [threading.Thread(target=_drain, args=(s, run, i)) for i, s in enumerate(streams)]
+    run.tokens, run.first, run.last = [[] for _ in prompts], [0.0] * len(prompts), [0.0] * len(prompts)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return run
+
+
+def _drain(stream, run: EngineRun, i: int) -> None:
+    for chunk in stream:
+        if chunk.tokens:
+            now = time.perf_counter()
+            run.first[i] = run.first[i] or now
+            run.last[i] = now
+            run.tokens[i].extend(chunk.tokens)
+
+
+def run_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: Optional[int] = None,
+                   log: Callable[[str], None] = print) -> list[Figure]:
+    """Every figure of the engine benchmark for one GGUF model. `threads`: our engine's (default: its own)."""
+    from . import config
+    from .templates import render_chat
+
+    engine = make_engine(path, threads=threads, n_ctx=n_ctx)
+    ours_threads = threads or config.NUM_THREAD.get()
+    template = engine.model.meta.chat_template
+
+    def chat_tokens(messages: list[dict]) -> list[int]:
+        return engine.tokenize(render_chat(template, messages))
+
+    story = chat_tokens([{"role": "user", "content": LONG_STORY}])
+    figures = []
+    try:
+        log("single stream: raw at 1 and 2 threads, then ours")
+        raw = {t: raw_decode_rate(path, story, n, threads=t, n_ctx=n_ctx)[0] for t in (1, 2)}
+        best_t = max(raw, key=raw.get)
+        ours = engine_run(engine, [story], n).rate()
+        figures.append(Figure("single stream decode", ours, raw[best_t], "tok/s", 0.97,
+                              note=f"raw best of 1 and 2 threads ({best_t} won: 1t {raw[1]:.1f}, 2t {raw[2]:.1f}); "
+                                   f"ours {ours_threads} thread(s)"))
+        log("prefill")
+        prefix = _shared_prefix_text(1500, engine.tokenize)
+        long_prompt = chat_tokens([{"role": "system", "content": prefix}, {"role": "user", "content": "Summarise."}])
+        raw_prefill = raw_prefill_rate(path, long_prompt, threads=best_t, n_ctx=n_ctx)
+        first_turn = engine_run(engine, [long_prompt], 16)
+        figures.append(Figure("prefill", len(long_prompt) / first_turn.ttft(), raw_prefill, "tok/s", 0.97,
+                              note=f"{len(long_prompt)}-token prompt; ours is time to first token"))
+        log("second chat turn over the shared prefix")
+        answer = engine.model.token_bytes  # only to keep the answer text exact below
+        reply = b"".join(answer(t) for t in first_turn.tokens[0]).decode("utf-8", "replace")
+        second = chat_tokens([{"role": "system", "content": prefix}, {"role": "user", "content": "Summarise."},
+                              {"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter."}])
+        second_turn = engine_run(engine, [second], 16)
+        figures.append(Figure("second-turn time to first token", second_turn.ttft() * 1000,
+                              first_turn.ttft() * 1000, "ms", 0.1, lower_is_better=True,
+                              note=f"{len(long_prompt)}-token shared prefix; reference is our first turn"))
+        log("one core busy")
+        idle = engine_run(engine, [story], n).rate()
+        with busy_core():
+            busy = engine_run(engine, [story], n).rate()
+        figures.append(Figure("decode with one core busy", busy, idle, "tok/s", 0.4,
+                              note=f"ours with {ours_threads} thread(s); reference is ours idle"))
+        four = [chat_tokens([{"role": "user", "content": p}]) for p in FOUR_PROMPTS]
+    finally:
+        engine.close()
+    figures.append(_four_streams(path, four, n=n, n_ctx=n_ctx, threads=threads, log=log))
+    return figures
+
+
+def _four_streams(path: Path, prompts: list[list[int]], *, n: int, n_ctx: int, threads: Optional[int],
+                  log: Callable[[str], None]) -> Figure:
+    log("4 concurrent streams")
+    raw = {t: raw_batched_rate(path, prompts, n, threads=t, n_ctx=n_ctx) for t in (1, 2)}
+    engine = make_engine(path, threads=threads, n_ctx=n_ctx, n_slots=4)
+    try:
+        ours = engine_run(engine, prompts, n).rate()
+    finally:
+        engine.close()
+    best = max(raw, key=raw.get)
+    return Figure("4 concurrent streams (aggregate)", ours, raw[best], "tok/s", 1.0,
+                  note=f"raw batched loop, best of 1 and 2 threads ({best} won)")

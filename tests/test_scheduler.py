@@ -1,0 +1,131 @@
+"""The scheduler is pure bookkeeping, so it is tested with data alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from localllm.errors import QueueFull
+from localllm.scheduler import Request, Scheduler
+from localllm.slots import SlotState, common_prefix
+
+
+def _sched(slots=2, n_batch=8, n_ctx=64, max_queue=2) -> Scheduler:
+    return Scheduler(n_slots=slots, n_ctx=n_ctx, n_batch=n_batch, max_queue=max_queue)
+
+
+def _finish_prefill(s: Scheduler, req: Request, first_token: int = 100) -> None:
+    """Run steps until req's prompt is prefilled, then feed its first sampled token."""
+    while True:
+        step = s.schedule()
+        done = [w for w in step.work if w.request is req]
+        s.update(step, {req.id: [first_token]} if done else {})
+        if done:
+            return
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([1, 2], [1, 2]) == 2
+
+
+def test_long_prompt_is_prefilled_in_chunks_beside_decoding_slots():
+    s = _sched(n_batch=8)
+    short = Request(prompt=[1, 2, 3], max_tokens=10)
+    s.admit(short)
+    _finish_prefill(s, short)
+    long = Request(prompt=list(range(10, 30)), max_tokens=10)
+    s.admit(long)
+    step = s.schedule()
+    # The decode row of the running request comes first; the long prompt fills the rest of the budget.
+    assert step.batch.seqs[0] == short.slot.seq and step.batch.tokens[0] == 100
+    assert len(step.batch) == 8
+    assert step.batch.tokens[1:] == list(range(10, 17))
+    assert [w.request for w in step.work] == [short]  # the chunk is not the last: nothing to sample for it
+
+
+def test_new_request_goes_to_the_slot_with_the_longest_shared_prefix():
+    s = _sched(slots=2)
+    a = Request(prompt=[1, 2, 3, 4], max_tokens=1)
+    b = Request(prompt=[7, 8, 9], max_tokens=1)
+    for r in (a, b):
+        s.admit(r)
+    step = s.schedule()
+    s.update(step, {a.id: [5], b.id: [5]})
+    slot_a = a.slot
+    s.finish(a, "stop")
+    s.finish(b, "stop")
+    c = Request(prompt=[1, 2, 3, 4, 6], max_tokens=1)
+    s.admit(c)
+    s.schedule()
+    assert c.slot is slot_a and c.n_cached == 4
+
+
+def test_prefix_is_copied_from_another_slot_that_shares_more():
+    s = _sched(slots=2)
+    system = list(range(1, 7))
+    a = Request(prompt=system + [50], max_tokens=100)
+    s.admit(a)
+    _finish_prefill(s, a)  # a keeps decoding in its slot
+    b = Request(prompt=system + [60], max_tokens=1)
+    s.admit(b)
+    step = s.schedule()
+    assert step.copies == [(a.slot.seq, b.slot.seq, len(system))]
+    assert b.n_cached == len(system)
+
+
+def test_identical_prompt_still_decodes_its_last_token():
+    s = _sched(slots=1)
+    a = Request(prompt=[1, 2, 3], max_tokens=1)
+    s.admit(a)
+    _finish_prefill(s, a)
+    s.finish(a, "length")
+    b = Request(prompt=[1, 2, 3], max_tokens=1)
+    s.admit(b)
+    step = s.schedule()
+    assert b.n_cached == 2 and step.batch.tokens == [3] and step.trims == [(b.slot.seq, 2)]
+
+
+def test_queue_full_counts_free_slots():
+    s = _sched(slots=1, max_queue=1)
+    s.admit(Request(prompt=[1], max_tokens=1))
+    s.admit(Request(prompt=[2], max_tokens=1))
+    with pytest.raises(QueueFull):
+        s.admit(Request(prompt=[3], max_tokens=1))
+
+
+def test_cancelled_request_frees_its_slot_at_the_next_step():
+    s = _sched(slots=1)
+    a = Request(prompt=[1, 2], max_tokens=50)
+    s.admit(a)
+    _finish_prefill(s, a)
+    waiting = Request(prompt=[9, 9], max_tokens=1)
+    s.admit(waiting)
+    s.cancel(a)
+    step = s.schedule()
+    assert step.finished == [a] and a.done_reason == "cancelled"
+    assert waiting.slot is not None and waiting.slot.state is SlotState.PREFILL
+
+
+def test_drafts_ride_in_the_decode_rows_and_only_verified_ones_stay_cached():
+    s = _sched(slots=1, n_batch=16)
+    a = Request(prompt=[1, 2, 3], max_tokens=50)
+    s.admit(a)
+    _finish_prefill(s, a, first_token=4)
+    a.draft = [5, 6, 7]
+    step = s.schedule()
+    assert step.batch.tokens == [4, 5, 6, 7] and step.batch.positions == [3, 4, 5, 6]
+    assert step.work[0].rows == [0, 1, 2, 3]
+    s.update(step, {a.id: [5, 6, 9]})  # two drafts accepted, the third replaced by the target's token
+    assert a.slot.cached == [1, 2, 3, 4, 5, 6]
+    assert a.generated == [4, 5, 6, 9]
+
+
+def test_decode_stops_at_the_context_edge():
+    s = _sched(slots=1, n_ctx=6, n_batch=16)
+    a = Request(prompt=[1, 2, 3, 4], max_tokens=50)
+    s.admit(a)
+    _finish_prefill(s, a)
+    a.draft = [7, 8, 9]
+    step = s.schedule()
+    assert step.batch.positions[-1] <= 5  # drafts are cut to the room left in the slot
