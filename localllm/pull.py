@@ -88,10 +88,19 @@ class CatalogSource:
         yield api.PullProgress(status="pulling manifest")
         if not store.has_blob(self.entry.digest):
             yield from self._fetch(store)
-        if not _stored_with_weights(store, self.stored_name, self.entry.digest):
+        if not self._manifest_current(store):
             yield api.PullProgress(status="writing manifest")
-            store.write_model(self.stored_name, weights=self.entry.digest)
+            store.write_model(self.stored_name, weights=self.entry.digest, system=self.entry.system,
+                              parameters=dict(self.entry.parameters) or None)
         yield api.PullProgress(status="success")
+
+    def _manifest_current(self, store: Store) -> bool:
+        try:
+            model = store.resolve(self.stored_name)
+        except LocalLLMError:
+            return False
+        return (model.weights.name == self.entry.digest and model.system == self.entry.system
+                and model.parameters == dict(self.entry.parameters))
 
     def _fetch(self, store: Store) -> Progress:
         _require_online(self.stored_name)

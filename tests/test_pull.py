@@ -218,8 +218,10 @@ def test_a_catalog_entry_falls_back_to_the_next_mirror(endpoint, hub, store, ggu
 def test_catalog_models_are_stored_with_their_pinned_digest(models_home):
     store = Store(models_home / "models")
     for entry in CATALOG:
-        assert store.resolve(entry.name).weights.name == entry.digest
-        assert store.resolve(entry.name).size == entry.size
+        model = store.resolve(entry.name)
+        assert model.weights.name == entry.digest
+        assert model.weights.stat().st_size == entry.size
+        assert model.system == entry.system and model.parameters == dict(entry.parameters)
 
 
 @pytest.mark.models

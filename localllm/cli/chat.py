@@ -1,3 +1,174 @@
-"""Commands registered on the shared app (see cli/app.py)."""
+"""The commands that talk to loaded models: `run` (one-shot answer or the interactive chat), `ps`, `stop` and `tui`.
 
-from .app import app  # noqa: F401
+They go through a Client: the running server's, started in the background when none answers on LOCALLLM_HOST (as
+Ollama does), so a second `run`, the TUI or an IDE plugin reuse the loaded model. `run --in-process` keeps the model
+in the command's own process instead."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Iterator, List, Optional
+
+import typer
+
+from .. import config
+from ..client import Client
+from ..conversation import Conversation
+from ..errors import InvalidInput, LocalLLMError, ModelNotFound
+from ..names import parse_ref
+from .app import app, console, err_console
+from .render import print_timings, ps_table
+from .repl import Repl, make_line_reader, prepare_model, stream_reply
+
+IN_PROCESS_HELP = "run the model inside this command instead of through the server (nothing else can share it)"
+
+
+# ---------------------------------------------------------------------------------------------------------- clients
+
+@contextmanager
+def open_client(*, in_process: bool = False) -> Iterator[Client]:
+    """The client `run` and `tui` use: the server's (started in the background if needed), or an in-process one."""
+    client = _local_client() if in_process else _server_client(start=True)
+    try:
+        yield client
+    finally:
+        client.close()  # type: ignore[attr-defined]
+
+
+def _local_client():
+    from ..local_client import LocalClient
+
+    return LocalClient()
+
+
+def _server_client(*, start: bool):
+    from ..http_client import HttpClient, server_running
+    from .background import ensure_server
+
+    url = config.base_url()
+    if start and not server_running(url):
+        with err_console.status(f"starting the localllm server on {url}…", spinner="dots"):
+            ensure_server()
+    return HttpClient(url)
+
+
+# ---------------------------------------------------------------------------------------------------------- run
+
+@app.command()
+def run(model: str = typer.Argument(..., help="model name (pulled first if missing) or a .gguf path"),
+        prompt: Optional[List[str]] = typer.Argument(None, help="ask once and print the answer; piped stdin is "
+                                                               "read as (the start of) the prompt"),
+        verbose: bool = typer.Option(False, "--verbose", help="print timings after each answer"),
+        keepalive: Optional[str] = typer.Option(None, "--keepalive", help="how long the model stays loaded after "
+                                                                          "the last request (5m, 1h, -1 forever)"),
+        format: Optional[str] = typer.Option(None, "--format", help="json: answer in JSON"),
+        in_process: bool = typer.Option(False, "--in-process", help=IN_PROCESS_HELP)):
+    """Chat with a model in the terminal, or ask it once (a prompt argument or piped stdin)."""
+    conversation = Conversation(model, keep_alive=_keep_alive(keepalive), format=_format(format))
+    text = _one_shot_prompt(prompt)
+    with open_client(in_process=in_process) as client:
+        prepare_model(client, conversation.load_request(), to=err_console)
+        if text is None:
+            Repl(client, conversation, read_line=make_line_reader(config.HOME.get() / "history"),
+                 verbose=verbose).run()
+        elif text.strip():
+            _answer_once(client, conversation, text, verbose=verbose)
+
+
+def _one_shot_prompt(words: Optional[List[str]]) -> Optional[str]:
+    """The prompt of a one-shot run (piped stdin, then the arguments), or None for the interactive chat."""
+    piped = None if sys.stdin.isatty() else sys.stdin.read()
+    if piped is None and not words:
+        return None
+    return "\n\n".join(part.strip() for part in (piped, " ".join(words or [])) if part and part.strip())
+
+
+def _answer_once(client: Client, conversation: Conversation, text: str, *, verbose: bool) -> None:
+    """Stream the answer to stdout as plain text (a script reads it as it comes)."""
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    final = stream_reply(client.chat(conversation.ask(text)), write)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if verbose and final is not None:
+        print_timings(final, to=err_console)
+
+
+def _keep_alive(value: Optional[str]) -> Optional[str]:
+    if value is None:
+        return None
+    try:
+        config.parse_duration(value)
+    except ValueError as exc:
+        raise InvalidInput(f"--keepalive {value!r} is not valid: {exc}") from None
+    return value
+
+
+def _format(value: Optional[str]) -> Optional[str]:
+    if value not in (None, "json"):
+        raise InvalidInput(f"--format {value!r} is not supported", hint="use --format json")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------- ps, stop
+
+@app.command()
+def ps(as_json: bool = typer.Option(False, "--json", help="print api.ProcessResponse as JSON")):
+    """List the models the server has loaded: slots, context per slot, KV type, GPU, speculation, expiry."""
+    from .. import api
+    from ..http_client import server_running
+
+    url = config.base_url()
+    if server_running(url):
+        with _server_client(start=False) as client:
+            response = client.ps()
+    else:
+        response = api.ProcessResponse(models=[])
+        err_console.print(f"no localllm server answers at {url}, so no model is loaded", highlight=False)
+    if as_json:
+        typer.echo(response.model_dump_json(indent=2))
+    else:
+        console.print(ps_table(response.models))
+
+
+@app.command()
+def stop(model: str = typer.Argument(..., help="a loaded model (see `localllm ps`)")):
+    """Unload a model from the server now."""
+    with _server_client(start=False) as client:
+        loaded = {name for row in client.ps().models for name in (row.name, row.model)}
+        if model not in loaded and _display(model) not in loaded:
+            raise ModelNotFound(f"model {model!r} is not loaded", hint="see `localllm ps`")
+        client.stop(model)
+    console.print(f"stopped '{model}'", highlight=False)
+
+
+def _display(model: str) -> str:
+    try:
+        return parse_ref(model).display
+    except LocalLLMError:
+        return model
+
+
+# ---------------------------------------------------------------------------------------------------------- tui
+
+@app.command()
+def tui(model: Optional[str] = typer.Argument(None, help="model to chat with at start (F2 picks another)"),
+        in_process: bool = typer.Option(False, "--in-process", help=IN_PROCESS_HELP)):
+    """Open the terminal UI: chat, models (list, pull, delete, details), live engine figures."""
+    from ..tui import run_tui
+    from .background import ensure_server
+
+    notice = None
+    if not in_process:
+        try:
+            ensure_server()
+        except LocalLLMError as exc:
+            notice = exc  # the TUI opens anyway and says why it cannot reach the server
+    client = _local_client() if in_process else _server_client(start=False)
+    try:
+        run_tui(client, model=model, notice=notice, log_file=config.HOME.get() / "logs" / "tui.log")
+    finally:
+        client.close()

@@ -1,24 +1,34 @@
-"""Rich rendering shared by the CLI commands and the terminal chat: pull progress, sizes and ages, model facts.
+"""Rich rendering shared by the CLI commands and the terminal chat: pull progress, sizes and ages, model facts,
+answer timings, the `ps` table, and markdown that streams in.
 
-Functions here only draw; they take api values (or plain numbers) and never call a client."""
+Functions here only draw; they take api values (or plain numbers) and never call a client. Each takes the console to
+draw on (`to`), stdout's by default: `run` draws progress on stderr so that stdout carries the answer alone."""
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timezone
-from typing import Iterable
+from typing import Iterable, Optional
 
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+from rich.live import Live
+from rich.markdown import Markdown
 from rich.progress import (BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
+from rich.segment import Segment
+from rich.spinner import Spinner
 from rich.table import Table
 
 from .. import api
-from .app import console
+from ..conversation import rate
+from .app import console as stdout_console
 
 
 # ---------------------------------------------------------------------------------------------------------- pull
 
-def render_pull(stream: Iterable[api.PullProgress]) -> None:
+def render_pull(stream: Iterable[api.PullProgress], *, to: Optional[Console] = None) -> None:
     """Show a pull (or create) stream: byte counts as a progress bar with rate and ETA, other steps as lines."""
+    console = to or stdout_console
     bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                    TimeRemainingColumn(), console=console)
     tasks: dict[str, TaskID] = {}
@@ -61,10 +71,45 @@ def human_age(moment: datetime) -> str:
     return "just now"
 
 
+def human_until(moment: Optional[datetime], *, busy: bool) -> str:
+    """How long until a loaded model is unloaded: "4 minutes"; no expiry means in use, or kept forever."""
+    if moment is None:
+        return "in use" if busy else "forever"
+    seconds = int((moment - datetime.now(timezone.utc)).total_seconds())
+    if seconds < 60:
+        return "less than a minute" if seconds > 0 else "now"
+    for unit, length in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= length:
+            count = seconds // length
+            return f"{count} {unit}{'s' if count > 1 else ''}"
+    return "now"
+
+
+def human_duration(nanoseconds: int) -> str:
+    """Go's time.Duration style, as Ollama's --verbose prints it: 1.169s, 266.036ms, 950µs."""
+    seconds = nanoseconds / 1e9
+    if seconds >= 1:
+        return f"{seconds:.3f}s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f}ms"
+    return f"{seconds * 1e6:.0f}µs"
+
+
 # ---------------------------------------------------------------------------------------------------------- show
 
-def print_show(info: api.ShowResponse) -> None:
+def print_show(info: api.ShowResponse, *, to: Optional[Console] = None) -> None:
     """`localllm show MODEL` without flags: the model's facts, then template, system, parameters and license."""
+    console = to or stdout_console
+    print_model_facts(info, to=console)
+    for title, text in (("Template", info.template), ("System", info.system), ("Parameters", info.parameters),
+                        ("License", _first_lines(info.license, 3))):
+        if text:
+            console.print(f"\n[bold]{title}[/]")
+            console.print(_indent(text), markup=False, highlight=False, soft_wrap=True)
+
+
+def print_model_facts(info: api.ShowResponse, *, to: Optional[Console] = None) -> None:
+    """The "Model" block of `show`: architecture, size, quantization, context, format, parent, draft, path."""
     from ..model_info import context_length
 
     facts = Table(box=None, show_header=False, pad_edge=False)
@@ -77,13 +122,9 @@ def print_show(info: api.ShowResponse) -> None:
                          ("path", info.path)):
         if value:
             facts.add_row(f"  {label}", str(value))
+    console = to or stdout_console
     console.print("[bold]Model[/]")
     console.print(facts)
-    for title, text in (("Template", info.template), ("System", info.system), ("Parameters", info.parameters),
-                        ("License", _first_lines(info.license, 3))):
-        if text:
-            console.print(f"\n[bold]{title}[/]")
-            console.print(_indent(text), markup=False, highlight=False, soft_wrap=True)
 
 
 def _first_lines(text: str, count: int) -> str:
@@ -93,3 +134,142 @@ def _first_lines(text: str, count: int) -> str:
 
 def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.splitlines())
+
+
+# ---------------------------------------------------------------------------------------------------------- timings
+
+def timing_rows(t: api.Timings) -> list[tuple[str, str]]:
+    """Ollama's --verbose figures for one answer, plus ours: prompt tokens reused from the cache, speculation."""
+    rows = [("total duration", human_duration(t.total_duration)),
+            ("load duration", human_duration(t.load_duration)),
+            ("prompt eval count", f"{t.prompt_eval_count} token(s)"),
+            ("prompt cache", f"{t.prompt_cache_count} token(s) reused"),
+            ("prompt eval duration", human_duration(t.prompt_eval_duration)),
+            ("prompt eval rate", _rate_text(t.prompt_eval_count - t.prompt_cache_count, t.prompt_eval_duration)),
+            ("eval count", f"{t.eval_count} token(s)"),
+            ("eval duration", human_duration(t.eval_duration)),
+            ("eval rate", _rate_text(t.eval_count, t.eval_duration))]
+    if t.draft_count:
+        rows.append(("speculation", f"{t.draft_accepted}/{t.draft_count} drafted tokens accepted "
+                                    f"({t.draft_accepted / t.draft_count:.0%})"))
+    if t.truncated_tokens:
+        rows.append(("truncated", f"{t.truncated_tokens} prompt token(s) dropped"))
+    return rows
+
+
+def print_timings(t: api.Timings, *, to: Optional[Console] = None) -> None:
+    console = to or stdout_console
+    for label, value in timing_rows(t):
+        console.print(f"{label + ':':<22}{value}", highlight=False, markup=False)
+
+
+def _rate_text(count: int, duration_ns: int) -> str:
+    value = rate(count, duration_ns)
+    return f"{value:.2f} tokens/s" if value is not None else "-"
+
+
+# ---------------------------------------------------------------------------------------------------------- ps
+
+PS_COLUMNS = ("NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "GPU", "SPEC", "UNTIL")
+_WRAPPABLE = frozenset({"BACKEND", "SPEC", "UNTIL"})  # on a narrow terminal these fold, so the name stays whole
+
+
+def ps_table(models: Iterable[api.ProcessModel]) -> Table:
+    """`localllm ps`: effective values, never totals to divide (context is per slot; BUSY is busy/total slots)."""
+    table = Table(box=None, pad_edge=False)
+    for column in PS_COLUMNS:
+        table.add_column(column, no_wrap=column not in _WRAPPABLE)
+    for row in models:
+        table.add_row(row.name, row.digest[:12], human_size(row.size), row.backend, _slots_text(row),
+                      str(row.context_length), row.kv_type, _gpu_text(row.gpu_layers), _speculation_text(row),
+                      human_until(row.expires_at, busy=row.slots_busy > 0))
+    return table
+
+
+def _slots_text(row: api.ProcessModel) -> str:
+    text = f"{row.slots_busy}/{row.slots_total}"
+    return text + (f" +{row.queue_depth} queued" if row.queue_depth else "")
+
+
+def _gpu_text(layers: int) -> str:
+    # -1 asks the backend for every layer that fits; what it managed is the backend's to report.
+    return {-1: "auto", 0: "CPU"}.get(layers, f"{layers} layers")
+
+
+def _speculation_text(row: api.ProcessModel) -> str:
+    if not row.draft_count:
+        return row.speculation
+    return f"{row.speculation} ({row.draft_accepted / row.draft_count:.0%} accepted)"
+
+
+# ---------------------------------------------------------------------------------------------------------- markdown
+
+_FENCE = re.compile(r"^ {0,3}(```|~~~)")
+
+
+def split_finished(text: str) -> tuple[str, str]:
+    """Split streamed markdown into (finished blocks, the block still being written).
+
+    A block is finished at a blank line outside a code fence, or at a fence that closes; only whole lines count."""
+    in_fence, cut, pos = False, 0, 0
+    for line in text.split("\n")[:-1]:
+        pos += len(line) + 1
+        if _FENCE.match(line):
+            in_fence = not in_fence
+            cut = pos if not in_fence else cut
+        elif not in_fence and not line.strip():
+            cut = pos
+    return text[:cut], text[cut:]
+
+
+class _Tail:
+    """Draws only the last lines of a renderable that fit the terminal, so a long block being written stays in view
+    (rich's Live cannot scroll: it would leave copies of what passed the top)."""
+
+    def __init__(self, renderable: RenderableType):
+        self.renderable = renderable
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        lines = console.render_lines(self.renderable, options, pad=False)
+        for line in lines[-max(1, console.height - 2):]:
+            yield from line
+            yield Segment.line()
+
+
+class MarkdownStream:
+    """Markdown drawn while it streams in: finished blocks are printed once and stay; the block still being written
+    is redrawn in place. A spinner shows until the first text arrives. Use as a context manager."""
+
+    def __init__(self, console: Console, *, waiting: str = ""):
+        self._console = console
+        self._pending = ""
+        self._printed = False
+        self._live = Live(Spinner("dots", text=waiting, style="dim"), console=console, transient=True,
+                          refresh_per_second=8)
+
+    def __enter__(self) -> "MarkdownStream":
+        self._live.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def write(self, text: str) -> None:
+        if not text:
+            return
+        finished, self._pending = split_finished(self._pending + text)
+        self._print(finished)
+        self._live.update(_Tail(Markdown(self._pending)))
+
+    def close(self) -> None:
+        self._live.stop()
+        self._print(self._pending)
+        self._pending = ""
+
+    def _print(self, text: str) -> None:
+        if not text.strip():
+            return
+        if self._printed:
+            self._console.print()  # the blank line that separated the blocks in the source
+        self._console.print(Markdown(text))
+        self._printed = True

@@ -1,0 +1,372 @@
+"""The interactive chat of `localllm run MODEL`: a prompt with history and multi-line input, answers streamed as
+markdown, and Ollama's slash commands (/set, /show, /load, /save, /clear, /help, /bye) plus /stats.
+
+Ctrl-C while an answer streams closes the response stream (which cancels the request, on the server too) and returns
+to the prompt; Ctrl-C at the prompt prints a hint; Ctrl-D or /bye ends the chat. A bad command or value is a one-line
+error and the chat goes on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from rich.console import Console
+
+from .. import api
+from ..client import Client
+from ..conversation import Conversation
+from ..errors import InvalidInput, LocalLLMError, ModelNotFound
+from .app import console, err_console, print_error
+from .render import MarkdownStream, print_model_facts, print_timings, render_pull, timing_rows
+
+PROMPT = ">>> "
+CONTINUATION = "... "
+PLACEHOLDER = "Send a message (/? for help)"
+EXIT_HINT = "Use Ctrl + d or /bye to exit."
+TRIPLE_QUOTE = '"""'
+
+ReadLine = Callable[[str], str]
+
+HELP = f"""Available Commands:
+  /set            Set session variables
+  /show           Show model information
+  /load <model>   Load a session or model
+  /save <model>   Save your current session
+  /clear          Clear session context
+  /stats          Show speed, prompt cache reuse and speculation figures
+  /bye            Exit
+  /?, /help       Help for a command
+  /? shortcuts    Help for keyboard shortcuts
+
+Use {TRIPLE_QUOTE} to begin a multi-line message."""
+
+HELP_SET = """Available Commands:
+  /set parameter NAME VALUE   Set a parameter (/set parameter alone lists them)
+  /set system <string>        Set system message
+  /set format json            Enable JSON mode
+  /set noformat               Disable formatting
+  /set verbose                Show timings after each answer
+  /set quiet                  Disable timings"""
+
+HELP_SHOW = """Available Commands:
+  /show info         Show details for this model
+  /show license      Show model license
+  /show modelfile    Show Modelfile for this model
+  /show parameters   Show parameters for this model
+  /show system       Show system message
+  /show template     Show prompt template"""
+
+HELP_SHORTCUTS = f"""Available keyboard shortcuts:
+  Ctrl + a            Move to the beginning of the line
+  Ctrl + e            Move to the end of the line
+  Up / Down           Previous / next message in the history
+  Ctrl + r            Search the history
+  Ctrl + c            Stop the answer being written
+  Ctrl + d            Exit (on an empty line)
+  {TRIPLE_QUOTE}                 Begin or end a multi-line message"""
+
+HELP_PARAMETERS = """Parameters (any Modelfile parameter is accepted):
+  /set parameter seed <int>             Random number seed
+  /set parameter num_predict <int>      Max number of tokens to predict
+  /set parameter top_k <int>            Pick from top k num of tokens
+  /set parameter top_p <float>          Pick token based on sum of probabilities
+  /set parameter min_p <float>          Pick token based on top token probability * min_p
+  /set parameter num_ctx <int>          Set the context size (per slot; reloads the model)
+  /set parameter temperature <float>    Set creativity level
+  /set parameter repeat_penalty <float> How strongly to penalize repetitions
+  /set parameter repeat_last_n <int>    Set how far back to look for repetitions
+  /set parameter num_gpu <int>          The number of layers to send to the GPU
+  /set parameter stop <string> ...      Set the stop parameters"""
+
+
+# ---------------------------------------------------------------------------------------------------------- input
+
+def make_line_reader(history_file: Optional[Path]) -> ReadLine:
+    """A prompt_toolkit line editor with a persistent history (up arrow, Ctrl-R) and bracketed paste, so pasted
+    text with newlines arrives as one message."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.formatted_text import FormattedText
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+    if history_file is not None:
+        history_file.parent.mkdir(parents=True, exist_ok=True)
+    session: PromptSession = PromptSession(
+        history=FileHistory(str(history_file)) if history_file is not None else InMemoryHistory())
+    placeholder = FormattedText([("#808080", PLACEHOLDER)])
+
+    def read_line(prompt: str) -> str:
+        return session.prompt(prompt, placeholder=placeholder if prompt == PROMPT else None)
+
+    return read_line
+
+
+def read_message(read_line: ReadLine) -> str:
+    """One message: a line, or the lines from an opening \"\"\" to the line that closes it (Ollama's multi-line)."""
+    first = read_line(PROMPT)
+    if first.count(TRIPLE_QUOTE) != 1:
+        return first
+    lines = [first]
+    while TRIPLE_QUOTE not in lines[-1] or len(lines) == 1:
+        lines.append(read_line(CONTINUATION))
+    return "\n".join(lines)
+
+
+def unquote(text: str) -> str:
+    """Strip one pair of surrounding \"\"\" (or \") from a message or a /set system value."""
+    text = text.strip()
+    for quote in (TRIPLE_QUOTE, '"'):
+        if len(text) >= 2 * len(quote) and text.startswith(quote) and text.endswith(quote):
+            return text[len(quote):-len(quote)].strip()
+    if text.startswith(TRIPLE_QUOTE) or text.endswith(TRIPLE_QUOTE):
+        return text.replace(TRIPLE_QUOTE, "").strip()
+    return text
+
+
+# ---------------------------------------------------------------------------------------------------------- answers
+
+def stream_reply(stream: Iterator[api.ChatChunk], on_text: Callable[[str], None]) -> Optional[api.ChatChunk]:
+    """Feed each piece of an answer to `on_text` and return its last chunk (which carries the timings).
+
+    The stream is closed on every way out, so Ctrl-C (KeyboardInterrupt) cancels the request, server-side too."""
+    try:
+        for chunk in stream:
+            on_text(chunk.message.content)
+            if chunk.done:
+                return chunk
+        return None
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
+
+
+def prepare_model(client: Client, load: api.ChatRequest, *, to: Console) -> None:
+    """Pull the model when the store lacks it (progress bar), then load it (a spinner that says so).
+
+    `load` is a request without messages: it loads the model with its load options and answers done."""
+    try:
+        client.show(load.model)
+    except ModelNotFound:
+        render_pull(client.pull(load.model), to=to)
+    with to.status(f"loading {load.model}…", spinner="dots"):
+        for _ in client.chat(load):
+            pass
+
+
+# ---------------------------------------------------------------------------------------------------------- repl
+
+class Repl:
+    """The chat loop. Each slash command is one small method, found through `_commands`."""
+
+    def __init__(self, client: Client, conversation: Conversation, *, read_line: ReadLine, verbose: bool = False):
+        self.client = client
+        self.conversation = conversation
+        self.read_line = read_line
+        self.verbose = verbose
+        self._commands: dict[str, Callable[[str], Optional[bool]]] = {
+            "/set": self._set, "/show": self._show, "/load": self._load, "/save": self._save, "/clear": self._clear,
+            "/stats": self._stats, "/help": self._help, "/?": self._help, "/bye": self._bye, "/exit": self._bye,
+        }
+
+    def run(self) -> None:
+        """Chat until Ctrl-D or /bye."""
+        while True:
+            try:
+                text = read_message(self.read_line)
+            except KeyboardInterrupt:
+                console.print(EXIT_HINT, highlight=False)
+                continue
+            except EOFError:
+                console.print()
+                return
+            if not self._handle(text):
+                return
+
+    def _handle(self, text: str) -> bool:
+        """Answer or run one input; False ends the chat. Errors are one line and the chat goes on."""
+        try:
+            if text.lstrip().startswith("/"):
+                return self._command(text.strip())
+            if text.strip():
+                self.ask(unquote(text))
+        except LocalLLMError as exc:
+            print_error(exc)
+        return True
+
+    def ask(self, text: str) -> None:
+        """Stream the answer to `text` as markdown; Ctrl-C stops it and keeps what was written."""
+        request = self.conversation.ask(text)
+        parts: list[str] = []
+        final = None
+
+        def show(piece: str) -> None:
+            parts.append(piece)
+            view.write(piece)
+
+        try:
+            with MarkdownStream(console) as view:
+                final = stream_reply(self.client.chat(request), show)
+        except KeyboardInterrupt:
+            console.print("[dim](stopped)[/]", highlight=False)
+        except LocalLLMError:
+            if parts:
+                self.conversation.answered("".join(parts))
+            else:
+                self.conversation.withdraw()
+            raise
+        self.conversation.answered("".join(parts), final)
+        if final is not None and self.verbose:
+            print_timings(final, to=err_console)
+
+    # ----------------------------------------------------------------------------------------------- commands
+
+    def _command(self, line: str) -> bool:
+        name, rest = _split_first(line)
+        handler = self._commands.get(name.lower())
+        if handler is None:
+            raise InvalidInput(f"unknown command {name!r}", hint="type /? for help")
+        return handler(rest) is not False
+
+    def _bye(self, rest: str) -> bool:
+        return False
+
+    def _help(self, rest: str) -> None:
+        topics = {"": HELP, "set": HELP_SET, "show": HELP_SHOW, "shortcuts": HELP_SHORTCUTS, "shortcut": HELP_SHORTCUTS,
+                  "parameter": HELP_PARAMETERS, "parameters": HELP_PARAMETERS}
+        text = topics.get(rest.strip().lower().lstrip("/"))
+        if text is None:
+            raise InvalidInput(f"no help for {rest.strip()!r}", hint="type /? for the list of commands")
+        console.print(text, highlight=False, markup=False)
+
+    def _clear(self, rest: str) -> None:
+        self.conversation.clear()
+        console.print("Cleared session context")
+
+    def _set(self, rest: str) -> None:
+        what, value = _split_first(rest)
+        setters: dict[str, Callable[[str], None]] = {
+            "parameter": self._set_parameter, "system": self._set_system, "format": self._set_format,
+            "noformat": self._set_noformat, "verbose": self._set_verbose, "quiet": self._set_quiet,
+        }
+        setter = setters.get(what.lower())
+        if setter is None:
+            raise InvalidInput(f"unknown /set option {what!r}" if what else "/set needs an option",
+                               hint="type /? set for the list")
+        setter(value)
+
+    def _set_parameter(self, value: str) -> None:
+        words = value.split()
+        if not words:
+            console.print(HELP_PARAMETERS, highlight=False, markup=False)
+            return
+        typed = self.conversation.set_parameter(words[0], words[1:])
+        console.print(f"Set parameter '{words[0]}' to '{_plain(typed)}'", highlight=False, markup=False)
+
+    def _set_system(self, value: str) -> None:
+        self.conversation.system = unquote(value) or None
+        console.print("Set system message." if self.conversation.system else "Cleared system message.")
+
+    def _set_format(self, value: str) -> None:
+        if value.strip().lower() != "json":
+            raise InvalidInput(f"format {value.strip()!r} is not supported", hint="/set format json")
+        self.conversation.format = "json"
+        console.print("Set format to 'json' mode.")
+
+    def _set_noformat(self, value: str) -> None:
+        self.conversation.format = None
+        console.print("Disabled format.")
+
+    def _set_verbose(self, value: str) -> None:
+        self.verbose = True
+        console.print("Set 'verbose' mode.")
+
+    def _set_quiet(self, value: str) -> None:
+        self.verbose = False
+        console.print("Set 'quiet' mode.")
+
+    def _show(self, rest: str) -> None:
+        what = rest.strip().lower()
+        if what == "parameters":
+            self._show_parameters()
+            return
+        info = self.client.show(self.conversation.model)
+        texts = {"template": info.template, "modelfile": info.modelfile, "license": info.license,
+                 "system": self.conversation.system or info.system}
+        if what == "info":
+            print_model_facts(info, to=console)
+        elif what in texts:
+            console.print(texts[what] or f"No {what} was specified for this model.", highlight=False, markup=False)
+        else:
+            raise InvalidInput(f"unknown /show option {what!r}" if what else "/show needs an option",
+                               hint="type /? show for the list")
+
+    def _show_parameters(self) -> None:
+        info = self.client.show(self.conversation.model)
+        if self.conversation.options:
+            console.print("User defined parameters:")
+            for name, value in sorted(self.conversation.options.items()):
+                console.print(f"{name:<24}{_plain(value)}", highlight=False, markup=False)
+        console.print("Model defined parameters:")
+        console.print(info.parameters or "No additional parameters were specified for this model.",
+                      highlight=False, markup=False)
+
+    def _load(self, rest: str) -> None:
+        name = rest.strip()
+        if not name:
+            raise InvalidInput("/load needs a model name", hint="/load MODEL")
+        console.print(f"Loading model '{name}'", highlight=False)
+        prepare_model(self.client, self.conversation.load_request().model_copy(update={"model": name}), to=console)
+        self.conversation.switch_model(name)
+
+    def _save(self, rest: str) -> None:
+        name = rest.strip()
+        if not name:
+            raise InvalidInput("/save needs a name for the new model", hint="/save NAME")
+        for _ in self.client.create(self.conversation.create_request(name)):
+            pass
+        console.print(f"Created new model '{name}'", highlight=False)
+
+    def _stats(self, rest: str) -> None:
+        figures = self.conversation.figures
+        if figures.last is not None:
+            console.print("[bold]Last answer[/]")
+            for label, value in timing_rows(figures.last):
+                console.print(f"  {label + ':':<22}{value}", highlight=False, markup=False)
+        console.print("[bold]This chat[/]")
+        for label, value in _chat_rows(self.conversation):
+            console.print(f"  {label + ':':<22}{value}", highlight=False, markup=False)
+        for row in self.client.ps().models:
+            if row.name == self.conversation.model or row.model == self.conversation.model:
+                console.print("[bold]Engine[/]")
+                for label, value in _engine_rows(row):
+                    console.print(f"  {label + ':':<22}{value}", highlight=False, markup=False)
+
+
+def _chat_rows(conversation: Conversation) -> list[tuple[str, str]]:
+    f = conversation.figures
+    speed = f.tokens_per_second
+    rows = [("answers", str(f.answers)), ("generated", f"{f.generated_tokens} token(s)"),
+            ("eval rate", f"{speed:.2f} tokens/s" if speed is not None else "-"),
+            ("prompt tokens", f"{f.prompt_tokens}, {f.cached_tokens} reused from cache"
+                              + (f" ({f.cache_share:.0%})" if f.cache_share is not None else ""))]
+    rows.append(("speculation", f"{f.accepted}/{f.drafted} drafted tokens accepted ({f.acceptance:.0%})"
+                 if f.acceptance is not None else "none drafted"))
+    return rows
+
+
+def _engine_rows(row: api.ProcessModel) -> list[tuple[str, str]]:
+    acceptance = (f", {row.draft_accepted}/{row.draft_count} accepted" if row.draft_count else "")
+    return [("backend", row.backend), ("slots", f"{row.slots_busy}/{row.slots_total} busy, {row.queue_depth} queued"),
+            ("context", f"{row.context_length} tokens per slot"), ("kv cache", row.kv_type),
+            ("speculation", row.speculation + acceptance)]
+
+
+def _split_first(text: str) -> tuple[str, str]:
+    """("/set", "parameter temperature 0") from "/set parameter temperature 0"; the rest keeps its inner spacing."""
+    parts = text.strip().split(None, 1)
+    return (parts[0], parts[1]) if len(parts) == 2 else (parts[0] if parts else "", "")
+
+
+def _plain(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+

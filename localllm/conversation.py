@@ -1,0 +1,151 @@
+"""One chat as the terminal chat and the TUI keep it: the model, the system prompt, the options the user set, the
+messages so far, and running figures about the answers. It builds `api.ChatRequest`s and records answers; sending
+them is the surface's business, through a Client."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+from pydantic import ValidationError
+
+from . import api
+from .errors import InvalidInput
+
+
+# ---------------------------------------------------------------------------------------------------------- options
+
+def parse_parameter(name: str, words: Sequence[str]) -> Any:
+    """Turn `/set parameter NAME VALUE...` into the option's typed value, or raise InvalidInput naming it.
+
+    `stop` takes every word as one stop string (Ollama: `/set parameter stop <s> <s>...`); the others take one word.
+    """
+    if not words:
+        raise InvalidInput(f"parameter {name!r} needs a value", hint="/set parameter NAME VALUE")
+    try:
+        load, sampling = api.split_options({name: list(words) if name == "stop" else " ".join(words)})
+    except InvalidInput:
+        raise InvalidInput(_unknown_parameter(name)) from None
+    if name == "stop":
+        return list(words)
+    kind, values = (api.LoadOptions, load) if load else (api.SamplingOptions, sampling)
+    if not values:
+        raise InvalidInput(f"parameter {name!r} has no effect in localllm")
+    try:
+        return getattr(kind.model_validate(values), name)
+    except ValidationError as exc:
+        reason = exc.errors()[0]["msg"]
+        raise InvalidInput(f"parameter {name} {' '.join(words)!r}: {reason[0].lower()}{reason[1:]}") from None
+
+
+def _unknown_parameter(name: str) -> str:
+    known = sorted(api.LOAD_OPTION_NAMES | api.SAMPLING_OPTION_NAMES)
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"unknown parameter {name!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+
+
+# ---------------------------------------------------------------------------------------------------------- figures
+
+@dataclass
+class AnswerFigures:
+    """Running totals over a conversation's answers, from the timings of each answer's last chunk."""
+
+    answers: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    eval_seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    last: Optional[api.Timings] = None
+
+    def add(self, timings: api.Timings) -> None:
+        self.answers += 1
+        self.prompt_tokens += timings.prompt_eval_count
+        self.cached_tokens += timings.prompt_cache_count
+        self.generated_tokens += timings.eval_count
+        self.eval_seconds += timings.eval_duration / 1e9
+        self.drafted += timings.draft_count
+        self.accepted += timings.draft_accepted
+        self.last = api.Timings.model_validate(timings.model_dump())
+
+    @property
+    def tokens_per_second(self) -> Optional[float]:
+        return self.generated_tokens / self.eval_seconds if self.eval_seconds > 0 else None
+
+    @property
+    def cache_share(self) -> Optional[float]:
+        """The share of prompt tokens that were reused from the prefix cache instead of evaluated."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    @property
+    def acceptance(self) -> Optional[float]:
+        """The share of drafted tokens the target model accepted; None while nothing was drafted."""
+        return self.accepted / self.drafted if self.drafted else None
+
+
+def rate(count: int, duration_ns: int) -> Optional[float]:
+    """Tokens per second from a count and a duration in nanoseconds (Ollama's timing fields)."""
+    return count / (duration_ns / 1e9) if duration_ns > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------------------- chat
+
+@dataclass
+class Conversation:
+    """What the user has said and set in one chat with one model."""
+
+    model: str
+    system: Optional[str] = None
+    options: dict[str, Any] = field(default_factory=dict)
+    messages: list[api.Message] = field(default_factory=list)
+    format: api.Format = None
+    keep_alive: Union[str, int, float, None] = None
+    figures: AnswerFigures = field(default_factory=AnswerFigures)
+
+    def ask(self, text: str) -> api.ChatRequest:
+        """Add the user's message and return the request that asks for the answer."""
+        self.messages.append(api.Message(role="user", content=text))
+        return self.request()
+
+    def request(self) -> api.ChatRequest:
+        # The system prompt is sent with every request rather than kept in the history, so /set system applies to
+        # the next answer without rewriting the past.
+        system = [api.Message(role="system", content=self.system)] if self.system else []
+        return api.ChatRequest(model=self.model, messages=system + self.messages, options=dict(self.options),
+                               format=self.format, keep_alive=self.keep_alive)
+
+    def load_request(self) -> api.ChatRequest:
+        """A request with no messages: it loads the model (with the load options set so far) and answers done."""
+        return api.ChatRequest(model=self.model, options=dict(self.options), keep_alive=self.keep_alive)
+
+    def answered(self, content: str, timings: Optional[api.Timings] = None) -> None:
+        """Record an answer; an interrupted one (no timings) is kept too, so the history still alternates."""
+        if content:
+            self.messages.append(api.Message(role="assistant", content=content))
+        if timings is not None:
+            self.figures.add(timings)
+
+    def withdraw(self) -> None:
+        """Drop the last question when it got no answer at all (an error before the first token)."""
+        if self.messages and self.messages[-1].role == "user":
+            self.messages.pop()
+
+    def set_parameter(self, name: str, words: Sequence[str]) -> Any:
+        value = parse_parameter(name, words)
+        self.options[name] = value
+        return value
+
+    def switch_model(self, model: str) -> None:
+        """Talk to another model from now on; the history starts afresh (as Ollama's /load does)."""
+        self.model = model
+        self.messages.clear()
+
+    def clear(self) -> None:
+        self.messages.clear()
+
+    def create_request(self, name: str) -> api.CreateRequest:
+        """What `/save NAME` stores: this model with the session's system prompt, parameters and messages."""
+        return api.CreateRequest(model=name, from_=self.model, system=self.system, parameters=dict(self.options),
+                                 messages=list(self.messages))
