@@ -1,0 +1,47 @@
+"""The TUI application: a thin App that holds a Client, opens the chat screen, and turns errors into notifications
+(logged with their cause). Screens do the routing, widgets the drawing; all styles are in localllm.tcss."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from textual.app import App
+from textual.binding import Binding
+
+from ..client import Client
+from ..conversation import Conversation
+from ..errors import LocalLLMError
+from .screens.chat import ChatScreen
+
+log = logging.getLogger(__name__)
+
+
+class LocalLLMApp(App[None]):
+    CSS_PATH = "localllm.tcss"
+    TITLE = "localllm"
+    BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
+
+    def __init__(self, client: Client, *, model: Optional[str] = None, system: Optional[str] = None,
+                 options: Optional[dict[str, Any]] = None, notice: Optional[LocalLLMError] = None):
+        """
+        Args:
+            client: where models live: an HttpClient (the usual case) or a LocalClient.
+            model: the model to chat with at start; None opens the chat with no model (F2 picks one).
+            system, options: the chat's system prompt and parameters at start.
+            notice: an error from before the app started (e.g. the server did not start), shown at once.
+        """
+        super().__init__()
+        self.client = client
+        self.conversation = Conversation(model or "", system=system, options=dict(options or {}))
+        self._notice = notice
+
+    def on_mount(self) -> None:
+        self.push_screen(ChatScreen(self.conversation))
+        if self._notice is not None:
+            self.report(self._notice, title="Server")
+
+    def report(self, error: BaseException, *, title: str) -> None:
+        """Show an error as a notification and log it with its cause (the traceback goes to the log)."""
+        log.error("%s: %s", title, error, exc_info=error)
+        self.notify(str(error), title=title, severity="error", timeout=12, markup=False)

@@ -1,0 +1,1 @@
+"""Screens of the TUI: the chat, the models, and the modal dialogs."""

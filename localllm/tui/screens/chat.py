@@ -1,0 +1,223 @@
+"""The chat screen: the conversation, the message box and the engine panel.
+
+Answers stream in a thread worker that feeds the reply's `Markdown.get_stream()`; when it ends it posts
+`AnswerFinished` and the screen records the answer. The engine panel is refreshed from `client.ps()` by a polling
+worker; a server that stops answering is said once, as a notification."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Optional
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Markdown
+from textual.worker import get_current_worker
+
+from ... import api
+from ...conversation import Conversation, rate
+from ...errors import LocalLLMError
+from ..widgets.engine_panel import EngineFigures, EnginePanel
+from ..widgets.message_list import MessageList, MessageView
+from ..widgets.prompt_input import PromptInput
+from .dialogs import Settings, SettingsScreen
+from .models import ModelsScreen
+
+if TYPE_CHECKING:
+    from textual.widgets._markdown import MarkdownStream
+
+    from ..app import LocalLLMApp
+
+POLL_SECONDS = 2.0
+
+
+class ChatScreen(Screen):
+    BINDINGS = [
+        Binding("f2", "models", "Models"),
+        Binding("f3", "settings", "System & parameters"),
+        Binding("escape", "stop", "Stop answer"),
+        Binding("ctrl+l", "clear", "Clear chat"),
+    ]
+
+    @dataclass
+    class AnswerFinished(Message):
+        """An answer ended: completely (timings set), stopped by the user, or by an error."""
+
+        text: str
+        timings: Optional[api.Timings]
+        error: Optional[LocalLLMError]
+        epoch: int  # the chat it belongs to: an answer stopped by /clear or a model switch is not recorded
+
+    def __init__(self, conversation: Conversation):
+        super().__init__()
+        self.conversation = conversation
+        self._server_up: Optional[bool] = None
+        self._answering = False
+        self._epoch = 0
+
+    @property
+    def client(self):
+        app: LocalLLMApp = self.app  # type: ignore[assignment]
+        return app.client
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="body"):
+            with Vertical(id="chat"):
+                yield MessageList(id="messages")
+                yield PromptInput(id="prompt")
+            yield EnginePanel(id="engine")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._show_model()
+        self.query_one(PromptInput).focus()
+        self.poll_engine()
+        self.set_interval(POLL_SECONDS, self.poll_engine)
+
+    # ----------------------------------------------------------------------------------------------- sending
+
+    @on(PromptInput.Submitted)
+    def send(self, event: PromptInput.Submitted) -> None:
+        if not self.conversation.model:
+            self.notify("Pick a model first: press F2.", severity="warning")
+            return
+        if self._answering:
+            self.notify("An answer is still being written: wait, or press Escape to stop it.", severity="warning")
+            return
+        messages = self.query_one(MessageList)
+        messages.add_message("user", event.text)
+        reply = messages.add_message("assistant")
+        self._answering = True
+        self.stream_answer(self.conversation.ask(event.text), reply, self._epoch)
+
+    @work(thread=True, exclusive=True, group="answer")
+    def stream_answer(self, request: api.ChatRequest, reply: MessageView, epoch: int) -> None:
+        """Runs in a thread: chunks go to the reply's markdown stream; closing the chunk iterator cancels."""
+        worker = get_current_worker()
+        markdown: MarkdownStream = self.app.call_from_thread(Markdown.get_stream, reply)
+        parts: list[str] = []
+        final, error = None, None
+        chunks = self.client.chat(request)
+        tokens, started = 0, 0.0
+        try:
+            for chunk in chunks:
+                if worker.is_cancelled:
+                    break
+                started = started or time.perf_counter()
+                tokens += len(chunk.tokens or ()) or 1
+                parts.append(chunk.message.content)
+                self.app.call_from_thread(self._show_piece, markdown, chunk.message.content,
+                                          _live_rate(tokens, started))
+                if chunk.done:
+                    final = chunk
+        except LocalLLMError as exc:
+            error = exc
+        finally:
+            getattr(chunks, "close", lambda: None)()
+            self.app.call_from_thread(markdown.stop)
+        self.post_message(self.AnswerFinished("".join(parts), final, error, epoch))
+
+    async def _show_piece(self, markdown: "MarkdownStream", text: str, speed: Optional[float]) -> None:
+        await markdown.write(text)
+        panel = self.query_one(EnginePanel)
+        panel.figures = replace(panel.figures, live_rate=speed)
+
+    @on(AnswerFinished)
+    def record_answer(self, event: AnswerFinished) -> None:
+        self._answering = False
+        if event.epoch != self._epoch:
+            return
+        if event.error is not None and not event.text:
+            self.conversation.withdraw()
+        else:
+            self.conversation.answered(event.text, event.timings)
+        if event.error is not None:
+            self.app.report(event.error, title="Answer failed")  # type: ignore[attr-defined]
+        self._show_answer_figures()
+        self.poll_engine()
+
+    def _show_answer_figures(self) -> None:
+        f = self.conversation.figures
+        last = f.last
+        panel = self.query_one(EnginePanel)
+        panel.figures = replace(panel.figures, live_rate=None,
+                                last_rate=rate(last.eval_count, last.eval_duration) if last else None,
+                                prompt_tokens=f.prompt_tokens, cached_tokens=f.cached_tokens, drafted=f.drafted,
+                                accepted=f.accepted)
+
+    # ----------------------------------------------------------------------------------------------- engine panel
+
+    @work(thread=True, exclusive=True, group="poll")
+    def poll_engine(self) -> None:
+        try:
+            processes = self.client.ps()
+        except LocalLLMError as exc:
+            self.app.call_from_thread(self._server_state, exc)
+            return
+        self.app.call_from_thread(self._server_state, None)
+        self.app.call_from_thread(self._show_process, processes)
+
+    def _server_state(self, error: Optional[LocalLLMError]) -> None:
+        up = error is None
+        if up != self._server_up and error is not None:
+            self.app.report(error, title="Server unreachable")  # type: ignore[attr-defined]
+        self._server_up = up
+        panel = self.query_one(EnginePanel)
+        panel.figures = replace(panel.figures, server="connected" if up else "unreachable")
+
+    def _show_process(self, processes: api.ProcessResponse) -> None:
+        model = self.conversation.model
+        process = next((p for p in processes.models if model in (p.name, p.model)), None)
+        panel = self.query_one(EnginePanel)
+        panel.figures = replace(panel.figures, model=model, process=process)
+
+    # ----------------------------------------------------------------------------------------------- actions
+
+    def action_stop(self) -> None:
+        self.workers.cancel_group(self, "answer")
+
+    def action_clear(self) -> None:
+        self.action_stop()
+        self._epoch += 1
+        self.conversation.clear()
+        self.query_one(MessageList).clear_messages()
+
+    def action_models(self) -> None:
+        self.app.push_screen(ModelsScreen(current=self.conversation.model), callback=self.use_model)
+
+    def use_model(self, model: Optional[str]) -> None:
+        if not model or model == self.conversation.model:
+            return
+        self.action_clear()
+        self.conversation.switch_model(model)
+        self._show_model()
+        self.notify(f"Chatting with {model}.", markup=False)
+        self.poll_engine()
+
+    def action_settings(self) -> None:
+        current = Settings(system=self.conversation.system, options=dict(self.conversation.options))
+        self.app.push_screen(SettingsScreen(current), callback=self.apply_settings)
+
+    def apply_settings(self, settings: Optional[Settings]) -> None:
+        if settings is None:
+            return
+        self.conversation.system = settings.system
+        self.conversation.options = dict(settings.options)
+        self.notify("System prompt and parameters saved.")
+
+    def _show_model(self) -> None:
+        self.sub_title = self.conversation.model or "no model: press F2"
+        panel = self.query_one(EnginePanel)
+        panel.figures = replace(panel.figures, model=self.conversation.model)
+
+
+def _live_rate(tokens: int, started: float) -> Optional[float]:
+    # The first token's time is prompt evaluation, so the rate counts from it: (tokens after it) / (time since).
+    elapsed = time.perf_counter() - started
+    return (tokens - 1) / elapsed if tokens > 1 and elapsed > 0 else None
