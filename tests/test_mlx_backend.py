@@ -147,6 +147,29 @@ def test_missing_or_incomplete_folder_is_a_format_error(tmp_path):
         MlxBackend().load(tmp_path / "half", LoadOptions(), n_seq=1, n_ctx=16)
 
 
+def test_mlx_repo_pulled_from_the_hub_loads_and_decodes(tiny_folder, tiny, monkeypatch):
+    from hfserver import Hub, HubServer
+
+    from localllm.pull import pull_model
+    from localllm.store import Store
+
+    repo = {p.name: p.read_bytes() for p in tiny_folder.iterdir()}
+    with HubServer(Hub(repos={"mlx-community/tiny-llama-mlx": repo})) as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.delenv("LOCALLLM_OFFLINE", raising=False)
+        statuses = [p.status for p in pull_model("hf.co/mlx-community/tiny-llama-mlx", Store())]
+    assert statuses[-1] == "success"
+    stored = Store().resolve("hf.co/mlx-community/tiny-llama-mlx")
+    assert stored.format == "mlx" and choose_backend("auto", stored.weights) == "mlx"
+    pulled = get_backend("mlx").load(stored.weights, LoadOptions(), n_seq=1, n_ctx=64)
+    try:
+        tokens = tiny.tokenize("The capital of France")
+        assert _greedy(pulled, tokens, 5) == _greedy(tiny, tokens, 5)
+    finally:
+        pulled.close()
+
+
 # ------------------------------------------------------------------------------------------------------- text
 
 def test_token_bytes_rebuild_the_text_exactly(tiny):

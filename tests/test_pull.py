@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from localllm.catalog import CATALOG, CatalogEntry, HFFile
-from localllm.errors import IntegrityError, ModelFormatError, ModelNotFound, NetworkError
+from localllm.errors import IntegrityError, ModelNotFound, NetworkError
 from localllm.pull import CatalogSource, choose_gguf, ensure_model, pull_model
 from localllm.store import Store
 
@@ -122,10 +122,16 @@ def test_an_unreachable_hub_is_a_network_error(store, monkeypatch):
         _statuses(f"hf.co/{REPO}", store)
 
 
-def test_an_mlx_repo_is_not_supported_yet(endpoint, hub, store):
-    hub.repos["mlx-community/tiny-4bit"] = {"config.json": b"{}", "model.safetensors": b"\0" * 16}
-    with pytest.raises(ModelFormatError, match="not supported yet"):
-        _statuses("hf.co/mlx-community/tiny-4bit", store)
+def test_an_mlx_repo_pulls_as_a_folder_of_files(endpoint, hub, store):
+    files = {"config.json": b'{"model_type": "llama", "quantization": {"bits": 4}}', "model.safetensors": b"\0" * 16,
+             "tokenizer.json": b"{}", "README.md": b"# card", "modeling_evil.py": b"import os"}
+    hub.repos["mlx-community/tiny-4bit"] = files
+    assert _statuses("hf.co/mlx-community/tiny-4bit", store)[-1] == "success"
+    model = store.resolve("hf.co/mlx-community/tiny-4bit")
+    assert model.format == "mlx" and model.details.family == "llama" and model.details.quantization_level == "Q4"
+    # Weights, config and tokenizer only: never code, never the model card.
+    assert {p.name: p.read_bytes() for p in model.weights.iterdir()} == {
+        name: files[name] for name in ("config.json", "model.safetensors", "tokenizer.json")}
 
 
 @pytest.mark.parametrize("files, quant, result", [

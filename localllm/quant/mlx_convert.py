@@ -436,6 +436,17 @@ class MlxFolderInfo:
         return info
 
 
+def mlx_details(config: dict[str, Any]) -> "api.ModelDetails":
+    """list/show details of an MLX model from its config.json: family, and Q<bits> when quantized."""
+    from .. import api
+
+    family = str(config.get("model_type", ""))
+    bits = (config.get("quantization") or {}).get("bits")
+    level = f"Q{bits}" if bits else str(config.get("torch_dtype", "")).replace("float", "F").replace("bF", "BF")
+    return api.ModelDetails(format="mlx", family=family, families=[family] if family else None,
+                            quantization_level=level.upper())
+
+
 def inspect_mlx_folder(folder: Path) -> MlxFolderInfo:
     """Read config.json and the chat template of an MLX folder; ModelFormatError when config.json is unusable."""
     folder = Path(folder)
