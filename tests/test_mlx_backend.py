@@ -145,6 +145,9 @@ def test_missing_or_incomplete_folder_is_a_format_error(tmp_path):
     (tmp_path / "half" / "config.json").write_text("{}")
     with pytest.raises(ModelFormatError, match=r"\*\.safetensors"):
         MlxBackend().load(tmp_path / "half", LoadOptions(), n_seq=1, n_ctx=16)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelFormatError, match="--format mlx"):
+        MlxBackend().load(tmp_path / "m.gguf", LoadOptions(), n_seq=1, n_ctx=16)
 
 
 def test_mlx_repo_pulled_from_the_hub_loads_and_decodes(tiny_folder, tiny, monkeypatch):

@@ -51,6 +51,10 @@ class MlxBackend:
 
 
 def _check_folder(path: Path) -> None:
+    if path.is_file():
+        raise ModelFormatError(f"{path} is a file; the MLX backend runs MLX model folders",
+                               hint="make an MLX copy with `localllm create NAME --from MODEL --format mlx`, "
+                                    "or load it with backend llama.cpp")
     if not path.is_dir():
         raise ModelFormatError(f"MLX model folder {path} does not exist",
                                hint="an MLX model is a folder with config.json and *.safetensors")
