@@ -345,3 +345,110 @@ def _four_streams(path: Path, prompts: list[list[int]], *, n: int, n_ctx: int, t
     best = max(raw, key=raw.get)
     return Figure("4 concurrent streams (aggregate)", ours, raw[best], "tok/s", 1.0,
                   note=f"raw batched loop, best of 1 and 2 threads ({best} won)")
+
+
+# --------------------------------------------------------------------------------------------------- REST path
+
+@contextmanager
+def served_model(path: Path, *, slots: int, threads: Optional[int], n_ctx: int) -> Iterator[str]:
+    """`localllm serve` in a subprocess over a private home that holds `path` as model "bench:latest"."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    import httpx
+
+    with tempfile.TemporaryDirectory(prefix="localllm-bench-") as home:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = {**os.environ, "LOCALLLM_HOME": home, "LOCALLLM_HOST": f"127.0.0.1:{port}",
+               "LOCALLLM_NUM_PARALLEL": str(slots), "LOCALLLM_CONTEXT_LENGTH": str(n_ctx),
+               "LOCALLLM_LOG_LEVEL": "warning"}
+        if threads:
+            env["LOCALLLM_NUM_THREAD"] = str(threads)
+        proc = subprocess.Popen([sys.executable, "-m", "localllm", "serve"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            _wait_until_up(base, proc)
+            from .create import create_model
+            from .api import CreateRequest
+            from .store import Store
+
+            weights = Path(home) / "bench.gguf"  # a blob has no .gguf name; a model name must say it is a file
+            weights.symlink_to(Path(path).resolve())
+            list(create_model(CreateRequest(model="bench", **{"from": str(weights)}), Store(Path(home) / "models")))
+            httpx.post(f"{base}/api/generate", json={"model": "bench", "prompt": ""}, timeout=300)  # load it
+            yield base
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def _wait_until_up(base: str, proc) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("localllm serve exited during start-up")
+        try:
+            httpx.get(f"{base}/health", timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError("localllm serve did not answer within 60 s")
+
+
+def rest_run(base: str, prompts: list[list[int]], n: int) -> EngineRun:
+    """Stream raw-token prompts through /api/generate concurrently; the client's clock, as an IDE plugin sees it."""
+    import httpx
+    import json
+
+    run = EngineRun(submitted=time.perf_counter())
+    run.tokens, run.first, run.last = [[] for _ in prompts], [0.0] * len(prompts), [0.0] * len(prompts)
+
+    def one(i: int) -> None:
+        body = {"model": "bench", "prompt": "", "context": prompts[i], "raw": True, "stream": True,
+                "options": {"temperature": 0, "num_predict": n, "spec_type": "none"}}
+        with httpx.stream("POST", f"{base}/api/generate", json=body, timeout=600) as resp:
+            for line in resp.iter_lines():
+                chunk = json.loads(line)
+                if chunk.get("tokens"):
+                    now = time.perf_counter()
+                    run.first[i] = run.first[i] or now
+                    run.last[i] = now
+                    run.tokens[i].extend(chunk["tokens"])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return run
+
+
+def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: Optional[int] = None,
+                        log: Callable[[str], None] = print) -> list[Figure]:
+    """One stream and four streams through the REST server against the raw loop (single and batched)."""
+    from .templates import render_chat
+
+    loop = RawLoop(path, n_ctx=n_ctx, threads=1)
+    template = llama_cpp.llama_model_chat_template(loop.model, None)
+    render = (lambda text: loop.tokenize(render_chat(template.decode() if template else None,
+                                                     [{"role": "user", "content": text}])))
+    story, four = render(LONG_STORY), [render(p) for p in FOUR_PROMPTS]
+    loop.close()
+    log("REST: raw references")
+    raw1 = max(raw_decode_rate(path, story, n, threads=t, n_ctx=n_ctx)[0] for t in (1, 2))
+    raw4 = max(raw_batched_rate(path, four, n, threads=t, n_ctx=n_ctx) for t in (1, 2))
+    log("REST: through localllm serve")
+    with served_model(path, slots=4, threads=threads, n_ctx=n_ctx) as base:
+        one = rest_run(base, [story], n).rate()
+        many = rest_run(base, four, n).rate()
+    return [Figure("REST single stream", one, raw1, "tok/s", 0.97, note="raw loop best of 1 and 2 threads"),
+            Figure("REST 4 concurrent streams (aggregate)", many, raw4, "tok/s", 1.0,
+                   note="raw batched loop best of 1 and 2 threads")]

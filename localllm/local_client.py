@@ -7,6 +7,7 @@ model's chat template), then tokens, then an engine submission; engine chunks be
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any, Iterator, Optional
 
 from . import __version__, api, config
@@ -16,6 +17,7 @@ from .engine.runner import EngineChunk, GenerationParams
 from .errors import InvalidInput
 from .model_info import show_model
 from .pull import pull_model
+from .speculative import load_speculation
 from .store import ResolvedModel, Store
 from .structured import grammar_for_format, parse_tool_calls, tool_choice_grammar
 from .templates import render_chat
@@ -41,7 +43,7 @@ def _timing_fields(chunk: EngineChunk, loaded: Loaded, first_request: bool) -> d
 class LocalClient:
     def __init__(self, store: Optional[Store] = None, pool: Optional[ModelPool] = None):
         self.store = store or Store()
-        self.pool = pool or ModelPool(self.store)
+        self.pool = pool or ModelPool(self.store, drafter_factory=partial(load_speculation, self.store))
 
     # ----------------------------------------------------------------------------------------------- models
 
@@ -104,7 +106,7 @@ class LocalClient:
         else:
             messages = _messages_with_system(model, request.system, [api.Message(role="user", content=request.prompt)])
             text = self._render(loaded, model, messages, template=request.template)
-        tokens = list(request.context or []) + self._tokenize(loaded, text)
+        tokens = list(request.context or []) + (self._tokenize(loaded, text) if text else [])
         return tokens
 
     @staticmethod
@@ -261,5 +263,5 @@ def _process_row(entry: Loaded) -> api.ProcessModel:
         backend=entry.backend, slots_busy=stats.slots_busy, slots_total=stats.slots_total,
         queue_depth=stats.queue_depth, kv_type=entry.options.kv_type or "f16",
         gpu_layers=entry.options.num_gpu if entry.options.num_gpu is not None else -1,
-        speculation=entry.options.draft and "draft" or "none",
+        speculation=getattr(entry.drafters, "kind", "none"),
         draft_count=stats.draft_tokens, draft_accepted=stats.accepted_tokens)

@@ -1,3 +1,48 @@
-"""Commands registered on the shared app (see cli/app.py)."""
+"""`localllm bench MODEL`: the engine benchmark (scripts/bench.py's figures) for any pulled GGUF model."""
 
-from .app import app  # noqa: F401
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .app import app, console, err_console
+
+
+@app.command()
+def bench(
+    model: str = typer.Argument(..., help="a pulled model name or a .gguf path"),
+    tokens: int = typer.Option(128, "--tokens", "-n", min=8, help="tokens generated per stream"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="our engine's threads (default: ours)"),
+    rest: bool = typer.Option(False, "--rest", help="also measure through `localllm serve`"),
+    as_json: bool = typer.Option(False, "--json", help="print the figures as JSON"),
+) -> None:
+    """Measure the engine against raw llama.cpp (same model, threads and tokens) in one run."""
+    from ..benchmark import run_benchmarks, run_rest_benchmarks
+    from ..errors import InvalidInput
+    from ..store import Store
+
+    resolved = Store().resolve(model)
+    if resolved.format != "gguf":
+        raise InvalidInput(f"{model} is an {resolved.format} model; the benchmark compares against llama.cpp (GGUF)")
+    log = (lambda msg: err_console.print(f"[dim]{msg}[/]"))
+    figures = run_benchmarks(resolved.weights, n=tokens, threads=threads, log=log)
+    if rest:
+        figures += run_rest_benchmarks(resolved.weights, n=tokens, threads=threads, log=log)
+    if as_json:
+        console.print_json(json.dumps([{**f.__dict__, "ratio": f.ratio, "met": f.met} for f in figures]))
+        return
+    console.print(figure_table(f"{resolved.name}", figures))
+
+
+def figure_table(title: str, figures) -> Table:
+    table = Table(title=title)
+    for column in ("figure", "ours", "reference", "ratio", "target", "met", "note"):
+        table.add_column(column, justify="right" if column in ("ours", "reference", "ratio") else "left")
+    for f in figures:
+        target = f"{'≤' if f.lower_is_better else '≥'} {f.target}"
+        table.add_row(f.name, f"{f.ours:.1f} {f.unit}", f"{f.reference:.1f} {f.unit}", f"{f.ratio:.2f}",
+                      target, "yes" if f.met else "[red]no[/]", f.note)
+    return table

@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Benchmarks of localllm against raw llama.cpp, measured in one run on this machine; writes docs/BENCHMARKS.md.
+
+Every figure is a ratio against a reference taken in the same run (the raw llama.cpp loop through llama-cpp-python's
+low-level API on the same model, threads and tokens, or our own engine where the figure compares two of our runs).
+
+    python scripts/bench.py                          # all sections, catalog models from the local store
+    python scripts/bench.py --only engine rest       # some sections
+    python scripts/bench.py --models smollm2:135m --tokens 64 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from localllm import benchmark  # noqa: E402
+from localllm.benchmark import Figure  # noqa: E402
+
+Section = Callable[[Path, argparse.Namespace], list[Figure]]
+
+
+def engine_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    return benchmark.run_benchmarks(path, n=args.tokens, threads=args.threads)
+
+
+def rest_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    return benchmark.run_rest_benchmarks(path, n=args.tokens, threads=args.threads)
+
+
+SECTIONS: dict[str, tuple[str, Section]] = {
+    "engine": ("Engine against raw llama.cpp", engine_section),
+    "rest": ("REST path against raw llama.cpp", rest_section),
+}
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import llama_cpp
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()} {platform.machine()}, "
+            f"Python {platform.python_version()}, llama-cpp-python {llama_cpp.__version__} (CPU build)")
+
+
+def render(results: list[tuple[str, str, list[Figure]]], args: argparse.Namespace) -> str:
+    lines = [
+        "# Benchmarks", "",
+        f"Machine: {machine()}.", "",
+        f"Measured {time.strftime('%Y-%m-%d')} by `python scripts/bench.py` "
+        f"({args.tokens} tokens per stream). Every ratio is ours / reference, both measured in the same run. "
+        "CPU figures on a shared 2-core machine move by several percent between runs; a miss is recorded with "
+        "its reason, never hidden.", "",
+    ]
+    for model, title, figures in results:
+        lines += [f"## {title} — {model}", "", "| figure | ours | reference | ratio | target | met | note |",
+                  "|---|---:|---:|---:|---|---|---|"]
+        for f in figures:
+            target = f"{'≤' if f.lower_is_better else '≥'} {f.target}"
+            lines.append(f"| {f.name} | {f.ours:.1f} {f.unit} | {f.reference:.1f} {f.unit} | {f.ratio:.2f} | "
+                         f"{target} | {'yes' if f.met else 'no'} | {f.note} |")
+        lines.append("")
+    notes = ROOT / "docs" / "benchmark-notes.md"
+    if notes.exists():
+        lines += [notes.read_text().strip(), ""]
+    return "\n".join(lines)
+
+
+def model_path(name: str) -> Path:
+    from localllm.store import Store
+
+    return Store().resolve(name).weights
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", choices=sorted(SECTIONS), help="sections to run (default: all)")
+    parser.add_argument("--models", nargs="*", default=["smollm2:135m"], help="pulled models to measure")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=None, help="our engine's threads (default: its own)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
+    args = parser.parse_args()
+    results = []
+    for model in args.models:
+        path = model_path(model)
+        for key in args.only or list(SECTIONS):
+            title, section = SECTIONS[key]
+            print(f"== {title}: {model}", flush=True)
+            figures = section(path, args)
+            for f in figures:
+                print(f"  {f.name:42} ours {f.ours:9.1f} ref {f.reference:9.1f} {f.unit:5} ratio {f.ratio:5.2f} "
+                      f"{'met' if f.met else 'MISSED'}  {f.note}", flush=True)
+            results.append((model, title, figures))
+    text = render(results, args)
+    if not args.no_write:
+        out = ROOT / "docs" / "BENCHMARKS.md"
+        tmp = out.with_suffix(".md.tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
