@@ -14,6 +14,7 @@ from .errors import InvalidInput, InvalidName
 from .names import parse_ref
 from .pull import make_source, pull_model
 from .store import ResolvedModel, Store
+from .templates import validate_template
 
 Progress = Iterator[api.PullProgress]
 
@@ -42,6 +43,8 @@ def create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional
 
         check_quantize(request.quantize)  # before the parent is pulled or copied
     api.split_options(request.parameters)  # an unknown parameter name fails here, before anything is written
+    if request.template:
+        validate_template(request.template)  # a template that cannot render fails now, not at the first chat
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     yield api.PullProgress(status="parsing modelfile")
     parent = yield from _resolve_parent(request.from_, store, base)

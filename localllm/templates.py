@@ -7,6 +7,7 @@ Python internals or mutate what it is given. A model without any template (a bas
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, Optional, Sequence
@@ -40,8 +41,17 @@ def _tojson(value: Any, indent: Optional[int] = None, ensure_ascii: bool = False
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
+_GO_TEMPLATE = re.compile(r"{{-?\s*(\.[A-Z]|if \.|range \.)")
+
+
 @lru_cache(maxsize=32)
 def _compile(source: str):
+    if _GO_TEMPLATE.search(source):
+        # Ollama's TEMPLATE is a Go template ({{ .Prompt }}); ours is a Jinja chat template, as in GGUF metadata.
+        raise InvalidInput("the template uses Go template syntax ({{ .Prompt }}, as Ollama's TEMPLATE does); "
+                           "localllm templates are Jinja chat templates",
+                           hint="write it with messages, e.g. {% for m in messages %}{{ m.content }}{% endfor %}, "
+                                "or drop TEMPLATE to use the model's own")
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -50,6 +60,11 @@ def _compile(source: str):
         return env.from_string(source)
     except TemplateError as exc:
         raise InvalidInput(f"the chat template does not parse: {exc}") from None
+
+
+def validate_template(source: str) -> None:
+    """Raise InvalidInput when `source` is not a usable chat template (Go syntax, or Jinja that does not parse)."""
+    _compile(source)
 
 
 def render_chat(template: Optional[str], messages: Sequence[dict[str, Any]], *, tools: Optional[list] = None,

@@ -47,3 +47,8 @@ def test_hostile_template_fails_safely(hostile):
 def test_broken_template_is_a_clear_error():
     with pytest.raises(InvalidInput, match="does not parse"):
         render_chat("{% for m in messages %}", [{"role": "user", "content": "Hi"}])
+
+
+def test_ollama_go_template_is_refused_with_a_hint():
+    with pytest.raises(InvalidInput, match="Go template syntax"):
+        render_chat("{{ if .System }}{{ .System }}{{ end }}{{ .Prompt }}", [{"role": "user", "content": "Hi"}])
