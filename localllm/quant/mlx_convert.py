@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -73,7 +73,6 @@ class _ArchSpec:
     make_config: Callable[[_Metadata], dict[str, Any]]
     permute_qk: bool = False  # llama.cpp's convert script permutes llama q/k rows for its rope layout
     norm_offset: float = 0.0  # gemma stores RMSNorm weights as 1 + w; mlx-lm adds the 1 itself
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _llama_config(meta: _Metadata) -> dict[str, Any]:
