@@ -1,0 +1,54 @@
+"""`localllm plan MODEL`: the memory a load will take, read before anything loads."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .app import app, console
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+@app.command()
+def plan(
+    model: str = typer.Argument(..., help="a pulled model name or a .gguf path"),
+    num_ctx: Optional[int] = typer.Option(None, "--num-ctx", min=16, help="context per slot"),
+    num_parallel: Optional[int] = typer.Option(None, "--num-parallel", min=1, help="slots"),
+    kv_type: Optional[str] = typer.Option(None, "--kv-type", help="f16, q8_0 or q4_0"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+) -> None:
+    """Show the memory a model will take with these options (weights, KV cache per slot, compute), before loading."""
+    from ..engine.pool import effective_load, resolve_options
+    from ..errors import InvalidInput
+    from ..plan import plan_memory
+    from ..quant.gguf import inspect_gguf
+    from ..store import Store
+
+    resolved = Store().resolve(model)
+    if resolved.format != "gguf":
+        raise InvalidInput(f"{model} is an {resolved.format} model; the memory plan reads GGUF metadata")
+    overrides = {k: v for k, v in {"num_ctx": num_ctx, "num_parallel": num_parallel, "kv_type": kv_type}.items()
+                 if v is not None}
+    load, _ = resolve_options(resolved, overrides)
+    mem = plan_memory(inspect_gguf(resolved.weights), effective_load(load))
+    if as_json:
+        console.print_json(json.dumps({**mem.__dict__, "total": mem.total, "fits": mem.fits}))
+        return
+    table = Table(title=f"{resolved.name}: {mem.num_parallel} slots x {mem.num_ctx} tokens, KV {mem.kv_type}")
+    table.add_column("part")
+    table.add_column("memory", justify="right")
+    table.add_row("weights", _mib(mem.weights))
+    table.add_row(f"KV cache per slot ({mem.kv_per_token:,} bytes/token)", _mib(mem.kv_per_slot))
+    table.add_row(f"KV cache, {mem.num_parallel} slots", _mib(mem.kv_total))
+    table.add_row("compute buffer (estimate)", _mib(mem.compute))
+    table.add_row("[bold]total[/]", f"[bold]{_mib(mem.total)}[/]")
+    if mem.available is not None:
+        verdict = "fits" if mem.fits else "[red]does not fit[/]"
+        table.add_row("available now", f"{_mib(mem.available)} ({verdict})")
+    console.print(table)
