@@ -11,7 +11,8 @@ from typing import Any, Optional, Sequence, Union
 from pydantic import ValidationError
 
 from . import api
-from .errors import InvalidInput
+from .errors import InvalidInput, LocalLLMError
+from .names import parse_ref
 
 
 # ---------------------------------------------------------------------------------------------------------- options
@@ -43,6 +44,18 @@ def _unknown_parameter(name: str) -> str:
     known = sorted(api.LOAD_OPTION_NAMES | api.SAMPLING_OPTION_NAMES)
     close = difflib.get_close_matches(name, known, n=1)
     return f"unknown parameter {name!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+
+
+def is_model(row: api.ProcessModel, name: str) -> bool:
+    """Whether a loaded model (a `ps` row) is `name`, however it is spelled: `me/chat` is `me/chat:latest`."""
+    return bool({row.name, row.model} & {name, _display(name)})
+
+
+def _display(name: str) -> str:
+    try:
+        return parse_ref(name).display
+    except LocalLLMError:
+        return name
 
 
 # ---------------------------------------------------------------------------------------------------------- figures

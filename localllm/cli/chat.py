@@ -14,9 +14,8 @@ import typer
 
 from .. import config
 from ..client import Client
-from ..conversation import Conversation
+from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
-from ..names import parse_ref
 from .app import app, console, err_console
 from .render import print_timings, ps_table
 from .repl import Repl, make_line_reader, prepare_model, stream_reply
@@ -138,18 +137,10 @@ def ps(as_json: bool = typer.Option(False, "--json", help="print api.ProcessResp
 def stop(model: str = typer.Argument(..., help="a loaded model (see `localllm ps`)")):
     """Unload a model from the server now."""
     with _server_client(start=False) as client:
-        loaded = {name for row in client.ps().models for name in (row.name, row.model)}
-        if model not in loaded and _display(model) not in loaded:
+        if not any(is_model(row, model) for row in client.ps().models):
             raise ModelNotFound(f"model {model!r} is not loaded", hint="see `localllm ps`")
         client.stop(model)
     console.print(f"stopped '{model}'", highlight=False)
-
-
-def _display(model: str) -> str:
-    try:
-        return parse_ref(model).display
-    except LocalLLMError:
-        return model
 
 
 # ---------------------------------------------------------------------------------------------------------- tui

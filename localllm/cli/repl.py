@@ -14,7 +14,7 @@ from rich.console import Console
 
 from .. import api
 from ..client import Client
-from ..conversation import Conversation
+from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
 from .app import console, err_console, print_error
 from .render import MarkdownStream, print_model_facts, print_timings, render_pull, timing_rows
@@ -336,7 +336,7 @@ class Repl:
         for label, value in _chat_rows(self.conversation):
             console.print(f"  {label + ':':<22}{value}", highlight=False, markup=False)
         for row in self.client.ps().models:
-            if row.name == self.conversation.model or row.model == self.conversation.model:
+            if is_model(row, self.conversation.model):
                 console.print("[bold]Engine[/]")
                 for label, value in _engine_rows(row):
                     console.print(f"  {label + ':':<22}{value}", highlight=False, markup=False)

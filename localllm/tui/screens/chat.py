@@ -20,7 +20,7 @@ from textual.widgets import Footer, Header, Markdown
 from textual.worker import get_current_worker
 
 from ... import api
-from ...conversation import Conversation, rate
+from ...conversation import Conversation, is_model, rate
 from ...errors import LocalLLMError
 from ..widgets.engine_panel import EngineFigures, EnginePanel
 from ..widgets.message_list import MessageList, MessageView
@@ -173,7 +173,7 @@ class ChatScreen(Screen):
 
     def _show_process(self, processes: api.ProcessResponse) -> None:
         model = self.conversation.model
-        process = next((p for p in processes.models if model in (p.name, p.model)), None)
+        process = next((p for p in processes.models if is_model(p, model)), None)
         panel = self.query_one(EnginePanel)
         panel.figures = replace(panel.figures, model=model, process=process)
 
