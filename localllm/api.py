@@ -186,6 +186,7 @@ class Timings(_Model):
     truncated_tokens: int = Field(0, description="prompt tokens dropped because the request asked to truncate")
     draft_count: int = Field(0, description="speculative tokens drafted")
     draft_accepted: int = Field(0, description="speculative tokens accepted")
+    draft_mean_accepted: float = Field(0.0, description="draft tokens accepted per verification step, on average")
 
 
 class TopLogprob(_Model):

@@ -71,6 +71,7 @@ class Loaded:
     users: int = 0
     last_used: float = field(default_factory=time.monotonic)
     expires_at: Optional[datetime] = None
+    drafters: Any = None  # what the drafter factory built for this load (speculative.Speculation), if any
 
     @property
     def key(self) -> str:
@@ -140,12 +141,16 @@ class ModelPool:
         loaded = get_backend(backend_name).load(model.weights, load, n_seq=load.num_parallel or 1,
                                                 n_ctx=load.num_ctx or config.CONTEXT_LENGTH.get())
         seconds = time.perf_counter() - t0
-        drafter = self._drafter_factory(model, load, loaded) if self._drafter_factory else None
+        try:
+            drafter = self._drafter_factory(model, load, loaded) if self._drafter_factory else None
+        except BaseException:  # e.g. a draft model with another vocabulary: the error goes to the request
+            loaded.close()
+            raise
         engine = ModelEngine(loaded, max_queue=config.MAX_QUEUE.get(), load_seconds=seconds, make_drafter=drafter)
         log.info("loaded %s on %s in %.2fs: %d slots x %d tokens", model.name, backend_name, seconds,
                  loaded.n_seq, loaded.n_ctx)
         return Loaded(model=model, options=load, engine=engine, backend=backend_name, load_seconds=seconds,
-                      keep_alive=config.KEEP_ALIVE.get() if keep_alive is None else keep_alive)
+                      keep_alive=config.KEEP_ALIVE.get() if keep_alive is None else keep_alive, drafters=drafter)
 
     def _release(self, entry: Loaded, keep_alive: Optional[float]) -> None:
         with self._lock:
