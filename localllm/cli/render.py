@@ -222,6 +222,18 @@ def split_finished(text: str) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
+class _Lines:
+    """Already rendered lines, drawn as they are."""
+
+    def __init__(self, lines: list[list[Segment]]):
+        self.lines = lines
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        for line in self.lines:
+            yield from line
+            yield Segment.line()
+
+
 class _Tail:
     """Draws only the last lines of a renderable that fit the terminal, so a long block being written stays in view
     (rich's Live cannot scroll: it would leave copies of what passed the top)."""
@@ -231,19 +243,21 @@ class _Tail:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         lines = console.render_lines(self.renderable, options, pad=False)
-        for line in lines[-max(1, console.height - 2):]:
-            yield from line
-            yield Segment.line()
+        yield _Lines(lines[-max(1, console.height - 2):])
 
 
 class MarkdownStream:
     """Markdown drawn while it streams in: finished blocks are printed once and stay; the block still being written
-    is redrawn in place. A spinner shows until the first text arrives. Use as a context manager."""
+    is redrawn in place. A spinner shows until the first text arrives. Use as a context manager.
+
+    The finished part is rendered as one document and only its new lines are printed, so spacing between blocks
+    (lists, code, paragraphs) is what the whole answer would get."""
 
     def __init__(self, console: Console, *, waiting: str = ""):
         self._console = console
+        self._finished = ""
         self._pending = ""
-        self._printed = False
+        self._printed_lines = 0
         self._live = Live(Spinner("dots", text=waiting, style="dim"), console=console, transient=True,
                           refresh_per_second=8)
 
@@ -258,18 +272,19 @@ class MarkdownStream:
         if not text:
             return
         finished, self._pending = split_finished(self._pending + text)
-        self._print(finished)
+        if finished:
+            self._print_finished(finished)
         self._live.update(_Tail(Markdown(self._pending)))
 
     def close(self) -> None:
         self._live.stop()
-        self._print(self._pending)
+        self._print_finished(self._pending)
         self._pending = ""
 
-    def _print(self, text: str) -> None:
-        if not text.strip():
+    def _print_finished(self, text: str) -> None:
+        self._finished += text
+        if not self._finished.strip():
             return
-        if self._printed:
-            self._console.print()  # the blank line that separated the blocks in the source
-        self._console.print(Markdown(text))
-        self._printed = True
+        lines = self._console.render_lines(Markdown(self._finished), self._console.options, pad=False)
+        self._console.print(_Lines(lines[self._printed_lines:]), end="")
+        self._printed_lines = len(lines)

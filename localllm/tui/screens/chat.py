@@ -22,7 +22,7 @@ from textual.worker import get_current_worker
 from ... import api
 from ...conversation import Conversation, is_model, rate
 from ...errors import LocalLLMError
-from ..widgets.engine_panel import EngineFigures, EnginePanel
+from ..widgets.engine_panel import EnginePanel
 from ..widgets.message_list import MessageList, MessageView
 from ..widgets.prompt_input import PromptInput
 from .dialogs import Settings, SettingsScreen
