@@ -188,6 +188,23 @@ def test_ctrl_d_ends_the_chat_with_exit_code_0(chat_home):
     assert child.exitstatus == 0
 
 
+def test_run_pulls_a_missing_model_with_a_progress_bar_then_chats(tmp_path, smollm2_path):
+    from hfserver import Hub, HubServer
+
+    hub = Hub(repos={"test/chat": {"chat.Q4_1.gguf": smollm2_path.read_bytes()}})
+    with HubServer(hub) as url:
+        child = spawn_chat(_child_env(tmp_path / "empty-home", HF_ENDPOINT=url), "hf.co/test/chat:Q4_1",
+                           "--in-process")
+    shown = child.before
+    assert "pulling" in shown and "98.4/98.4 MB" in shown and "success" in shown
+    assert "loading hf.co/test/chat:Q4_1" in shown
+    say(child, "/show info", "quantization", "Q4_1")
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
 def test_verbose_prints_timings_after_each_answer(chat_home):
     child = spawn_chat(_child_env(chat_home), "smollm2:135m", "--in-process", "--verbose")
     say(child, "/set parameter num_predict 4")
