@@ -191,6 +191,8 @@ class Repl:
                 self.ask(unquote(text))
         except LocalLLMError as exc:
             print_error(exc)
+        except KeyboardInterrupt:  # e.g. during /load: stop that, not the chat
+            console.print("[dim](stopped)[/]", highlight=False)
         return True
 
     def ask(self, text: str) -> None:
