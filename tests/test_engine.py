@@ -254,3 +254,18 @@ def test_embeddings_are_normalised_and_distinct(engine4):
     assert len(a) == engine4.model.meta.n_embd
     assert abs(sum(x * x for x in a) - 1.0) < 1e-6
     assert a != b
+
+
+def test_sampler_chain_options_take_effect(engine4):
+    prompt = engine4.tokenize("one two three one two three one two three one two")
+    greedy = _tokens(engine4.submit(GenerationParams(prompt, GREEDY)))[0]
+    penalised = _tokens(engine4.submit(GenerationParams(prompt, GREEDY.model_copy(update={
+        "repeat_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 0.5}))))[0]
+    assert penalised != greedy
+    banned = greedy[0]
+    biased = _tokens(engine4.submit(GenerationParams(prompt, GREEDY.model_copy(
+        update={"logit_bias": {banned: float("-inf")}}))))[0]
+    assert biased[0] != banned
+    seeded = GREEDY.model_copy(update={"temperature": 1.0, "top_k": 50, "top_p": 0.95, "min_p": 0.05, "seed": 7})
+    first, again = (_tokens(engine4.submit(GenerationParams(prompt, seeded)))[0] for _ in range(2))
+    assert first == again  # the same seed draws the same tokens

@@ -346,7 +346,7 @@ def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: Optional[
         yield llama_cpp.llama_sampler_init_logit_bias(model.meta.n_vocab, len(eog), biases)
     if (opts.repeat_penalty != 1.0 or opts.presence_penalty or opts.frequency_penalty) and opts.repeat_last_n != 0:
         last_n = model.n_ctx if opts.repeat_last_n == -1 else opts.repeat_last_n
-        yield _Penalties(llama_cpp.llama_sampler_init_penalties(last_n, opts.repeat_penalty,
+        yield _Penalties(llama_cpp.llama_sampler_init_penalties(model.meta.n_vocab, last_n, opts.repeat_penalty,
                                                                  opts.frequency_penalty, opts.presence_penalty))
     if grammar:
         smpl = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")

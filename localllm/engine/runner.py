@@ -232,6 +232,9 @@ class ModelEngine:
             self._scheduler.admit(request)
         except LocalLLMError as exc:
             self._close_request(request, exc)
+        except Exception as exc:  # a bug in building this request's sampler or drafter fails it, not the engine
+            log.exception("could not start a request")
+            self._close_request(request, LocalLLMError(f"could not start the request: {exc}"))
 
     def _embed(self, inputs: list[list[int]], future: Future) -> None:
         try:
