@@ -6,10 +6,11 @@ flat `options` object into the two."""
 
 from __future__ import annotations
 
+import difflib
 from datetime import datetime, timezone
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import InvalidInput
 
@@ -88,6 +89,33 @@ def split_options(options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
     return load, sampling
+
+
+def parse_option(name: str, value: Any) -> Any:
+    """One option (Ollama's names) as its typed value, for a Modelfile PARAMETER or a chat's `/set parameter`.
+
+    Returns None for an Ollama option we accept and ignore; raises InvalidInput naming the option and the problem."""
+    try:
+        load, sampling = split_options({name: value})
+    except InvalidInput:
+        raise InvalidInput(_unknown_option(name)) from None
+    if name == "stop":
+        return value
+    kind, values = (LoadOptions, load) if load else (SamplingOptions, sampling)
+    if not values:
+        return None
+    try:
+        return getattr(kind.model_validate(values), name)
+    except ValidationError as exc:
+        reason = exc.errors()[0]["msg"]
+        raise InvalidInput(f"parameter {name} {value!r}: {reason[0].lower()}{reason[1:]}") from None
+
+
+def _unknown_option(name: str) -> str:
+    known = sorted(LOAD_OPTION_NAMES | SAMPLING_OPTION_NAMES)
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known parameters: {', '.join(known)}"
+    return f"unknown parameter {name!r}{hint}"
 
 
 # ---------------------------------------------------------------------------------------------------------- messages

@@ -4,11 +4,8 @@ them is the surface's business, through a Client."""
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
-
-from pydantic import ValidationError
 
 from . import api
 from .errors import InvalidInput, LocalLLMError
@@ -24,26 +21,10 @@ def parse_parameter(name: str, words: Sequence[str]) -> Any:
     """
     if not words:
         raise InvalidInput(f"parameter {name!r} needs a value", hint="/set parameter NAME VALUE")
-    try:
-        load, sampling = api.split_options({name: list(words) if name == "stop" else " ".join(words)})
-    except InvalidInput:
-        raise InvalidInput(_unknown_parameter(name)) from None
-    if name == "stop":
-        return list(words)
-    kind, values = (api.LoadOptions, load) if load else (api.SamplingOptions, sampling)
-    if not values:
+    typed = api.parse_option(name, list(words) if name == "stop" else " ".join(words))
+    if typed is None:
         raise InvalidInput(f"parameter {name!r} has no effect in localllm")
-    try:
-        return getattr(kind.model_validate(values), name)
-    except ValidationError as exc:
-        reason = exc.errors()[0]["msg"]
-        raise InvalidInput(f"parameter {name} {' '.join(words)!r}: {reason[0].lower()}{reason[1:]}") from None
-
-
-def _unknown_parameter(name: str) -> str:
-    known = sorted(api.LOAD_OPTION_NAMES | api.SAMPLING_OPTION_NAMES)
-    close = difflib.get_close_matches(name, known, n=1)
-    return f"unknown parameter {name!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+    return typed
 
 
 def is_model(row: api.ProcessModel, name: str) -> bool:

@@ -16,13 +16,11 @@ line, stripped. Every error is a `ModelfileError` naming the line where the inst
 
 from __future__ import annotations
 
-import difflib
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from pydantic import ValidationError
 
 from . import api
 from .errors import InvalidInput, ModelfileError
@@ -114,38 +112,18 @@ def _parse_value(ins: _Instruction, raw: str) -> str:
     return _unquote(raw.strip())
 
 
-def _option_error(name: str) -> str:
-    known = sorted(api.LOAD_OPTION_NAMES | api.SAMPLING_OPTION_NAMES)
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; known parameters: {', '.join(known)}"
-    return f"unknown parameter {name!r}{hint}"
-
-
-def _validation_message(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    return first["msg"][0].lower() + first["msg"][1:]
-
-
 def validate_parameter(name: str, value: str, *, line: int) -> Any:
     """Convert one PARAMETER value to its option's type, or raise a ModelfileError naming the line.
 
     Returns the typed value (for `stop`, the single string), or None for an Ollama option we accept and ignore."""
     try:
-        load, sampling = api.split_options({name: value})
-    except InvalidInput:
-        raise ModelfileError(line, _option_error(name)) from None
-    if name == "stop":
-        return value
-    try:
-        if load:
-            return getattr(api.LoadOptions.model_validate(load), name)
-        if sampling:
-            return getattr(api.SamplingOptions.model_validate(sampling), name)
-    except ValidationError as exc:
-        raise ModelfileError(line, f"parameter {name} {value!r}: {_validation_message(exc)}") from None
-    # Accepted so that Modelfiles written for Ollama still load, but said out loud: it changes nothing here.
-    log.warning("Modelfile line %d: parameter %s has no effect in localllm; ignored", line, name)
-    return None
+        typed = api.parse_option(name, value)
+    except InvalidInput as exc:
+        raise ModelfileError(line, exc.message) from None
+    if typed is None:
+        # Accepted so that Modelfiles written for Ollama still load, but said out loud: it changes nothing here.
+        log.warning("Modelfile line %d: parameter %s has no effect in localllm; ignored", line, name)
+    return typed
 
 
 # ---------------------------------------------------------------------------------------------------------- parsing
