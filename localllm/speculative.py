@@ -16,6 +16,7 @@ how many were accepted. Rejected positions leave the target's KV there, and the 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
@@ -89,30 +90,45 @@ class StepCost:
 
 
 class DraftWindow:
-    """Per request: the running acceptance of its drafts and the rule that sizes each step's draft.
+    """Per request: how often its drafts turn out right, and the rule that sizes each step's draft.
 
     Draft token i is verified only if the target accepted every one before it, so it adds p_1 * ... * p_i tokens in
-    expectation (p_j: the lower of the drafter's confidence in token j and the request's running acceptance). A draft
-    grows while that raises the step's expected tokens per second, counting the busy slots' own tokens and the rows
-    every token adds: a busy batch makes rows dear, and speculation stops by itself."""
+    expectation. p_j is the drafter's confidence in token j (n-gram: how long the match is; a model: its probability)
+    calibrated by this request's record: acceptance is counted per confidence band, so a drafter that is sure in copy
+    runs and unsure at the seams is believed in each. A draft grows while it raises the step's expected tokens per
+    second, counting the busy slots' own tokens and the rows each draft token adds: a busy batch makes rows dear,
+    and speculation stops by itself."""
 
-    def __init__(self, limit: int, cost: StepCost, *, prior: float = 0.8, memory: float = 0.9):
+    BANDS = 8  # band i holds confidences in [1 - 2^-i, 1 - 2^-(i+1)): finer near certainty, where runs get long
+
+    def __init__(self, limit: int, cost: StepCost, *, memory: float = 0.95, prior_weight: float = 2.0):
         self.limit = limit
         self.cost = cost
         self.memory = memory
-        # Acceptance as decayed counts, successes / trials, starting from `prior` as if seen over five trials.
-        self._hits = 5.0 * prior
-        self._trials = 5.0
+        self.prior_weight = prior_weight
+        self._hits = [0.0] * self.BANDS  # decayed counts per band: accepted tokens and verified tokens
+        self._trials = [0.0] * self.BANDS
+        self._offered: list[float] = []  # confidences of the draft last offered, to credit its band on record()
+
+    @classmethod
+    def band(cls, confidence: float) -> int:
+        return 0 if confidence <= 0.5 else min(cls.BANDS - 1, int(-math.log2(max(1e-9, 1.0 - confidence))))
 
     @property
     def acceptance(self) -> float:
-        return self._hits / self._trials
+        """The share of verified draft tokens the target accepted (decayed; 0 before any)."""
+        trials = sum(self._trials)
+        return sum(self._hits) / trials if trials else 0.0
 
     def per_token(self, confidence: float) -> float:
-        return min(confidence, self.acceptance)
+        """Probability that a draft token the drafter is `confidence` sure of is right, the drafter's own word
+        counting as `prior_weight` trials of its band."""
+        b = self.band(confidence)
+        return min(0.995, (self._hits[b] + self.prior_weight * confidence) / (self._trials[b] + self.prior_weight))
 
     def start(self, *, busy_slots: int, draft_seconds: float = 0.0) -> "DraftRun":
         """Begin sizing one step's draft; `draft_seconds` is what drafting one token costs (a draft model's decode)."""
+        self._offered = []
         return DraftRun(self, busy_slots=max(1, busy_slots), draft_seconds=draft_seconds)
 
     def cut(self, confidences: Sequence[float], *, busy_slots: int) -> int:
@@ -124,12 +140,17 @@ class DraftWindow:
         return run.position
 
     def record(self, *, drafted: int, accepted: int) -> None:
+        """Credit the last draft: its first `accepted` tokens were right, the next (if verified) was wrong."""
         if drafted <= 0:
             return
-        # Each accepted token is a success; the first rejection (if any) is the one failed trial that ended the run.
-        trials = accepted + (1 if accepted < drafted else 0)
-        self._hits = self.memory * self._hits + accepted
-        self._trials = self.memory * self._trials + trials
+        self._hits = [h * self.memory for h in self._hits]
+        self._trials = [t * self.memory for t in self._trials]
+        for i, confidence in enumerate(self._offered[:drafted]):
+            b = self.band(confidence)
+            self._trials[b] += 1.0
+            if i >= accepted:
+                break  # later tokens were never really tried: the target diverged here
+            self._hits[b] += 1.0
 
 
 class DraftRun:
@@ -147,6 +168,7 @@ class DraftRun:
         """Take the next draft token if verifying it raises the step's expected tokens per second."""
         if not self.pays(confidence):
             return False
+        self.window._offered.append(confidence)
         self.survival *= self.window.per_token(confidence)
         self._expected += self.survival
         self.position += 1
@@ -180,8 +202,7 @@ class _FixedRun(DraftRun):
 # ---------------------------------------------------------------------------------------------------------- n-gram
 
 NGRAM_SIZES = (4, 3, 2, 1)
-# How often a continuation after a suffix match of this length is right, before the request's own acceptance says.
-NGRAM_CONFIDENCE = {4: 0.95, 3: 0.9, 2: 0.75, 1: 0.45}
+MATCH_CAP = 64  # how far back a match is measured: beyond this, a copy is a copy
 
 
 class PromptLookup:
@@ -205,16 +226,25 @@ class PromptLookup:
         self._indexed = max(self._indexed, len(tokens) - 1)
 
     def lookup(self, tokens: Sequence[int], limit: int) -> tuple[list[int], int]:
-        """(the tokens after the latest earlier occurrence of the longest matching ending, that ending's length);
-        ([], 0) when nothing matches."""
+        """(up to `limit` tokens after the latest earlier occurrence of the longest matching ending (of at most
+        max(sizes) tokens), how many tokens that occurrence matches going back); ([], 0) when nothing matches."""
         self.extend(tokens)
         for n in self.sizes:
             if len(tokens) < n:
                 continue
             end = self._last_end[n].get(tuple(tokens[len(tokens) - n:]))
             if end is not None:
-                return list(tokens[end + 1: min(len(tokens), end + 1 + limit)]), n
+                return list(tokens[end + 1: min(len(tokens), end + 1 + limit)]), match_length(tokens, end)
         return [], 0
+
+
+def match_length(tokens: Sequence[int], end: int) -> int:
+    """How many tokens up to `end` equal the list's last ones (capped at MATCH_CAP)."""
+    last = len(tokens) - 1
+    n = 0
+    while n < MATCH_CAP and end - n >= 0 and tokens[end - n] == tokens[last - n]:
+        n += 1
+    return n
 
 
 def lookup_draft(tokens: Sequence[int], limit: int, sizes: Sequence[int] = NGRAM_SIZES) -> tuple[list[int], int]:
@@ -225,8 +255,13 @@ def lookup_draft(tokens: Sequence[int], limit: int, sizes: Sequence[int] = NGRAM
         tail = list(tokens[len(tokens) - n:])
         for end in range(len(tokens) - 2, n - 2, -1):
             if list(tokens[end + 1 - n: end + 1]) == tail:
-                return list(tokens[end + 1: end + 1 + limit]), n
+                return list(tokens[end + 1: end + 1 + limit]), match_length(tokens, end)
     return [], 0
+
+
+def ngram_confidence(match: int) -> float:
+    """A continuation after a long match is likely a copy in progress; after one token, a guess."""
+    return 1.0 - 0.5 / max(1, match)
 
 
 class NgramDrafter:
@@ -240,10 +275,10 @@ class NgramDrafter:
         self._index = PromptLookup()
 
     def propose(self, tokens: Sequence[int], *, busy_slots: int) -> list[int]:
-        draft, n = self._index.lookup(tokens, self.window.limit)
+        draft, match = self._index.lookup(tokens, self.window.limit)
         if not draft:
             return []
-        keep = self.window.cut([NGRAM_CONFIDENCE[n]] * len(draft), busy_slots=busy_slots)
+        keep = self.window.cut([ngram_confidence(match)] * len(draft), busy_slots=busy_slots)
         return draft[:keep]
 
     def feedback(self, *, drafted: int, accepted: int) -> None:
@@ -478,11 +513,14 @@ class Speculation:
 
         return GrammarCheckedDrafter(drafter, GrammarProbe(self.target, grammar), n_prompt=n_prompt)
 
-    def observe(self, step: "Step", seconds: float) -> None:
-        """After every target decode (on the engine thread): learn the step's cost; the MTP head follows the batch."""
-        self.cost.record(len(step.batch), sum(step.batch.logits), seconds)
+    def observe(self, step: "Step") -> None:
+        """After every target decode, before sampling (on the engine thread): the MTP head follows the batch."""
         if self.mtp is not None:
             self.mtp.observe(step)
+
+    def record_step(self, step: "Step", seconds: float) -> None:
+        """After sampling: what the step cost (decode, MTP follow-up and sampling), for the draft window."""
+        self.cost.record(len(step.batch), sum(step.batch.logits), seconds)
 
     def close(self) -> None:
         """When the model unloads, on the engine thread: free the draft contexts."""

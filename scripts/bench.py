@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -36,9 +37,19 @@ def rest_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return benchmark.run_rest_benchmarks(path, n=args.tokens, threads=args.threads)
 
 
+def spec_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """Speculative decoding (scripts/bench_spec.py). Needs a model that can copy code (gemma3:270m does, smollm2 does
+    not): `python scripts/bench.py --models gemma3:270m --only spec --llama-server PATH`."""
+    import bench_spec
+
+    return bench_spec.spec_figures(path, n=max(args.tokens, 300), threads=args.threads, repeats=3,
+                                   llama_server=args.llama_server)
+
+
 SECTIONS: dict[str, tuple[str, Section]] = {
     "engine": ("Engine against raw llama.cpp", engine_section),
     "rest": ("REST path against raw llama.cpp", rest_section),
+    "spec": ("Speculative decoding", spec_section),
 }
 
 
@@ -68,17 +79,29 @@ def render(results: list[tuple[str, str, list[Figure]]], args: argparse.Namespac
         "its reason, never hidden.", "",
     ]
     for model, title, figures in results:
-        lines += [f"## {title} — {model}", "", "| figure | ours | reference | ratio | target | met | note |",
-                  "|---|---:|---:|---:|---|---|---|"]
+        lines += [f"## {title} — {model}", "", f"Measured {time.strftime('%Y-%m-%d')}.", "",
+                  "| figure | ours | reference | ratio | target | met | note |", "|---|---:|---:|---:|---|---|---|"]
         for f in figures:
             target = f"{'≤' if f.lower_is_better else '≥'} {f.target}"
             lines.append(f"| {f.name} | {f.ours:.1f} {f.unit} | {f.reference:.1f} {f.unit} | {f.ratio:.2f} | "
                          f"{target} | {'yes' if f.met else 'no'} | {f.note} |")
         lines.append("")
+    lines += earlier_sections({f"## {title} — {model}" for model, title, _ in results})
     notes = ROOT / "docs" / "benchmark-notes.md"
     if notes.exists():
         lines += [notes.read_text().strip(), ""]
     return "\n".join(lines)
+
+
+def earlier_sections(measured: set[str]) -> list[str]:
+    """Sections of the existing docs/BENCHMARKS.md that this run did not measure, kept as they were (each with its
+    own date line), so a run with --only or other --models does not erase other figures."""
+    out = ROOT / "docs" / "BENCHMARKS.md"
+    if not out.exists():
+        return []
+    titles = tuple(f"## {title} — " for title, _ in SECTIONS.values())
+    blocks = re.split(r"(?m)^(?=## )", out.read_text())[1:]
+    return [b.rstrip() + "\n" for b in blocks if b.startswith(titles) and b.splitlines()[0] not in measured]
 
 
 def model_path(name: str) -> Path:
@@ -94,6 +117,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="our engine's threads (default: its own)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
+    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+                        help="llama.cpp's llama-server binary, for the spec section's side-by-side (env LLAMA_SERVER)")
     args = parser.parse_args()
     results = []
     for model in args.models:

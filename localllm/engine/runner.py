@@ -119,8 +119,10 @@ class ModelEngine:
         self.load_seconds = load_seconds
         self.max_queue = max_queue
         self._make_drafter = make_drafter
-        # A drafter factory with its own caches (speculative.Speculation) follows every decode and is freed here.
+        # A drafter factory with its own caches (speculative.Speculation) follows every decode, learns what each
+        # step costs (its draft window weighs that) and is freed with the model.
         self._observe_decode = getattr(make_drafter, "observe", None)
+        self._record_step = getattr(make_drafter, "record_step", None)
         self._close_drafters = getattr(make_drafter, "close", None)
         n_batch = num_batch or getattr(model, "n_batch", 512)
         self._scheduler = Scheduler(n_slots=model.n_seq, n_ctx=model.n_ctx, n_batch=n_batch, max_queue=max_queue)
@@ -266,9 +268,12 @@ class ModelEngine:
                 self._close_request(work.request, exc)
             return
         if self._observe_decode is not None:
-            self._observe_decode(step, time.perf_counter() - t0)
+            self._observe_decode(step)
         sampled = self._sample(step)
-        self.stats.decode_seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.stats.decode_seconds += seconds
+        if self._record_step is not None:
+            self._record_step(step, seconds)
         self._scheduler.update(step, sampled)
         self._drop_rejected(step)
         self._emit(step, sampled)

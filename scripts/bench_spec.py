@@ -1,0 +1,249 @@
+"""The speculative decoding section of scripts/bench.py.
+
+    code edit, 1 slot       a chat request to rewrite a 25-line function with one variable renamed: n-gram
+                            speculation against the same request without it (decode tokens per second)
+    llama-server            the same prompt tokens through llama.cpp's own server, with and without
+                            --spec-type ngram-simple (skipped with a note when no llama-server binary is given)
+    4 busy slots            aggregate tokens per second of four concurrent requests, speculation on (auto) vs off,
+                            for four code edits and for four ordinary chat prompts
+
+Every figure is the best of interleaved repeats (ours and the reference alternate, so load from elsewhere on the
+machine hits both alike). Outputs with and without speculation are compared token for token and the note says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+from localllm import config
+from localllm.api import LoadOptions, SamplingOptions
+from localllm.backends.llama_cpp import LlamaCppBackend
+from localllm.benchmark import FOUR_PROMPTS, Figure
+from localllm.engine.runner import GenerationParams, ModelEngine
+from localllm.speculative import Speculation
+from localllm.templates import render_chat
+
+FUNCTION = '''def summarize_orders(orders, tax_rate, discount=None):
+    """Total the orders of one customer and return a small report."""
+    subtotal = 0.0
+    count = 0
+    largest = None
+    for order in orders:
+        if order.get("cancelled"):
+            continue
+        amount = order["price"] * order.get("quantity", 1)
+        subtotal += amount
+        count += 1
+        if largest is None or amount > largest:
+            largest = amount
+    if discount:
+        subtotal -= subtotal * discount
+    tax = subtotal * tax_rate
+    total = subtotal + tax
+    report = {
+        "orders": count,
+        "subtotal": round(subtotal, 2),
+        "tax": round(tax, 2),
+        "total": round(total, 2),
+        "largest": largest,
+    }
+    return report
+'''
+
+
+def edit_request(new_name: str = "net_amount") -> str:
+    return (f"Here is a Python function:\n\n```python\n{FUNCTION}```\n\nRewrite it with the variable `subtotal` "
+            f"renamed to `{new_name}`. Keep everything else exactly the same.")
+
+
+N_CTX = 2048
+
+
+class SpecEngine:
+    """Our engine over one model, with the speculation the pool would give it."""
+
+    def __init__(self, path: Path, *, threads: int, slots: int):
+        model = LlamaCppBackend().load(path, LoadOptions(num_thread=threads, num_ctx=N_CTX), n_seq=slots, n_ctx=N_CTX)
+        self.speculation = Speculation(model)
+        self.engine = ModelEngine(model, max_queue=16, make_drafter=self.speculation)
+
+    def chat_tokens(self, content: str) -> list[int]:
+        model = self.engine.model
+        bos = model.token_text(model.meta.bos_token) if model.meta.bos_token is not None else ""
+        text = render_chat(model.meta.chat_template, [{"role": "user", "content": content}], bos_token=bos)
+        return self.engine.tokenize(text, add_special=not (bos and text.startswith(bos)))
+
+    def run(self, prompts: list[list[int]], n: int, spec_type: str) -> tuple[float, list[list[int]], list]:
+        """(tokens per second, each stream's tokens, each stream's final timings). One stream: its decode rate;
+        several: all generated tokens over the wall time from submission to the last one done."""
+        opts = SamplingOptions(temperature=0, num_predict=n, spec_type=spec_type)
+        results: list = [None] * len(prompts)
+
+        def drain(i: int) -> None:
+            chunks = list(self.engine.submit(GenerationParams(prompts[i], opts)))
+            results[i] = ([t for c in chunks for t in c.tokens], chunks[-1].timings)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        tokens = [r[0] for r in results]
+        timings = [r[1] for r in results]
+        if len(prompts) == 1:
+            rate = timings[0].eval_count / (timings[0].eval_duration / 1e9)
+        else:
+            rate = sum(t.eval_count for t in timings) / wall
+        return rate, tokens, timings
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class LlamaServer:
+    """llama.cpp's own server on a free loopback port, fed token ids so it sees exactly our prompt."""
+
+    def __init__(self, binary: str, path: Path, *, threads: int, spec: Optional[str]):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = [binary, "-m", str(path), "-c", str(N_CTX), "-np", "1", "-t", str(threads), "-tb", str(threads),
+               "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
+        if spec:
+            cmd += ["--spec-type", spec]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with status {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError("llama-server did not become ready")
+
+    def complete(self, prompt: list[int], n: int) -> tuple[float, list[int], dict]:
+        body = {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": True, "return_tokens": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            reply = json.loads(r.read())
+        timings = reply.get("timings", {})
+        return float(timings.get("predicted_per_second", 0.0)), list(reply.get("tokens") or []), timings
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _same(a: list[int], b: list[int]) -> str:
+    if a == b:
+        return "identical output"
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"outputs part at token {at} of {len(a)} (a near-tie in llama.cpp's batch numerics)"
+
+
+def _draft_note(timings) -> str:
+    drafted = sum(t.draft_count for t in timings)
+    accepted = sum(t.draft_accepted for t in timings)
+    steps = sum(t.draft_accepted / t.draft_mean_accepted for t in timings if t.draft_mean_accepted)
+    mean = accepted / steps if steps else 0.0
+    return f"{accepted}/{drafted} drafts accepted, {mean:.1f} per verify step"
+
+
+def spec_figures(path: Path, *, n: int, threads: Optional[int], repeats: int, llama_server: Optional[str],
+                 log=print) -> list[Figure]:
+    threads = threads or config.NUM_THREAD.get()
+    figures = _single_slot(path, n=n, threads=threads, repeats=repeats, llama_server=llama_server, log=log)
+    figures += _busy_slots(path, n=n // 2, threads=threads, repeats=repeats, log=log)
+    return figures
+
+
+def _single_slot(path: Path, *, n: int, threads: int, repeats: int, llama_server: Optional[str],
+                 log) -> list[Figure]:
+    ours = SpecEngine(path, threads=threads, slots=1)
+    servers: dict[str, LlamaServer] = {}
+    try:
+        prompt = ours.chat_tokens(edit_request())
+        if llama_server:
+            log("starting llama-server without and with --spec-type ngram-simple")
+            servers = {"off": LlamaServer(llama_server, path, threads=threads, spec=None),
+                       "ngram": LlamaServer(llama_server, path, threads=threads, spec="ngram-simple")}
+        ours.run([prompt], 8, "none")  # warm the slot's prefix cache, so every measured run starts alike
+        for server in servers.values():
+            server.complete(prompt, 8)
+        best: dict[str, tuple] = {}
+        for i in range(repeats):
+            log(f"code edit, 1 slot: repeat {i + 1}/{repeats}")
+            for spec_type in ("none", "ngram"):
+                rate, tokens, timings = ours.run([prompt], n, spec_type)
+                if rate > best.get(spec_type, (0.0,))[0]:
+                    best[spec_type] = (rate, tokens[0], timings)
+            for name, server in servers.items():
+                rate, tokens, timings = server.complete(prompt, n)
+                if rate > best.get("server-" + name, (0.0,))[0]:
+                    best["server-" + name] = (rate, tokens, timings)
+    finally:
+        for server in servers.values():
+            server.close()
+        ours.close()
+    (off, off_tokens, _), (on, on_tokens, on_timings) = best["none"], best["ngram"]
+    figures = [Figure("code edit, 1 slot: n-gram speculation vs off", on, off, "tok/s", 1.5,
+                      note=f"{_draft_note(on_timings)}; {_same(off_tokens, on_tokens)}; {threads} thread(s)")]
+    if servers:
+        srv_off, srv_on = best["server-off"][0], best["server-ngram"][0]
+        t = best["server-ngram"][2]
+        figures.append(Figure("code edit, 1 slot: our n-gram vs llama-server ngram-simple", on, srv_on, "tok/s", 1.0,
+                              note=f"llama-server's own gain {srv_on / srv_off:.2f}x ({srv_off:.1f} tok/s off), "
+                                   f"{t.get('draft_n_accepted', 0)}/{t.get('draft_n', 0)} drafts accepted; "
+                                   f"same prompt tokens and threads"))
+    else:
+        log("no llama-server binary (--llama-server or LLAMA_SERVER): its comparison is skipped")
+    return figures
+
+
+def _busy_slots(path: Path, *, n: int, threads: int, repeats: int, log) -> list[Figure]:
+    ours = SpecEngine(path, threads=threads, slots=4)
+    figures = []
+    try:
+        mixes = {"code edits": [ours.chat_tokens(edit_request(name))
+                                for name in ("net_amount", "base", "amount_due", "pre_tax")],
+                 "chat prompts": [ours.chat_tokens(p) for p in FOUR_PROMPTS]}
+        for mix, prompts in mixes.items():
+            ours.run(prompts, 8, "none")
+            best: dict[str, tuple] = {}
+            for i in range(repeats):
+                log(f"4 busy slots, {mix}: repeat {i + 1}/{repeats}")
+                for spec_type in ("none", "auto"):
+                    rate, tokens, timings = ours.run(prompts, n, spec_type)
+                    if rate > best.get(spec_type, (0.0,))[0]:
+                        best[spec_type] = (rate, tokens, timings)
+            (off, off_tokens, _), (on, on_tokens, on_timings) = best["none"], best["auto"]
+            same = sum(a == b for a, b in zip(off_tokens, on_tokens))
+            figures.append(Figure(f"4 busy slots, {mix}: speculation (auto) vs off, aggregate", on, off, "tok/s",
+                                  1.0, note=f"{_draft_note(on_timings)}; {same}/4 outputs identical"))
+    finally:
+        ours.close()
+    return figures
+
+
+def default_llama_server() -> Optional[str]:
+    return os.environ.get("LLAMA_SERVER") or None
