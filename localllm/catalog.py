@@ -81,9 +81,9 @@ CATALOG: tuple[CatalogEntry, ...] = (
         ),
         # The template's built-in system prompt ("...named SmolLM, trained by Hugging Face") sends this 4-bit 135M
         # model off into French wordplay on simple questions, and so does sampling at any temperature now and then;
-        # a plain system prompt, greedy decoding and a light repeat penalty keep it on topic and out of loops.
+        # a plain system prompt and greedy decoding keep it on topic (`/set parameter temperature` undoes it).
         system="You are a helpful AI assistant.",
-        parameters=(("temperature", 0.0), ("repeat_penalty", 1.1)),
+        parameters=(("temperature", 0.0),),
     ),
     CatalogEntry(
         name="gemma3:270m",

@@ -70,7 +70,8 @@ def test_chat_generate_embed_ps_stop(http):
     chunks = list(http.chat(chat_request(options={"temperature": 0, "num_predict": 24})))
     assert chunks[-1].done and "Paris" in "".join(c.message.content for c in chunks)
     assert chunks[-1].eval_count > 0
-    generated = list(http.generate(api.GenerateRequest(model="smollm2:135m", prompt="Hello", options=SMALL)))
+    story = api.GenerateRequest(model="smollm2:135m", prompt="Tell me a long story about a dragon.", options=SMALL)
+    generated = list(http.generate(story))
     assert generated[-1].done_reason == "length" and generated[-1].eval_count == SMALL["num_predict"]
     assert all(isinstance(c, api.GenerateChunk) for c in generated)
     vectors = http.embed(api.EmbedRequest(model="smollm2:135m", input=["a", "b"])).embeddings
