@@ -64,7 +64,8 @@ class SamplingOptions(_Model):
     logit_bias: dict[int, float] = Field(default_factory=dict)
     ignore_eos: bool = False
     spec_type: SpecType = Field("auto", description="speculative decoding: auto, none, ngram, draft, mtp")
-    spec_max_draft: int = Field(16, ge=0, le=64, description="most draft tokens verified per step")
+    spec_max_draft: int = Field(32, ge=0, le=64, description="most draft tokens verified per step (the draft window "
+                                "sizes each draft below this from its acceptance and cost)")
 
 
 LOAD_OPTION_NAMES = frozenset(LoadOptions.model_fields)
