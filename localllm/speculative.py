@@ -76,7 +76,7 @@ class StepCost:
         self._xtx = self.memory * self._xtx + np.outer(x, x)
         self._xty = self.memory * self._xty + x * seconds
         # Ridge toward the prior: with only one-row steps and prefill chunks the three terms cannot be told apart.
-        ridge = np.diag([1.0, 1.0, 1.0]) * np.array([1.0, 100.0, 100.0])
+        ridge = np.diag([1.0, 100.0, 100.0])
         coef = np.linalg.solve(self._xtx + ridge, self._xty + ridge @ self._anchor)
         self._coef = np.maximum(coef, [self._anchor[0] * 0.01, 0.0, 0.0])
 
@@ -108,7 +108,7 @@ class DraftWindow:
         self.prior_weight = prior_weight
         self._hits = [0.0] * self.BANDS  # decayed counts per band: accepted tokens and verified tokens
         self._trials = [0.0] * self.BANDS
-        self._offered: list[float] = []  # confidences of the draft last offered, to credit its band on record()
+        self.offered: list[float] = []  # confidences of the draft last offered, to credit its band on record()
 
     @classmethod
     def band(cls, confidence: float) -> int:
@@ -128,7 +128,7 @@ class DraftWindow:
 
     def start(self, *, busy_slots: int, draft_seconds: float = 0.0) -> "DraftRun":
         """Begin sizing one step's draft; `draft_seconds` is what drafting one token costs (a draft model's decode)."""
-        self._offered = []
+        self.offered = []
         return DraftRun(self, busy_slots=max(1, busy_slots), draft_seconds=draft_seconds)
 
     def cut(self, confidences: Sequence[float], *, busy_slots: int) -> int:
@@ -145,7 +145,7 @@ class DraftWindow:
             return
         self._hits = [h * self.memory for h in self._hits]
         self._trials = [t * self.memory for t in self._trials]
-        for i, confidence in enumerate(self._offered[:drafted]):
+        for i, confidence in enumerate(self.offered[:drafted]):
             b = self.band(confidence)
             self._trials[b] += 1.0
             if i >= accepted:
@@ -168,7 +168,7 @@ class DraftRun:
         """Take the next draft token if verifying it raises the step's expected tokens per second."""
         if not self.pays(confidence):
             return False
-        self.window._offered.append(confidence)
+        self.window.offered.append(confidence)
         self.survival *= self.window.per_token(confidence)
         self._expected += self.survival
         self.position += 1
@@ -179,7 +179,8 @@ class DraftRun:
         if self.position >= self.window.limit:
             return False
         gain = self.survival * self.window.per_token(confidence)
-        return (self._expected + gain) / self._seconds(self.position + 1) >= self._expected / self._seconds(self.position)
+        now, longer = self._seconds(self.position), self._seconds(self.position + 1)
+        return (self._expected + gain) / longer >= self._expected / now
 
     def _seconds(self, drafts: int) -> float:
         rows = self._busy + drafts  # every draft row needs its logits

@@ -209,7 +209,8 @@ def _single_slot(path: Path, *, n: int, threads: int, repeats: int, llama_server
         ours.close()
     (off, off_tokens, _), (on, on_tokens, on_timings) = best["none"], best["ngram"]
     figures = [Figure("code edit, 1 slot: n-gram speculation vs off", on, off, "tok/s", 1.5,
-                      note=f"{_draft_note(on_timings)}; {_same(off_tokens, on_tokens)}; {threads} thread(s)")]
+                      note=f"{n} tokens; {_draft_note(on_timings)}; {_same(off_tokens, on_tokens)}; "
+                           f"{threads} thread(s)")]
     if servers:
         srv_off, srv_on = best["server-off"][0], best["server-ngram"][0]
         t = best["server-ngram"][2]
@@ -241,7 +242,8 @@ def _busy_slots(path: Path, *, n: int, threads: int, repeats: int, log) -> list[
             (off, off_tokens, _), (on, on_tokens, on_timings) = best["none"], best["auto"]
             same = sum(a == b for a, b in zip(off_tokens, on_tokens))
             figures.append(Figure(f"4 busy slots, {mix}: speculation (auto) vs off, aggregate", on, off, "tok/s",
-                                  1.0, note=f"{_draft_note(on_timings)}; {same}/4 outputs identical"))
+                                  1.0, note=f"{n} tokens per stream; {_draft_note(on_timings)}; "
+                                            f"{same}/4 outputs identical"))
     finally:
         ours.close()
     return figures
