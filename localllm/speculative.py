@@ -54,35 +54,38 @@ class Drafter(Protocol):
 # ---------------------------------------------------------------------------------------------------------- policy
 
 class StepCost:
-    """Seconds of a decode step, modelled as a + b*rows + c*outputs (rows: tokens in the batch; outputs: rows whose
-    logits are read, which costs the output layer), fitted by exponentially weighted least squares over the steps the
-    engine runs. A weak prior, scaled to the first step seen, says extra rows are cheap (`prior` of a one-row step):
-    optimistic, so drafts get tried and their real cost measured."""
+    """Seconds of a decode step of `rows` rows, all read out (decode rows and their drafts), modelled as
+    a + b * rows and fitted by exponentially weighted least squares over the engine's decode steps. Steps that carry
+    prefill chunks are left out: their rows skip the output layer and run faster kernels, and would make draft rows
+    look cheaper than they are. A light prior, scaled to the first step seen, says extra rows are cheap (`prior` of a
+    one-row step): optimistic, so drafts get tried and their real cost measured."""
 
-    def __init__(self, *, prior: float = 0.05, memory: float = 0.99):
+    def __init__(self, *, prior: float = 0.05, memory: float = 0.999):
+        # A long memory: costs are CPU seconds of the engine thread, steady for a loaded model, and what a few draft
+        # steps taught about the slope must outlive the long runs of same-sized steps between them.
         self.prior = prior
         self.memory = memory
-        self._xtx = np.zeros((3, 3))
-        self._xty = np.zeros(3)
+        self._xtx = np.zeros((2, 2))
+        self._xty = np.zeros(2)
         self._anchor: Optional[np.ndarray] = None  # prior coefficients, once a step gave them a scale
-        self._coef = np.array([1.0, prior / 2, prior / 2])  # in one-row steps until something is measured
+        self._coef = np.array([1.0, prior])  # in one-row steps until something is measured
 
     def record(self, rows: int, outputs: int, seconds: float) -> None:
-        if rows <= 0 or seconds <= 0:
+        if rows <= 0 or outputs != rows or seconds <= 0:
             return
-        x = np.array([1.0, rows, outputs])
+        x = np.array([1.0, rows])
         if self._anchor is None:
             self._anchor = self._coef * seconds / float(self._coef @ x)
         self._xtx = self.memory * self._xtx + np.outer(x, x)
         self._xty = self.memory * self._xty + x * seconds
-        # Ridge toward the prior: with only one-row steps and prefill chunks the three terms cannot be told apart.
-        ridge = np.diag([1.0, 100.0, 100.0])
-        coef = np.linalg.solve(self._xtx + ridge, self._xty + ridge @ self._anchor)
-        self._coef = np.maximum(coef, [self._anchor[0] * 0.01, 0.0, 0.0])
+        # The prior decides only what the data cannot: while every step has the same rows, a and b cannot be told
+        # apart, and the prior's cheap rows then get drafts tried.
+        coef = np.linalg.solve(self._xtx + np.eye(2), self._xty + self._anchor)
+        self._coef = np.maximum(coef, [self._anchor[0] * 0.01, 0.0])
 
-    def seconds(self, rows: int, outputs: int) -> float:
-        """Estimated seconds of a step (in one-row steps before anything was measured)."""
-        return float(self._coef @ (1.0, rows, outputs))
+    def seconds(self, rows: int) -> float:
+        """Estimated seconds of a decode step of `rows` rows (in one-row steps before anything was measured)."""
+        return float(self._coef @ (1.0, rows))
 
     @property
     def measured(self) -> bool:
@@ -97,13 +100,16 @@ class DraftWindow:
     calibrated by this request's record: acceptance is counted per confidence band, so a drafter that is sure in copy
     runs and unsure at the seams is believed in each. A draft grows while it raises the step's expected tokens per
     second, counting the busy slots' own tokens and the rows each draft token adds: a busy batch makes rows dear,
-    and speculation stops by itself."""
+    and speculation stops by itself. A draft that would gain less than `margin` over not drafting is dropped: the
+    estimates are noisy, and a marginal draft is as likely to cost as to save."""
 
     BANDS = 8  # band i holds confidences in [1 - 2^-i, 1 - 2^-(i+1)): finer near certainty, where runs get long
 
-    def __init__(self, limit: int, cost: StepCost, *, memory: float = 0.95, prior_weight: float = 2.0):
+    def __init__(self, limit: int, cost: StepCost, *, memory: float = 0.95, prior_weight: float = 2.0,
+                 margin: float = 0.05):
         self.limit = limit
         self.cost = cost
+        self.margin = margin
         self.memory = memory
         self.prior_weight = prior_weight
         self._hits = [0.0] * self.BANDS  # decayed counts per band: accepted tokens and verified tokens
@@ -137,7 +143,7 @@ class DraftWindow:
         for confidence in confidences:
             if not run.offer(confidence):
                 break
-        return run.position
+        return run.position if run.worthwhile() else 0
 
     def record(self, *, drafted: int, accepted: int) -> None:
         """Credit the last draft: its first `accepted` tokens were right, the next (if verified) was wrong."""
@@ -174,6 +180,11 @@ class DraftRun:
         self.position += 1
         return True
 
+    def worthwhile(self) -> bool:
+        """Does the draft taken so far beat not drafting by the window's margin?"""
+        rate = self._expected / self._seconds(self.position)
+        return self.position > 0 and rate >= (1.0 + self.window.margin) * self._busy / self._seconds(0)
+
     def pays(self, confidence: float = 1.0) -> bool:
         """Would a next token with this confidence pay? (With 1.0: could any next token pay?)"""
         if self.position >= self.window.limit:
@@ -183,8 +194,7 @@ class DraftRun:
         return (self._expected + gain) / longer >= self._expected / now
 
     def _seconds(self, drafts: int) -> float:
-        rows = self._busy + drafts  # every draft row needs its logits
-        return self.window.cost.seconds(rows, rows) + drafts * self._draft_seconds
+        return self.window.cost.seconds(self._busy + drafts) + drafts * self._draft_seconds
 
 
 class FixedWindow(DraftWindow):
@@ -198,6 +208,9 @@ class FixedWindow(DraftWindow):
 class _FixedRun(DraftRun):
     def pays(self, confidence: float = 1.0) -> bool:
         return self.position < self.window.limit
+
+    def worthwhile(self) -> bool:
+        return self.position > 0
 
 
 # ---------------------------------------------------------------------------------------------------------- n-gram
@@ -344,7 +357,7 @@ class DraftModel:
             if len(draft) == room or not run.pays():
                 break  # even a certain next token would not pay: skip its decode
             row = self._decode(seq, [token], start=len(tokens) + len(draft) - 1)
-        return draft
+        return draft if run.worthwhile() else []
 
     def keep(self, seq: int, n: int) -> None:
         """Forget all but the first `n` cached tokens of `seq` (rejected drafts)."""
@@ -369,10 +382,10 @@ class DraftModel:
         batch = Batch()
         for i, token in enumerate(tokens):
             batch.add(token, start + i, seq, i == len(tokens) - 1)
-        t0 = time.perf_counter()
+        t0 = time.thread_time()  # the same clock as the engine's step costs
         self.model.decode(batch)
         if len(tokens) == 1:  # the price of one drafted token, for the window's cost rule
-            seconds = time.perf_counter() - t0
+            seconds = time.thread_time() - t0
             self.seconds_per_token += 0.2 * (seconds - self.seconds_per_token)
         self._cached[seq].extend(tokens)
         return len(tokens) - 1
@@ -520,7 +533,8 @@ class Speculation:
             self.mtp.observe(step)
 
     def record_step(self, step: "Step", seconds: float) -> None:
-        """After sampling: what the step cost (decode, MTP follow-up and sampling), for the draft window."""
+        """After sampling: what the step cost in CPU seconds of the engine thread (decode, MTP follow-up and
+        sampling), for the draft window."""
         self.cost.record(len(step.batch), sum(step.batch.logits), seconds)
 
     def close(self) -> None:

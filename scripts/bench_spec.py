@@ -208,8 +208,10 @@ def _single_slot(path: Path, *, n: int, threads: int, repeats: int, llama_server
             server.close()
         ours.close()
     (off, off_tokens, _), (on, on_tokens, on_timings) = best["none"], best["ngram"]
+    copied = "" if on_timings[0].draft_accepted > len(on_tokens) // 3 else (
+        "this model's answer does not repeat the function, so n-gram lookup has little to draft; ")
     figures = [Figure("code edit, 1 slot: n-gram speculation vs off", on, off, "tok/s", 1.5,
-                      note=f"{n} tokens; {_draft_note(on_timings)}; {_same(off_tokens, on_tokens)}; "
+                      note=f"{copied}{n} tokens; {_draft_note(on_timings)}; {_same(off_tokens, on_tokens)}; "
                            f"{threads} thread(s)")]
     if servers:
         srv_off, srv_on = best["server-off"][0], best["server-ngram"][0]

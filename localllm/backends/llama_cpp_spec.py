@@ -95,9 +95,9 @@ class MtpHead:
         while len(draft) < room:
             llama_cpp.llama_batch_ext_clear(self._batch)
             self._add(token, pos, seq, h, output=True)
-            t0 = time.perf_counter()
+            t0 = time.thread_time()  # the same clock as the engine's step costs
             self._process("drafting")
-            self.seconds_per_token += 0.2 * (time.perf_counter() - t0 - self.seconds_per_token)
+            self.seconds_per_token += 0.2 * (time.thread_time() - t0 - self.seconds_per_token)
             token, confidence = greedy_pick(self._logits())
             h = self._head_h()
             if token >= self._n_vocab or not run.offer(confidence):
@@ -108,7 +108,7 @@ class MtpHead:
                 break  # even a certain next token would not pay: skip its decode
         # The draft region is refilled by observe() with the target's own h once the target has verified it.
         llama_cpp.llama_memory_seq_rm(self._mem, seq, len(tokens) - 1, -1)
-        return draft
+        return draft if run.worthwhile() else []
 
     # ----------------------------------------------------------------------------------------------- native helpers
 
