@@ -458,8 +458,11 @@ def rest_run(base: str, prompts: list[list[int]], n: int) -> EngineRun:
 
 
 def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: Optional[int] = None,
+                        other_server: Optional[Callable[[list[list[int]], int], tuple[str, float]]] = None,
                         log: Callable[[str], None] = print) -> list[Figure]:
-    """One stream and four streams through the REST server against the raw loop (single and batched)."""
+    """One stream and four streams through the REST server against the raw loop (single and batched).
+    `other_server(prompts, n) -> (name, aggregate tok/s)` measures another server on the same four streams
+    (llama.cpp's llama-server -np 4), for a side-by-side figure."""
     from .templates import render_chat
 
     loop = RawLoop(path, n_ctx=n_ctx, threads=1)
@@ -475,6 +478,12 @@ def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads:
     with served_model(path, slots=4, threads=threads, n_ctx=n_ctx) as base:
         one = rest_run(base, [story], n).rate()
         many = rest_run(base, four, n).rate()
-    return [Figure("REST single stream", one, raw1, "tok/s", 0.97, note="raw loop best of 1 and 2 threads"),
-            Figure("REST 4 concurrent streams (aggregate)", many, raw4, "tok/s", 1.0,
-                   note="raw batched loop best of 1 and 2 threads")]
+    figures = [Figure("REST single stream", one, raw1, "tok/s", 0.97, note="raw loop best of 1 and 2 threads"),
+               Figure("REST 4 concurrent streams (aggregate)", many, raw4, "tok/s", 1.0,
+                      note="raw batched loop best of 1 and 2 threads")]
+    if other_server is not None:
+        log("REST: the other server, same four streams")
+        name, theirs = other_server(four, n)
+        figures.append(Figure(f"REST 4 concurrent streams: ours vs {name}", many, theirs, "tok/s", 1.0,
+                              note="same prompt tokens, greedy, EOS ignored; theirs from its own timings"))
+    return figures

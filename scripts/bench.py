@@ -17,6 +17,7 @@ import platform
 import re
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -34,7 +35,30 @@ def engine_section(path: Path, args: argparse.Namespace) -> list[Figure]:
 
 
 def rest_section(path: Path, args: argparse.Namespace) -> list[Figure]:
-    return benchmark.run_rest_benchmarks(path, n=args.tokens, threads=args.threads)
+    other = partial(llama_server_streams, args.llama_server, path, args) if args.llama_server else None
+    return benchmark.run_rest_benchmarks(path, n=args.tokens, threads=args.threads, other_server=other)
+
+
+def llama_server_streams(binary: str, path: Path, args: argparse.Namespace, prompts: list[list[int]],
+                         n: int) -> tuple[str, float]:
+    """Aggregate tok/s of llama.cpp's own server with 4 slots on the same prompts: generated tokens over the
+    longest generation time it reports, the four requests sent at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import bench_spec
+    from localllm import config
+
+    threads = args.threads or config.NUM_THREAD.get()
+    server = bench_spec.LlamaServer(binary, path, threads=threads, spec=None, slots=len(prompts), ctx_per_slot=4096)
+    try:
+        server.complete(prompts[0][:8], 4)  # warm up
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            timings = [t for _, _, t in pool.map(lambda p: server.complete(p, n, ignore_eos=True), prompts)]
+    finally:
+        server.close()
+    tokens = sum(t.get("predicted_n", 0) for t in timings)
+    seconds = max(t.get("predicted_ms", 0.0) for t in timings) / 1000
+    return f"llama-server -np {len(prompts)} ({threads} thread(s))", tokens / seconds if seconds else 0.0
 
 
 def spec_section(path: Path, args: argparse.Namespace) -> list[Figure]:

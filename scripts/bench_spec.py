@@ -112,11 +112,14 @@ class SpecEngine:
 class LlamaServer:
     """llama.cpp's own server on a free loopback port, fed token ids so it sees exactly our prompt."""
 
-    def __init__(self, binary: str, path: Path, *, threads: int, spec: Optional[str]):
+    def __init__(self, binary: str, path: Path, *, threads: int, spec: Optional[str], slots: int = 1,
+                 ctx_per_slot: int = N_CTX):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        cmd = [binary, "-m", str(path), "-c", str(N_CTX), "-np", "1", "-t", str(threads), "-tb", str(threads),
+        # -c is the total context, which llama-server divides among its -np slots.
+        cmd = [binary, "-m", str(path), "-c", str(ctx_per_slot * slots), "-np", str(slots), "-t", str(threads),
+               "-tb", str(threads),
                "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
         if spec:
             cmd += ["--spec-type", spec]
@@ -136,8 +139,9 @@ class LlamaServer:
                 time.sleep(0.5)
         raise RuntimeError("llama-server did not become ready")
 
-    def complete(self, prompt: list[int], n: int) -> tuple[float, list[int], dict]:
-        body = {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": True, "return_tokens": True}
+    def complete(self, prompt: list[int], n: int, *, ignore_eos: bool = False) -> tuple[float, list[int], dict]:
+        body = {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": True, "return_tokens": True,
+                "ignore_eos": ignore_eos}
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
