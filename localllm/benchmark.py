@@ -6,7 +6,6 @@ our engine's greedy output equals the raw loop token for token."""
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from contextlib import contextmanager
