@@ -91,6 +91,10 @@ class StepCost:
     def measured(self) -> bool:
         return self._anchor is not None
 
+    def describe(self) -> str:
+        """The fitted cost, for benchmarks and logs: "4.1 ms + 11.8 ms/row"."""
+        return f"{self._coef[0] * 1e3:.1f} ms + {self._coef[1] * 1e3:.1f} ms/row"
+
 
 class DraftWindow:
     """Per request: how often its drafts turn out right, and the rule that sizes each step's draft.
@@ -100,8 +104,9 @@ class DraftWindow:
     calibrated by this request's record: acceptance is counted per confidence band, so a drafter that is sure in copy
     runs and unsure at the seams is believed in each. A draft grows while it raises the step's expected tokens per
     second, counting the busy slots' own tokens and the rows each draft token adds: a busy batch makes rows dear,
-    and speculation stops by itself. A draft that would gain less than `margin` over not drafting is dropped: the
-    estimates are noisy, and a marginal draft is as likely to cost as to save."""
+    and speculation stops by itself. A draft must also promise to beat not drafting by `margin` per busy slot: the
+    estimates are noisy, a marginal draft is as likely to cost as to save, and a draft that misses holds up every
+    request in the batch."""
 
     BANDS = 8  # band i holds confidences in [1 - 2^-i, 1 - 2^-(i+1)): finer near certainty, where runs get long
 
@@ -183,7 +188,7 @@ class DraftRun:
     def worthwhile(self) -> bool:
         """Does the draft taken so far beat not drafting by the window's margin?"""
         rate = self._expected / self._seconds(self.position)
-        return self.position > 0 and rate >= (1.0 + self.window.margin) * self._busy / self._seconds(0)
+        return self.position > 0 and rate >= (1.0 + self.window.margin * self._busy) * self._busy / self._seconds(0)
 
     def pays(self, confidence: float = 1.0) -> bool:
         """Would a next token with this confidence pay? (With 1.0: could any next token pay?)"""

@@ -66,14 +66,19 @@ def spec_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     not): `python scripts/bench.py --models gemma3:270m --only spec --llama-server PATH`."""
     import bench_spec
 
-    return bench_spec.spec_figures(path, n=max(args.tokens, 300), threads=args.threads, repeats=3,
+    return bench_spec.spec_figures(path, n=max(args.tokens, 300), threads=args.threads, repeats=5,
                                    llama_server=args.llama_server)
+
+
+def mlx_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    return benchmark.run_mlx_benchmarks(path)
 
 
 SECTIONS: dict[str, tuple[str, Section]] = {
     "engine": ("Engine against raw llama.cpp", engine_section),
     "rest": ("REST path against raw llama.cpp", rest_section),
     "spec": ("Speculative decoding", spec_section),
+    "mlx": ("MLX against llama.cpp (informational)", mlx_section),
 }
 
 

@@ -207,6 +207,7 @@ def _single_slot(path: Path, *, n: int, threads: int, repeats: int, llama_server
                 rate, tokens, timings = server.complete(prompt, n)
                 if rate > best.get("server-" + name, (0.0,))[0]:
                     best["server-" + name] = (rate, tokens, timings)
+        cost = ours.speculation.cost.describe()
     finally:
         for server in servers.values():
             server.close()
@@ -216,7 +217,7 @@ def _single_slot(path: Path, *, n: int, threads: int, repeats: int, llama_server
         "this model's answer does not repeat the function, so n-gram lookup has little to draft; ")
     figures = [Figure("code edit, 1 slot: n-gram speculation vs off", on, off, "tok/s", 1.5,
                       note=f"{copied}{n} tokens; {_draft_note(on_timings)}; {_same(off_tokens, on_tokens)}; "
-                           f"{threads} thread(s)")]
+                           f"a step costs {cost} of CPU here; {threads} thread(s)")]
     if servers:
         srv_off, srv_on = best["server-off"][0], best["server-ngram"][0]
         t = best["server-ngram"][2]
@@ -247,9 +248,10 @@ def _busy_slots(path: Path, *, n: int, threads: int, repeats: int, log) -> list[
                         best[spec_type] = (rate, tokens, timings)
             (off, off_tokens, _), (on, on_tokens, on_timings) = best["none"], best["auto"]
             same = sum(a == b for a, b in zip(off_tokens, on_tokens))
+            cost = ours.speculation.cost.describe()
             figures.append(Figure(f"4 busy slots, {mix}: speculation (auto) vs off, aggregate", on, off, "tok/s",
                                   1.0, note=f"{n} tokens per stream; {_draft_note(on_timings)}; "
-                                            f"{same}/4 outputs identical"))
+                                            f"{same}/4 outputs identical; a step costs {cost} of CPU"))
     finally:
         ours.close()
     return figures
