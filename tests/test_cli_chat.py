@@ -148,8 +148,10 @@ def test_terminal_chat_through_the_background_server(served):
     say(child, "/load nosuch:1b", "Error:", "not in the catalog")
     say(child, "/show info", "architecture", "llama")
 
-    # Ctrl-C stops a long answer (and frees its slot on the server); the chat goes on
+    # Ctrl-C stops a long answer (and frees its slot on the server); the chat goes on. EOS is banned so the answer
+    # is surely still running when Ctrl-C arrives (a greedy story can end within a second).
     say(child, "/set parameter num_predict 1500")
+    say(child, "/set parameter ignore_eos true", "Set parameter 'ignore_eos'")
     child.sendline("Write a very long story about a dragon.")
     child.expect(SPINNER)  # the line editor has handed the terminal back: Ctrl-C is a signal again
     child.expect(r"\w+ \w+ \w+ \w+ \w+")  # some of the answer
@@ -157,6 +159,7 @@ def test_terminal_chat_through_the_background_server(served):
     child.expect_exact("(stopped)")
     child.expect_exact(PROMPT)
     assert [m["name"] for m in wait_until_idle(served.url)] == ["smollm2:135m"]
+    say(child, "/set parameter ignore_eos false", "Set parameter 'ignore_eos'")
     say(child, "/clear", "Cleared session context")
     say(child, "/set parameter num_predict 40")
     say(child, QUESTION, "Paris")
