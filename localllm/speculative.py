@@ -91,6 +91,11 @@ class StepCost:
     def measured(self) -> bool:
         return self._anchor is not None
 
+    @property
+    def row_share(self) -> float:
+        """What one row adds to a one-row step, as a share of that step (near 1: drafts can hardly pay)."""
+        return float(self._coef[1] / (self._coef[0] + self._coef[1]))
+
     def describe(self) -> str:
         """The fitted cost, for benchmarks and logs: "4.1 ms + 11.8 ms/row"."""
         return f"{self._coef[0] * 1e3:.1f} ms + {self._coef[1] * 1e3:.1f} ms/row"
