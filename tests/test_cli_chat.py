@@ -105,9 +105,15 @@ def localllm(env: dict[str, str], *args: str, stdin: str = "") -> subprocess.Com
                           text=True, timeout=180)
 
 
+def _as_in_a_terminal() -> None:
+    # A job started in the background of a non-interactive shell (as CI may be) inherits SIGINT ignored, and Python
+    # then never raises KeyboardInterrupt; a person's terminal delivers Ctrl-C with the default disposition.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn_chat(env: dict[str, str], *args: str) -> pexpect.spawn:
     child = pexpect.spawn(sys.executable, ["-m", "localllm", "run", *args], env=env, encoding="utf-8",
-                          timeout=90, dimensions=(40, 120))
+                          timeout=90, dimensions=(40, 120), preexec_fn=_as_in_a_terminal)
     child.expect_exact(PROMPT)
     return child
 
