@@ -167,9 +167,9 @@ def _same(a: list[int], b: list[int]) -> str:
     return f"outputs part at token {at} of {len(a)} (batch-dependent llama.cpp numerics)"
 
 
-# "Never lowers aggregate throughput", read within this machine's run-to-run noise: with nothing drafted both runs do
-# the same work, and their best-of-5 still differ by a few percent on the shared 2-core box.
-BUSY_TARGET = 0.97
+# The "never lowers aggregate throughput". With nothing drafted both runs do the same work and their best-of-5
+# still differ by a few percent on the shared 2-core box; a miss that small is reported as a miss, with that note.
+BUSY_TARGET = 1.0
 
 
 def _cost_note(cost) -> str:
