@@ -110,6 +110,15 @@ class _Output:
     t_first: float = 0.0
 
 
+def _top_indices(logits: np.ndarray, n: int) -> np.ndarray:
+    """Indices of the n largest logits, largest first, without sorting the whole vocabulary (262k for gemma3)."""
+    if n <= 0:
+        return np.empty(0, dtype=np.int64)
+    n = min(n, logits.shape[0])
+    part = np.argpartition(-logits, n - 1)[:n]
+    return part[np.argsort(-logits[part])]
+
+
 class ModelEngine:
     def __init__(self, model: LoadedModel, *, max_queue: int, num_batch: Optional[int] = None,
                  load_seconds: float = 0.0, make_drafter: Optional[Callable] = None):
@@ -324,7 +333,7 @@ class ModelEngine:
         for row, tok in zip(rows, tokens):
             logits = self.model.logits(row).astype(np.float64)
             logz = float(np.logaddexp.reduce(logits))
-            top = np.argsort(-logits)[:top_n] if top_n else []
+            top = _top_indices(logits, top_n)
             out.append(TokenLogprob(tok, float(logits[tok]) - logz,
                                     tuple((int(t), float(logits[t]) - logz) for t in top)))
         return out
