@@ -152,8 +152,7 @@ class Scheduler:
 
     def _add_decode(self, step: Step, slot: Slot, budget: int) -> int:
         req: Request = slot.request  # type: ignore[assignment]
-        room = self.n_ctx - len(slot.cached) - 1  # positions left after the decode row itself
-        draft = req.draft[: max(0, min(room, budget - 1))]
+        draft = req.draft[: max(0, min(self.draft_room(req), budget - 1))]
         req.draft = draft
         pos = len(slot.cached)
         tokens = [req.generated[-1], *draft]
@@ -207,6 +206,14 @@ class Scheduler:
             if slot.state is SlotState.PREFILL:
                 slot.cached = list(request.prompt[: request.n_prefilled])
             slot.state, slot.request = SlotState.IDLE, None
+
+    def draft_room(self, request: Request) -> int:
+        """How many draft tokens a generating request could still use this step: the decode row yields one token,
+        so drafts fill at most the rest of its num_predict and of its context."""
+        slot = request.slot
+        context = self.n_ctx - len(slot.cached) - 1 if slot else 0
+        tokens = request.max_tokens - len(request.generated) - 1
+        return max(0, int(min(context, tokens)))
 
     def context_left(self, request: Request) -> int:
         slot = request.slot

@@ -5,7 +5,7 @@ scheduler puts the draft rows into the same batch as the other slots' decode row
 verifies them with the request's own sampler chain (the lossless rule is stated in ModelEngine._verify) and reports
 how many were accepted. Rejected positions leave the target's KV there, and the drafter's own cache here.
 
-    Drafter             per request: propose(tokens, busy_slots) -> draft; feedback(drafted, accepted); close()
+    Drafter             per request: propose(tokens, busy_slots, room) -> draft; feedback(drafted, accepted); close()
     NgramDrafter        prompt lookup: continue the latest earlier occurrence of the text's current ending
     DraftModelDrafter   a small model with the same vocabulary: its own context, one sequence per slot
     MtpDrafter          the target's own multi-token-prediction heads (backends/llama_cpp_spec.py)
@@ -42,8 +42,10 @@ class Drafter(Protocol):
 
     kind: str
 
-    def propose(self, tokens: Sequence[int], *, busy_slots: int) -> list[int]:
-        """Draft tokens to follow `tokens` (the request's prompt and output so far); [] skips speculation this step."""
+    def propose(self, tokens: Sequence[int], *, busy_slots: int, room: int) -> list[int]:
+        """At most `room` draft tokens to follow `tokens` (the request's prompt and output so far); [] skips
+        speculation this step. `room` is what the request can still use: tokens past its num_predict or its context
+        could never be emitted, so drafting them would only cost rows."""
 
     def feedback(self, *, drafted: int, accepted: int) -> None:
         """How many draft tokens were verified last step, and how many of them the target agreed with."""
@@ -90,6 +92,17 @@ class StepCost:
     @property
     def measured(self) -> bool:
         return self._anchor is not None
+
+    @property
+    def identified(self) -> bool:
+        """Have steps of different sizes been seen, so the per-row cost is measured rather than the prior's guess?
+        The data's weight on the slope (weighted count times the variance of the row counts) must outweigh the
+        prior's, which grows with the usual row count: a steady batch of 4 pins a + 4b, not b."""
+        n = self._xtx[0, 0]
+        if n <= 0:
+            return False
+        mean = self._xtx[0, 1] / n
+        return n * (self._xtx[1, 1] / n - mean * mean) >= 2.0 * (1.0 + mean * mean)
 
     @property
     def row_share(self) -> float:
@@ -142,14 +155,16 @@ class DraftWindow:
         b = self.band(confidence)
         return min(0.995, (self._hits[b] + self.prior_weight * confidence) / (self._trials[b] + self.prior_weight))
 
-    def start(self, *, busy_slots: int, draft_seconds: float = 0.0) -> "DraftRun":
-        """Begin sizing one step's draft; `draft_seconds` is what drafting one token costs (a draft model's decode)."""
+    def start(self, *, busy_slots: int, draft_seconds: float = 0.0, room: Optional[int] = None) -> "DraftRun":
+        """Begin sizing one step's draft of at most `room` tokens; `draft_seconds` is what drafting one token costs
+        (a draft model's decode)."""
         self.offered = []
-        return DraftRun(self, busy_slots=max(1, busy_slots), draft_seconds=draft_seconds)
+        limit = self.limit if room is None else max(0, min(self.limit, room))
+        return DraftRun(self, busy_slots=max(1, busy_slots), draft_seconds=draft_seconds, limit=limit)
 
     def cut(self, confidences: Sequence[float], *, busy_slots: int) -> int:
         """How many tokens of a ready draft, whose tokens carry `confidences`, to verify."""
-        run = self.start(busy_slots=busy_slots)
+        run = self.start(busy_slots=busy_slots, room=len(confidences))
         for confidence in confidences:
             if not run.offer(confidence):
                 break
@@ -172,8 +187,9 @@ class DraftWindow:
 class DraftRun:
     """One step's draft being sized, token by token (see DraftWindow)."""
 
-    def __init__(self, window: DraftWindow, *, busy_slots: int, draft_seconds: float):
+    def __init__(self, window: DraftWindow, *, busy_slots: int, draft_seconds: float, limit: int):
         self.window = window
+        self.limit = limit
         self.position = 0
         self.survival = 1.0
         self._busy = busy_slots
@@ -197,7 +213,12 @@ class DraftRun:
 
     def pays(self, confidence: float = 1.0) -> bool:
         """Would a next token with this confidence pay? (With 1.0: could any next token pay?)"""
-        if self.position >= self.window.limit:
+        if self.position >= self.limit:
+            return False
+        if self._busy > 1 and not self.window.cost.identified:
+            # The prior's cheap rows get drafts tried so their real cost is measured; in a shared batch that trial
+            # holds up every request in it. There the per-row cost must come from batches of different sizes,
+            # which come and go as requests start and finish.
             return False
         gain = self.survival * self.window.per_token(confidence)
         now, longer = self._seconds(self.position), self._seconds(self.position + 1)
@@ -211,13 +232,14 @@ class FixedWindow(DraftWindow):
     """Always drafts `limit` tokens, whatever they cost or however sure the drafter is (llama.cpp's fixed draft
     length): for tests that need drafts to happen, and benchmarks that compare against the adaptive window."""
 
-    def start(self, *, busy_slots: int, draft_seconds: float = 0.0) -> DraftRun:
-        return _FixedRun(self, busy_slots=busy_slots, draft_seconds=draft_seconds)
+    def start(self, *, busy_slots: int, draft_seconds: float = 0.0, room: Optional[int] = None) -> DraftRun:
+        limit = self.limit if room is None else max(0, min(self.limit, room))
+        return _FixedRun(self, busy_slots=busy_slots, draft_seconds=draft_seconds, limit=limit)
 
 
 class _FixedRun(DraftRun):
     def pays(self, confidence: float = 1.0) -> bool:
-        return self.position < self.window.limit
+        return self.position < self.limit
 
     def worthwhile(self) -> bool:
         return self.position > 0
@@ -298,8 +320,10 @@ class NgramDrafter:
         self.window = window
         self._index = PromptLookup()
 
-    def propose(self, tokens: Sequence[int], *, busy_slots: int) -> list[int]:
-        draft, match = self._index.lookup(tokens, self.window.limit)
+    def propose(self, tokens: Sequence[int], *, busy_slots: int, room: int) -> list[int]:
+        if not self.window.start(busy_slots=busy_slots, room=room).pays():
+            return []  # not even a certain draft would pay this step: skip the lookup (the index catches up later)
+        draft, match = self._index.lookup(tokens, min(self.window.limit, room))
         if not draft:
             return []
         keep = self.window.cut([ngram_confidence(match)] * len(draft), busy_slots=busy_slots)
@@ -352,9 +376,9 @@ class DraftModel:
         self._n_batch = getattr(model, "n_batch", 512)
         self.seconds_per_token = 0.0
 
-    def draft(self, seq: int, tokens: Sequence[int], window: DraftWindow, *, busy_slots: int) -> list[int]:
-        room = self.model.n_ctx - len(tokens)
-        run = window.start(busy_slots=busy_slots, draft_seconds=self.seconds_per_token)
+    def draft(self, seq: int, tokens: Sequence[int], window: DraftWindow, *, busy_slots: int, room: int) -> list[int]:
+        room = min(room, self.model.n_ctx - len(tokens))
+        run = window.start(busy_slots=busy_slots, draft_seconds=self.seconds_per_token, room=room)
         if room <= 0 or not run.pays():
             return []
         row = self._catch_up(seq, tokens)
@@ -415,12 +439,12 @@ class DraftModelDrafter:
         self.window = window
         self._start = 0  # length of `tokens` at the last proposal
 
-    def propose(self, tokens: Sequence[int], *, busy_slots: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], *, busy_slots: int, room: int) -> list[int]:
         slot = self._request.slot  # assigned at schedule time, after this drafter was made
         if slot is None:
             return []
         self._start = len(tokens)
-        return self._model.draft(slot.seq, tokens, self.window, busy_slots=busy_slots)
+        return self._model.draft(slot.seq, tokens, self.window, busy_slots=busy_slots, room=room)
 
     def feedback(self, *, drafted: int, accepted: int) -> None:
         self.window.record(drafted=drafted, accepted=accepted)
@@ -447,12 +471,12 @@ class MtpDrafter:
         self.window = window
         self._start = 0
 
-    def propose(self, tokens: Sequence[int], *, busy_slots: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], *, busy_slots: int, room: int) -> list[int]:
         slot = self._request.slot
         if slot is None:
             return []
         self._start = len(tokens)
-        return self._head.draft(slot.seq, tokens, self.window, busy_slots=busy_slots)
+        return self._head.draft(slot.seq, tokens, self.window, busy_slots=busy_slots, room=room)
 
     def feedback(self, *, drafted: int, accepted: int) -> None:
         self.window.record(drafted=drafted, accepted=accepted)
@@ -476,8 +500,8 @@ class GrammarCheckedDrafter:
         self._probe = probe
         self._n_prompt = n_prompt
 
-    def propose(self, tokens: Sequence[int], *, busy_slots: int) -> list[int]:
-        draft = self.inner.propose(tokens, busy_slots=busy_slots)
+    def propose(self, tokens: Sequence[int], *, busy_slots: int, room: int) -> list[int]:
+        draft = self.inner.propose(tokens, busy_slots=busy_slots, room=room)
         if not draft:
             return draft
         return draft[: self._probe.allowed(tokens[self._n_prompt:], draft)]

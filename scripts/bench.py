@@ -111,9 +111,8 @@ def render(results: list[tuple[str, str, list[Figure]]], args: argparse.Namespac
         lines += [f"## {title} — {model}", "", f"Measured {time.strftime('%Y-%m-%d')}.", "",
                   "| figure | ours | reference | ratio | target | met | note |", "|---|---:|---:|---:|---|---|---|"]
         for f in figures:
-            target = f"{'≤' if f.lower_is_better else '≥'} {f.target}"
             lines.append(f"| {f.name} | {f.ours:.1f} {f.unit} | {f.reference:.1f} {f.unit} | {f.ratio:.2f} | "
-                         f"{target} | {'yes' if f.met else 'no'} | {f.note} |")
+                         f"{f.target_text} | {f.met_text} | {f.note} |")
         lines.append("")
     lines += earlier_sections({f"## {title} — {model}" for model, title, _ in results})
     notes = ROOT / "docs" / "benchmark-notes.md"
@@ -158,7 +157,7 @@ def main() -> None:
             figures = section(path, args)
             for f in figures:
                 print(f"  {f.name:42} ours {f.ours:9.1f} ref {f.reference:9.1f} {f.unit:5} ratio {f.ratio:5.2f} "
-                      f"{'met' if f.met else 'MISSED'}  {f.note}", flush=True)
+                      f"{ {True: 'met', False: 'MISSED', None: 'info'}[f.met] }  {f.note}", flush=True)
             results.append((model, title, figures))
     text = render(results, args)
     if not args.no_write:

@@ -83,7 +83,8 @@ def _tokens(stream) -> tuple[list[int], object]:
 
 
 def _run_all(engine: ModelEngine, prompts: list[str], options=GREEDY) -> dict[str, list[int]]:
-    streams = {p: engine.submit(GenerationParams(engine.tokenize(p), options)) for p in prompts}
+    # Submitted together, so they start in the same step as the raw loop's batch (the make-up matters for gemma3).
+    streams = dict(zip(prompts, engine.submit_all([GenerationParams(engine.tokenize(p), options) for p in prompts])))
     results: dict[str, list[int]] = {}
 
     def drain(p):
@@ -228,7 +229,9 @@ def test_full_queue_is_rejected_at_once(smollm2_path):
     try:
         prompt = engine.tokenize(PROMPTS[0])
         slow = SamplingOptions(temperature=0, num_predict=100, spec_type="none")
-        held = [engine.submit(GenerationParams(prompt, slow)) for _ in range(2)]  # one running, one queued
+        with pytest.raises(QueueFull):  # a batch that does not fit is refused whole: nothing of it is queued
+            engine.submit_all([GenerationParams(prompt, slow)] * 3)
+        held = engine.submit_all([GenerationParams(prompt, slow)] * 2)  # one running, one queued
         with pytest.raises(QueueFull):
             engine.submit(GenerationParams(prompt, slow))
         for s in held:
@@ -269,3 +272,37 @@ def test_sampler_chain_options_take_effect(engine4):
     seeded = GREEDY.model_copy(update={"temperature": 1.0, "top_k": 50, "top_p": 0.95, "min_p": 0.05, "seed": 7})
     first, again = (_tokens(engine4.submit(GenerationParams(prompt, seeded)))[0] for _ in range(2))
     assert first == again  # the same seed draws the same tokens
+
+
+def test_greedy_shortcut_picks_what_llama_cpps_chain_picks(model_path):
+    from localllm.backends.llama_cpp import GreedySampler, LlamaCppSampler
+    from localllm.backends.base import Batch
+
+    model = LlamaCppBackend().load(model_path, LoadOptions(num_thread=1, num_ctx=256), n_seq=1, n_ctx=256)
+    try:
+        tokens = model.tokenize("The capital of France is")
+        batch = Batch()
+        for i, tok in enumerate(tokens):
+            batch.add(tok, i, 0, True)
+        model.decode(batch)
+        eog = model.eog_tokens()
+        top = [int(t) for t in model.logits(len(tokens) - 1).argsort()[::-1][:3]]
+        cases = [
+            {}, {"ignore_eos": True},
+            {"logit_bias": {top[0]: float("-inf")}},  # the favourite banned: the runner-up wins
+            {"logit_bias": {top[2]: 100.0}},  # a biased token overtakes
+            {"logit_bias": {eog[0]: 1000.0}, "ignore_eos": True},  # a ban beats any bias
+            {"logit_bias": {top[0]: -1.0, 10**9: 5.0}},  # an id past the vocabulary is ignored, as llama.cpp does
+        ]
+        for extra in cases:
+            opts = SamplingOptions(temperature=0, **extra)
+            fast = model.make_sampler(opts)
+            assert isinstance(fast, GreedySampler)
+            chain = LlamaCppSampler(model, opts, None)
+            for row in range(len(tokens)):
+                assert fast.sample(row) == chain.sample(row), (extra, row)
+            chain.close()
+        assert isinstance(model.make_sampler(SamplingOptions(temperature=0, repeat_penalty=1.3)), LlamaCppSampler)
+        assert isinstance(model.make_sampler(SamplingOptions(temperature=0.7)), LlamaCppSampler)
+    finally:
+        model.close()

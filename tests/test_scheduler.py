@@ -121,6 +121,17 @@ def test_drafts_ride_in_the_decode_rows_and_only_verified_ones_stay_cached():
     assert a.generated == [4, 5, 6, 9]
 
 
+def test_drafts_never_reach_past_the_requests_num_predict():
+    s = _sched(slots=1, n_batch=16)
+    a = Request(prompt=[1, 2, 3], max_tokens=3)
+    s.admit(a)
+    _finish_prefill(s, a, first_token=4)  # one of three tokens generated
+    assert s.draft_room(a) == 1  # the decode row yields the second token; one draft could be the third
+    a.draft = [5, 6, 7]
+    step = s.schedule()
+    assert step.batch.tokens == [4, 5] and a.draft == [5]
+
+
 def test_decode_stops_at_the_context_edge():
     s = _sched(slots=1, n_ctx=6, n_batch=16)
     a = Request(prompt=[1, 2, 3, 4], max_tokens=50)

@@ -101,6 +101,27 @@ def test_window_on_a_memory_bound_machine_drafts_with_one_slot_but_less_with_fou
     assert one.cut([0.9] * 16, busy_slots=1) >= 4
 
 
+def test_window_does_not_try_drafts_in_a_shared_batch_before_the_row_cost_is_measured():
+    cost = StepCost()
+    for _ in range(50):  # every step the same size: fixed and per-row cost cannot be told apart
+        cost.record(4, 4, 0.040)
+    assert not cost.identified
+    window = DraftWindow(16, cost)
+    assert window.cut([0.99] * 16, busy_slots=4) == 0  # trying would hold up the other three requests
+    assert window.cut([0.99] * 16, busy_slots=1) > 0  # alone, a trial costs only this request
+    for rows in (1, 2, 3) * 6:  # requests come and go: smaller batches show what a row costs
+        cost.record(rows, rows, 0.004 + 0.009 * rows)
+    assert cost.identified
+    assert cost.seconds(4) - cost.seconds(3) == pytest.approx(0.009, rel=0.3)
+
+
+def test_window_never_offers_more_than_the_room_left():
+    window = DraftWindow(16, StepCost())
+    run = window.start(busy_slots=1, room=2)
+    assert run.offer(0.99) and run.offer(0.99) and not run.offer(0.99)
+    assert FixedWindow(8, StepCost()).cut([0.5] * 3, busy_slots=1) == 3
+
+
 def test_window_learns_acceptance_and_shrinks_after_rejections():
     cost = StepCost()
     for rows in (1, 2, 4, 8, 16) * 20:

@@ -85,9 +85,10 @@ class MtpHead:
 
     # ----------------------------------------------------------------------------------------------- draft
 
-    def draft(self, seq: int, tokens: Sequence[int], window: "DraftWindow", *, busy_slots: int) -> list[int]:
-        room = self.n_ctx - len(tokens)
-        run = window.start(busy_slots=busy_slots, draft_seconds=self.seconds_per_token)
+    def draft(self, seq: int, tokens: Sequence[int], window: "DraftWindow", *, busy_slots: int,
+              room: int) -> list[int]:
+        room = min(room, self.n_ctx - len(tokens))
+        run = window.start(busy_slots=busy_slots, draft_seconds=self.seconds_per_token, room=room)
         if room <= 0 or not run.pays():
             return []
         token, pos, h = tokens[-1], len(tokens) - 1, self._pending[seq].copy()

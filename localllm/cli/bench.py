@@ -42,7 +42,7 @@ def figure_table(title: str, figures) -> Table:
     for column in ("figure", "ours", "reference", "ratio", "target", "met", "note"):
         table.add_column(column, justify="right" if column in ("ours", "reference", "ratio") else "left")
     for f in figures:
-        target = f"{'≤' if f.lower_is_better else '≥'} {f.target}"
+        met = "[red]no[/]" if f.met is False else f.met_text
         table.add_row(f.name, f"{f.ours:.1f} {f.unit}", f"{f.reference:.1f} {f.unit}", f"{f.ratio:.2f}",
-                      target, "yes" if f.met else "[red]no[/]", f.note)
+                      f.target_text, met, f.note)
     return table

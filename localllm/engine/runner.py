@@ -152,22 +152,31 @@ class ModelEngine:
 
     def submit(self, params: GenerationParams) -> Stream:
         """Queue a generation; raises ContextOverflow or QueueFull at once, never later."""
+        return self.submit_all([params])[0]
+
+    def submit_all(self, batch: Sequence[GenerationParams]) -> list[Stream]:
+        """Queue several generations that start in the same step (a client's batch of prompts): all of them or,
+        with ContextOverflow or QueueFull raised at once, none."""
         if self._closed:
             raise Cancelled("the model is being unloaded")
-        prompt, truncated = self._fit_prompt(params)
+        fitted = [self._fit_prompt(params) for params in batch]
         with self._lock:
-            if self._outstanding >= self.n_slots + self.max_queue:
+            if self._outstanding + len(batch) > self.n_slots + self.max_queue:
                 raise QueueFull(f"all {self.n_slots} slots are busy and {self.max_queue} requests are waiting",
                                 hint="retry shortly, or raise LOCALLLM_MAX_QUEUE / LOCALLLM_NUM_PARALLEL")
-            self._outstanding += 1
+            self._outstanding += len(batch)
+        admitted = [self._new_request(params, prompt, truncated) for params, (prompt, truncated) in zip(batch, fitted)]
+        self._inbox.put(("submit", admitted))
+        return [Stream(request, request.sink.outbox) for request, _ in admitted]
+
+    def _new_request(self, params: GenerationParams, prompt: list[int],
+                     truncated: int) -> tuple[Request, GenerationParams]:
         opts = params.sampling
         max_tokens = opts.num_predict if opts.num_predict > 0 else math.inf
-        outbox: "queue.SimpleQueue" = queue.SimpleQueue()
         request = Request(prompt=prompt, max_tokens=max_tokens)  # type: ignore[arg-type]
-        request.sink = _Output(outbox, TextStream(self.model.token_bytes, opts.stop), truncated=truncated,
-                               logprobs=params.logprobs)
-        self._inbox.put(("submit", request, params))
-        return Stream(request, outbox)
+        request.sink = _Output(queue.SimpleQueue(), TextStream(self.model.token_bytes, opts.stop),
+                               truncated=truncated, logprobs=params.logprobs)
+        return request, params
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         future: Future = Future()
@@ -229,7 +238,8 @@ class ModelEngine:
             if cmd[0] == "close":
                 return False
             if cmd[0] == "submit":
-                self._admit(cmd[1], cmd[2])
+                for request, params in cmd[1]:
+                    self._admit(request, params)
             elif cmd[0] == "embed":
                 self._embed(cmd[1], cmd[2])
 
@@ -257,10 +267,12 @@ class ModelEngine:
         """Ask each generating request's drafter for this step's draft tokens (speculative decoding)."""
         busy = len(self._scheduler.running)
         for req in self._scheduler.decoding():
-            if req.drafter is None:
+            room = self._scheduler.draft_room(req)
+            req.draft = []
+            if req.drafter is None or room == 0:
                 continue
             try:
-                req.draft = req.drafter.propose(req.prompt + req.generated, busy_slots=busy)
+                req.draft = req.drafter.propose(req.prompt + req.generated, busy_slots=busy, room=room)
             except LocalLLMError as exc:  # speculation only saves time: the request goes on without it
                 log.warning("speculation off for request %d: %s", req.id, exc)
                 req.drafter.close()
@@ -446,7 +458,8 @@ class ModelEngine:
             except queue.Empty:
                 return
             if cmd[0] == "submit":
-                self._close_request(cmd[1], exc)
+                for request, _ in cmd[1]:
+                    self._close_request(request, exc)
             elif cmd[0] == "embed":
                 cmd[2].set_exception(exc)
 

@@ -1,0 +1,27 @@
+"""The benchmark's own arithmetic: figures are only as fair as the windows they are measured over."""
+
+from __future__ import annotations
+
+import pytest
+
+from localllm.benchmark import EngineRun, Figure
+
+
+def test_rate_starts_when_every_stream_has_its_first_token():
+    # Stream 0 starts at t=1 and stream 1 (prefilled a step later) at t=2: the raw loop's clock starts only after
+    # every prompt is prefilled, so tokens before t=2 are not counted and the window runs from 2 to the last token.
+    run = EngineRun(tokens=[[1] * 4, [1] * 3], arrivals=[[(1.0, 1), (2.0, 1), (3.0, 1), (4.0, 1)],
+                                                         [(2.0, 1), (3.0, 1), (4.0, 1)]], submitted=0.5)
+    assert run.rate() == pytest.approx(4 / 2.0)  # t=3 and t=4 in both streams
+    assert run.ttft() == pytest.approx(0.5)
+
+
+def test_single_stream_rate_excludes_the_first_token_only():
+    run = EngineRun(tokens=[[1] * 5], arrivals=[[(0.0, 1), (0.1, 2), (0.2, 2)]])
+    assert run.rate() == pytest.approx(4 / 0.2)
+
+
+def test_informational_figure_has_no_target():
+    info = Figure("x", 1.0, 2.0, "tok/s", None)
+    assert info.met is None and info.target_text == "—" and info.met_text == "—"
+    assert Figure("y", 1.0, 2.0, "ms", 0.6, lower_is_better=True).met_text == "yes"
