@@ -159,6 +159,7 @@ class LlamaCppModel:
         self._embed_ctx = None
         self._piece_cache: dict[int, bytes] = {}
         self._eog: Optional[list[int]] = None
+        self._logits_row = ctypes.c_float * self.meta.n_vocab
         # A set, not a call per generated token: each ctypes call gives up the GIL, which the server's threads want.
         self._eog_set = frozenset(self.eog_tokens())
 
@@ -230,7 +231,8 @@ class LlamaCppModel:
         ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
         if not ptr:
             raise LocalLLMError(f"no logits for batch row {row}")
-        return np.ctypeslib.as_array(ptr, shape=(self.meta.n_vocab,))
+        # A cached array type over the address: numpy's as_array builds a new ctypes type each call (5x slower).
+        return np.frombuffer(self._logits_row.from_address(ctypes.addressof(ptr.contents)), dtype=np.float32)
 
     def make_sampler(self, options: SamplingOptions, *,
                      grammar: Optional[str] = None) -> "LlamaCppSampler | GreedySampler":
