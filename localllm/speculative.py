@@ -71,6 +71,7 @@ class StepCost:
         self._xty = np.zeros(2)
         self._anchor: Optional[np.ndarray] = None  # prior coefficients, once a step gave them a scale
         self._coef = np.array([1.0, prior])  # in one-row steps until something is measured
+        self._stale = False
 
     def record(self, rows: int, outputs: int, seconds: float) -> None:
         if rows <= 0 or outputs != rows or seconds <= 0:
@@ -80,14 +81,22 @@ class StepCost:
             self._anchor = self._coef * seconds / float(self._coef @ x)
         self._xtx = self.memory * self._xtx + np.outer(x, x)
         self._xty = self.memory * self._xty + x * seconds
-        # The prior decides only what the data cannot: while every step has the same rows, a and b cannot be told
-        # apart, and the prior's cheap rows then get drafts tried.
-        coef = np.linalg.solve(self._xtx + np.eye(2), self._xty + self._anchor)
-        self._coef = np.maximum(coef, [self._anchor[0] * 0.01, 0.0])
+        self._stale = True  # solved when a draft is next sized: steps with no speculating request never pay for it
+
+    @property
+    def coef(self) -> np.ndarray:
+        if self._stale:
+            # The prior decides only what the data cannot: while every step has the same rows, a and b cannot be
+            # told apart, and the prior's cheap rows then get drafts tried (DraftRun keeps shared batches out).
+            coef = np.linalg.solve(self._xtx + np.eye(2), self._xty + self._anchor)
+            self._coef = np.maximum(coef, [self._anchor[0] * 0.01, 0.0])
+            self._stale = False
+        return self._coef
 
     def seconds(self, rows: int) -> float:
         """Estimated seconds of a decode step of `rows` rows (in one-row steps before anything was measured)."""
-        return float(self._coef @ (1.0, rows))
+        a, b = self.coef
+        return float(a + b * rows)
 
     @property
     def measured(self) -> bool:
@@ -107,11 +116,13 @@ class StepCost:
     @property
     def row_share(self) -> float:
         """What one row adds to a one-row step, as a share of that step (near 1: drafts can hardly pay)."""
-        return float(self._coef[1] / (self._coef[0] + self._coef[1]))
+        a, b = self.coef
+        return float(b / (a + b))
 
     def describe(self) -> str:
         """The fitted cost, for benchmarks and logs: "4.1 ms + 11.8 ms/row"."""
-        return f"{self._coef[0] * 1e3:.1f} ms + {self._coef[1] * 1e3:.1f} ms/row"
+        a, b = self.coef
+        return f"{a * 1e3:.1f} ms + {b * 1e3:.1f} ms/row"
 
 
 class DraftWindow:

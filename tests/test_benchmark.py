@@ -25,3 +25,10 @@ def test_informational_figure_has_no_target():
     info = Figure("x", 1.0, 2.0, "tok/s", None)
     assert info.met is None and info.target_text == "—" and info.met_text == "—"
     assert Figure("y", 1.0, 2.0, "ms", 0.6, lower_is_better=True).met_text == "yes"
+
+
+def test_a_shortfall_inside_the_references_own_spread_is_not_a_miss():
+    close = Figure("x", 99.0, 100.0, "tok/s", 1.0, noise=0.015)
+    assert close.met and "±0.015" in close.target_text
+    assert not Figure("x", 97.0, 100.0, "tok/s", 1.0, noise=0.015).met
+    assert not Figure("x", 99.0, 100.0, "tok/s", 1.0).met  # no second reference run: the target is exact
