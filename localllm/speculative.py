@@ -138,9 +138,15 @@ class DraftWindow:
     request in the batch."""
 
     BANDS = 8  # band i holds confidences in [1 - 2^-i, 1 - 2^-(i+1)): finer near certainty, where runs get long
+    MARGIN = 0.05
+
+    @staticmethod
+    def any_draft_pays(cost: StepCost, busy_slots: int) -> bool:
+        """Could a draft of any window pay in a batch of `busy_slots`? (the module's any_draft_pays)"""
+        return any_draft_pays(cost, busy_slots)
 
     def __init__(self, limit: int, cost: StepCost, *, memory: float = 0.95, prior_weight: float = 2.0,
-                 margin: float = 0.05):
+                 margin: float = MARGIN):
         self.limit = limit
         self.cost = cost
         self.margin = margin
@@ -164,7 +170,8 @@ class DraftWindow:
         """Probability that a draft token the drafter is `confidence` sure of is right, the drafter's own word
         counting as `prior_weight` trials of its band."""
         b = self.band(confidence)
-        return min(0.995, (self._hits[b] + self.prior_weight * confidence) / (self._trials[b] + self.prior_weight))
+        return min(PER_TOKEN_CEILING,
+                   (self._hits[b] + self.prior_weight * confidence) / (self._trials[b] + self.prior_weight))
 
     def start(self, *, busy_slots: int, draft_seconds: float = 0.0, room: Optional[int] = None) -> "DraftRun":
         """Begin sizing one step's draft of at most `room` tokens; `draft_seconds` is what drafting one token costs
@@ -224,12 +231,7 @@ class DraftRun:
 
     def pays(self, confidence: float = 1.0) -> bool:
         """Would a next token with this confidence pay? (With 1.0: could any next token pay?)"""
-        if self.position >= self.limit:
-            return False
-        if self._busy > 1 and not self.window.cost.identified:
-            # The prior's cheap rows get drafts tried so their real cost is measured; in a shared batch that trial
-            # holds up every request in it. There the per-row cost must come from batches of different sizes,
-            # which come and go as requests start and finish.
+        if self.position >= self.limit or not may_try(self.window.cost, self._busy):
             return False
         gain = self.survival * self.window.per_token(confidence)
         now, longer = self._seconds(self.position), self._seconds(self.position + 1)
@@ -239,9 +241,45 @@ class DraftRun:
         return self.window.cost.seconds(self._busy + drafts) + drafts * self._draft_seconds
 
 
+PER_TOKEN_CEILING = 0.995  # DraftWindow.per_token never believes a draft token more than this
+
+
+def may_try(cost: StepCost, busy_slots: int) -> bool:
+    """May a batch of `busy_slots` generating requests carry drafts at all?"""
+    # The prior's cheap rows get drafts tried so their real cost is measured; in a shared batch that trial holds up
+    # every request in it. There the per-row cost must come from batches of different sizes, which come and go as
+    # requests start and finish.
+    return busy_slots <= 1 or cost.identified
+
+
+def any_draft_pays(cost: StepCost, busy_slots: int, *, margin: Optional[float] = None, limit: int = 64) -> bool:
+    """Could any request's draft pay this step? The surest draft there can be (every token at the window's ceiling,
+    drafting free) of any length up to `limit`, against the window's margin: if even that would not beat not
+    drafting, no drafter need be asked (the engine skips them all)."""
+    busy = max(1, busy_slots)
+    if not may_try(cost, busy):
+        return False
+    goal = (1.0 + (DraftWindow.MARGIN if margin is None else margin) * busy) * busy / cost.seconds(busy)
+    expected, survival, best = float(busy), 1.0, 0.0
+    for drafts in range(1, limit + 1):
+        survival *= PER_TOKEN_CEILING
+        expected += survival
+        rate = expected / cost.seconds(busy + drafts)
+        if rate >= goal:
+            return True
+        if rate < best:
+            return False  # past the peak: a longer draft only adds rows that are less likely to count
+        best = rate
+    return False
+
+
 class FixedWindow(DraftWindow):
     """Always drafts `limit` tokens, whatever they cost or however sure the drafter is (llama.cpp's fixed draft
     length): for tests that need drafts to happen, and benchmarks that compare against the adaptive window."""
+
+    @staticmethod
+    def any_draft_pays(cost: StepCost, busy_slots: int) -> bool:
+        return True
 
     def start(self, *, busy_slots: int, draft_seconds: float = 0.0, room: Optional[int] = None) -> DraftRun:
         limit = self.limit if room is None else max(0, min(self.limit, room))
@@ -540,6 +578,8 @@ class Speculation:
         self.mtp = mtp
         self.cost = StepCost()
         self._window = window
+        self._steps = 0
+        self._gate: dict[int, tuple[int, bool]] = {}  # busy slots -> (step, could any draft pay)
         self._builders: dict[str, Callable] = {"ngram": lambda request, window: NgramDrafter(window)}
         if draft is not None:
             self._builders["draft"] = lambda request, window: DraftModelDrafter(draft, request, window)
@@ -572,6 +612,15 @@ class Speculation:
 
         return GrammarCheckedDrafter(drafter, GrammarProbe(self.target, grammar), n_prompt=n_prompt)
 
+    def may_draft(self, busy_slots: int) -> bool:
+        """Before a step, on the engine thread: is it worth asking the drafters at all? (No: they are skipped.)
+        The answer for a batch size is kept for GATE_STEPS steps: the step cost moves slowly."""
+        steps, answer = self._gate.get(busy_slots, (-1, False))
+        if steps < 0 or self._steps - steps >= GATE_STEPS:
+            answer = getattr(self._window, "any_draft_pays", any_draft_pays)(self.cost, busy_slots)
+            self._gate[busy_slots] = (self._steps, answer)
+        return answer
+
     def observe(self, step: "Step") -> None:
         """After every target decode, before sampling (on the engine thread): the MTP head follows the batch."""
         if self.mtp is not None:
@@ -581,6 +630,7 @@ class Speculation:
         """After sampling: what the step cost in CPU seconds of the engine thread (decode, MTP follow-up and
         sampling), for the draft window."""
         self.cost.record(len(step.batch), sum(step.batch.logits), seconds)
+        self._steps += 1
 
     def close(self) -> None:
         """When the model unloads, on the engine thread: free the draft contexts."""
@@ -591,6 +641,8 @@ class Speculation:
             self.draft_model.close()
             self.draft_model = None
 
+
+GATE_STEPS = 32
 
 _MISSING_HINT = {
     "draft": "add a DRAFT line to the Modelfile (or the draft load option) naming a smaller model of the same family",

@@ -434,3 +434,19 @@ def test_mtp_model_loads_with_its_head_and_decodes_losslessly(tmp_path):
         assert [both[0], both[1]] == [run(p, "none")[0] for p in prompts]
     finally:
         engine.close()
+
+
+def test_a_step_that_cannot_speculate_asks_no_drafter():
+    from localllm.speculative import any_draft_pays
+
+    dear = StepCost()
+    for rows in (1, 2, 3, 4) * 20:  # a row costs as much as a one-row step's fixed part (smollm2 on this CPU)
+        dear.record(rows, rows, 0.009 + 0.009 * rows)
+    assert not any_draft_pays(dear, 4)  # even a sure draft cannot beat the 20% margin of a batch of four
+    assert any_draft_pays(dear, 1)
+    cheap = StepCost()
+    for rows in (1, 2, 3, 4) * 20:  # a fixed cost dominates: drafts may pay, even in a batch of four
+        cheap.record(rows, rows, 0.030 + 0.001 * rows)
+    assert any_draft_pays(cheap, 4)
+    assert not any_draft_pays(StepCost(), 4) and any_draft_pays(StepCost(), 1)  # nothing measured yet
+    assert FixedWindow.any_draft_pays(dear, 4)  # the fixed window drafts whatever it costs

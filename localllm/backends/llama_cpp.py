@@ -342,6 +342,7 @@ class GreedySampler:
         self._ids = np.array(ids, dtype=np.int64)
         self._add = np.array([biases[t] for t in ids], dtype=np.float32)
         self._biased = frozenset(ids)
+        self._only_lowers = all(b <= 0 for b in self._add)  # bans and penalties: they cannot lift a token
 
     @staticmethod
     def fits(opts: SamplingOptions, grammar: Optional[str]) -> bool:
@@ -356,6 +357,8 @@ class GreedySampler:
             biased = logits.copy()
             biased[self._ids] += self._add
             return int(np.argmax(biased))
+        if self._only_lowers:  # ignore_eos's bans: the unbiased favourite stays on top
+            return best
         values = logits[self._ids] + self._add
         j = int(np.argmax(values))
         top, token = float(logits[best]), int(self._ids[j])

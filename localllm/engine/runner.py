@@ -132,6 +132,7 @@ class ModelEngine:
         # step costs (its draft window weighs that) and is freed with the model.
         self._observe_decode = getattr(make_drafter, "observe", None)
         self._record_step = getattr(make_drafter, "record_step", None)
+        self._may_draft = getattr(make_drafter, "may_draft", None)
         self._close_drafters = getattr(make_drafter, "close", None)
         n_batch = num_batch or getattr(model, "n_batch", 512)
         self._scheduler = Scheduler(n_slots=model.n_seq, n_ctx=model.n_ctx, n_batch=n_batch, max_queue=max_queue)
@@ -266,10 +267,15 @@ class ModelEngine:
     def _propose_drafts(self) -> None:
         """Ask each generating request's drafter for this step's draft tokens (speculative decoding)."""
         busy = len(self._scheduler.running)
+        # When the batch makes rows too dear for even a certain draft, no drafter is asked: a step that cannot
+        # speculate costs what it would with speculation off.
+        gate = self._may_draft is None or self._may_draft(busy)
         for req in self._scheduler.decoding():
-            room = self._scheduler.draft_room(req)
             req.draft = []
-            if req.drafter is None or room == 0:
+            if req.drafter is None or not gate:
+                continue
+            room = self._scheduler.draft_room(req)
+            if room == 0:
                 continue
             try:
                 req.draft = req.drafter.propose(req.prompt + req.generated, busy_slots=busy, room=room)
