@@ -231,7 +231,10 @@ class DraftRun:
 
     def pays(self, confidence: float = 1.0) -> bool:
         """Would a next token with this confidence pay? (With 1.0: could any next token pay?)"""
-        if self.position >= self.limit or not may_try(self.window.cost, self._busy):
+        if self.position >= self.limit:
+            return False
+        if not may_try(self.window.cost, self._busy) and (
+                self.position >= PROBE_TOKENS or self.window.per_token(confidence) < PROBE_CONFIDENCE):
             return False
         gain = self.survival * self.window.per_token(confidence)
         now, longer = self._seconds(self.position), self._seconds(self.position + 1)
@@ -242,13 +245,16 @@ class DraftRun:
 
 
 PER_TOKEN_CEILING = 0.995  # DraftWindow.per_token never believes a draft token more than this
+# Before the per-row cost is measured, a shared batch carries only short drafts of tokens this likely to be right:
+# the prior's cheap rows get drafts tried so that their real cost is measured, and there every request in the batch
+# waits for the trial. A copy in progress costs next to nothing (its rows would be decoded anyway, a step later),
+# and a few such steps of other sizes measure the cost; batches of different sizes, as requests come and go, do too.
+PROBE_TOKENS = 4
+PROBE_CONFIDENCE = 0.95
 
 
 def may_try(cost: StepCost, busy_slots: int) -> bool:
-    """May a batch of `busy_slots` generating requests carry drafts at all?"""
-    # The prior's cheap rows get drafts tried so their real cost is measured; in a shared batch that trial holds up
-    # every request in it. There the per-row cost must come from batches of different sizes, which come and go as
-    # requests start and finish.
+    """May a batch of `busy_slots` generating requests carry drafts of any confidence and length?"""
     return busy_slots <= 1 or cost.identified
 
 
@@ -258,7 +264,7 @@ def any_draft_pays(cost: StepCost, busy_slots: int, *, margin: Optional[float] =
     drafting, no drafter need be asked (the engine skips them all)."""
     busy = max(1, busy_slots)
     if not may_try(cost, busy):
-        return False
+        return True  # a short, sure draft may still probe what a row costs (DraftRun.pays)
     goal = (1.0 + (DraftWindow.MARGIN if margin is None else margin) * busy) * busy / cost.seconds(busy)
     expected, survival, best = float(busy), 1.0, 0.0
     for drafts in range(1, limit + 1):

@@ -32,3 +32,16 @@ def test_a_shortfall_inside_the_references_own_spread_is_not_a_miss():
     assert close.met and "±0.015" in close.target_text
     assert not Figure("x", 97.0, 100.0, "tok/s", 1.0, noise=0.015).met
     assert not Figure("x", 99.0, 100.0, "tok/s", 1.0).met  # no second reference run: the target is exact
+
+
+def test_bracketed_figure_takes_the_median_of_repeats_against_the_reference_around_ours():
+    from localllm.benchmark import Bracketed
+
+    reference = iter([100, 102, 90, 60, 101, 99])  # a burst of load hits one reference run
+    ours = iter([100, 95, 99])
+    run = Bracketed.measure(lambda: next(reference), lambda: next(ours), repeats=3)
+    assert run.reference == [101, 75, 100] and run.ours == [100, 95, 99]
+    figure = run.figure("x", 1.0, note="n")
+    assert figure.ours == 99 and figure.reference == 100  # medians: the burst does not decide the figure
+    assert figure.noise == pytest.approx(0.02)  # |1 - 102/100|, |1 - 60/90|, |1 - 99/101|: the median
+    assert figure.met and "median of 3 repeats" in figure.note
