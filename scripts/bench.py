@@ -102,10 +102,12 @@ def render(results: list[tuple[str, str, list[Figure]]], args: argparse.Namespac
     lines = [
         "# Benchmarks", "",
         f"Machine: {machine()}.", "",
-        f"Measured {time.strftime('%Y-%m-%d')} by `python scripts/bench.py` "
-        f"({args.tokens} tokens per stream). Every ratio is ours / reference, both measured in the same run. "
-        "CPU figures on a shared 2-core machine move by several percent between runs; a miss is recorded with "
-        "its reason, never hidden.", "",
+        f"Measured by `python scripts/bench.py`, each section on the date it shows (this run: `--tokens "
+        f"{args.tokens}` for the engine and REST sections; the speculative sections use 300 and 150 tokens and MLX 32, "
+        "as their notes say). Every ratio is ours / reference, both measured in the same run. CPU figures on a "
+        "shared 2-core machine move by a percent or more between runs: figures that compare equal work are medians "
+        "of repeats with the reference measured on either side of ours, and their target allows only the spread "
+        "between those two reference runs. A miss is recorded with its reason, never hidden.", "",
     ]
     for model, title, figures in results:
         lines += [f"## {title} — {model}", "", f"Measured {time.strftime('%Y-%m-%d')}.", "",
