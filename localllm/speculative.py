@@ -79,8 +79,11 @@ class StepCost:
         x = np.array([1.0, rows])
         if self._anchor is None:
             self._anchor = self._coef * seconds / float(self._coef @ x)
-        self._xtx = self.memory * self._xtx + np.outer(x, x)
-        self._xty = self.memory * self._xty + x * seconds
+        # Each step weighs as many as its rows: drafts are sized at the batch's size and above, and a step's cost
+        # bends there (llama.cpp's kernels get more from each row in a wider batch), so the few small steps as
+        # requests start and finish must not set the slope that large draft steps pay.
+        self._xtx = self.memory * self._xtx + rows * np.outer(x, x)
+        self._xty = self.memory * self._xty + rows * x * seconds
         self._stale = True  # solved when a draft is next sized: steps with no speculating request never pay for it
 
     @property
