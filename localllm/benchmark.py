@@ -343,7 +343,7 @@ def run_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: Opti
     """Every figure of the engine benchmark for one GGUF model. `threads`: our engine's (default: its own); the raw
     reference runs at the same count, and once at the other count of a 2-core machine, for an informational row.
     Speeds are the best of `repeats` runs, ours and the reference interleaved, so a burst of load from elsewhere on
-    the machine hits both sides alike."""
+    the machine hits both sides alike; four streams, which do the raw loop's work, are Bracketed."""
     from . import config
     from .templates import render_chat
 
@@ -521,7 +521,7 @@ def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads:
                         other_server: Optional[Callable[[list[list[int]], int], tuple[str, float]]] = None,
                         log: Callable[[str], None] = print) -> list[Figure]:
     """One stream and four streams through the REST server against the raw loop (single and batched) at the same
-    thread count, best of `repeats` runs, each side interleaved with the other.
+    thread count: one stream the best of `repeats` runs interleaved with the raw loop's, four streams Bracketed.
     `other_server(prompts, n) -> (name, aggregate tok/s)` measures another server on the same four streams
     (llama.cpp's llama-server -np 4), for a side-by-side figure."""
     from . import config

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import subprocess
 import threading
 import time
@@ -29,7 +28,7 @@ from typing import Optional
 from localllm import config
 from localllm.api import LoadOptions, SamplingOptions
 from localllm.backends.llama_cpp import LlamaCppBackend
-from localllm.benchmark import FOUR_PROMPTS, Figure
+from localllm.benchmark import FOUR_PROMPTS, Bracketed, Figure
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.speculative import Speculation
 from localllm.templates import render_chat
@@ -258,23 +257,20 @@ def _busy_slots(path: Path, *, n: int, threads: int, repeats: int, log) -> list[
                  "chat prompts": [ours.chat_tokens(p) for p in FOUR_PROMPTS]}
         for mix, prompts in mixes.items():
             ours.run(prompts, 8, "none")
-            ons, offs, spreads = [], [], []
-            for i in range(repeats):
-                log(f"4 busy slots, {mix}: repeat {i + 1}/{repeats}")
-                # Off, on, off again: on is judged against the off runs on either side of it, and the two off runs
-                # say how far two runs of the same work fall apart on this machine.
-                off, off_tokens, _ = ours.run(prompts, n, "none")
-                on, on_tokens, on_timings = ours.run(prompts, n, "auto")
-                again, _, _ = ours.run(prompts, n, "none")
-                ons.append(on)
-                offs.append((off + again) / 2)
-                spreads.append(abs(1 - again / off))
+            last: dict[str, tuple] = {}
+
+            def measured(spec_type: str) -> float:
+                rate, tokens, timings = ours.run(prompts, n, spec_type)
+                last[spec_type] = (tokens, timings)
+                return rate
+
+            log(f"4 busy slots, {mix}: {repeats} repeats of off, on, off again")
+            bracket = Bracketed.measure(lambda: measured("none"), lambda: measured("auto"), repeats=repeats)
+            (off_tokens, _), (on_tokens, on_timings) = last["none"], last["auto"]
             same = sum(a == b for a, b in zip(off_tokens, on_tokens))
-            figures.append(Figure(f"4 busy slots, {mix}: speculation (auto) vs off, aggregate", statistics.median(ons),
-                                  statistics.median(offs), "tok/s", BUSY_TARGET, noise=statistics.median(spreads),
-                                  note=f"{n} tokens per stream, median of {repeats} repeats of off/on/off; "
-                                       f"{_draft_note(on_timings)}; {same}/4 outputs identical; "
-                                       f"{_cost_note(ours.speculation.cost)}"))
+            figures.append(bracket.figure(f"4 busy slots, {mix}: speculation (auto) vs off, aggregate", BUSY_TARGET,
+                                          note=f"{n} tokens per stream; {_draft_note(on_timings)}; {same}/4 outputs "
+                                               f"identical; {_cost_note(ours.speculation.cost)}"))
     finally:
         ours.close()
     return figures

@@ -405,17 +405,12 @@ class _Penalties:
 
 def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: Optional[str]):
     vocab = model._vocab
-    if opts.logit_bias:
-        biases = (llama_cpp.llama_logit_bias * len(opts.logit_bias))()
-        for i, (tok, bias) in enumerate(opts.logit_bias.items()):
-            biases[i].token, biases[i].bias = int(tok), float(bias)
-        yield llama_cpp.llama_sampler_init_logit_bias(model.meta.n_vocab, len(opts.logit_bias), biases)
-    if opts.ignore_eos:
-        eog = model.eog_tokens()
-        biases = (llama_cpp.llama_logit_bias * len(eog))()
-        for i, tok in enumerate(eog):
-            biases[i].token, biases[i].bias = tok, float("-inf")
-        yield llama_cpp.llama_sampler_init_logit_bias(model.meta.n_vocab, len(eog), biases)
+    wanted = _biases(model, opts)  # the same biases GreedySampler applies: one rule for both
+    if wanted:
+        biases = (llama_cpp.llama_logit_bias * len(wanted))()
+        for i, (tok, bias) in enumerate(wanted.items()):
+            biases[i].token, biases[i].bias = tok, bias
+        yield llama_cpp.llama_sampler_init_logit_bias(model.meta.n_vocab, len(wanted), biases)
     if _has_penalties(opts):
         last_n = model.n_ctx if opts.repeat_last_n == -1 else opts.repeat_last_n
         yield _Penalties(llama_cpp.llama_sampler_init_penalties(model.meta.n_vocab, last_n, opts.repeat_penalty,
