@@ -90,7 +90,8 @@ class StepCost:
     def coef(self) -> np.ndarray:
         if self._stale:
             # The prior decides only what the data cannot: while every step has the same rows, a and b cannot be
-            # told apart, and the prior's cheap rows then get drafts tried (DraftRun keeps shared batches out).
+            # told apart, and the prior's cheap rows then get drafts tried where only the drafting request waits on
+            # them (a lone request: see may_try).
             coef = np.linalg.solve(self._xtx + np.eye(2), self._xty + self._anchor)
             self._coef = np.maximum(coef, [self._anchor[0] * 0.01, 0.0])
             self._stale = False
@@ -234,10 +235,7 @@ class DraftRun:
 
     def pays(self, confidence: float = 1.0) -> bool:
         """Would a next token with this confidence pay? (With 1.0: could any next token pay?)"""
-        if self.position >= self.limit:
-            return False
-        if not may_try(self.window.cost, self._busy) and (
-                self.position >= PROBE_TOKENS or self.window.per_token(confidence) < PROBE_CONFIDENCE):
+        if self.position >= self.limit or not may_try(self.window.cost, self._busy):
             return False
         gain = self.survival * self.window.per_token(confidence)
         now, longer = self._seconds(self.position), self._seconds(self.position + 1)
@@ -248,16 +246,17 @@ class DraftRun:
 
 
 PER_TOKEN_CEILING = 0.995  # DraftWindow.per_token never believes a draft token more than this
-# Before the per-row cost is measured, a shared batch carries only short drafts of tokens this likely to be right:
-# the prior's cheap rows get drafts tried so that their real cost is measured, and there every request in the batch
-# waits for the trial. A copy in progress costs next to nothing (its rows would be decoded anyway, a step later),
-# and a few such steps of other sizes measure the cost; batches of different sizes, as requests come and go, do too.
-PROBE_TOKENS = 4
-PROBE_CONFIDENCE = 0.95
 
 
 def may_try(cost: StepCost, busy_slots: int) -> bool:
-    """May a batch of `busy_slots` generating requests carry drafts of any confidence and length?"""
+    """May a batch of `busy_slots` generating requests carry drafts at all? Once the per-row cost is measured, or
+    when one request is alone: a trial then costs only the request that gambles on it.
+
+    A draft that misses in a shared batch holds up every request in it, so a shared batch never pays for a trial,
+    not even a short one of sure tokens: a dozen such trials, rejected, cost a batch of four 1-4% on smollm2, and
+    with rows that cost as much as a one-row step (a CPU) even accepted drafts of one request only move work from
+    the others. The cost is learned where trials are free for the rest: a lone request's drafts of varying length,
+    and batches that shrink and grow as requests finish and arrive."""
     return busy_slots <= 1 or cost.identified
 
 
@@ -267,7 +266,7 @@ def any_draft_pays(cost: StepCost, busy_slots: int, *, margin: Optional[float] =
     drafting, no drafter need be asked (the engine skips them all)."""
     busy = max(1, busy_slots)
     if not may_try(cost, busy):
-        return True  # a short, sure draft may still probe what a row costs (DraftRun.pays)
+        return False
     goal = (1.0 + (DraftWindow.MARGIN if margin is None else margin) * busy) * busy / cost.seconds(busy)
     expected, survival, best = float(busy), 1.0, 0.0
     for drafts in range(1, limit + 1):
