@@ -67,8 +67,9 @@ class StepCost:
         # steps taught about the slope must outlive the long runs of same-sized steps between them.
         self.prior = prior
         self.memory = memory
-        self._xtx = np.zeros((2, 2))
-        self._xty = np.zeros(2)
+        # Decayed, row-weighted sums of the fit: weight, rows, rows², seconds, rows x seconds. Plain floats: this
+        # runs after every decode step, speculating or not, and numpy's small arrays cost ten times more.
+        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)
         self._anchor: Optional[np.ndarray] = None  # prior coefficients, once a step gave them a scale
         self._coef = np.array([1.0, prior])  # in one-row steps until something is measured
         self._stale = False
@@ -76,14 +77,15 @@ class StepCost:
     def record(self, rows: int, outputs: int, seconds: float) -> None:
         if rows <= 0 or outputs != rows or seconds <= 0:
             return
-        x = np.array([1.0, rows])
         if self._anchor is None:
-            self._anchor = self._coef * seconds / float(self._coef @ x)
+            self._anchor = self._coef * seconds / float(self._coef[0] + self._coef[1] * rows)
         # Each step weighs as many as its rows: drafts are sized at the batch's size and above, and a step's cost
         # bends there (llama.cpp's kernels get more from each row in a wider batch), so the few small steps as
         # requests start and finish must not set the slope that large draft steps pay.
-        self._xtx = self.memory * self._xtx + rows * np.outer(x, x)
-        self._xty = self.memory * self._xty + rows * x * seconds
+        m, w = self.memory, float(rows)
+        n, sx, sxx, sy, sxy = self._sums
+        self._sums = (m * n + w, m * sx + w * rows, m * sxx + w * rows * rows, m * sy + w * seconds,
+                      m * sxy + w * rows * seconds)
         self._stale = True  # solved when a draft is next sized: steps with no speculating request never pay for it
 
     @property
@@ -92,7 +94,8 @@ class StepCost:
             # The prior decides only what the data cannot: while every step has the same rows, a and b cannot be
             # told apart, and the prior's cheap rows then get drafts tried where only the drafting request waits on
             # them (a lone request: see may_try).
-            coef = np.linalg.solve(self._xtx + np.eye(2), self._xty + self._anchor)
+            n, sx, sxx, sy, sxy = self._sums
+            coef = np.linalg.solve(np.array([[n + 1.0, sx], [sx, sxx + 1.0]]), np.array([sy, sxy]) + self._anchor)
             self._coef = np.maximum(coef, [self._anchor[0] * 0.01, 0.0])
             self._stale = False
         return self._coef
@@ -111,11 +114,11 @@ class StepCost:
         """Have steps of different sizes been seen, so the per-row cost is measured rather than the prior's guess?
         The data's weight on the slope (weighted count times the variance of the row counts) must outweigh the
         prior's, which grows with the usual row count: a steady batch of 4 pins a + 4b, not b."""
-        n = self._xtx[0, 0]
+        n, sx, sxx = self._sums[:3]
         if n <= 0:
             return False
-        mean = self._xtx[0, 1] / n
-        return n * (self._xtx[1, 1] / n - mean * mean) >= 2.0 * (1.0 + mean * mean)
+        mean = sx / n
+        return n * (sxx / n - mean * mean) >= 2.0 * (1.0 + mean * mean)
 
     @property
     def row_share(self) -> float:

@@ -266,14 +266,18 @@ class ModelEngine:
 
     def _propose_drafts(self) -> None:
         """Ask each generating request's drafter for this step's draft tokens (speculative decoding)."""
+        decoding = self._scheduler.decoding()
+        for req in decoding:
+            req.draft = []
+        speculating = [req for req in decoding if req.drafter is not None]
+        if not speculating:
+            return
         busy = len(self._scheduler.running)
         # When the batch makes rows too dear for even a certain draft, no drafter is asked: a step that cannot
         # speculate costs what it would with speculation off.
-        gate = self._may_draft is None or self._may_draft(busy)
-        for req in self._scheduler.decoding():
-            req.draft = []
-            if req.drafter is None or not gate:
-                continue
+        if self._may_draft is not None and not self._may_draft(busy):
+            return
+        for req in speculating:
             room = self._scheduler.draft_room(req)
             if room == 0:
                 continue
