@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, ContextManager, Iterator, Optional, Sequence
 
 import llama_cpp
 
@@ -176,6 +176,11 @@ class Figure:
     @property
     def met_text(self) -> str:
         return {None: "—", True: "yes", False: "no"}[self.met]
+
+
+# Repeats of a Bracketed figure: equal work on both sides, so its median must ride out the host's bursts of load
+# (a run here moves by 1-2% on its own).
+BRACKET_REPEATS = 5
 
 
 @dataclass
@@ -371,7 +376,8 @@ def run_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: Opti
     finally:
         engine.close()
     log("4 concurrent streams")
-    four_streams = _four_streams(path, four, n=n, n_ctx=n_ctx, threads=ours_threads, repeats=repeats)
+    four_streams = _four_streams(path, four, n=n, n_ctx=n_ctx, threads=ours_threads,
+                                 repeats=max(repeats, BRACKET_REPEATS))
     return [single, four_streams, prefill, second_turn, contention, other]
 
 
@@ -497,9 +503,7 @@ def rest_run(base: str, prompts: list[list[int]], n: int) -> EngineRun:
     import httpx
     import json
 
-    run = EngineRun.start(len(prompts))
-
-    def one(i: int) -> None:
+    def one(i: int, run: EngineRun) -> None:
         body = {"model": "bench", "prompt": "", "context": prompts[i], "raw": True, "stream": True,
                 "options": {"temperature": 0, "num_predict": n, "spec_type": "none", "ignore_eos": True}}
         with httpx.stream("POST", f"{base}/api/generate", json=body, timeout=600) as resp:
@@ -508,7 +512,13 @@ def rest_run(base: str, prompts: list[list[int]], n: int) -> EngineRun:
                 if chunk.get("tokens"):
                     run.received(i, chunk["tokens"])
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    return concurrent_streams(len(prompts), one)
+
+
+def concurrent_streams(streams: int, one: Callable[[int, EngineRun], None]) -> EngineRun:
+    """Run `one(i, run)` for every stream at once, each in its own client thread, and return what they received."""
+    run = EngineRun.start(streams)
+    threads = [threading.Thread(target=one, args=(i, run)) for i in range(streams)]
     for t in threads:
         t.start()
     for t in threads:
@@ -518,12 +528,12 @@ def rest_run(base: str, prompts: list[list[int]], n: int) -> EngineRun:
 
 def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: Optional[int] = None,
                         repeats: int = 3,
-                        other_server: Optional[Callable[[list[list[int]], int], tuple[str, float]]] = None,
+                        other_server: Optional[Callable[[list[list[int]], int], ContextManager[OtherServer]]] = None,
                         log: Callable[[str], None] = print) -> list[Figure]:
     """One stream and four streams through the REST server against the raw loop (single and batched) at the same
     thread count: one stream the best of `repeats` runs interleaved with the raw loop's, four streams Bracketed.
-    `other_server(prompts, n) -> (name, aggregate tok/s)` measures another server on the same four streams
-    (llama.cpp's llama-server -np 4), for a side-by-side figure."""
+    `other_server(prompts, n)` starts another server for the same four streams (llama.cpp's llama-server -np 4) and
+    yields its name and a function that measures one run of them; ours is Bracketed by its runs too."""
     from . import config
     from .templates import render_chat
 
@@ -535,7 +545,8 @@ def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads:
     story, four = render(LONG_STORY), [render(p) for p in FOUR_PROMPTS]
     loop.close()
     raw1 = one = 0.0
-    with served_model(path, slots=4, threads=threads, n_ctx=n_ctx) as base:
+    with served_model(path, slots=4, threads=threads, n_ctx=n_ctx) as base, \
+            (other_server(four, n) if other_server else nullcontext()) as other:
         rest_run(base, four, 8)  # the first requests after a load pay for warm-up, not the REST path
         for i in range(repeats):
             log(f"REST: raw loop and localllm serve, one stream, repeat {i + 1}/{repeats}")
@@ -543,16 +554,27 @@ def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads:
             one = max(one, rest_run(base, [story], n).rate())
         log("REST: raw loop and localllm serve, four streams")
         many = Bracketed.measure(lambda: raw_batched_rate(path, four, n, threads=threads, n_ctx=n_ctx),
-                                 lambda: rest_run(base, four, n).rate(), repeats=repeats)
+                                 lambda: rest_run(base, four, n).rate(), repeats=max(repeats, BRACKET_REPEATS))
+        versus = None
+        if other is not None:
+            log(f"REST: {other.name} and localllm serve, four streams")
+            versus = Bracketed.measure(other.measure, lambda: rest_run(base, four, n).rate(),
+                                       repeats=max(repeats, BRACKET_REPEATS))
     same = f"at the same {threads} thread(s); the client's clock, after every stream's first token"
-    four_streams = many.figure("REST 4 concurrent streams (aggregate)", 1.0, note=f"raw batched loop {same}")
-    figures = [Figure("REST single stream", one, raw1, "tok/s", 0.97, note=f"raw loop {same}"), four_streams]
-    if other_server is not None:
-        log("REST: the other server, same four streams")
-        name, theirs = other_server(four, n)
-        figures.append(Figure(f"REST 4 concurrent streams: ours vs {name}", four_streams.ours, theirs, "tok/s", 1.0,
-                              note="same prompt tokens, greedy, EOS ignored; theirs from its own timings"))
+    figures = [Figure("REST single stream", one, raw1, "tok/s", 0.97, note=f"raw loop {same}"),
+               many.figure("REST 4 concurrent streams (aggregate)", 1.0, note=f"raw batched loop {same}")]
+    if versus is not None:
+        figures.append(versus.figure(f"REST 4 concurrent streams: ours vs {other.name}", 1.0,
+                                     note=f"same prompt tokens, greedy, EOS ignored, both {same}"))
     return figures
+
+
+@dataclass
+class OtherServer:
+    """Another server up beside ours for a side-by-side figure: `measure()` runs the four streams once, tok/s."""
+
+    name: str
+    measure: Callable[[], float]
 
 
 # --------------------------------------------------------------------------------------------------- MLX

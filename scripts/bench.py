@@ -17,9 +17,10 @@ import platform
 import re
 import sys
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -39,26 +40,26 @@ def rest_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return benchmark.run_rest_benchmarks(path, n=args.tokens, threads=args.threads, other_server=other)
 
 
+@contextmanager
 def llama_server_streams(binary: str, path: Path, args: argparse.Namespace, prompts: list[list[int]],
-                         n: int) -> tuple[str, float]:
-    """Aggregate tok/s of llama.cpp's own server with 4 slots on the same prompts: generated tokens over the
-    longest generation time it reports, the four requests sent at once."""
-    from concurrent.futures import ThreadPoolExecutor
-
+                         n: int) -> Iterator[benchmark.OtherServer]:
+    """llama.cpp's own server with 4 slots, measured on the same prompts as ours: the four requests streamed at once
+    and timed on the client's clock, after every stream's first token."""
     import bench_spec
     from localllm import config
 
     threads = args.threads or config.NUM_THREAD.get()
     server = bench_spec.LlamaServer(binary, path, threads=threads, spec=None, slots=len(prompts), ctx_per_slot=4096)
+
+    def one(i: int, run: benchmark.EngineRun) -> None:
+        server.stream(prompts[i], n, partial(run.received, i), ignore_eos=True)
+
     try:
         server.complete(prompts[0][:8], 4)  # warm up
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            timings = [t for _, _, t in pool.map(lambda p: server.complete(p, n, ignore_eos=True), prompts)]
+        yield benchmark.OtherServer(f"llama-server -np {len(prompts)} ({threads} thread(s))",
+                                    lambda: benchmark.concurrent_streams(len(prompts), one).rate())
     finally:
         server.close()
-    tokens = sum(t.get("predicted_n", 0) for t in timings)
-    seconds = max(t.get("predicted_ms", 0.0) for t in timings) / 1000
-    return f"llama-server -np {len(prompts)} ({threads} thread(s))", tokens / seconds if seconds else 0.0
 
 
 def spec_section(path: Path, args: argparse.Namespace) -> list[Figure]:

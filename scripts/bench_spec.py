@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from localllm import config
 from localllm.api import LoadOptions, SamplingOptions
@@ -153,6 +153,23 @@ class LlamaServer:
             reply = json.loads(r.read())
         timings = reply.get("timings", {})
         return float(timings.get("predicted_per_second", 0.0)), list(reply.get("tokens") or []), timings
+
+    def stream(self, prompt: list[int], n: int, received: Callable[[list[int]], None], *,
+               ignore_eos: bool = False) -> None:
+        """One streamed completion; `received(tokens)` as each chunk arrives (the client's clock)."""
+        import httpx
+
+        body = {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": True, "return_tokens": True,
+                "ignore_eos": ignore_eos, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{self.port}/completion", json=body, timeout=600) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("stop"):
+                    return  # the final chunk repeats every token of the answer
+                if chunk.get("tokens"):
+                    received(chunk["tokens"])
 
     def close(self) -> None:
         self.proc.terminate()
