@@ -74,10 +74,11 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, *, n_slots: int, n_ctx: int, n_batch: int, max_queue: int):
+    def __init__(self, *, n_slots: int, n_ctx: int, n_batch: int, max_queue: int, kv_pad: int = 1):
         self.table = SlotTable(n_slots)
         self.n_ctx = n_ctx
         self.n_batch = n_batch
+        self.kv_pad = kv_pad  # the backend attends over its KV cache in spans of this many cells (see _chunk_end)
         self.max_queue = max_queue
         self.waiting: deque[Request] = deque()
         self._steps = 0
@@ -164,7 +165,7 @@ class Scheduler:
     def _add_prefill_chunk(self, step: Step, slot: Slot, budget: int) -> int:
         req: Request = slot.request  # type: ignore[assignment]
         start = req.n_prefilled
-        end = min(len(req.prompt), start + budget)
+        end = self._chunk_end(start, min(len(req.prompt), start + budget), len(req.prompt))
         last_row = -1
         for pos in range(start, end):
             last_row = step.batch.add(req.prompt[pos], pos, slot.seq, pos == len(req.prompt) - 1)
@@ -172,6 +173,17 @@ class Scheduler:
             step.work.append(SlotWork(req, [last_row]))
         req.n_prefilled = end
         return end - start
+
+    def _chunk_end(self, start: int, end: int, prompt_end: int) -> int:
+        """Where a prefill chunk should stop. llama.cpp attends over the cache rounded up to `kv_pad` cells, so a
+        chunk that ends just past a multiple of it pays for a nearly empty span in every layer: after a reused
+        prefix of 7 tokens, 512-token chunks ending at 519, 1031, ... ran 3-5% slower than chunks ending at 512,
+        1024, ... Such a chunk stops at the multiple instead, when that drops fewer tokens than the span would
+        waste; the chunk that ends the prompt ends there."""
+        cut = end % self.kv_pad
+        if end < prompt_end and 0 < cut < self.kv_pad - cut and end - cut > start:
+            return end - cut
+        return end
 
     # ----------------------------------------------------------------------------------------------- update
 

@@ -44,6 +44,34 @@ def test_long_prompt_is_prefilled_in_chunks_beside_decoding_slots():
     assert [w.request for w in step.work] == [short]  # the chunk is not the last: nothing to sample for it
 
 
+def test_prefill_chunks_end_on_the_backends_kv_grid_after_a_reused_prefix():
+    # llama.cpp attends over whole spans of kv_pad cells: a chunk ending just past a multiple pays for an empty span.
+    s = Scheduler(n_slots=1, n_ctx=4096, n_batch=512, max_queue=2, kv_pad=256)
+    first = Request(prompt=list(range(1000, 2563)), max_tokens=1)
+    s.admit(first)
+    _finish_prefill(s, first)
+    s.finish(first, "stop")
+    second = Request(prompt=list(range(1000, 1007)) + list(range(5000, 6556)), max_tokens=1)  # shares 7 tokens
+    s.admit(second)
+    ends = []
+    while second.slot is None or second.slot.state is SlotState.PREFILL:
+        step = s.schedule()
+        ends.append(step.batch.positions[-1] + 1)
+        s.update(step, {second.id: [7]} if step.work else {})
+    assert second.n_cached == 7
+    assert ends == [512, 1024, 1536, 1563]  # not 519, 1031, 1543: the prompt's own end is where it ends
+
+    # A chunk that would lose more than the span wastes keeps its length: beside a decode row, 511 tokens from 0.
+    s = Scheduler(n_slots=2, n_ctx=4096, n_batch=512, max_queue=2, kv_pad=256)
+    a = Request(prompt=[1, 2, 3], max_tokens=10)
+    s.admit(a)
+    _finish_prefill(s, a)
+    b = Request(prompt=list(range(10, 1010)), max_tokens=1)
+    s.admit(b)
+    step = s.schedule()
+    assert len(step.batch) == 512 and step.batch.positions[-1] == 510
+
+
 def test_new_request_goes_to_the_slot_with_the_longest_shared_prefix():
     s = _sched(slots=2)
     a = Request(prompt=[1, 2, 3, 4], max_tokens=1)

@@ -144,6 +144,10 @@ def _read_meta(model, path: Path) -> ModelMeta:
 class LlamaCppModel:
     """A loaded GGUF: weights, one context of `n_seq` sequences, and a reusable batch buffer."""
 
+    # llama.cpp attends over a sequence's KV cells up to its highest used cell rounded up to 256 (llama_kv_cache::
+    # get_n_kv, so that graphs can be reused); the scheduler ends prefill chunks on that grid.
+    kv_pad = 256
+
     def __init__(self, path: Path, model, ctx, options: LoadOptions, *, n_seq: int):
         self.path = path
         self.options = options

@@ -135,7 +135,8 @@ class ModelEngine:
         self._may_draft = getattr(make_drafter, "may_draft", None)
         self._close_drafters = getattr(make_drafter, "close", None)
         n_batch = num_batch or getattr(model, "n_batch", 512)
-        self._scheduler = Scheduler(n_slots=model.n_seq, n_ctx=model.n_ctx, n_batch=n_batch, max_queue=max_queue)
+        self._scheduler = Scheduler(n_slots=model.n_seq, n_ctx=model.n_ctx, n_batch=n_batch, max_queue=max_queue,
+                                    kv_pad=getattr(model, "kv_pad", 1))
         self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
         self._outstanding = 0
         self._lock = threading.Lock()
