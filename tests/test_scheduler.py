@@ -29,14 +29,18 @@ def test_common_prefix():
     assert common_prefix([1, 2], [1, 2]) == 2
 
 
-def test_long_prompt_is_prefilled_in_chunks_beside_decoding_slots():
-    s = _sched(n_batch=8)
+def _prompt_beside_a_decoding_slot(s: Scheduler, prompt: list[int]):
+    """(the decoding request, the new one, the first step that holds both)."""
     short = Request(prompt=[1, 2, 3], max_tokens=10)
     s.admit(short)
     _finish_prefill(s, short)
-    long = Request(prompt=list(range(10, 30)), max_tokens=10)
+    long = Request(prompt=prompt, max_tokens=10)
     s.admit(long)
-    step = s.schedule()
+    return short, long, s.schedule()
+
+
+def test_long_prompt_is_prefilled_in_chunks_beside_decoding_slots():
+    short, _, step = _prompt_beside_a_decoding_slot(_sched(n_batch=8), list(range(10, 30)))
     # The decode row of the running request comes first; the long prompt fills the rest of the budget.
     assert step.batch.seqs[0] == short.slot.seq and step.batch.tokens[0] == 100
     assert len(step.batch) == 8
@@ -63,12 +67,7 @@ def test_prefill_chunks_end_on_the_backends_kv_grid_after_a_reused_prefix():
 
     # A chunk that would lose more than the span wastes keeps its length: beside a decode row, 511 tokens from 0.
     s = Scheduler(n_slots=2, n_ctx=4096, n_batch=512, max_queue=2, kv_pad=256)
-    a = Request(prompt=[1, 2, 3], max_tokens=10)
-    s.admit(a)
-    _finish_prefill(s, a)
-    b = Request(prompt=list(range(10, 1010)), max_tokens=1)
-    s.admit(b)
-    step = s.schedule()
+    _, _, step = _prompt_beside_a_decoding_slot(s, list(range(10, 1010)))
     assert len(step.batch) == 512 and step.batch.positions[-1] == 510
 
 
