@@ -329,12 +329,7 @@ def engine_run(engine: ModelEngine, prompts: list[list[int]], n: int, **sampling
                               **sampling})
     run = EngineRun.start(len(prompts))
     streams = engine.submit_all([GenerationParams(list(p), opts) for p in prompts])
-    threads = [threading.Thread(target=_drain, args=(s, run, i)) for i, s in enumerate(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return run
+    return concurrent_streams(run, lambda i, into: _drain(streams[i], into, i))
 
 
 def _drain(stream, run: EngineRun, i: int) -> None:
@@ -512,13 +507,13 @@ def rest_run(base: str, prompts: list[list[int]], n: int) -> EngineRun:
                 if chunk.get("tokens"):
                     run.received(i, chunk["tokens"])
 
-    return concurrent_streams(len(prompts), one)
+    return concurrent_streams(EngineRun.start(len(prompts)), one)
 
 
-def concurrent_streams(streams: int, one: Callable[[int, EngineRun], None]) -> EngineRun:
-    """Run `one(i, run)` for every stream at once, each in its own client thread, and return what they received."""
-    run = EngineRun.start(streams)
-    threads = [threading.Thread(target=one, args=(i, run)) for i in range(streams)]
+def concurrent_streams(run: EngineRun, one: Callable[[int, EngineRun], None]) -> EngineRun:
+    """Run `one(i, run)` for every stream of `run` at once, each in its own client thread; `run` has what they
+    received."""
+    threads = [threading.Thread(target=one, args=(i, run)) for i in range(len(run.tokens))]
     for t in threads:
         t.start()
     for t in threads:
@@ -545,21 +540,25 @@ def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads:
     story, four = render(LONG_STORY), [render(p) for p in FOUR_PROMPTS]
     loop.close()
     raw1 = one = 0.0
+    repeats_four = max(repeats, BRACKET_REPEATS)
     with served_model(path, slots=4, threads=threads, n_ctx=n_ctx) as base, \
             (other_server(four, n) if other_server else nullcontext()) as other:
+
+        def ours_four() -> float:
+            return rest_run(base, four, n).rate()
+
         rest_run(base, four, 8)  # the first requests after a load pay for warm-up, not the REST path
         for i in range(repeats):
             log(f"REST: raw loop and localllm serve, one stream, repeat {i + 1}/{repeats}")
             raw1 = max(raw1, raw_decode_rate(path, story, n, threads=threads, n_ctx=n_ctx)[0])
             one = max(one, rest_run(base, [story], n).rate())
         log("REST: raw loop and localllm serve, four streams")
-        many = Bracketed.measure(lambda: raw_batched_rate(path, four, n, threads=threads, n_ctx=n_ctx),
-                                 lambda: rest_run(base, four, n).rate(), repeats=max(repeats, BRACKET_REPEATS))
+        many = Bracketed.measure(lambda: raw_batched_rate(path, four, n, threads=threads, n_ctx=n_ctx), ours_four,
+                                 repeats=repeats_four)
         versus = None
         if other is not None:
             log(f"REST: {other.name} and localllm serve, four streams")
-            versus = Bracketed.measure(other.measure, lambda: rest_run(base, four, n).rate(),
-                                       repeats=max(repeats, BRACKET_REPEATS))
+            versus = Bracketed.measure(other.measure, ours_four, repeats=repeats_four)
     same = f"at the same {threads} thread(s); the client's clock, after every stream's first token"
     figures = [Figure("REST single stream", one, raw1, "tok/s", 0.97, note=f"raw loop {same}"),
                many.figure("REST 4 concurrent streams (aggregate)", 1.0, note=f"raw batched loop {same}")]

@@ -234,7 +234,7 @@ class DraftRun:
     def worthwhile(self) -> bool:
         """Does the draft taken so far beat not drafting by the window's margin?"""
         rate = self._expected / self._seconds(self.position)
-        return self.position > 0 and rate >= (1.0 + self.window.margin * self._busy) * self._busy / self._seconds(0)
+        return self.position > 0 and rate >= goal_rate(self.window.cost, self._busy, self.window.margin)
 
     def pays(self, confidence: float = 1.0) -> bool:
         """Would a next token with this confidence pay? (With 1.0: could any next token pay?)"""
@@ -263,6 +263,11 @@ def may_try(cost: StepCost, busy_slots: int) -> bool:
     return busy_slots <= 1 or cost.identified
 
 
+def goal_rate(cost: StepCost, busy_slots: int, margin: float) -> float:
+    """Tokens per second a step with drafts must reach: a step without them, bettered by `margin` per busy slot."""
+    return (1.0 + margin * busy_slots) * busy_slots / cost.seconds(busy_slots)
+
+
 def any_draft_pays(cost: StepCost, busy_slots: int, *, margin: Optional[float] = None, limit: int = 64) -> bool:
     """Could any request's draft pay this step? The surest draft there can be (every token at the window's ceiling,
     drafting free) of any length up to `limit`, against the window's margin: if even that would not beat not
@@ -270,7 +275,7 @@ def any_draft_pays(cost: StepCost, busy_slots: int, *, margin: Optional[float] =
     busy = max(1, busy_slots)
     if not may_try(cost, busy):
         return False
-    goal = (1.0 + (DraftWindow.MARGIN if margin is None else margin) * busy) * busy / cost.seconds(busy)
+    goal = goal_rate(cost, busy, DraftWindow.MARGIN if margin is None else margin)
     expected, survival, best = float(busy), 1.0, 0.0
     for drafts in range(1, limit + 1):
         survival *= PER_TOKEN_CEILING

@@ -54,10 +54,12 @@ def llama_server_streams(binary: str, path: Path, args: argparse.Namespace, prom
     def one(i: int, run: benchmark.EngineRun) -> None:
         server.stream(prompts[i], n, partial(run.received, i), ignore_eos=True)
 
+    def measure() -> float:
+        return benchmark.concurrent_streams(benchmark.EngineRun.start(len(prompts)), one).rate()
+
     try:
         server.complete(prompts[0][:8], 4)  # warm up
-        yield benchmark.OtherServer(f"llama-server -np {len(prompts)} ({threads} thread(s))",
-                                    lambda: benchmark.concurrent_streams(len(prompts), one).rate())
+        yield benchmark.OtherServer(f"llama-server -np {len(prompts)} ({threads} thread(s))", measure)
     finally:
         server.close()
 

@@ -144,9 +144,14 @@ class LlamaServer:
                 time.sleep(0.5)
         raise RuntimeError("llama-server did not become ready")
 
+    @staticmethod
+    def _body(prompt: list[int], n: int, *, ignore_eos: bool, stream: bool) -> dict:
+        """A greedy /completion request over prompt token ids that returns the answer's token ids."""
+        return {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": True, "return_tokens": True,
+                "ignore_eos": ignore_eos, "stream": stream}
+
     def complete(self, prompt: list[int], n: int, *, ignore_eos: bool = False) -> tuple[float, list[int], dict]:
-        body = {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": True, "return_tokens": True,
-                "ignore_eos": ignore_eos}
+        body = self._body(prompt, n, ignore_eos=ignore_eos, stream=False)
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
@@ -159,8 +164,7 @@ class LlamaServer:
         """One streamed completion; `received(tokens)` as each chunk arrives (the client's clock)."""
         import httpx
 
-        body = {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": True, "return_tokens": True,
-                "ignore_eos": ignore_eos, "stream": True}
+        body = self._body(prompt, n, ignore_eos=ignore_eos, stream=True)
         with httpx.stream("POST", f"http://127.0.0.1:{self.port}/completion", json=body, timeout=600) as resp:
             for line in resp.iter_lines():
                 if not line.startswith("data: "):
