@@ -97,8 +97,13 @@ class LocalClient:
             stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate,
                                                            _logprobs_wanted(request)))
             first = loaded.engine.stats.requests == 0
+            generated: list[int] = []
             for chunk in stream:
-                yield self._generate_chunk(request.model, chunk, loaded, first, tokens)
+                generated.extend(chunk.tokens)
+                # Ollama's `context`: the conversation so far as tokens, to send back with the next prompt. Ours is
+                # exactly what the model saw and said, so the next request reuses it from the prefix cache.
+                context = tokens + generated if chunk.done and not request.raw else None
+                yield self._generate_chunk(request.model, chunk, loaded, first, context)
 
     def _generate_tokens(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest) -> list[int]:
         if request.raw:
@@ -111,12 +116,12 @@ class LocalClient:
 
     @staticmethod
     def _generate_chunk(name: str, chunk: EngineChunk, loaded: Loaded, first: bool,
-                        prompt: list[int]) -> api.GenerateChunk:
+                        context: Optional[list[int]]) -> api.GenerateChunk:
         if not chunk.done:
             return api.GenerateChunk(model=name, response=chunk.text, tokens=list(chunk.tokens),
                                      logprobs=_logprobs(loaded, chunk))
         return api.GenerateChunk(model=name, response=chunk.text, done=True, done_reason=chunk.done_reason,
-                                 **_timing_fields(chunk, loaded, first))
+                                 context=context, **_timing_fields(chunk, loaded, first))
 
     def chat(self, request: api.ChatRequest) -> Iterator[api.ChatChunk]:
         for message in request.messages:

@@ -71,6 +71,22 @@ def test_generate_streaming_and_not(api):
     assert whole.done_reason == "length" and whole.eval_count == SMALL["num_predict"]
 
 
+def test_generate_returns_context_that_continues_the_conversation(api, base_url):
+    first = api.generate(model="smollm2:135m", prompt="My name is Ada.", options=SMALL)
+    assert first.context and all(isinstance(t, int) for t in first.context)
+    # Ollama's context is the prompt as the model saw it and the answer: here, exactly its tokens.
+    assert len(first.context) == first.prompt_eval_count + first.eval_count
+    body = {"model": "smollm2:135m", "prompt": "What is my name?", "context": first.context, "options": SMALL,
+            "stream": False}
+    second = httpx.post(base_url + "/api/generate", json=body, timeout=60).json()
+    assert second["context"][:len(first.context)] == first.context
+    assert second["prompt_eval_count"] > len(first.context)
+    # The earlier turn is still in a slot's cache (the last answer token never entered it).
+    assert second["prompt_cache_count"] >= len(first.context) - 1
+    raw = api.generate(model="smollm2:135m", prompt="The sky is", raw=True, options=SMALL)
+    assert raw.context is None
+
+
 def test_generate_raw_and_json_format(api):
     raw = api.generate(model="smollm2:135m", prompt="The sky is", raw=True, options=SMALL)
     assert raw.response.strip()
