@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -155,6 +156,39 @@ def test_body_without_json_content_type_is_read_as_json(base_url):
     response = httpx.post(base_url + "/api/show", content=b'{"model": "smollm2:135m"}',
                           headers={"content-type": "application/x-www-form-urlencoded"})
     assert response.status_code == 200 and response.json()["details"]["family"]
+
+
+LONG = {"temperature": 0, "num_predict": 900, "ignore_eos": True}  # about ten seconds of decoding here
+
+
+def _slots_busy(base_url: str) -> int:
+    return sum(m["slots_busy"] for m in httpx.get(base_url + "/api/ps").json()["models"])
+
+
+def _freed_within(base_url: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _slots_busy(base_url):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(base_url):
+    body = {"model": "smollm2:135m", "prompt": "Tell a long story.", "options": LONG}
+    with httpx.stream("POST", base_url + "/api/generate", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert json.loads(next(lines))["response"] is not None
+        assert _slots_busy(base_url) == 1
+    # The answer had most of its 900 tokens to go; the slot is free at the engine's next steps instead.
+    assert _freed_within(base_url, 3)
+
+
+def test_a_client_that_stops_waiting_for_a_whole_answer_frees_its_slot(base_url):
+    body = {"model": "smollm2:135m", "prompt": "Tell a long story.", "options": LONG, "stream": False}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/api/generate", json=body, timeout=httpx.Timeout(60, read=1.5))
+    assert _freed_within(base_url, 3)
 
 
 def test_keep_alive_zero_unloads(api):

@@ -1,17 +1,20 @@
 """The bridge from the client's blocking chunk iterators to the event loop.
 
-`Client.generate` / `Client.chat` return plain iterators that block while the engine works, so each `next()` runs in a
-worker thread. The first chunk is pulled before any response starts: an error that comes before output (unknown
-model, context overflow, full queue) raises from `ChunkStream.open` and becomes a real HTTP status. Closing the stream
-closes the client's iterator, which cancels the request in the engine and frees its slot."""
+`Client.generate` / `Client.chat` return plain iterators that block while the engine works. Each stream gets one pump
+thread that runs its iterator and hands every chunk to the event loop; a hop through a worker thread per chunk cost
+the loop about twice the CPU. The first chunk is awaited before any response starts: an error that comes before
+output (unknown model, context overflow, full queue) raises from `ChunkStream.open` and becomes a real HTTP status.
+Closing the stream makes the pump close the client's iterator at its next chunk, which cancels the request in the
+engine and frees its slot."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Iterator, Optional, TypeVar
 
 import anyio
-import anyio.to_thread
 from anyio.lowlevel import RunVar
 
 from .. import api
@@ -21,8 +24,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _END = object()
 
-# Waiting for a token is not CPU work; a dedicated limiter keeps many slow streams from starving the default thread
-# pool that FastAPI uses for plain `def` handlers. One per event loop, as anyio keeps its own default limiter.
+# A pump thread waits for tokens; it does no CPU work. The limiter only bounds how many exist at once, one per event
+# loop, as anyio keeps its own.
 _STREAM_THREADS: RunVar[anyio.CapacityLimiter] = RunVar("localllm_stream_threads")
 
 
@@ -35,61 +38,92 @@ def _stream_threads() -> anyio.CapacityLimiter:
         return limiter
 
 
-def _next_or_end(iterator: Iterator[Any]) -> Any:
-    return next(iterator, _END)
+class _Failed:
+    """The iterator raised: the pump's last item, raised again on the event loop."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
 
 
-def _close_iterator(iterator: Iterator[Any]) -> None:
-    close = getattr(iterator, "close", None)
-    if close is not None:
-        close()
+def _pump(make: Callable[[], Iterator[Any]], deliver: Callable[[Any], bool], stop: threading.Event) -> None:
+    """The stream's thread: build the iterator, hand over each chunk, end with _END or _Failed. The iterator is
+    closed here, before the last item, because a generator cannot be closed from another thread while it waits, and
+    because its clean-up (the request's cancel, the model's release) must be over when the response ends."""
+    end: Any = _END
+    iterator: Optional[Iterator[Any]] = None
+    try:
+        iterator = make()
+        for chunk in iterator:
+            if stop.is_set() or not deliver(chunk):
+                break
+    except BaseException as exc:
+        end = _Failed(exc)
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - nobody is left to tell but the log
+                log.exception("closing a chunk stream failed")
+        deliver(end)
 
 
 class ChunkStream(Generic[T]):
     """A client iterator driven from async code. Iterate it once; `aclose()` is idempotent and always safe."""
 
-    def __init__(self, iterator: Iterator[T], first: Any, observe: Optional[Callable[[T], None]]):
-        self._iterator = iterator
-        self._first = first
+    def __init__(self, observe: Optional[Callable[[T], None]]):
+        self._chunks: asyncio.Queue = asyncio.Queue()
+        self._stop = threading.Event()
         self._observe = observe
-        self._closed = False
+        self._first: Any = _END
 
     @classmethod
     async def open(cls, make: Callable[[], Iterator[T]], *,
                    observe: Optional[Callable[[T], None]] = None) -> "ChunkStream[T]":
         """Start the request and wait for its first chunk; errors before any output raise here."""
-        iterator = await anyio.to_thread.run_sync(make, limiter=_stream_threads())
-        stream = cls(iterator, _END, observe)
+        stream = cls(observe)
+        limiter = _stream_threads()
+        await limiter.acquire_on_behalf_of(stream)
+        loop = asyncio.get_running_loop()
+
+        def deliver(item: Any) -> bool:
+            try:
+                loop.call_soon_threadsafe(stream._chunks.put_nowait, item)
+            except RuntimeError:  # the loop has closed (server shutdown): stop pumping
+                return False
+            if item is _END or isinstance(item, _Failed):
+                loop.call_soon_threadsafe(limiter.release_on_behalf_of, stream)
+            return True
+
+        threading.Thread(target=_pump, args=(make, deliver, stream._stop), name="localllm-stream",
+                         daemon=True).start()
         try:
-            stream._first = await stream._pull()
+            stream._first = await stream._next()
         except BaseException:
             await stream.aclose()
             raise
         return stream
 
-    async def _pull(self) -> Any:
-        chunk = await anyio.to_thread.run_sync(_next_or_end, self._iterator, limiter=_stream_threads())
-        if chunk is not _END and self._observe is not None:
-            self._observe(chunk)
-        return chunk
+    async def _next(self) -> Any:
+        item = await self._chunks.get()
+        if isinstance(item, _Failed):
+            raise item.exc
+        if item is not _END and self._observe is not None:
+            self._observe(item)
+        return item
 
     async def __aiter__(self) -> AsyncIterator[T]:
         try:
             chunk, self._first = self._first, _END
             while chunk is not _END:
                 yield chunk
-                chunk = await self._pull()
+                chunk = await self._next()
         finally:
             await self.aclose()
 
     async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        # Shielded: this runs when the client has gone and the task is being cancelled, which is exactly when the
-        # engine must hear about it.
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(_close_iterator, self._iterator, limiter=_stream_threads())
+        """Tell the pump to stop: it closes the iterator when its next chunk comes (at the engine's next step)."""
+        self._stop.set()
 
     async def collect(self, *, disconnected: Optional[Callable[[], Awaitable[bool]]] = None) -> Optional[list[T]]:
         """All chunks, for a non-streamed answer. With `disconnected` (Request.is_disconnected), a client that
