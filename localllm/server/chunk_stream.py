@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _END = object()
 
-# A pump thread waits for tokens; it does no CPU work. The limiter only bounds how many exist at once, one per event
-# loop, as anyio keeps its own.
+# A pump thread spends its life waiting for the engine's next chunk. The limiter bounds how many exist at once (one
+# limiter per event loop, as anyio keeps its own); a stream beyond it waits for one to end.
 _STREAM_THREADS: RunVar[anyio.CapacityLimiter] = RunVar("localllm_stream_threads")
 
 
