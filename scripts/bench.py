@@ -112,18 +112,28 @@ def render(results: list[tuple[str, str, list[Figure]]], args: argparse.Namespac
         "of repeats with the reference measured on either side of ours, and their target allows only the spread "
         "between those two reference runs. A miss is recorded with its reason, never hidden.", "",
     ]
-    for model, title, figures in results:
-        lines += [f"## {title} — {model}", "", f"Measured {time.strftime('%Y-%m-%d')}.", "",
-                  "| figure | ours | reference | ratio | target | met | note |", "|---|---:|---:|---:|---|---|---|"]
-        for f in figures:
-            lines.append(f"| {f.name} | {f.ours:.1f} {f.unit} | {f.reference:.1f} {f.unit} | {f.ratio:.2f} | "
-                         f"{f.target_text} | {f.met_text} | {f.note} |")
-        lines.append("")
-    lines += earlier_sections({f"## {title} — {model}" for model, title, _ in results})
+    measured = [section_block(model, title, figures) for model, title, figures in results]
+    lines += in_section_order(measured + earlier_sections({f"## {title} — {model}" for model, title, _ in results}))
     notes = ROOT / "docs" / "benchmark-notes.md"
     if notes.exists():
         lines += [notes.read_text().strip(), ""]
     return "\n".join(lines)
+
+
+def section_block(model: str, title: str, figures: list[Figure]) -> str:
+    lines = [f"## {title} — {model}", "", f"Measured {time.strftime('%Y-%m-%d')}.", "",
+             "| figure | ours | reference | ratio | target | met | note |", "|---|---:|---:|---:|---|---|---|"]
+    for f in figures:
+        lines.append(f"| {f.name} | {f.ours:.1f} {f.unit} | {f.reference:.1f} {f.unit} | {f.ratio:.2f} | "
+                     f"{f.target_text} | {f.met_text} | {f.note} |")
+    return "\n".join(lines) + "\n"
+
+
+def in_section_order(blocks: list[str]) -> list[str]:
+    """Sections in SECTIONS' order (engine, REST, speculation, MLX), whichever run measured them; models keep the
+    order they come in."""
+    titles = [f"## {title} — " for title, _ in SECTIONS.values()]
+    return sorted(blocks, key=lambda block: next(i for i, t in enumerate(titles) if block.startswith(t)))
 
 
 def earlier_sections(measured: set[str]) -> list[str]:
