@@ -101,7 +101,8 @@ class LocalClient:
             for chunk in stream:
                 generated.extend(chunk.tokens)
                 # Ollama's `context`: the conversation so far as tokens, to send back with the next prompt. Ours is
-                # exactly what the model saw and said, so the next request reuses it from the prefix cache.
+                # the prompt's tokens as sent to the engine and the answer's, so the next request finds them in the
+                # prefix cache (all but the answer's last token, which was never decoded).
                 context = tokens + generated if chunk.done and not request.raw else None
                 yield self._generate_chunk(request.model, chunk, loaded, first, context)
 
