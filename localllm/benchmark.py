@@ -465,9 +465,9 @@ def served_model(path: Path, *, slots: int, threads: Optional[int], n_ctx: int) 
         base = f"http://127.0.0.1:{port}"
         try:
             _wait_until_up(base, proc)
-            from .create import create_model
+            from .models.create import create_model
             from .api import CreateRequest
-            from .store import Store
+            from .models.store import Store
 
             weights = Path(home) / "bench.gguf"  # a blob has no .gguf name; a model name must say it is a file
             weights.symlink_to(Path(path).resolve())
@@ -586,7 +586,7 @@ def run_mlx_benchmarks(path: Path, *, n: int = 32, n_ctx: int = 1024,
     import tempfile
 
     from .backends import get_backend
-    from .quant.mlx_convert import convert_gguf_to_mlx
+    from .formats.mlx_convert import convert_gguf_to_mlx
 
     with tempfile.TemporaryDirectory(prefix="localllm-mlx-bench-") as tmp:
         log("MLX: converting the GGUF")

@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence, Union
 
 from . import api
 from .errors import InvalidInput, LocalLLMError
-from .names import parse_ref
+from .models.names import parse_ref
 
 
 # ---------------------------------------------------------------------------------------------------------- options

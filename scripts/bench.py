@@ -148,7 +148,7 @@ def earlier_sections(measured: set[str]) -> list[str]:
 
 
 def model_path(name: str) -> Path:
-    from localllm.store import Store
+    from localllm.models.store import Store
 
     return Store().resolve(name).weights
 

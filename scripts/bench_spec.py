@@ -30,7 +30,7 @@ from localllm.api import LoadOptions, SamplingOptions
 from localllm.backends.llama_cpp import LlamaCppBackend
 from localllm.benchmark import FOUR_PROMPTS, Bracketed, Figure
 from localllm.engine.runner import GenerationParams, ModelEngine
-from localllm.speculative import Speculation
+from localllm.engine.speculative import Speculation
 from localllm.templates import render_chat
 
 FUNCTION = '''def summarize_orders(orders, tax_rate, discount=None):

@@ -83,7 +83,7 @@ def _typed(record: Console, lines: Iterator[str]):
 
 
 def main() -> None:
-    from localllm.local_client import LocalClient
+    from localllm.client.local import LocalClient
 
     DOCS.mkdir(exist_ok=True)
     client = LocalClient()

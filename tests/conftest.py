@@ -30,8 +30,8 @@ def _test_cache() -> Path:
 @pytest.fixture(scope="session")
 def models_home() -> Path:
     """A LOCALLLM_HOME holding both catalog models, pulled once (a no-op when the cache has them)."""
-    from localllm.pull import pull_model
-    from localllm.store import Store
+    from localllm.models.pull import pull_model
+    from localllm.models.store import Store
 
     home = _test_cache() / "home"
     store = Store(home / "models")
@@ -43,13 +43,13 @@ def models_home() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_path(models_home) -> Path:
-    from localllm.store import Store
+    from localllm.models.store import Store
 
     return Store(models_home / "models").resolve("smollm2:135m").weights
 
 
 @pytest.fixture(scope="session")
 def gemma3_path(models_home) -> Path:
-    from localllm.store import Store
+    from localllm.models.store import Store
 
     return Store(models_home / "models").resolve("gemma3:270m").weights

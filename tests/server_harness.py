@@ -54,8 +54,8 @@ def env(**values: str) -> Iterator[None]:
 
 def local_client(models_home: Path):
     """A LocalClient on the shared, read-only test home."""
-    from localllm.local_client import LocalClient
-    from localllm.store import Store
+    from localllm.client.local import LocalClient
+    from localllm.models.store import Store
 
     return LocalClient(store=Store(models_home / "models"))
 

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from localllm import api
 from localllm.cli import app
-from localllm.modelfile import parse_modelfile
-from localllm.store import Store
+from localllm.models.modelfile import parse_modelfile
+from localllm.models.store import Store
 
 from hfserver import Hub, HubServer, write_tiny_gguf
 

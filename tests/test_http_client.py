@@ -11,7 +11,7 @@ import pytest
 
 from localllm import api
 from localllm.errors import InvalidInput, ModelNotFound, ServerUnreachable, Unauthorized
-from localllm.http_client import HttpClient, server_running
+from localllm.client.http import HttpClient, server_running
 from localllm.server.app import create_app
 from server_harness import SMALL, SYSTEM, env, local_client, private_home, serve_in_thread
 

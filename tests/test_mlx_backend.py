@@ -153,8 +153,8 @@ def test_missing_or_incomplete_folder_is_a_format_error(tmp_path):
 def test_mlx_repo_pulled_from_the_hub_loads_and_decodes(tiny_folder, tiny, monkeypatch):
     from hfserver import Hub, HubServer
 
-    from localllm.pull import pull_model
-    from localllm.store import Store
+    from localllm.models.pull import pull_model
+    from localllm.models.store import Store
 
     repo = {p.name: p.read_bytes() for p in tiny_folder.iterdir()}
     with HubServer(Hub(repos={"mlx-community/tiny-llama-mlx": repo})) as url:
@@ -389,7 +389,7 @@ def _write_f32_gguf(src: Path, dst: Path) -> None:
 
 @pytest.fixture(scope="module")
 def smol_mlx(smollm2_path, tmp_path_factory) -> Path:
-    from localllm.quant.mlx_convert import convert_gguf_to_mlx
+    from localllm.formats.mlx_convert import convert_gguf_to_mlx
 
     return convert_gguf_to_mlx(smollm2_path, tmp_path_factory.mktemp("smol") / "mlx")
 
@@ -424,7 +424,7 @@ def test_smollm2_converted_answers_paris_with_llama_cpp_tokens(smollm2_path, smo
 @pytest.mark.models
 @pytest.mark.slow
 def test_f32_weights_agree_greedily_with_llama_cpp(smollm2_path, tmp_path):
-    from localllm.quant.mlx_convert import convert_gguf_to_mlx
+    from localllm.formats.mlx_convert import convert_gguf_to_mlx
 
     f32 = tmp_path / "smollm2-f32.gguf"
     _write_f32_gguf(smollm2_path, f32)
@@ -462,7 +462,7 @@ def test_create_format_mlx_then_chat_answers_paris(smollm2_path, tmp_path, isola
 
     from localllm import api
     from localllm.cli import app
-    from localllm.local_client import LocalClient
+    from localllm.client.local import LocalClient
 
     link = tmp_path / "smollm2.gguf"
     link.symlink_to(smollm2_path)

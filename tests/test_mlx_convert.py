@@ -25,7 +25,7 @@ from localllm.api import LoadOptions  # noqa: E402
 from localllm.backends.base import Batch  # noqa: E402
 from localllm.backends.mlx import MlxBackend  # noqa: E402
 from localllm.errors import InvalidInput, ModelFormatError  # noqa: E402
-from localllm.quant.mlx_convert import (convert_gguf_to_mlx, repack_q4_0, repack_q4_1, repack_q8_0,  # noqa: E402
+from localllm.formats.mlx_convert import (convert_gguf_to_mlx, repack_q4_0, repack_q4_1, repack_q8_0,  # noqa: E402
                                         unpermute_rows)
 
 pytestmark = pytest.mark.mlx
@@ -351,7 +351,7 @@ def _invoke(*args: str):
 
 
 def test_modelfile_backend_mlx_stores_a_converted_folder(vocab_size, tmp_path, isolated_home):
-    from localllm.store import Store
+    from localllm.models.store import Store
 
     export = TinyExport("llama", llama_config(vocab_size), tmp_path / "m.gguf")
     (tmp_path / "Modelfile").write_text("FROM ./m.gguf\nPARAMETER backend mlx\nPARAMETER temperature 0\n")
@@ -368,7 +368,7 @@ def test_modelfile_backend_mlx_stores_a_converted_folder(vocab_size, tmp_path, i
 
 
 def test_create_from_with_format_mlx_and_quantize(vocab_size, tmp_path, isolated_home):
-    from localllm.store import Store
+    from localllm.models.store import Store
 
     TinyExport("llama", llama_config(vocab_size), tmp_path / "m.gguf")
     result = _invoke("create", "tiny-q8", "--from", str(tmp_path / "m.gguf"), "--format", "mlx", "--quantize", "q8")
@@ -379,7 +379,7 @@ def test_create_from_with_format_mlx_and_quantize(vocab_size, tmp_path, isolated
 
 
 def test_create_refuses_unknown_format_and_mlx_quantize(vocab_size, tmp_path, isolated_home):
-    from localllm.store import Store
+    from localllm.models.store import Store
 
     TinyExport("llama", llama_config(vocab_size), tmp_path / "m.gguf")
     bad_format = _invoke("create", "x", "--from", str(tmp_path / "m.gguf"), "--format", "onnx")

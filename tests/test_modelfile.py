@@ -9,7 +9,7 @@ import pytest
 
 from localllm import api
 from localllm.errors import InvalidInput, ModelfileError
-from localllm.modelfile import parse_modelfile, quote_value, render_modelfile
+from localllm.models.modelfile import parse_modelfile, quote_value, render_modelfile
 
 MODELFILES = sorted((Path(__file__).parent.parent / "modelfiles").glob("*"))
 
@@ -87,7 +87,7 @@ def test_parameter_names_and_types(name, value, typed):
 
 
 def test_ollama_only_parameter_is_dropped_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="localllm.modelfile"):
+    with caplog.at_level(logging.WARNING, logger="localllm.models.modelfile"):
         request = parse_modelfile("FROM a\nPARAMETER mirostat 1\nPARAMETER top_k 5")
     assert request.parameters == {"top_k": 5}
     assert "line 2" in caplog.text and "mirostat" in caplog.text

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from localllm.errors import InvalidName
-from localllm.names import parse_digest, parse_ref
+from localllm.models.names import parse_digest, parse_ref
 
 HEX = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 

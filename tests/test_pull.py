@@ -7,10 +7,10 @@ import socket
 
 import pytest
 
-from localllm.catalog import CATALOG, CatalogEntry, HFFile
+from localllm.models.catalog import CATALOG, CatalogEntry, HFFile
 from localllm.errors import IntegrityError, ModelNotFound, NetworkError
-from localllm.pull import CatalogSource, choose_gguf, ensure_model, pull_model
-from localllm.store import Store
+from localllm.models.pull import CatalogSource, choose_gguf, ensure_model, pull_model
+from localllm.models.store import Store
 
 from hfserver import Hub, HubServer, sha256_of, write_tiny_gguf
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from localllm import config
 from localllm.cli import app
-from localllm.http_client import server_running
+from localllm.client.http import server_running
 
 
 def free_port() -> int:

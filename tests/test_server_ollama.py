@@ -202,8 +202,8 @@ def test_keep_alive_zero_unloads(api):
 @pytest.fixture(scope="module")
 def own_api(models_home, tmp_path_factory):
     """A server on a private home, for the tests that change the store."""
-    from localllm.local_client import LocalClient
-    from localllm.store import Store
+    from localllm.client.local import LocalClient
+    from localllm.models.store import Store
 
     home = private_home(models_home, tmp_path_factory.mktemp("own-home"))
     client = LocalClient(store=Store(home / "models"))

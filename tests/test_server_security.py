@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from localllm.local_client import LocalClient
+from localllm.client.local import LocalClient
 from localllm.server.app import create_app
 from server_harness import serve_in_thread
 

@@ -17,8 +17,9 @@ from localllm.api import LoadOptions, SamplingOptions
 from localllm.backends.llama_cpp import LlamaCppBackend
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.errors import InvalidInput
-from localllm.speculative import (DraftWindow, FixedWindow, PromptLookup, Speculation, StepCost,
-                                  lookup_draft, open_draft_model, open_mtp_head)
+from localllm.engine.speculative import Speculation, open_draft_model, open_mtp_head
+from localllm.engine.speculative.drafters import PromptLookup, lookup_draft
+from localllm.engine.speculative.policy import DraftWindow, FixedWindow, StepCost
 from localllm.structured import grammar_for_format
 
 # ---------------------------------------------------------------------------------------------------------- lookup
@@ -315,8 +316,8 @@ def test_grammar_probe_cuts_drafts_at_the_first_forbidden_token(smollm2_path):
 
 @pytest.mark.models
 def test_client_reports_drafter_and_statistics(models_home):
-    from localllm.local_client import LocalClient
-    from localllm.store import Store
+    from localllm.client.local import LocalClient
+    from localllm.models.store import Store
 
     client = LocalClient(store=Store(models_home / "models"))
     try:
@@ -439,7 +440,7 @@ def test_mtp_model_loads_with_its_head_and_decodes_losslessly(tmp_path):
 
 
 def test_a_step_that_cannot_speculate_asks_no_drafter():
-    from localllm.speculative import any_draft_pays
+    from localllm.engine.speculative.policy import any_draft_pays
 
     dear = StepCost()
     for rows in (1, 2, 3, 4) * 20:  # a row costs as much as a one-row step's fixed part (smollm2 on this CPU)

@@ -11,7 +11,7 @@ import pytest
 
 from localllm import api
 from localllm.errors import IntegrityError, InvalidInput, InvalidName, ModelFormatError, ModelNotFound
-from localllm.store import Store
+from localllm.models.store import Store
 
 from hfserver import sha256_of, write_tiny_gguf
 

@@ -40,8 +40,8 @@ SIZE = (100, 30)
 @pytest.fixture(scope="module")
 def real_client(models_home):
     """The in-process client on the shared test home (read-only here: nothing is pulled or deleted)."""
-    from localllm.local_client import LocalClient
-    from localllm.store import Store
+    from localllm.client.local import LocalClient
+    from localllm.models.store import Store
 
     client = LocalClient(store=Store(models_home / "models"))
     yield client
@@ -166,7 +166,7 @@ def test_parameter_lines_are_checked_and_name_the_line():
 
 
 async def test_unreachable_server_shows_a_clear_notice_not_a_traceback():
-    from localllm.http_client import HttpClient
+    from localllm.client.http import HttpClient
 
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
@@ -210,7 +210,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 
 async def test_pull_shows_progress_then_the_model_can_be_deleted(file_server, smollm2_path):
-    from localllm.local_client import LocalClient
+    from localllm.client.local import LocalClient
 
     client = LocalClient()  # on this test's empty home
     app = LocalLLMApp(client)

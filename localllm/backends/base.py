@@ -15,6 +15,13 @@ import numpy as np
 from ..api import LoadOptions, SamplingOptions
 
 
+def greedy_pick(logits: np.ndarray) -> tuple[int, float]:
+    """The most likely token and its probability."""
+    token = int(np.argmax(logits))
+    top = float(logits[token])
+    return token, float(1.0 / np.exp(logits.astype(np.float64) - top).sum())
+
+
 @dataclass(frozen=True)
 class ModelMeta:
     """Facts about loaded weights, read from metadata, never from file names."""

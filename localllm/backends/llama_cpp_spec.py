@@ -19,12 +19,12 @@ import numpy as np
 from llama_cpp import llama_cpp_ext
 
 from ..errors import InvalidInput, LocalLLMError
-from ..speculative import greedy_pick
+from .base import greedy_pick
 from .llama_cpp import LlamaCppModel, _context_params
 
 if TYPE_CHECKING:
-    from ..scheduler import Step
-    from ..speculative import DraftWindow
+    from ..engine.scheduler import Step
+    from ..engine.speculative.policy import DraftWindow
 
 
 class MtpHead:

@@ -33,7 +33,7 @@ def ensure_server(*, timeout: float = START_TIMEOUT) -> str:
     Raises:
         ServerUnreachable: the started server exited or did not answer within `timeout`; the hint names its log.
     """
-    from ..http_client import server_running
+    from ..client.http import server_running
 
     url = config.base_url()
     if server_running(url):
@@ -55,7 +55,7 @@ def start_server() -> subprocess.Popen:
 
 
 def wait_for_server(url: str, process: subprocess.Popen, *, timeout: float) -> None:
-    from ..http_client import server_running
+    from ..client.http import server_running
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -22,7 +22,7 @@ def bench(
     """Measure the engine against raw llama.cpp (same model, threads and tokens) in one run."""
     from ..benchmark import run_benchmarks, run_rest_benchmarks
     from ..errors import InvalidInput
-    from ..store import Store
+    from ..models.store import Store
 
     resolved = Store().resolve(model)
     if resolved.format != "gguf":

@@ -13,7 +13,7 @@ from typing import Iterator, List, Optional
 import typer
 
 from .. import config
-from ..client import Client
+from ..client.protocol import Client
 from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
 from .app import app, console, err_console
@@ -36,13 +36,13 @@ def open_client(*, in_process: bool = False) -> Iterator[Client]:
 
 
 def _local_client():
-    from ..local_client import LocalClient
+    from ..client.local import LocalClient
 
     return LocalClient()
 
 
 def _server_client(*, start: bool):
-    from ..http_client import HttpClient, server_running
+    from ..client.http import HttpClient, server_running
     from .background import ensure_server
 
     url = config.base_url()
@@ -118,7 +118,7 @@ def _format(value: Optional[str]) -> Optional[str]:
 def ps(as_json: bool = typer.Option(False, "--json", help="print api.ProcessResponse as JSON")):
     """List the models the server has loaded: slots, context per slot, KV type, GPU, speculation, expiry."""
     from .. import api
-    from ..http_client import server_running
+    from ..client.http import server_running
 
     url = config.base_url()
     if server_running(url):

@@ -11,13 +11,13 @@ from rich.table import Table
 
 from .. import api
 from ..errors import IntegrityError, InvalidInput, ModelNotFound
-from ..names import parse_ref
+from ..models.names import parse_ref
 from .app import app, console
 from .render import human_age, human_size, print_show, render_pull  # noqa: F401  (also imported from here)
 
 
 def _store():
-    from ..store import Store
+    from ..models.store import Store
 
     return Store()
 
@@ -27,7 +27,7 @@ def _store():
 @app.command()
 def pull(model: str = typer.Argument(..., help="catalog name, hf.co/<org>/<repo>[:<quant>], URL or .gguf path")):
     """Download a model into the store (resumes an interrupted pull)."""
-    from ..pull import pull_model
+    from ..models.pull import pull_model
 
     render_pull(pull_model(model, _store()))
 
@@ -60,7 +60,7 @@ def show(model: str = typer.Argument(..., help="stored model name or .gguf path"
          system: bool = typer.Option(False, "--system", help="print the system message only"),
          license: bool = typer.Option(False, "--license", help="print the license only")):
     """Describe a model: architecture, size, quantization, context, template, parameters."""
-    from ..model_info import show_model
+    from ..models.info import show_model
 
     info = show_model(_store(), model)
     if as_json:
@@ -115,8 +115,8 @@ def create(name: str = typer.Argument(..., help="name of the new model, e.g. me/
            quantize: Optional[str] = typer.Option(None, "--quantize", "-q", help="quantize to TYPE (with --format "
                                                                                  "mlx: f32, f16, bf16, q8, q4)")):
     """Create a model from a Modelfile, or from another model with --from."""
-    from ..create import create_model
-    from ..modelfile import parse_modelfile
+    from ..models.create import create_model
+    from ..models.modelfile import parse_modelfile
 
     if fmt not in (None, "gguf", "mlx"):
         raise InvalidInput(f"format {fmt!r} is not known", hint="use gguf or mlx")

@@ -26,9 +26,9 @@ def plan(
     """Show the memory a model will take with these options (weights, KV cache per slot, compute), before loading."""
     from ..engine.pool import effective_load, resolve_options
     from ..errors import InvalidInput
-    from ..plan import plan_memory
-    from ..quant.gguf import inspect_gguf
-    from ..store import Store
+    from ..models.plan import plan_memory
+    from ..formats.gguf import inspect_gguf
+    from ..models.store import Store
 
     resolved = Store().resolve(model)
     if resolved.format != "gguf":

@@ -110,7 +110,7 @@ def print_show(info: api.ShowResponse, *, to: Optional[Console] = None) -> None:
 
 def print_model_facts(info: api.ShowResponse, *, to: Optional[Console] = None) -> None:
     """The "Model" block of `show`: architecture, size, quantization, context, format, parent, draft, path."""
-    from ..model_info import context_length
+    from ..models.info import context_length
 
     facts = Table(box=None, show_header=False, pad_edge=False)
     facts.add_column(style="bold")

@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Optional
 from rich.console import Console
 
 from .. import api
-from ..client import Client
+from ..client.protocol import Client
 from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
 from .app import console, err_console, print_error

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from .. import api, config
 from ..backends import choose_backend, get_backend
 from ..errors import InvalidInput, QueueFull
-from ..store import ResolvedModel, Store
+from ..models.store import ResolvedModel, Store
 from .runner import ModelEngine
 
 log = logging.getLogger(__name__)

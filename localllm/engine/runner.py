@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from ..api import SamplingOptions, Timings
 from ..backends.base import LoadedModel
 from ..errors import Cancelled, ContextOverflow, LocalLLMError, QueueFull
-from ..scheduler import Request, Scheduler, Step
+from .scheduler import Request, Scheduler, Step
 from .text import TextStream
 
 log = logging.getLogger(__name__)

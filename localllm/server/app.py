@@ -15,7 +15,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__, config
-from ..client import Client
+from ..client.protocol import Client
 from . import ollama_routes, openai_routes
 from .metrics import CONTENT_TYPE, AccessLog, ServerMetrics
 from .responses import install_error_handlers
@@ -57,7 +57,7 @@ class AssumeJson:
 
 
 def _default_client() -> Client:
-    from ..local_client import LocalClient
+    from ..client.local import LocalClient
 
     return LocalClient()
 

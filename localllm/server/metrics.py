@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import api
-from ..client import Client
+from ..client.protocol import Client
 
 log = logging.getLogger("localllm.server")
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from ..client import Client
+from ..client.protocol import Client
 from .metrics import ServerMetrics
 
 

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from ..client import Client
+from ..client.protocol import Client
 from ..errors import BackendUnavailable, LocalLLMError
 
 

@@ -9,7 +9,7 @@ from typing import Any, Optional
 from textual.app import App
 from textual.binding import Binding
 
-from ..client import Client
+from ..client.protocol import Client
 from ..conversation import Conversation
 from ..errors import LocalLLMError
 from .screens.chat import ChatScreen

@@ -30,7 +30,7 @@ class ModelDetails(Static):
 
 
 def _facts(info: api.ShowResponse) -> list[tuple[str, str]]:
-    from ...model_info import context_length
+    from ...models.info import context_length
 
     d = info.details
     rows = [("Architecture", d.family), ("Parameters", d.parameter_size), ("Quantization", d.quantization_level),

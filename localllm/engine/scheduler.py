@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .backends.base import Batch
-from .errors import QueueFull
+from ..backends.base import Batch
+from ..errors import QueueFull
 from .slots import Slot, SlotState, SlotTable
 
 _ids = itertools.count(1)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 
-from . import api
-from .errors import InvalidInput, ModelfileError
+from .. import api
+from ..errors import InvalidInput, ModelfileError
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Iterator, Optional, Union
 
-from . import api, config
-from .errors import IntegrityError, InvalidInput, InvalidName, ModelFormatError, ModelNotFound
+from .. import api, config
+from ..errors import IntegrityError, InvalidInput, InvalidName, ModelFormatError, ModelNotFound
 from .names import ModelRef, parse_digest, parse_ref
 
 MANIFEST_MEDIA = "application/vnd.localllm.manifest.v1+json"
@@ -497,7 +497,7 @@ def _resolve_file(ref: ModelRef) -> ResolvedModel:
 
 
 def _inspect_details(path: Path) -> api.ModelDetails:
-    from .quant.gguf import inspect_gguf
+    from ..formats.gguf import inspect_gguf
 
     return inspect_gguf(path).details()
 

@@ -14,8 +14,8 @@ from typing import Any, Iterator, Optional, TypeVar, Union
 import httpx
 from pydantic import BaseModel
 
-from . import api, config
-from .errors import (BackendUnavailable, Cancelled, Forbidden, InvalidInput, LocalLLMError, ModelNotFound,
+from .. import api, config
+from ..errors import (BackendUnavailable, Cancelled, Forbidden, InvalidInput, LocalLLMError, ModelNotFound,
                      NetworkError, PayloadTooLarge, QueueFull, ServerUnreachable, Unauthorized)
 
 M = TypeVar("M", bound=BaseModel)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from .errors import InvalidName
+from ..errors import InvalidName
 
 DEFAULT_HOST = "localllm"
 DEFAULT_NAMESPACE = "library"

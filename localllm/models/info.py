@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from . import api
-from .errors import InvalidInput
+from .. import api
+from ..errors import InvalidInput
 from .store import ResolvedModel, Store
 
 
@@ -71,10 +71,10 @@ def render_model_modelfile(model: ResolvedModel, *, template: Optional[str]) -> 
 
 def _inspect(model: ResolvedModel):
     if model.format == "mlx":
-        from .quant.mlx_convert import inspect_mlx_folder
+        from ..formats.mlx_convert import inspect_mlx_folder
 
         return inspect_mlx_folder(model.weights)
-    from .quant.gguf import inspect_gguf
+    from ..formats.gguf import inspect_gguf
 
     return inspect_gguf(model.weights)
 

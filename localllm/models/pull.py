@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Protocol
 from urllib.parse import unquote, urlparse
 
-from . import api, config
+from .. import api, config
 from .catalog import CatalogEntry, Mirror, WheelMember, WheelMembers, find_entry
-from .errors import IntegrityError, InvalidName, LocalLLMError, ModelFormatError, ModelNotFound, \
+from ..errors import IntegrityError, InvalidName, LocalLLMError, ModelFormatError, ModelNotFound, \
     NetworkError
 from .names import ModelRef, parse_ref
 from .store import CHUNK, PartialBlob, ResolvedModel, Store
@@ -282,7 +282,7 @@ class HFSource:
 
     def _pull_mlx(self, store: Store, hub: _HFApi, revision: str, siblings: list) -> Progress:
         """An MLX repo is a set of files: each becomes a blob, the manifest maps file names to digests."""
-        from .quant.mlx_convert import mlx_details
+        from ..formats.mlx_convert import mlx_details
 
         wanted = set(mlx_repo_files([s.rfilename for s in siblings]))
         digests: dict[str, str] = {}

@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from . import api
-from .errors import InvalidInput, InvalidName
+from .. import api
+from ..errors import InvalidInput, InvalidName
 from .names import parse_ref
 from .pull import make_source, pull_model
 from .store import ResolvedModel, Store
-from .templates import validate_template
+from ..templates import validate_template
 
 Progress = Iterator[api.PullProgress]
 
@@ -39,7 +39,7 @@ def create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional
     if not request.from_:
         raise InvalidInput("the model to build on is missing (FROM)")
     if _wants_mlx(request):
-        from .quant.mlx_convert import check_quantize
+        from ..formats.mlx_convert import check_quantize
 
         check_quantize(request.quantize)  # before the parent is pulled or copied
     api.split_options(request.parameters)  # an unknown parameter name fails here, before anything is written
@@ -82,7 +82,7 @@ def _convert_to_mlx(gguf: Path, store: Store, quantize: Optional[str]) -> Iterat
     """Convert the parent's GGUF into an MLX folder and add its files as blobs; returns {file name: digest}."""
     import tempfile
 
-    from .quant.mlx_convert import convert_gguf_to_mlx
+    from ..formats.mlx_convert import convert_gguf_to_mlx
 
     yield api.PullProgress(status="converting to MLX")
     with tempfile.TemporaryDirectory(prefix="localllm-mlx-") as tmp:

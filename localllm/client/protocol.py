@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Iterator, Protocol
 
-from .api import (ChatChunk, ChatRequest, CreateRequest, EmbedRequest, EmbedResponse, GenerateChunk,
+from ..api import (ChatChunk, ChatRequest, CreateRequest, EmbedRequest, EmbedResponse, GenerateChunk,
                   GenerateRequest, ListResponse, ProcessResponse, PullProgress, ShowResponse)
 
 

@@ -10,17 +10,17 @@ import time
 from functools import partial
 from typing import Any, Iterator, Optional
 
-from . import __version__, api, config
-from .create import create_model
-from .engine.pool import Loaded, ModelPool, resolve_options
-from .engine.runner import EngineChunk, GenerationParams
-from .errors import InvalidInput
-from .model_info import show_model
-from .pull import pull_model
-from .speculative import load_speculation
-from .store import ResolvedModel, Store
-from .structured import grammar_for_format, parse_tool_calls, tool_choice_grammar
-from .templates import render_chat
+from .. import __version__, api, config
+from ..models.create import create_model
+from ..engine.pool import Loaded, ModelPool, resolve_options
+from ..engine.runner import EngineChunk, GenerationParams
+from ..errors import InvalidInput
+from ..models.info import show_model
+from ..models.pull import pull_model
+from ..engine.speculative import load_speculation
+from ..models.store import ResolvedModel, Store
+from ..structured import grammar_for_format, parse_tool_calls, tool_choice_grammar
+from ..templates import render_chat
 
 
 def _keep_alive(value: Any) -> Optional[float]:
@@ -186,7 +186,7 @@ class LocalClient:
         limit = loaded.engine.n_ctx
         if len(tokens) > limit:
             if not truncate:
-                from .errors import ContextOverflow
+                from ..errors import ContextOverflow
 
                 raise ContextOverflow(prompt_tokens=len(tokens), num_ctx=limit)
             tokens = tokens[:limit]

@@ -15,11 +15,14 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
 from ..errors import BackendUnavailable, InvalidInput, ModelFormatError
+
+if TYPE_CHECKING:
+    from ..api import ModelDetails
 
 QUANTIZE_CHOICES = ("f32", "f16", "bf16", "q8", "q4")
 GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1/Q8_0 blocks hold 32 weights: one MLX quantization group each
@@ -435,7 +438,7 @@ class MlxFolderInfo:
         return info
 
 
-def mlx_details(config: dict[str, Any]) -> "api.ModelDetails":
+def mlx_details(config: dict[str, Any]) -> "ModelDetails":
     """list/show details of an MLX model from its config.json: family, and Q<bits> when quantized."""
     from .. import api
 

@@ -1,0 +1,264 @@
+"""The draft policy: what a decode step costs per row (StepCost), and how many draft tokens are worth verifying for
+one request this step (DraftWindow and its runs). Pure arithmetic on plain numbers: no model, no native code."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+class StepCost:
+    """Seconds of a decode step of `rows` rows, all read out (decode rows and their drafts), modelled as
+    a + b * rows and fitted by exponentially weighted least squares over the engine's decode steps. Steps that carry
+    prefill chunks are left out: their rows skip the output layer and run faster kernels, and would make draft rows
+    look cheaper than they are. A light prior, scaled to the first step seen, says extra rows are cheap (`prior` of a
+    one-row step): optimistic, so drafts get tried and their real cost measured."""
+
+    def __init__(self, *, prior: float = 0.05, memory: float = 0.999):
+        # A long memory: costs are CPU seconds of the engine thread, steady for a loaded model, and what a few draft
+        # steps taught about the slope must outlive the long runs of same-sized steps between them.
+        self.prior = prior
+        self.memory = memory
+        # Decayed, row-weighted sums of the fit: weight, rows, rows², seconds, rows x seconds. Plain floats: this
+        # runs after every decode step, speculating or not, and numpy's small arrays cost ten times more.
+        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)
+        self._anchor: Optional[np.ndarray] = None  # prior coefficients, once a step gave them a scale
+        self._coef = np.array([1.0, prior])  # in one-row steps until something is measured
+        self._stale = False
+
+    def record(self, rows: int, outputs: int, seconds: float) -> None:
+        if rows <= 0 or outputs != rows or seconds <= 0:
+            return
+        if self._anchor is None:
+            self._anchor = self._coef * seconds / float(self._coef[0] + self._coef[1] * rows)
+        # Each step weighs as many as its rows: drafts are sized at the batch's size and above, and a step's cost
+        # bends there (llama.cpp's kernels get more from each row in a wider batch), so the few small steps as
+        # requests start and finish must not set the slope that large draft steps pay.
+        m, w = self.memory, float(rows)
+        n, sx, sxx, sy, sxy = self._sums
+        self._sums = (m * n + w, m * sx + w * rows, m * sxx + w * rows * rows, m * sy + w * seconds,
+                      m * sxy + w * rows * seconds)
+        self._stale = True  # solved when a draft is next sized: steps with no speculating request never pay for it
+
+    @property
+    def coef(self) -> np.ndarray:
+        if self._stale:
+            # The prior decides only what the data cannot: while every step has the same rows, a and b cannot be
+            # told apart, and the prior's cheap rows then get drafts tried where only the drafting request waits on
+            # them (a lone request: see may_try).
+            n, sx, sxx, sy, sxy = self._sums
+            coef = np.linalg.solve(np.array([[n + 1.0, sx], [sx, sxx + 1.0]]), np.array([sy, sxy]) + self._anchor)
+            self._coef = np.maximum(coef, [self._anchor[0] * 0.01, 0.0])
+            self._stale = False
+        return self._coef
+
+    def seconds(self, rows: int) -> float:
+        """Estimated seconds of a decode step of `rows` rows (in one-row steps before anything was measured)."""
+        a, b = self.coef
+        return float(a + b * rows)
+
+    @property
+    def measured(self) -> bool:
+        return self._anchor is not None
+
+    @property
+    def identified(self) -> bool:
+        """Have steps of different sizes been seen, so the per-row cost is measured rather than the prior's guess?
+        The data's weight on the slope (weighted count times the variance of the row counts) must outweigh the
+        prior's, which grows with the usual row count: a steady batch of 4 pins a + 4b, not b."""
+        n, sx, sxx = self._sums[:3]
+        if n <= 0:
+            return False
+        mean = sx / n
+        return n * (sxx / n - mean * mean) >= 2.0 * (1.0 + mean * mean)
+
+    @property
+    def row_share(self) -> float:
+        """What one row adds to a one-row step, as a share of that step (near 1: drafts can hardly pay)."""
+        a, b = self.coef
+        return float(b / (a + b))
+
+    def describe(self) -> str:
+        """The fitted cost, for benchmarks and logs: "4.1 ms + 11.8 ms/row"."""
+        a, b = self.coef
+        return f"{a * 1e3:.1f} ms + {b * 1e3:.1f} ms/row"
+
+
+class DraftWindow:
+    """Per request: how often its drafts turn out right, and the rule that sizes each step's draft.
+
+    Draft token i is verified only if the target accepted every one before it, so it adds p_1 * ... * p_i tokens in
+    expectation. p_j is the drafter's confidence in token j (n-gram: how long the match is; a model: its probability)
+    calibrated by this request's record: acceptance is counted per confidence band, so a drafter that is sure in copy
+    runs and unsure at the seams is believed in each. A draft grows while it raises the step's expected tokens per
+    second, counting the busy slots' own tokens and the rows each draft token adds: a busy batch makes rows dear,
+    and speculation stops by itself. A draft must also promise to beat not drafting by `margin` per busy slot: the
+    estimates are noisy, a marginal draft is as likely to cost as to save, and a draft that misses holds up every
+    request in the batch."""
+
+    BANDS = 8  # band i holds confidences in [1 - 2^-i, 1 - 2^-(i+1)): finer near certainty, where runs get long
+    MARGIN = 0.05
+
+    @staticmethod
+    def any_draft_pays(cost: StepCost, busy_slots: int) -> bool:
+        """Could a draft of any window pay in a batch of `busy_slots`? (the module's any_draft_pays)"""
+        return any_draft_pays(cost, busy_slots)
+
+    def __init__(self, limit: int, cost: StepCost, *, memory: float = 0.95, prior_weight: float = 2.0,
+                 margin: float = MARGIN):
+        self.limit = limit
+        self.cost = cost
+        self.margin = margin
+        self.memory = memory
+        self.prior_weight = prior_weight
+        self._hits = [0.0] * self.BANDS  # decayed counts per band: accepted tokens and verified tokens
+        self._trials = [0.0] * self.BANDS
+        self.offered: list[float] = []  # confidences of the draft last offered, to credit its band on record()
+
+    @classmethod
+    def band(cls, confidence: float) -> int:
+        return 0 if confidence <= 0.5 else min(cls.BANDS - 1, int(-math.log2(max(1e-9, 1.0 - confidence))))
+
+    @property
+    def acceptance(self) -> float:
+        """The share of verified draft tokens the target accepted (decayed; 0 before any)."""
+        trials = sum(self._trials)
+        return sum(self._hits) / trials if trials else 0.0
+
+    def per_token(self, confidence: float) -> float:
+        """Probability that a draft token the drafter is `confidence` sure of is right, the drafter's own word
+        counting as `prior_weight` trials of its band."""
+        b = self.band(confidence)
+        return min(PER_TOKEN_CEILING,
+                   (self._hits[b] + self.prior_weight * confidence) / (self._trials[b] + self.prior_weight))
+
+    def start(self, *, busy_slots: int, draft_seconds: float = 0.0, room: Optional[int] = None) -> "DraftRun":
+        """Begin sizing one step's draft of at most `room` tokens; `draft_seconds` is what drafting one token costs
+        (a draft model's decode)."""
+        self.offered = []
+        limit = self.limit if room is None else max(0, min(self.limit, room))
+        return DraftRun(self, busy_slots=max(1, busy_slots), draft_seconds=draft_seconds, limit=limit)
+
+    def cut(self, confidences: Sequence[float], *, busy_slots: int) -> int:
+        """How many tokens of a ready draft, whose tokens carry `confidences`, to verify."""
+        run = self.start(busy_slots=busy_slots, room=len(confidences))
+        for confidence in confidences:
+            if not run.offer(confidence):
+                break
+        return run.position if run.worthwhile() else 0
+
+    def record(self, *, drafted: int, accepted: int) -> None:
+        """Credit the last draft: its first `accepted` tokens were right, the next (if verified) was wrong."""
+        if drafted <= 0:
+            return
+        self._hits = [h * self.memory for h in self._hits]
+        self._trials = [t * self.memory for t in self._trials]
+        for i, confidence in enumerate(self.offered[:drafted]):
+            b = self.band(confidence)
+            self._trials[b] += 1.0
+            if i >= accepted:
+                break  # later tokens were never really tried: the target diverged here
+            self._hits[b] += 1.0
+
+
+class DraftRun:
+    """One step's draft being sized, token by token (see DraftWindow)."""
+
+    def __init__(self, window: DraftWindow, *, busy_slots: int, draft_seconds: float, limit: int):
+        self.window = window
+        self.limit = limit
+        self.position = 0
+        self.survival = 1.0
+        self._busy = busy_slots
+        self._expected = float(busy_slots)  # tokens the step yields: one per busy slot, plus accepted drafts
+        self._draft_seconds = draft_seconds if window.cost.measured else 0.0
+
+    def offer(self, confidence: float) -> bool:
+        """Take the next draft token if verifying it raises the step's expected tokens per second."""
+        if not self.pays(confidence):
+            return False
+        self.window.offered.append(confidence)
+        self.survival *= self.window.per_token(confidence)
+        self._expected += self.survival
+        self.position += 1
+        return True
+
+    def worthwhile(self) -> bool:
+        """Does the draft taken so far beat not drafting by the window's margin?"""
+        rate = self._expected / self._seconds(self.position)
+        return self.position > 0 and rate >= goal_rate(self.window.cost, self._busy, self.window.margin)
+
+    def pays(self, confidence: float = 1.0) -> bool:
+        """Would a next token with this confidence pay? (With 1.0: could any next token pay?)"""
+        if self.position >= self.limit or not may_try(self.window.cost, self._busy):
+            return False
+        gain = self.survival * self.window.per_token(confidence)
+        now, longer = self._seconds(self.position), self._seconds(self.position + 1)
+        return (self._expected + gain) / longer >= self._expected / now
+
+    def _seconds(self, drafts: int) -> float:
+        return self.window.cost.seconds(self._busy + drafts) + drafts * self._draft_seconds
+
+
+PER_TOKEN_CEILING = 0.995  # DraftWindow.per_token never believes a draft token more than this
+
+
+def may_try(cost: StepCost, busy_slots: int) -> bool:
+    """May a batch of `busy_slots` generating requests carry drafts at all? Once the per-row cost is measured, or
+    when one request is alone: a trial then costs only the request that gambles on it.
+
+    A draft that misses in a shared batch holds up every request in it, so a shared batch never pays for a trial,
+    not even a short one of sure tokens: a dozen such trials, rejected, cost a batch of four 1-4% on smollm2, and
+    with rows that cost as much as a one-row step (a CPU) even accepted drafts of one request only move work from
+    the others. The cost is learned where trials are free for the rest: a lone request's drafts of varying length,
+    and batches that shrink and grow as requests finish and arrive."""
+    return busy_slots <= 1 or cost.identified
+
+
+def goal_rate(cost: StepCost, busy_slots: int, margin: float) -> float:
+    """Tokens per second a step with drafts must reach: a step without them, bettered by `margin` per busy slot."""
+    return (1.0 + margin * busy_slots) * busy_slots / cost.seconds(busy_slots)
+
+
+def any_draft_pays(cost: StepCost, busy_slots: int, *, margin: Optional[float] = None, limit: int = 64) -> bool:
+    """Could any request's draft pay this step? The surest draft there can be (every token at the window's ceiling,
+    drafting free) of any length up to `limit`, against the window's margin: if even that would not beat not
+    drafting, no drafter need be asked (the engine skips them all)."""
+    busy = max(1, busy_slots)
+    if not may_try(cost, busy):
+        return False
+    goal = goal_rate(cost, busy, DraftWindow.MARGIN if margin is None else margin)
+    expected, survival, best = float(busy), 1.0, 0.0
+    for drafts in range(1, limit + 1):
+        survival *= PER_TOKEN_CEILING
+        expected += survival
+        rate = expected / cost.seconds(busy + drafts)
+        if rate >= goal:
+            return True
+        if rate < best:
+            return False  # past the peak: a longer draft only adds rows that are less likely to count
+        best = rate
+    return False
+
+
+class FixedWindow(DraftWindow):
+    """Always drafts `limit` tokens, whatever they cost or however sure the drafter is (llama.cpp's fixed draft
+    length): for tests that need drafts to happen, and benchmarks that compare against the adaptive window."""
+
+    @staticmethod
+    def any_draft_pays(cost: StepCost, busy_slots: int) -> bool:
+        return True
+
+    def start(self, *, busy_slots: int, draft_seconds: float = 0.0, room: Optional[int] = None) -> DraftRun:
+        limit = self.limit if room is None else max(0, min(self.limit, room))
+        return _FixedRun(self, busy_slots=busy_slots, draft_seconds=draft_seconds, limit=limit)
+
+
+class _FixedRun(DraftRun):
+    def pays(self, confidence: float = 1.0) -> bool:
+        return self.position < self.limit
+
+    def worthwhile(self) -> bool:
+        return self.position > 0
