@@ -25,24 +25,25 @@ from typing import Callable, Iterator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from localllm import benchmark  # noqa: E402
-from localllm.benchmark import Figure  # noqa: E402
+from bench_mlx import run_mlx_benchmarks  # noqa: E402
+from localllm.bench import engine, rest  # noqa: E402
+from localllm.bench.figures import Figure  # noqa: E402
 
 Section = Callable[[Path, argparse.Namespace], list[Figure]]
 
 
 def engine_section(path: Path, args: argparse.Namespace) -> list[Figure]:
-    return benchmark.run_benchmarks(path, n=args.tokens, threads=args.threads)
+    return engine.run_benchmarks(path, n=args.tokens, threads=args.threads)
 
 
 def rest_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     other = partial(llama_server_streams, args.llama_server, path, args) if args.llama_server else None
-    return benchmark.run_rest_benchmarks(path, n=args.tokens, threads=args.threads, other_server=other)
+    return rest.run_rest_benchmarks(path, n=args.tokens, threads=args.threads, other_server=other)
 
 
 @contextmanager
 def llama_server_streams(binary: str, path: Path, args: argparse.Namespace, prompts: list[list[int]],
-                         n: int) -> Iterator[benchmark.OtherServer]:
+                         n: int) -> Iterator[rest.OtherServer]:
     """llama.cpp's own server with 4 slots, measured on the same prompts as ours: the four requests streamed at once
     and timed on the client's clock, after every stream's first token."""
     import bench_spec
@@ -51,15 +52,15 @@ def llama_server_streams(binary: str, path: Path, args: argparse.Namespace, prom
     threads = args.threads or config.NUM_THREAD.get()
     server = bench_spec.LlamaServer(binary, path, threads=threads, spec=None, slots=len(prompts), ctx_per_slot=4096)
 
-    def one(i: int, run: benchmark.EngineRun) -> None:
+    def one(i: int, run: engine.EngineRun) -> None:
         server.stream(prompts[i], n, partial(run.received, i), ignore_eos=True)
 
     def measure() -> float:
-        return benchmark.concurrent_streams(benchmark.EngineRun.start(len(prompts)), one).rate()
+        return engine.concurrent_streams(engine.EngineRun.start(len(prompts)), one).rate()
 
     try:
         server.complete(prompts[0][:8], 4)  # warm up
-        yield benchmark.OtherServer(f"llama-server -np {len(prompts)} ({threads} thread(s))", measure)
+        yield rest.OtherServer(f"llama-server -np {len(prompts)} ({threads} thread(s))", measure)
     finally:
         server.close()
 
@@ -74,7 +75,7 @@ def spec_section(path: Path, args: argparse.Namespace) -> list[Figure]:
 
 
 def mlx_section(path: Path, args: argparse.Namespace) -> list[Figure]:
-    return benchmark.run_mlx_benchmarks(path)
+    return run_mlx_benchmarks(path)
 
 
 SECTIONS: dict[str, tuple[str, Section]] = {

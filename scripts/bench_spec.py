@@ -28,7 +28,8 @@ from typing import Callable, Optional
 from localllm import config
 from localllm.api import LoadOptions, SamplingOptions
 from localllm.backends.llama_cpp import LlamaCppBackend
-from localllm.benchmark import FOUR_PROMPTS, Bracketed, Figure
+from localllm.bench.engine import FOUR_PROMPTS
+from localllm.bench.figures import Bracketed, Figure
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.engine.speculative import Speculation
 from localllm.templates import render_chat

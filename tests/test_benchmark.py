@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from localllm.benchmark import EngineRun, Figure
+from localllm.bench.engine import EngineRun
+from localllm.bench.figures import Figure
 
 
 def test_rate_starts_when_every_stream_has_its_first_token():
@@ -35,7 +36,7 @@ def test_a_shortfall_inside_the_references_own_spread_is_not_a_miss():
 
 
 def test_bracketed_figure_takes_the_median_of_repeats_against_the_reference_around_ours():
-    from localllm.benchmark import Bracketed
+    from localllm.bench.figures import Bracketed
 
     reference = iter([100, 102, 90, 60, 101, 99])  # a burst of load hits one reference run
     ours = iter([100, 95, 99])

@@ -8,7 +8,7 @@ import pytest
 
 from localllm.api import LoadOptions, SamplingOptions
 from localllm.backends.llama_cpp import LlamaCppBackend
-from localllm.benchmark import RawLoop
+from localllm.bench.raw import RawLoop
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.errors import ContextOverflow, QueueFull
 

@@ -20,7 +20,8 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help="print the figures as JSON"),
 ) -> None:
     """Measure the engine against raw llama.cpp (same model, threads and tokens) in one run."""
-    from ..benchmark import run_benchmarks, run_rest_benchmarks
+    from ..bench.engine import run_benchmarks
+    from ..bench.rest import run_rest_benchmarks
     from ..errors import InvalidInput
     from ..models.store import Store
 

@@ -1,0 +1,142 @@
+"""The REST path: `localllm serve` in a subprocess against the raw loop, and beside another server."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ContextManager, Iterator, Optional
+
+import llama_cpp
+
+from .engine import FOUR_PROMPTS, LONG_STORY, EngineRun, concurrent_streams
+from .figures import BRACKET_REPEATS, Bracketed, Figure
+from .raw import RawLoop, raw_batched_rate, raw_decode_rate
+
+
+@contextmanager
+def served_model(path: Path, *, slots: int, threads: Optional[int], n_ctx: int) -> Iterator[str]:
+    """`localllm serve` in a subprocess over a private home that holds `path` as model "bench:latest"."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    import httpx
+
+    with tempfile.TemporaryDirectory(prefix="localllm-bench-") as home:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = {**os.environ, "LOCALLLM_HOME": home, "LOCALLLM_HOST": f"127.0.0.1:{port}",
+               "LOCALLLM_NUM_PARALLEL": str(slots), "LOCALLLM_CONTEXT_LENGTH": str(n_ctx),
+               "LOCALLLM_LOG_LEVEL": "warning"}
+        if threads:
+            env["LOCALLLM_NUM_THREAD"] = str(threads)
+        proc = subprocess.Popen([sys.executable, "-m", "localllm", "serve"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            _wait_until_up(base, proc)
+            from ..models.create import create_model
+            from ..api import CreateRequest
+            from ..models.store import Store
+
+            weights = Path(home) / "bench.gguf"  # a blob has no .gguf name; a model name must say it is a file
+            weights.symlink_to(Path(path).resolve())
+            list(create_model(CreateRequest(model="bench", **{"from": str(weights)}), Store(Path(home) / "models")))
+            httpx.post(f"{base}/api/generate", json={"model": "bench", "prompt": ""}, timeout=300)  # load it
+            yield base
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def _wait_until_up(base: str, proc) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("localllm serve exited during start-up")
+        try:
+            httpx.get(f"{base}/health", timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError("localllm serve did not answer within 60 s")
+
+
+def rest_run(base: str, prompts: list[list[int]], n: int) -> EngineRun:
+    """Stream raw-token prompts through /api/generate concurrently; the client's clock, as an IDE plugin sees it."""
+    import httpx
+    import json
+
+    def one(i: int, run: EngineRun) -> None:
+        body = {"model": "bench", "prompt": "", "context": prompts[i], "raw": True, "stream": True,
+                "options": {"temperature": 0, "num_predict": n, "spec_type": "none", "ignore_eos": True}}
+        with httpx.stream("POST", f"{base}/api/generate", json=body, timeout=600) as resp:
+            for line in resp.iter_lines():
+                chunk = json.loads(line)
+                if chunk.get("tokens"):
+                    run.received(i, chunk["tokens"])
+
+    return concurrent_streams(EngineRun.start(len(prompts)), one)
+
+
+
+def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: Optional[int] = None,
+                        repeats: int = 3,
+                        other_server: Optional[Callable[[list[list[int]], int], ContextManager[OtherServer]]] = None,
+                        log: Callable[[str], None] = print) -> list[Figure]:
+    """One stream and four streams through the REST server against the raw loop (single and batched) at the same
+    thread count: one stream the best of `repeats` runs interleaved with the raw loop's, four streams Bracketed.
+    `other_server(prompts, n)` starts another server for the same four streams (llama.cpp's llama-server -np 4) and
+    yields its name and a function that measures one run of them; ours is Bracketed by its runs too."""
+    from .. import config
+    from ..templates import render_chat
+
+    threads = threads or config.NUM_THREAD.get()
+    loop = RawLoop(path, n_ctx=n_ctx, threads=1)
+    template = llama_cpp.llama_model_chat_template(loop.model, None)
+    render = (lambda text: loop.tokenize(render_chat(template.decode() if template else None,
+                                                     [{"role": "user", "content": text}])))
+    story, four = render(LONG_STORY), [render(p) for p in FOUR_PROMPTS]
+    loop.close()
+    raw1 = one = 0.0
+    repeats_four = max(repeats, BRACKET_REPEATS)
+    with served_model(path, slots=4, threads=threads, n_ctx=n_ctx) as base, \
+            (other_server(four, n) if other_server else nullcontext()) as other:
+
+        def ours_four() -> float:
+            return rest_run(base, four, n).rate()
+
+        rest_run(base, four, 8)  # the first requests after a load pay for warm-up, not the REST path
+        for i in range(repeats):
+            log(f"REST: raw loop and localllm serve, one stream, repeat {i + 1}/{repeats}")
+            raw1 = max(raw1, raw_decode_rate(path, story, n, threads=threads, n_ctx=n_ctx)[0])
+            one = max(one, rest_run(base, [story], n).rate())
+        log("REST: raw loop and localllm serve, four streams")
+        many = Bracketed.measure(lambda: raw_batched_rate(path, four, n, threads=threads, n_ctx=n_ctx), ours_four,
+                                 repeats=repeats_four)
+        versus = None
+        if other is not None:
+            log(f"REST: {other.name} and localllm serve, four streams")
+            versus = Bracketed.measure(other.measure, ours_four, repeats=repeats_four)
+    same = f"at the same {threads} thread(s); the client's clock, after every stream's first token"
+    figures = [Figure("REST single stream", one, raw1, "tok/s", 0.97, note=f"raw loop {same}"),
+               many.figure("REST 4 concurrent streams (aggregate)", 1.0, note=f"raw batched loop {same}")]
+    if versus is not None:
+        figures.append(versus.figure(f"REST 4 concurrent streams: ours vs {other.name}", 1.0,
+                                     note=f"same prompt tokens, greedy, EOS ignored, both {same}"))
+    return figures
+
+
+@dataclass
+class OtherServer:
+    """Another server up beside ours for a side-by-side figure: `measure()` runs the four streams once, tok/s."""
+
+    name: str
+    measure: Callable[[], float]
