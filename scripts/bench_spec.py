@@ -31,7 +31,7 @@ from localllm.backends.llama_cpp import LlamaCppBackend
 from localllm.bench.engine import FOUR_PROMPTS
 from localllm.bench.figures import Bracketed, Figure
 from localllm.engine.runner import GenerationParams, ModelEngine
-from localllm.engine.speculative import Speculation
+from localllm.engine.speculative.speculation import Speculation
 from localllm.templates import render_chat
 
 FUNCTION = '''def summarize_orders(orders, tax_rate, discount=None):
@@ -76,7 +76,7 @@ class SpecEngine:
     def __init__(self, path: Path, *, threads: int, slots: int):
         model = LlamaCppBackend().load(path, LoadOptions(num_thread=threads, num_ctx=N_CTX), n_seq=slots, n_ctx=N_CTX)
         self.speculation = Speculation(model)
-        self.engine = ModelEngine(model, max_queue=16, make_drafter=self.speculation)
+        self.engine = ModelEngine(model, max_queue=16, speculation=self.speculation)
 
     def chat_tokens(self, content: str) -> list[int]:
         model = self.engine.model

@@ -31,10 +31,10 @@ def test_common_prefix():
 
 def _prompt_beside_a_decoding_slot(s: Scheduler, prompt: list[int]):
     """(the decoding request, the new one, the first step that holds both)."""
-    short = Request(prompt=[1, 2, 3], max_tokens=10)
+    short = Request(prompt=[1, 2, 3], max_tokens=10, sink=None)
     s.admit(short)
     _finish_prefill(s, short)
-    long = Request(prompt=prompt, max_tokens=10)
+    long = Request(prompt=prompt, max_tokens=10, sink=None)
     s.admit(long)
     return short, long, s.schedule()
 
@@ -51,11 +51,12 @@ def test_long_prompt_is_prefilled_in_chunks_beside_decoding_slots():
 def test_prefill_chunks_end_on_the_backends_kv_grid_after_a_reused_prefix():
     # llama.cpp attends over whole spans of kv_pad cells: a chunk ending just past a multiple pays for an empty span.
     s = Scheduler(n_slots=1, n_ctx=4096, n_batch=512, max_queue=2, kv_pad=256)
-    first = Request(prompt=list(range(1000, 2563)), max_tokens=1)
+    first = Request(prompt=list(range(1000, 2563)), max_tokens=1, sink=None)
     s.admit(first)
     _finish_prefill(s, first)
     s.finish(first, "stop")
-    second = Request(prompt=list(range(1000, 1007)) + list(range(5000, 6556)), max_tokens=1)  # shares 7 tokens
+    # shares 7 tokens
+    second = Request(prompt=list(range(1000, 1007)) + list(range(5000, 6556)), max_tokens=1, sink=None)
     s.admit(second)
     ends = []
     while second.slot is None or second.slot.state is SlotState.PREFILL:
@@ -73,8 +74,8 @@ def test_prefill_chunks_end_on_the_backends_kv_grid_after_a_reused_prefix():
 
 def test_new_request_goes_to_the_slot_with_the_longest_shared_prefix():
     s = _sched(slots=2)
-    a = Request(prompt=[1, 2, 3, 4], max_tokens=1)
-    b = Request(prompt=[7, 8, 9], max_tokens=1)
+    a = Request(prompt=[1, 2, 3, 4], max_tokens=1, sink=None)
+    b = Request(prompt=[7, 8, 9], max_tokens=1, sink=None)
     for r in (a, b):
         s.admit(r)
     step = s.schedule()
@@ -82,7 +83,7 @@ def test_new_request_goes_to_the_slot_with_the_longest_shared_prefix():
     slot_a = a.slot
     s.finish(a, "stop")
     s.finish(b, "stop")
-    c = Request(prompt=[1, 2, 3, 4, 6], max_tokens=1)
+    c = Request(prompt=[1, 2, 3, 4, 6], max_tokens=1, sink=None)
     s.admit(c)
     s.schedule()
     assert c.slot is slot_a and c.n_cached == 4
@@ -91,10 +92,10 @@ def test_new_request_goes_to_the_slot_with_the_longest_shared_prefix():
 def test_prefix_is_copied_from_another_slot_that_shares_more():
     s = _sched(slots=2)
     system = list(range(1, 7))
-    a = Request(prompt=system + [50], max_tokens=100)
+    a = Request(prompt=system + [50], max_tokens=100, sink=None)
     s.admit(a)
     _finish_prefill(s, a)  # a keeps decoding in its slot
-    b = Request(prompt=system + [60], max_tokens=1)
+    b = Request(prompt=system + [60], max_tokens=1, sink=None)
     s.admit(b)
     step = s.schedule()
     assert step.copies == [(a.slot.seq, b.slot.seq, len(system))]
@@ -103,11 +104,11 @@ def test_prefix_is_copied_from_another_slot_that_shares_more():
 
 def test_identical_prompt_still_decodes_its_last_token():
     s = _sched(slots=1)
-    a = Request(prompt=[1, 2, 3], max_tokens=1)
+    a = Request(prompt=[1, 2, 3], max_tokens=1, sink=None)
     s.admit(a)
     _finish_prefill(s, a)
     s.finish(a, "length")
-    b = Request(prompt=[1, 2, 3], max_tokens=1)
+    b = Request(prompt=[1, 2, 3], max_tokens=1, sink=None)
     s.admit(b)
     step = s.schedule()
     assert b.n_cached == 2 and step.batch.tokens == [3] and step.trims == [(b.slot.seq, 2)]
@@ -115,18 +116,18 @@ def test_identical_prompt_still_decodes_its_last_token():
 
 def test_queue_full_counts_free_slots():
     s = _sched(slots=1, max_queue=1)
-    s.admit(Request(prompt=[1], max_tokens=1))
-    s.admit(Request(prompt=[2], max_tokens=1))
+    s.admit(Request(prompt=[1], max_tokens=1, sink=None))
+    s.admit(Request(prompt=[2], max_tokens=1, sink=None))
     with pytest.raises(QueueFull):
-        s.admit(Request(prompt=[3], max_tokens=1))
+        s.admit(Request(prompt=[3], max_tokens=1, sink=None))
 
 
 def test_cancelled_request_frees_its_slot_at_the_next_step():
     s = _sched(slots=1)
-    a = Request(prompt=[1, 2], max_tokens=50)
+    a = Request(prompt=[1, 2], max_tokens=50, sink=None)
     s.admit(a)
     _finish_prefill(s, a)
-    waiting = Request(prompt=[9, 9], max_tokens=1)
+    waiting = Request(prompt=[9, 9], max_tokens=1, sink=None)
     s.admit(waiting)
     s.cancel(a)
     step = s.schedule()
@@ -136,7 +137,7 @@ def test_cancelled_request_frees_its_slot_at_the_next_step():
 
 def test_drafts_ride_in_the_decode_rows_and_only_verified_ones_stay_cached():
     s = _sched(slots=1, n_batch=16)
-    a = Request(prompt=[1, 2, 3], max_tokens=50)
+    a = Request(prompt=[1, 2, 3], max_tokens=50, sink=None)
     s.admit(a)
     _finish_prefill(s, a, first_token=4)
     a.draft = [5, 6, 7]
@@ -150,7 +151,7 @@ def test_drafts_ride_in_the_decode_rows_and_only_verified_ones_stay_cached():
 
 def test_drafts_never_reach_past_the_requests_num_predict():
     s = _sched(slots=1, n_batch=16)
-    a = Request(prompt=[1, 2, 3], max_tokens=3)
+    a = Request(prompt=[1, 2, 3], max_tokens=3, sink=None)
     s.admit(a)
     _finish_prefill(s, a, first_token=4)  # one of three tokens generated
     assert s.draft_room(a) == 1  # the decode row yields the second token; one draft could be the third
@@ -161,9 +162,10 @@ def test_drafts_never_reach_past_the_requests_num_predict():
 
 def test_decode_stops_at_the_context_edge():
     s = _sched(slots=1, n_ctx=6, n_batch=16)
-    a = Request(prompt=[1, 2, 3, 4], max_tokens=50)
+    a = Request(prompt=[1, 2, 3, 4], max_tokens=50, sink=None)
     s.admit(a)
     _finish_prefill(s, a)
     a.draft = [7, 8, 9]
     step = s.schedule()
-    assert step.batch.positions[-1] <= 5  # drafts are cut to the room left in the slot
+    # 4 cached prompt tokens: the decode row sits at position 4 and one draft fits the last cell, 5.
+    assert step.batch.tokens == [100, 7] and step.batch.positions == [4, 5] and a.draft == [7]

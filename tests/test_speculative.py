@@ -1,10 +1,9 @@
-"""Speculative decoding: prompt lookup and the draft window on plain values; losslessness on the real models (greedy
-output with each drafter equals the output without speculation, token for token, with 1 and 4 busy slots, with and
-without a JSON schema); a model drafting for itself accepts every draft; MTP on a tiny GLM-4-MoE written here."""
+"""Speculative decoding on the real models: losslessness (greedy output with each drafter equals the output without
+speculation, token for token, with 1 and 4 busy slots, with and without a JSON schema); a model drafting for itself
+accepts every draft; MTP on a tiny GLM-4-MoE written here. The draft policy on plain values: test_draft_policy.py."""
 
 from __future__ import annotations
 
-import random
 import threading
 from pathlib import Path
 
@@ -17,146 +16,9 @@ from localllm.api import LoadOptions, SamplingOptions
 from localllm.backends.llama_cpp import LlamaCppBackend
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.errors import InvalidInput
-from localllm.engine.speculative import Speculation, open_draft_model, open_mtp_head
-from localllm.engine.speculative.drafters import PromptLookup, lookup_draft
-from localllm.engine.speculative.policy import DraftWindow, FixedWindow, StepCost
+from localllm.engine.speculative.speculation import Speculation, open_draft_model, open_mtp_head
+from localllm.engine.speculative.policy import FixedWindow
 from localllm.structured import grammar_for_format
-
-# ---------------------------------------------------------------------------------------------------------- lookup
-
-
-def test_lookup_continues_latest_earlier_occurrence_of_longest_ending():
-    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
-    # [2, 3] ends the list; its latest earlier occurrence is at 5..6, followed by 7, 8, 5 ...
-    assert lookup_draft(tokens, 3) == ([7, 8, 5], 2)
-    assert PromptLookup().lookup(tokens, 3) == ([7, 8, 5], 2)
-
-
-def test_lookup_prefers_longer_match_over_later_shorter_one():
-    tokens = [4, 1, 2, 3, 50, 51, 9, 2, 3, 60, 1, 2, 3]
-    # [1, 2, 3] (n=3) occurred at 1..3 -> 50, 51; the later [2, 3] at 7..8 is only a 2-gram.
-    assert PromptLookup().lookup(tokens, 2) == ([50, 51], 3)
-
-
-def test_lookup_stops_at_the_end_of_the_list_and_reports_no_match():
-    assert PromptLookup().lookup([1, 2, 3], 5) == ([], 0)
-    assert PromptLookup().lookup([7, 7], 5) == ([7], 1)
-    assert PromptLookup().lookup([], 4) == ([], 0)
-
-
-def test_lookup_measures_the_whole_match_behind_the_ending():
-    copied = list(range(10, 30))
-    tokens = copied + [99] + copied[:12]  # a copy in progress: 12 tokens match, though the index keys hold 4
-    assert PromptLookup().lookup(tokens, 3) == ([22, 23, 24], 12)
-
-
-def test_incremental_index_matches_brute_force_on_random_lists():
-    rng = random.Random(7)
-    for _ in range(30):
-        tokens = [rng.randrange(5) for _ in range(rng.randrange(1, 60))]
-        index = PromptLookup()
-        for end in range(1, len(tokens) + 1):  # the list grows by one token per step, as a generation does
-            assert index.lookup(tokens[:end], 6) == lookup_draft(tokens[:end], 6), tokens[:end]
-
-
-def test_index_restarts_when_given_a_shorter_list():
-    index = PromptLookup()
-    index.lookup([1, 2, 3, 1, 2], 4)
-    assert index.lookup([5, 6, 5], 4) == ([6, 5], 1)
-
-
-# ---------------------------------------------------------------------------------------------------------- window
-
-
-def test_step_cost_recovers_a_linear_cost_from_decode_steps():
-    cost = StepCost()
-    rng = random.Random(1)
-    for _ in range(400):
-        rows = rng.choice([1, 1, 2, 5, 9, 17])
-        cost.record(rows, rows, 0.010 + 0.005 * rows)
-        cost.record(120, 1, 0.1)  # a prefill chunk: other kernels, no output layer; left out
-    assert cost.seconds(1) == pytest.approx(0.015, rel=0.05)
-    assert cost.seconds(17) == pytest.approx(0.095, rel=0.05)
-
-
-def test_window_drafts_long_when_rows_are_cheap_and_drafts_are_right():
-    window = DraftWindow(8, StepCost())
-    assert window.cut([0.95] * 12, busy_slots=1) == 8
-
-
-def test_window_stops_when_a_busy_batch_makes_rows_dear():
-    cost = StepCost()
-    for rows in (1, 2, 4, 8, 16) * 20:  # every row costs as much as a one-row step: a compute-bound machine
-        cost.record(rows, rows, 0.010 * rows)
-    window = DraftWindow(16, cost)
-    assert window.cut([0.9] * 16, busy_slots=4) == 0
-    assert window.cut([0.9] * 16, busy_slots=1) <= 1
-
-
-def test_window_on_a_memory_bound_machine_drafts_with_one_slot_but_less_with_four():
-    cost = StepCost()
-    for rows in (1, 2, 4, 8, 16, 32) * 20:  # fixed cost dominates, each row adds a tenth of a step
-        cost.record(rows, rows, 0.010 + 0.001 * rows)
-    one, four = DraftWindow(16, cost), DraftWindow(16, cost)
-    assert one.cut([0.9] * 16, busy_slots=1) > four.cut([0.9] * 16, busy_slots=4) >= 0
-    assert one.cut([0.9] * 16, busy_slots=1) >= 4
-
-
-def test_window_does_not_try_drafts_in_a_shared_batch_before_the_row_cost_is_measured():
-    cost = StepCost()
-    for _ in range(50):  # every step the same size: fixed and per-row cost cannot be told apart
-        cost.record(4, 4, 0.040)
-    assert not cost.identified
-    window = DraftWindow(16, cost)
-    assert window.cut([0.9] * 16, busy_slots=4) == 0  # trying would hold up the other three requests
-    assert window.cut([0.995] * 16, busy_slots=4) == 0  # ... even a short copy of sure tokens: it may still miss
-    assert window.cut([0.99] * 16, busy_slots=1) > 4  # alone, a trial costs only this request
-    for rows in (1, 2, 3) * 6:  # requests come and go: smaller batches show what a row costs
-        cost.record(rows, rows, 0.004 + 0.009 * rows)
-    assert cost.identified
-    assert cost.seconds(4) - cost.seconds(3) == pytest.approx(0.009, rel=0.3)
-    assert window.cut([0.99] * 16, busy_slots=4) == 0  # measured: a row costs too much for four busy slots
-
-
-def test_window_never_offers_more_than_the_room_left():
-    window = DraftWindow(16, StepCost())
-    run = window.start(busy_slots=1, room=2)
-    assert run.offer(0.99) and run.offer(0.99) and not run.offer(0.99)
-    assert FixedWindow(8, StepCost()).cut([0.5] * 3, busy_slots=1) == 3
-
-
-def test_window_learns_acceptance_and_shrinks_after_rejections():
-    cost = StepCost()
-    for rows in (1, 2, 4, 8, 16) * 20:
-        cost.record(rows, rows, 0.010 + 0.003 * rows)
-    window = DraftWindow(16, cost)
-    before = window.cut([0.9] * 16, busy_slots=1)
-    for _ in range(10):
-        window.cut([0.9] * 8, busy_slots=1)
-        window.record(drafted=8, accepted=0)
-    assert window.acceptance == 0.0
-    assert window.cut([0.9] * 16, busy_slots=1) < before
-
-
-def test_window_believes_each_confidence_band_separately():
-    cost = StepCost()
-    for rows in (1, 2, 4, 8, 16) * 20:
-        cost.record(rows, rows, 0.010 + 0.003 * rows)
-    window = DraftWindow(16, cost)
-    for _ in range(20):  # long matches always right, short ones always wrong
-        window.cut([0.97] * 8, busy_slots=1)
-        window.record(drafted=8, accepted=8)
-        window.cut([0.6] * 8, busy_slots=1)
-        window.record(drafted=8, accepted=0)
-    assert window.per_token(0.97) > 0.95 and window.per_token(0.6) < 0.3
-    assert window.cut([0.97] * 16, busy_slots=1) == 16
-    assert window.cut([0.6] * 16, busy_slots=1) == 0
-
-
-def test_fixed_window_always_drafts_its_limit():
-    window = FixedWindow(3, StepCost())
-    assert window.cut([0.01] * 10, busy_slots=4) == 3
-
 
 # ---------------------------------------------------------------------------------------------------------- engines
 
@@ -179,7 +41,7 @@ def _engine(path: Path, *, slots: int, draft: bool = False, window=FixedWindow):
     model = LlamaCppBackend().load(path, LoadOptions(num_ctx=512), n_seq=slots, n_ctx=512)
     drafter = open_draft_model(path, LoadOptions(num_ctx=512), model, name="itself") if draft else None
     spec = Speculation(model, draft=drafter, mtp=open_mtp_head(model), window=window)
-    return ModelEngine(model, max_queue=8, make_drafter=spec), spec
+    return ModelEngine(model, max_queue=8, speculation=spec), spec
 
 
 def _generate(engine: ModelEngine, prompt_text: str, schema, spec_type: str):
@@ -296,11 +158,9 @@ def test_unavailable_spec_type_is_a_clear_error(smollm2_engines):
 
 @pytest.mark.models
 def test_grammar_probe_cuts_drafts_at_the_first_forbidden_token(smollm2_path):
-    from localllm.backends.llama_cpp_spec import GrammarProbe
-
     model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_ctx=64), n_seq=1, n_ctx=64)
     try:
-        probe = GrammarProbe(model, 'root ::= [0-9]+ "x"')
+        probe = model.grammar_probe('root ::= [0-9]+ "x"')
         digits = model.tokenize("12", add_special=False) + model.tokenize("34", add_special=False)
         letters = model.tokenize("ab", add_special=False)
         assert probe.allowed([], digits + letters + digits) == len(digits)
@@ -437,20 +297,3 @@ def test_mtp_model_loads_with_its_head_and_decodes_losslessly(tmp_path):
         assert [both[0], both[1]] == [run(p, "none")[0] for p in prompts]
     finally:
         engine.close()
-
-
-def test_a_step_that_cannot_speculate_asks_no_drafter():
-    from localllm.engine.speculative.policy import any_draft_pays
-
-    dear = StepCost()
-    for rows in (1, 2, 3, 4) * 20:  # a row costs as much as a one-row step's fixed part (smollm2 on this CPU)
-        dear.record(rows, rows, 0.009 + 0.009 * rows)
-    assert not any_draft_pays(dear, 4)  # even a sure draft cannot beat the 20% margin of a batch of four
-    assert any_draft_pays(dear, 1)
-    cheap = StepCost()
-    for rows in (1, 2, 3, 4) * 20:  # a fixed cost dominates: drafts may pay, even in a batch of four
-        cheap.record(rows, rows, 0.030 + 0.001 * rows)
-    assert any_draft_pays(cheap, 4)
-    # Nothing measured yet: a lone request may try drafts (only it waits on them), a shared batch may not.
-    assert any_draft_pays(StepCost(), 1) and not any_draft_pays(StepCost(), 4)
-    assert FixedWindow.any_draft_pays(dear, 4)  # the fixed window drafts whatever it costs

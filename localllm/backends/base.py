@@ -73,10 +73,51 @@ class Sampler(Protocol):
     def close(self) -> None: ...
 
 
+class DraftSource(Protocol):
+    """A cheap model that drafts tokens for one sequence at a time: a draft model's own context, or the target's MTP
+    head. The drafting loop (engine/speculative/drafters.py) drives it; the engine thread is the only caller."""
+
+    n_vocab: int  # ids the target knows: a draft stops at any other
+    n_ctx: int
+    seconds_per_token: float  # what drafting one token costs, on the engine's step clock (thread CPU time)
+
+    def begin(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
+        """Catch up with `tokens` (the request's prompt and output so far); the logits of the token after them."""
+
+    def advance(self, seq: int, token: int, pos: int) -> np.ndarray:
+        """Decode one drafted `token` at `pos`; the logits of the token after it."""
+
+    def end(self, seq: int, n_tokens: int) -> None:
+        """A draft that followed `n_tokens` tokens is complete (the source may drop what it decoded past them)."""
+
+    def accept(self, seq: int, *, start: int, accepted: int) -> None:
+        """After verification: of the draft that followed `start` tokens, the first `accepted` were kept."""
+
+    def close(self) -> None: ...
+
+
+class MtpHead(DraftSource, Protocol):
+    """The target's own multi-token-prediction layers: it follows every target decode to stay in step."""
+
+    def observe(self, batch: Batch, copies: Sequence[tuple[int, int, int]]) -> None:
+        """After each target decode: `batch` was decoded, after the (src, dst, n) prefix `copies`."""
+
+
+class GrammarProbe(Protocol):
+    """A copy of a request's grammar that tells how much of a draft the grammar allows."""
+
+    def allowed(self, generated: Sequence[int], draft: Sequence[int]) -> int:
+        """How many leading tokens of `draft` the grammar accepts after `generated`."""
+
+    def close(self) -> None: ...
+
+
 class LoadedModel(Protocol):
     meta: ModelMeta
     n_seq: int
     n_ctx: int
+    n_batch: int  # the most tokens one decode takes
+    kv_pad: int  # the backend attends over its cache in spans of this many cells (1: exactly)
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
 
@@ -102,6 +143,12 @@ class LoadedModel(Protocol):
 
     def embed(self, tokens: Sequence[int]) -> list[float]:
         """A pooled, normalised embedding of `tokens`."""
+
+    def mtp_head(self) -> Optional[MtpHead]:
+        """The weights' MTP head in a context of its own, or None where the weights or the backend have none."""
+
+    def grammar_probe(self, grammar: str) -> Optional[GrammarProbe]:
+        """A probe of `grammar` for checking drafts, or None where the backend samples without grammars."""
 
     def close(self) -> None: ...
 

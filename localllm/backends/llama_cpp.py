@@ -18,7 +18,8 @@ import numpy as np
 
 from ..api import LoadOptions, SamplingOptions
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
-from .base import Batch, ModelMeta
+from .base import Batch, GrammarProbe, ModelMeta, MtpHead
+from .llama_cpp_spec import LlamaGrammarProbe, LlamaMtpHead
 
 log = logging.getLogger(__name__)
 
@@ -294,10 +295,15 @@ class LlamaCppModel:
         llama_cpp.llama_model_free(self._model)
         self._ctx = self._embed_ctx = self._model = None
 
-    @property
-    def raw_handles(self):
-        """(model, context) pointers, for speculative drafters that share the weights (MTP)."""
-        return self._model, self._ctx
+    def mtp_head(self) -> Optional[MtpHead]:
+        if not self.meta.has_mtp:
+            return None
+        params = _context_params(self.options, n_seq=self.n_seq, n_ctx=self.n_ctx)
+        return LlamaMtpHead(self._model, self._ctx, params, n_seq=self.n_seq, n_ctx=self.n_ctx,
+                            n_vocab=self.meta.n_vocab)
+
+    def grammar_probe(self, grammar: str) -> Optional[GrammarProbe]:
+        return LlamaGrammarProbe(self._model, grammar)
 
 
 class LlamaCppSampler:

@@ -4,36 +4,32 @@ drafts from its hidden states) and a grammar probe that checks draft tokens agai
 MTP follows llama.cpp's common/speculative.cpp (draft-mtp): the target context outputs its pre-head hidden state h
 for every batch row; the MTP context (LLAMA_CONTEXT_TYPE_MTP, one sequence per slot like the target) keeps its own KV
 of the pairs (token at p+1, h at p). After each target decode the head decodes the same rows to stay in step; a draft
-then chains the head on its own output: token and h in, next token and h out. Speculation (speculative.py) drives it
-on the engine thread, the only thread that touches either context."""
+then chains the head on its own output: token and h in, next token and h out. The drafting loop
+(engine/speculative/drafters.py) drives it on the engine thread, the only thread that touches either context."""
 
 from __future__ import annotations
 
 import ctypes
 import math
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp_ext
 
 from ..errors import InvalidInput, LocalLLMError
-from .base import greedy_pick
-from .llama_cpp import LlamaCppModel, _context_params
-
-if TYPE_CHECKING:
-    from ..engine.scheduler import Step
-    from ..engine.speculative.policy import DraftWindow
+from .base import Batch
 
 
-class MtpHead:
+
+class LlamaMtpHead:
     """The target's MTP layers in their own llama.cpp context: one sequence per slot, mirroring the target's KV."""
 
-    def __init__(self, target: LlamaCppModel):
-        self._model, self._ctx_tgt = target.raw_handles
-        self.n_seq, self.n_ctx = target.n_seq, target.n_ctx
-        params = _context_params(target.options, n_seq=target.n_seq, n_ctx=target.n_ctx)
+    def __init__(self, model, ctx_tgt, params, *, n_seq: int, n_ctx: int, n_vocab: int):
+        """`model` and `ctx_tgt`: the target's llama_model and context; `params`: context params like the target's."""
+        self._model, self._ctx_tgt = model, ctx_tgt
+        self.n_seq, self.n_ctx = n_seq, n_ctx
         params.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
         params.ctx_other = self._ctx_tgt
         self._ctx = llama_cpp.llama_init_from_model(self._model, params)
@@ -41,7 +37,7 @@ class MtpHead:
             raise LocalLLMError("llama.cpp could not create the MTP context for this model",
                                 hint="use spec_type ngram or draft")
         self._mem = llama_cpp.llama_get_memory(self._ctx)
-        self._n_vocab = target.meta.n_vocab
+        self.n_vocab = n_vocab
         self.n_embd = llama_cpp.llama_model_n_embd_out(self._model)
         # Target: h for every row (the head pairs each token with the previous row's h); head: only for outputs.
         llama_cpp_ext.llama_set_embeddings_nextn(self._ctx_tgt, True, False)
@@ -51,16 +47,16 @@ class MtpHead:
         # h of each sequence's last decoded position, and the target's h for its rows in the last batch.
         self._pending = np.zeros((self.n_seq, self.n_embd), dtype=np.float32)
         self.seconds_per_token = 0.0  # what drafting one token costs, for the draft window
+        self._h = np.zeros(self.n_embd, dtype=np.float32)  # the head's own h while it drafts
         self._verified: list[np.ndarray] = [np.zeros((0, self.n_embd), dtype=np.float32)] * self.n_seq
 
     # ----------------------------------------------------------------------------------------------- follow the target
 
-    def observe(self, step: "Step") -> None:
+    def observe(self, batch: Batch, copies: Sequence[tuple[int, int, int]]) -> None:
         """Decode the target's last batch through the head, so its KV holds every position the target's does."""
-        batch = step.batch
         if not batch.tokens:
             return
-        for src, dst, n in step.copies:
+        for src, dst, n in copies:
             self._copy_prefix(src, dst, n)
         h_tgt = self._target_h(len(batch))
         first, last = _row_spans(batch.seqs)
@@ -83,33 +79,25 @@ class MtpHead:
         if accepted < len(rows):
             self._pending[seq] = rows[accepted]
 
-    # ----------------------------------------------------------------------------------------------- draft
+    # ----------------------------------------------------------------------------------------------- draft primitives
 
-    def draft(self, seq: int, tokens: Sequence[int], window: "DraftWindow", *, busy_slots: int,
-              room: int) -> list[int]:
-        room = min(room, self.n_ctx - len(tokens))
-        run = window.start(busy_slots=busy_slots, draft_seconds=self.seconds_per_token, room=room)
-        if room <= 0 or not run.pays():
-            return []
-        token, pos, h = tokens[-1], len(tokens) - 1, self._pending[seq].copy()
-        draft: list[int] = []
-        while len(draft) < room:
-            llama_cpp.llama_batch_ext_clear(self._batch)
-            self._add(token, pos, seq, h, output=True)
-            t0 = time.thread_time()  # the same clock as the engine's step costs
-            self._process("drafting")
-            self.seconds_per_token += 0.2 * (time.thread_time() - t0 - self.seconds_per_token)
-            token, confidence = greedy_pick(self._logits())
-            h = self._head_h()
-            if token >= self._n_vocab or not run.offer(confidence):
-                break
-            draft.append(token)
-            pos += 1
-            if not run.pays():
-                break  # even a certain next token would not pay: skip its decode
+    def begin(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
+        # The head chains on its own output: the last token with the target's h before it, then token and h out.
+        self._h = self._pending[seq].copy()
+        return self.advance(seq, tokens[-1], len(tokens) - 1)
+
+    def advance(self, seq: int, token: int, pos: int) -> np.ndarray:
+        llama_cpp.llama_batch_ext_clear(self._batch)
+        self._add(token, pos, seq, self._h, output=True)
+        t0 = time.thread_time()  # the same clock as the engine's step costs
+        self._process("drafting")
+        self.seconds_per_token += 0.2 * (time.thread_time() - t0 - self.seconds_per_token)
+        self._h = self._head_h()
+        return self._logits()
+
+    def end(self, seq: int, n_tokens: int) -> None:
         # The draft region is refilled by observe() with the target's own h once the target has verified it.
-        llama_cpp.llama_memory_seq_rm(self._mem, seq, len(tokens) - 1, -1)
-        return draft if run.worthwhile() else []
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, n_tokens - 1, -1)
 
     # ----------------------------------------------------------------------------------------------- native helpers
 
@@ -142,7 +130,7 @@ class MtpHead:
 
     def _logits(self) -> np.ndarray:
         ptr = llama_cpp.llama_get_logits_ith(self._ctx, 0)
-        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def _copy_prefix(self, src: int, dst: int, n: int) -> None:
         # As in the target (separate KV streams per sequence): copy whole, then cut.
@@ -169,12 +157,12 @@ def _row_spans(seqs: Sequence[int]) -> tuple[dict[int, int], dict[int, int]]:
     return first, last
 
 
-class GrammarProbe:
+class LlamaGrammarProbe:
     """A copy of a request's grammar, advanced by the tokens the request has generated, that tells how much of a
     draft the grammar allows (the request's own sampler keeps its state; the probe works on a clone)."""
 
-    def __init__(self, target: LlamaCppModel, grammar: str):
-        model, _ = target.raw_handles
+    def __init__(self, model, grammar: str):
+        """`model`: the target's llama_model."""
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self._grammar = llama_cpp.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
         if not self._grammar:

@@ -154,6 +154,9 @@ def _make_piece_decoder(backend) -> Callable[[str], bytes]:
 class MlxModel:
     """A loaded MLX model: weights, tokenizer and one KV cache per sequence."""
 
+    n_batch = 512  # prefill chunk: the scheduler's token budget per step
+    kv_pad = 1  # attention spans the cache exactly (no padded grid as in llama.cpp)
+
     def __init__(self, path: Path, model, tokenizer, config: dict, *, n_seq: int, n_ctx: int):
         self.path = path
         self._model = model
@@ -313,6 +316,12 @@ class MlxModel:
         pooled = hidden.mean(axis=0)
         norm = mx.maximum(mx.linalg.norm(pooled), 1e-12)
         return np.array(pooled / norm, dtype=np.float64).tolist()
+
+    def mtp_head(self) -> None:
+        return None  # MLX runs no MTP layers: spec_type auto falls back to a draft model or n-gram
+
+    def grammar_probe(self, grammar: str) -> None:
+        return None  # MLX samples without grammars
 
     def close(self) -> None:
         self._caches = []

@@ -17,7 +17,7 @@ from ..engine.runner import EngineChunk, GenerationParams
 from ..errors import InvalidInput
 from ..models.info import show_model
 from ..models.pull import pull_model
-from ..engine.speculative import load_speculation
+from ..engine.speculative.speculation import load_speculation
 from ..models.store import ResolvedModel, Store
 from ..structured import grammar_for_format, parse_tool_calls, tool_choice_grammar
 from ..templates import render_chat
@@ -43,7 +43,7 @@ def _timing_fields(chunk: EngineChunk, loaded: Loaded, first_request: bool) -> d
 class LocalClient:
     def __init__(self, store: Optional[Store] = None, pool: Optional[ModelPool] = None):
         self.store = store or Store()
-        self.pool = pool or ModelPool(self.store, drafter_factory=partial(load_speculation, self.store))
+        self.pool = pool or ModelPool(self.store, speculation_factory=partial(load_speculation, self.store))
 
     # ----------------------------------------------------------------------------------------------- models
 
@@ -269,5 +269,5 @@ def _process_row(entry: Loaded) -> api.ProcessModel:
         backend=entry.backend, slots_busy=stats.slots_busy, slots_total=stats.slots_total,
         queue_depth=stats.queue_depth, kv_type=entry.options.kv_type or "f16",
         gpu_layers=entry.options.num_gpu if entry.options.num_gpu is not None else -1,
-        speculation=getattr(entry.drafters, "kind", "none"),
+        speculation=entry.speculation.kind if entry.speculation is not None else "none",
         draft_count=stats.draft_tokens, draft_accepted=stats.accepted_tokens)

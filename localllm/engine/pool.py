@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from pydantic import ValidationError
 
@@ -20,7 +20,12 @@ from .. import api, config
 from ..backends import choose_backend, get_backend
 from ..errors import InvalidInput, QueueFull
 from ..models.store import ResolvedModel, Store
+from ..backends.base import LoadedModel
 from .runner import ModelEngine
+from .speculative.speculation import Speculation
+
+# Called once per load, on the loading thread: what the model offers for speculative decoding.
+SpeculationFactory = Callable[[ResolvedModel, api.LoadOptions, LoadedModel], Speculation]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +76,7 @@ class Loaded:
     users: int = 0
     last_used: float = field(default_factory=time.monotonic)
     expires_at: Optional[datetime] = None
-    drafters: Any = None  # what the drafter factory built for this load (speculative.Speculation), if any
+    speculation: Optional[Speculation] = None  # what the speculation factory built for this load, if any
 
     @property
     def key(self) -> str:
@@ -79,12 +84,12 @@ class Loaded:
 
 
 class ModelPool:
-    def __init__(self, store: Optional[Store] = None, *, drafter_factory=None):
+    def __init__(self, store: Optional[Store] = None, *, speculation_factory: Optional[SpeculationFactory] = None):
         self.store = store or Store()
         self._loaded: dict[str, Loaded] = {}
         self._lock = threading.RLock()
         self._load_lock = threading.Lock()
-        self._drafter_factory = drafter_factory
+        self._speculation_factory = speculation_factory
         self._reaper = threading.Thread(target=self._reap_forever, name="localllm-keepalive", daemon=True)
         self._stopping = threading.Event()
         self._reaper.start()
@@ -142,15 +147,18 @@ class ModelPool:
                                                 n_ctx=load.num_ctx or config.CONTEXT_LENGTH.get())
         seconds = time.perf_counter() - t0
         try:
-            drafter = self._drafter_factory(model, load, loaded) if self._drafter_factory else None
+            factory = self._speculation_factory
+            speculation = factory(model, load, loaded) if factory is not None else None
         except BaseException:  # e.g. a draft model with another vocabulary: the error goes to the request
             loaded.close()
             raise
-        engine = ModelEngine(loaded, max_queue=config.MAX_QUEUE.get(), load_seconds=seconds, make_drafter=drafter)
+        engine = ModelEngine(loaded, max_queue=config.MAX_QUEUE.get(), load_seconds=seconds,
+                             speculation=speculation)
         log.info("loaded %s on %s in %.2fs: %d slots x %d tokens", model.name, backend_name, seconds,
                  loaded.n_seq, loaded.n_ctx)
         return Loaded(model=model, options=load, engine=engine, backend=backend_name, load_seconds=seconds,
-                      keep_alive=config.KEEP_ALIVE.get() if keep_alive is None else keep_alive, drafters=drafter)
+                      keep_alive=config.KEEP_ALIVE.get() if keep_alive is None else keep_alive,
+                      speculation=speculation)
 
     def _release(self, entry: Loaded, keep_alive: Optional[float]) -> None:
         with self._lock:

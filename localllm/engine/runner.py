@@ -15,12 +15,13 @@ import time
 import numpy as np
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 from ..api import SamplingOptions, Timings
 from ..backends.base import LoadedModel
 from ..errors import Cancelled, ContextOverflow, LocalLLMError, QueueFull
 from .scheduler import Request, Scheduler, Step
+from .speculative.speculation import Speculation
 from .text import TextStream
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,29 @@ class _Output:
     t_first: float = 0.0
 
 
+_Job = Request[_Output]  # a request as the engine thread holds it: the scheduler's Request with its output sink
+
+
+# Inbox commands: the only values that cross into the engine thread.
+@dataclass(frozen=True)
+class _Submit:
+    admitted: list[tuple[_Job, GenerationParams]]
+
+
+@dataclass(frozen=True)
+class _Embed:
+    inputs: list[list[int]]
+    future: "Future[list[list[float]]]"
+
+
+@dataclass(frozen=True)
+class _Close:
+    pass
+
+
+_Command = Union[_Submit, _Embed, _Close]
+
+
 def _top_indices(logits: np.ndarray, n: int) -> np.ndarray:
     """Indices of the n largest logits, largest first, without sorting the whole vocabulary (262k for gemma3)."""
     if n <= 0:
@@ -121,23 +145,18 @@ def _top_indices(logits: np.ndarray, n: int) -> np.ndarray:
 
 class ModelEngine:
     def __init__(self, model: LoadedModel, *, max_queue: int, num_batch: Optional[int] = None,
-                 load_seconds: float = 0.0, make_drafter: Optional[Callable] = None):
+                 load_seconds: float = 0.0, speculation: Optional[Speculation] = None):
         self.model = model
         self.n_slots = model.n_seq
         self.n_ctx = model.n_ctx
         self.load_seconds = load_seconds
         self.max_queue = max_queue
-        self._make_drafter = make_drafter
-        # A drafter factory with its own caches (speculative.Speculation) follows every decode, learns what each
-        # step costs (its draft window weighs that) and is freed with the model.
-        self._observe_decode = getattr(make_drafter, "observe", None)
-        self._record_step = getattr(make_drafter, "record_step", None)
-        self._may_draft = getattr(make_drafter, "may_draft", None)
-        self._close_drafters = getattr(make_drafter, "close", None)
-        n_batch = num_batch or getattr(model, "n_batch", 512)
-        self._scheduler = Scheduler(n_slots=model.n_seq, n_ctx=model.n_ctx, n_batch=n_batch, max_queue=max_queue,
-                                    kv_pad=getattr(model, "kv_pad", 1))
-        self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
+        # Builds each request's drafter, follows every decode, learns what a step costs (its draft windows weigh
+        # that) and is freed with the model.
+        self.speculation = speculation
+        self._scheduler = Scheduler(n_slots=model.n_seq, n_ctx=model.n_ctx, n_batch=num_batch or model.n_batch,
+                                    max_queue=max_queue, kv_pad=model.kv_pad)
+        self._inbox: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
         self._outstanding = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -168,21 +187,20 @@ class ModelEngine:
                                 hint="retry shortly, or raise LOCALLLM_MAX_QUEUE / LOCALLLM_NUM_PARALLEL")
             self._outstanding += len(batch)
         admitted = [self._new_request(params, prompt, truncated) for params, (prompt, truncated) in zip(batch, fitted)]
-        self._inbox.put(("submit", admitted))
+        self._inbox.put(_Submit(admitted))
         return [Stream(request, request.sink.outbox) for request, _ in admitted]
 
     def _new_request(self, params: GenerationParams, prompt: list[int],
-                     truncated: int) -> tuple[Request, GenerationParams]:
+                     truncated: int) -> tuple[_Job, GenerationParams]:
         opts = params.sampling
         max_tokens = opts.num_predict if opts.num_predict > 0 else math.inf
-        request = Request(prompt=prompt, max_tokens=max_tokens)  # type: ignore[arg-type]
-        request.sink = _Output(queue.SimpleQueue(), TextStream(self.model.token_bytes, opts.stop),
-                               truncated=truncated, logprobs=params.logprobs)
-        return request, params
+        sink = _Output(queue.SimpleQueue(), TextStream(self.model.token_bytes, opts.stop), truncated=truncated,
+                       logprobs=params.logprobs)
+        return Request(prompt=prompt, max_tokens=max_tokens, sink=sink), params
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
-        future: Future = Future()
-        self._inbox.put(("embed", list(map(list, inputs)), future))
+        future: "Future[list[list[float]]]" = Future()
+        self._inbox.put(_Embed(list(map(list, inputs)), future))
         return future.result()
 
     def busy(self) -> bool:
@@ -193,7 +211,7 @@ class ModelEngine:
         if self._closed:
             return
         self._closed = True
-        self._inbox.put(("close",))
+        self._inbox.put(_Close())
         self._thread.join()
 
     def _fit_prompt(self, params: GenerationParams) -> tuple[list[int], int]:
@@ -225,8 +243,8 @@ class ModelEngine:
             self._fail_all(exc if isinstance(exc, LocalLLMError) else LocalLLMError(f"engine failed: {exc}"))
         finally:
             self._fail_all(Cancelled("the model was unloaded"))
-            if self._close_drafters is not None:
-                self._close_drafters()
+            if self.speculation is not None:
+                self.speculation.close()
             self.model.close()
 
     def _serve_inbox(self, *, block: bool) -> bool:
@@ -237,21 +255,23 @@ class ModelEngine:
             except queue.Empty:
                 return True
             block = False
-            if cmd[0] == "close":
-                return False
-            if cmd[0] == "submit":
-                for request, params in cmd[1]:
-                    self._admit(request, params)
-            elif cmd[0] == "embed":
-                self._embed(cmd[1], cmd[2])
+            match cmd:
+                case _Close():
+                    return False
+                case _Submit(admitted):
+                    for request, params in admitted:
+                        self._admit(request, params)
+                case _Embed(inputs, future):
+                    self._embed(inputs, future)
 
-    def _admit(self, request: Request, params: GenerationParams) -> None:
+    def _admit(self, request: _Job, params: GenerationParams) -> None:
         try:
-            request.sampler = self.model.make_sampler(params.sampling, grammar=params.grammar)
+            sampler = request.sampler = self.model.make_sampler(params.sampling, grammar=params.grammar)
             for tok in request.prompt:
-                request.sampler.accept(tok)
-            if self._make_drafter is not None:
-                request.drafter = self._make_drafter(request, params)
+                sampler.accept(tok)
+            if self.speculation is not None:
+                request.drafter = self.speculation.drafter_for(params.sampling, grammar=params.grammar,
+                                                               n_prompt=len(request.prompt))
             self._scheduler.admit(request)
         except LocalLLMError as exc:
             self._close_request(request, exc)
@@ -259,7 +279,7 @@ class ModelEngine:
             log.exception("could not start a request")
             self._close_request(request, LocalLLMError(f"could not start the request: {exc}"))
 
-    def _embed(self, inputs: list[list[int]], future: Future) -> None:
+    def _embed(self, inputs: list[list[int]], future: "Future[list[list[float]]]") -> None:
         try:
             future.set_result([self.model.embed(tokens) for tokens in inputs])
         except BaseException as exc:
@@ -276,14 +296,15 @@ class ModelEngine:
         busy = len(self._scheduler.running)
         # When the batch makes rows too dear for even a certain draft, no drafter is asked: a step that cannot
         # speculate costs what it would with speculation off.
-        if self._may_draft is not None and not self._may_draft(busy):
+        if self.speculation is not None and not self.speculation.may_draft(busy):
             return
         for req in speculating:
             room = self._scheduler.draft_room(req)
-            if room == 0:
+            if room == 0 or req.drafter is None or req.slot is None:
                 continue
             try:
-                req.draft = req.drafter.propose(req.prompt + req.generated, busy_slots=busy, room=room)
+                req.draft = req.drafter.propose(req.prompt + req.generated, seq=req.slot.seq, busy_slots=busy,
+                                                room=room)
             except LocalLLMError as exc:  # speculation only saves time: the request goes on without it
                 log.warning("speculation off for request %d: %s", req.id, exc)
                 req.drafter.close()
@@ -299,13 +320,13 @@ class ModelEngine:
                 self._scheduler.finish(work.request, "error")
                 self._close_request(work.request, exc)
             return
-        if self._observe_decode is not None:
-            self._observe_decode(step)
+        if self.speculation is not None:
+            self.speculation.observe(step.batch, step.copies)
         sampled = self._sample(step)
         self.stats.decode_seconds += time.perf_counter() - t0
-        if self._record_step is not None:
+        if self.speculation is not None:
             # CPU seconds of this thread: the step's work, which other load on the machine does not inflate.
-            self._record_step(step, time.thread_time() - cpu0)
+            self.speculation.record_step(step.batch, time.thread_time() - cpu0)
         self._scheduler.update(step, sampled)
         self._drop_rejected(step)
         self._emit(step, sampled)
@@ -468,11 +489,12 @@ class ModelEngine:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "submit":
-                for request, _ in cmd[1]:
-                    self._close_request(request, exc)
-            elif cmd[0] == "embed":
-                cmd[2].set_exception(exc)
+            match cmd:
+                case _Submit(admitted):
+                    for request, _ in admitted:
+                        self._close_request(request, exc)
+                case _Embed(_, future):
+                    future.set_exception(exc)
 
     def snapshot(self) -> EngineStats:
         s = self.stats

@@ -15,27 +15,31 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Generic, Optional, TypeVar
 
-from ..backends.base import Batch
+from ..backends.base import Batch, Sampler
 from ..errors import QueueFull
 from .slots import Slot, SlotState, SlotTable
+from .speculative.drafters import Drafter
 
 _ids = itertools.count(1)
 
 
+SinkT = TypeVar("SinkT")
+
+
 @dataclass(eq=False)
-class Request:
-    """One generation: its prompt, limits and progress. `sampler`, `drafter` and `sink` are the engine's objects;
-    the scheduler only carries them."""
+class Request(Generic[SinkT]):
+    """One generation: its prompt, limits and progress. `sampler`, `drafter` and `sink` (where its output goes) are
+    the engine's objects; the scheduler only carries them."""
 
     prompt: list[int]
-    max_tokens: int
-    sampler: Any = None
-    drafter: Any = None
-    sink: Any = None
+    max_tokens: float  # math.inf: until the context is full
+    sink: SinkT
+    sampler: Optional[Sampler] = None
+    drafter: Optional[Drafter] = None
     id: int = field(default_factory=lambda: next(_ids))
-    slot: Optional[Slot] = None
+    slot: Optional[Slot[Request[Any]]] = None
     generated: list[int] = field(default_factory=list)
     n_cached: int = 0  # prompt tokens reused from the cache
     n_prefilled: int = 0  # prompt tokens now in the slot's KV (cached ones included)
@@ -56,7 +60,7 @@ class SlotWork:
     """The rows of one request in a step. `rows[i]` is the batch row whose output predicts the token after
     `tokens[i]`; rows holds only the rows to sample (the last prefill row, or the decode row and its drafts)."""
 
-    request: Request
+    request: Request[Any]
     rows: list[int]
     draft: list[int] = field(default_factory=list)
 
@@ -67,7 +71,7 @@ class Step:
     work: list[SlotWork] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src_seq, dst_seq, n_tokens)
     trims: list[tuple[int, int]] = field(default_factory=list)  # (seq, keep_first_n)
-    finished: list[Request] = field(default_factory=list)  # cancelled or over-long requests to report
+    finished: list[Request[Any]] = field(default_factory=list)  # cancelled or over-long requests to report
 
     def __bool__(self) -> bool:
         return bool(self.batch.tokens or self.finished)
@@ -75,37 +79,37 @@ class Step:
 
 class Scheduler:
     def __init__(self, *, n_slots: int, n_ctx: int, n_batch: int, max_queue: int, kv_pad: int = 1):
-        self.table = SlotTable(n_slots)
+        self.table: SlotTable[Request[Any]] = SlotTable(n_slots)
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.kv_pad = kv_pad  # the backend attends over its KV cache in spans of this many cells (see _chunk_end)
         self.max_queue = max_queue
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request[Any]] = deque()
         self._steps = 0
 
     # ----------------------------------------------------------------------------------------------- intake
 
-    def admit(self, request: Request) -> None:
+    def admit(self, request: Request[Any]) -> None:
         # Waiting requests take the free slots at the next schedule(); only the rest count against the queue.
         if len(self.waiting) >= self.max_queue + len(self.table.free()):
             raise QueueFull(f"{len(self.waiting)} requests are already waiting for a slot",
                             hint="retry shortly, or raise LOCALLLM_MAX_QUEUE / LOCALLLM_NUM_PARALLEL")
         self.waiting.append(request)
 
-    def cancel(self, request: Request) -> None:
+    def cancel(self, request: Request[Any]) -> None:
         request.cancelled = True
 
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.table.busy()
 
-    def decoding(self) -> list[Request]:
+    def decoding(self) -> list[Request[Any]]:
         """Requests past their prompt, generating one token (plus drafts) per step."""
-        return [s.request for s in self.table.busy() if s.state is SlotState.DECODE]  # type: ignore[misc]
+        return [req for slot, req in self.table.serving() if slot.state is SlotState.DECODE]
 
     @property
-    def running(self) -> list[Request]:
-        return [s.request for s in self.table.busy()]  # type: ignore[misc]
+    def running(self) -> list[Request[Any]]:
+        return [req for _, req in self.table.serving()]
 
     # ----------------------------------------------------------------------------------------------- schedule
 
@@ -115,12 +119,12 @@ class Scheduler:
         self._drop_cancelled(step)
         self._assign_waiting(step)
         budget = self.n_batch
-        for slot in self.table.busy():
+        for slot, req in self.table.serving():
             if slot.state is SlotState.DECODE:
-                budget -= self._add_decode(step, slot, budget)
-        for slot in self.table.busy():
+                budget -= self._add_decode(step, slot, req, budget)
+        for slot, req in self.table.serving():
             if slot.state is SlotState.PREFILL and budget > 0:
-                budget -= self._add_prefill_chunk(step, slot, budget)
+                budget -= self._add_prefill_chunk(step, slot, req, budget)
         return step
 
     def _drop_cancelled(self, step: Step) -> None:
@@ -128,8 +132,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.done_reason = "cancelled"
             step.finished.append(req)
-        for slot in self.table.busy():
-            req: Request = slot.request  # type: ignore[assignment]
+        for _, req in self.table.serving():
             if req.cancelled:
                 self.finish(req, "cancelled")
                 step.finished.append(req)
@@ -151,8 +154,7 @@ class Scheduler:
             slot.state, slot.request, slot.last_used = SlotState.PREFILL, req, self._steps
             req.slot, req.n_cached, req.n_prefilled = slot, reuse, reuse
 
-    def _add_decode(self, step: Step, slot: Slot, budget: int) -> int:
-        req: Request = slot.request  # type: ignore[assignment]
+    def _add_decode(self, step: Step, slot: Slot[Request[Any]], req: Request[Any], budget: int) -> int:
         draft = req.draft[: max(0, min(self.draft_room(req), budget - 1))]
         req.draft = draft
         pos = len(slot.cached)
@@ -162,8 +164,7 @@ class Scheduler:
         slot.last_used = self._steps
         return len(rows)
 
-    def _add_prefill_chunk(self, step: Step, slot: Slot, budget: int) -> int:
-        req: Request = slot.request  # type: ignore[assignment]
+    def _add_prefill_chunk(self, step: Step, slot: Slot[Request[Any]], req: Request[Any], budget: int) -> int:
         start = req.n_prefilled
         end = self._chunk_end(start, min(len(req.prompt), start + budget), len(req.prompt))
         last_row = -1
@@ -175,11 +176,9 @@ class Scheduler:
         return end - start
 
     def _chunk_end(self, start: int, end: int, prompt_end: int) -> int:
-        """Where a prefill chunk should stop. llama.cpp attends over the cache rounded up to `kv_pad` cells, so a
-        chunk that ends just past a multiple of it pays for a nearly empty span in every layer: after a reused
-        prefix of 7 tokens, 512-token chunks ending at 519, 1031, ... ran 3-5% slower than chunks ending at 512,
-        1024, ... Such a chunk stops at the multiple instead, when that drops fewer tokens than the span would
-        waste; the chunk that ends the prompt ends there."""
+        """Where a prefill chunk should stop: on a multiple of `kv_pad` (the backend attends over spans of that many
+        cells) when that drops fewer tokens than a nearly empty span would waste; the prompt's last chunk ends there.
+        (docs/benchmark-notes.md, "Rules in the code".)"""
         cut = end % self.kv_pad
         if end < prompt_end and 0 < cut < self.kv_pad - cut and end - cut > start:
             return end - cut
@@ -190,8 +189,7 @@ class Scheduler:
     def update(self, step: Step, sampled: dict[int, list[int]]) -> None:
         """Record a decoded step. `sampled[request.id]` holds the tokens accepted for that request this step: one,
         or up to 1 + len(draft) when drafts were verified."""
-        for slot in self.table.busy():
-            req: Request = slot.request  # type: ignore[assignment]
+        for slot, req in self.table.serving():
             if slot.state is SlotState.PREFILL:
                 slot.cached = req.prompt[: req.n_prefilled]
         for work in step.work:
@@ -207,11 +205,7 @@ class Scheduler:
                 slot.cached.extend(work.draft[: len(tokens) - 1])
             req.generated.extend(tokens)
 
-    def rejected_tail(self, request: Request) -> int:
-        """Position from which the slot's KV holds rejected draft tokens (to remove after verification)."""
-        return len(request.slot.cached) if request.slot else 0
-
-    def finish(self, request: Request, reason: str) -> None:
+    def finish(self, request: Request[Any], reason: str) -> None:
         request.done_reason = request.done_reason or reason
         slot = request.slot
         if slot is not None and slot.request is request:
@@ -219,7 +213,7 @@ class Scheduler:
                 slot.cached = list(request.prompt[: request.n_prefilled])
             slot.state, slot.request = SlotState.IDLE, None
 
-    def draft_room(self, request: Request) -> int:
+    def draft_room(self, request: Request[Any]) -> int:
         """How many draft tokens a generating request could still use this step: the decode row yields one token,
         so drafts fill at most the rest of its num_predict and of its context."""
         slot = request.slot
@@ -227,6 +221,6 @@ class Scheduler:
         tokens = request.max_tokens - len(request.generated) - 1
         return max(0, int(min(context, tokens)))
 
-    def context_left(self, request: Request) -> int:
+    def context_left(self, request: Request[Any]) -> int:
         slot = request.slot
         return self.n_ctx - len(slot.cached) if slot else self.n_ctx

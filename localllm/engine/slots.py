@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional, Sequence
+from typing import Generic, Optional, Sequence, TypeVar
+
+R = TypeVar("R")  # the request a slot serves (scheduler.Request)
 
 
 class SlotState(Enum):
@@ -17,12 +19,12 @@ class SlotState(Enum):
     DECODE = "decode"
 
 
-@dataclass
-class Slot:
+@dataclass(eq=False)
+class Slot(Generic[R]):
     seq: int
     state: SlotState = SlotState.IDLE
     cached: list[int] = field(default_factory=list)  # tokens whose KV this sequence holds, in position order
-    request: Optional[object] = None  # the scheduler.Request being served
+    request: Optional[R] = None  # the request being served
     last_used: int = 0  # step counter, to prefer evicting the coldest cache
 
     @property
@@ -40,26 +42,30 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 @dataclass(frozen=True)
-class SlotChoice:
+class SlotChoice(Generic[R]):
     """Where a new request goes: `slot`, reusing `reuse` of its own cached tokens, or first copying the prefix of
     `copy_from` (another slot's sequence) when that shares more."""
 
-    slot: Slot
+    slot: Slot[R]
     reuse: int
-    copy_from: Optional[Slot] = None
+    copy_from: Optional[Slot[R]] = None
 
 
-class SlotTable:
+class SlotTable(Generic[R]):
     def __init__(self, n_slots: int):
-        self.slots = [Slot(seq=i) for i in range(n_slots)]
+        self.slots: list[Slot[R]] = [Slot(seq=i) for i in range(n_slots)]
 
-    def free(self) -> list[Slot]:
+    def free(self) -> list[Slot[R]]:
         return [s for s in self.slots if not s.busy]
 
-    def busy(self) -> list[Slot]:
+    def busy(self) -> list[Slot[R]]:
         return [s for s in self.slots if s.busy]
 
-    def choose(self, prompt: Sequence[int]) -> Optional[SlotChoice]:
+    def serving(self) -> list[tuple[Slot[R], R]]:
+        """Each busy slot with the request it serves."""
+        return [(s, s.request) for s in self.slots if s.busy and s.request is not None]
+
+    def choose(self, prompt: Sequence[int]) -> Optional[SlotChoice[R]]:
         """The free slot whose cache shares the longest prefix with `prompt` (ties: the least recently used), and
         a donor slot when another one, busy or not, holds a longer shared prefix (a common system prompt)."""
         free = self.free()
@@ -75,7 +81,7 @@ class SlotTable:
             return SlotChoice(slot=slot, reuse=shared, copy_from=donor)
         return SlotChoice(slot=slot, reuse=own)
 
-    def _best_donor(self, prompt: Sequence[int], *, exclude: Slot) -> tuple[Optional[Slot], int]:
+    def _best_donor(self, prompt: Sequence[int], *, exclude: Slot[R]) -> tuple[Optional[Slot[R]], int]:
         best, best_len = None, 0
         for s in self.slots:
             if s is exclude:

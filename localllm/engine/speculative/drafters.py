@@ -6,13 +6,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from ...backends.base import Batch, greedy_pick
+import numpy as np
+
+from ...backends.base import Batch, DraftSource, GrammarProbe, greedy_pick
 from ...errors import InvalidInput
 from .policy import DraftWindow
 
 if TYPE_CHECKING:
     from ...backends.base import LoadedModel
-    from ..scheduler import Request
 
 
 class Drafter(Protocol):
@@ -20,10 +21,10 @@ class Drafter(Protocol):
 
     kind: str
 
-    def propose(self, tokens: Sequence[int], *, busy_slots: int, room: int) -> list[int]:
-        """At most `room` draft tokens to follow `tokens` (the request's prompt and output so far); [] skips
-        speculation this step. `room` is what the request can still use: tokens past its num_predict or its context
-        could never be emitted, so drafting them would only cost rows."""
+    def propose(self, tokens: Sequence[int], *, seq: int, busy_slots: int, room: int) -> list[int]:
+        """At most `room` draft tokens to follow `tokens` (the request's prompt and output so far, in the slot whose
+        sequence id is `seq`); [] skips speculation this step. `room` is what the request can still use: tokens past
+        its num_predict or its context could never be emitted, so drafting them would only cost rows."""
 
     def feedback(self, *, drafted: int, accepted: int) -> None:
         """How many draft tokens were verified last step, and how many of them the target agreed with."""
@@ -106,7 +107,7 @@ class NgramDrafter:
         self.window = window
         self._index = PromptLookup()
 
-    def propose(self, tokens: Sequence[int], *, busy_slots: int, room: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], *, seq: int, busy_slots: int, room: int) -> list[int]:
         if not self.window.start(busy_slots=busy_slots, room=room).pays():
             return []  # not even a certain draft would pay this step: skip the lookup (the index catches up later)
         draft, match = self._index.lookup(tokens, min(self.window.limit, room))
@@ -145,51 +146,42 @@ def check_same_vocab(target: "LoadedModel", draft: "LoadedModel", *, draft_name:
 class DraftModel:
     """A small model with the target's vocabulary, loaded beside it: its own context with one sequence per slot
     (the slot's seq id), and per sequence the tokens its KV holds, so a slot's next request reuses the shared prefix
-    here too. Catching up is lazy: a draft decodes only the tokens its sequence lacks."""
+    here too. Catching up is lazy: a draft decodes only the tokens its sequence lacks. A DraftSource."""
 
     def __init__(self, model: "LoadedModel", *, name: str, n_vocab: int):
         self.model = model
         self.name = name
         self.n_vocab = n_vocab  # ids the target knows
+        self.n_ctx = model.n_ctx
         self._cached: list[list[int]] = [[] for _ in range(model.n_seq)]
-        self._n_batch = getattr(model, "n_batch", 512)
         self.seconds_per_token = 0.0
 
-    def draft(self, seq: int, tokens: Sequence[int], window: DraftWindow, *, busy_slots: int, room: int) -> list[int]:
-        room = min(room, self.model.n_ctx - len(tokens))
-        run = window.start(busy_slots=busy_slots, draft_seconds=self.seconds_per_token, room=room)
-        if room <= 0 or not run.pays():
-            return []
-        row = self._catch_up(seq, tokens)
-        draft: list[int] = []
-        while len(draft) < room:
-            token, confidence = greedy_pick(self.model.logits(row))
-            if token >= self.n_vocab or not run.offer(confidence):
-                break
-            draft.append(token)
-            if len(draft) == room or not run.pays():
-                break  # even a certain next token would not pay: skip its decode
-            row = self._decode(seq, [token], start=len(tokens) + len(draft) - 1)
-        return draft if run.worthwhile() else []
-
-    def keep(self, seq: int, n: int) -> None:
-        """Forget all but the first `n` cached tokens of `seq` (rejected drafts)."""
-        if len(self._cached[seq]) > n:
-            self.model.remove(seq, n)
-            del self._cached[seq][n:]
-
-    def _catch_up(self, seq: int, tokens: Sequence[int]) -> int:
-        """Decode what `seq` lacks of `tokens`; returns the batch row whose logits follow the last token."""
+    def begin(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
         cached = self._cached[seq]
         shared = 0
         limit = min(len(cached), len(tokens) - 1)  # the last token is always decoded again: its logits are needed
         while shared < limit and cached[shared] == tokens[shared]:
             shared += 1
-        self.keep(seq, shared)
+        self._keep(seq, shared)
         row = -1
-        for start in range(shared, len(tokens), self._n_batch):
-            row = self._decode(seq, tokens[start: start + self._n_batch], start=start)
-        return row
+        for start in range(shared, len(tokens), self.model.n_batch):
+            row = self._decode(seq, tokens[start: start + self.model.n_batch], start=start)
+        return self.model.logits(row)
+
+    def advance(self, seq: int, token: int, pos: int) -> np.ndarray:
+        return self.model.logits(self._decode(seq, [token], start=pos))
+
+    def end(self, seq: int, n_tokens: int) -> None:
+        pass  # the drafted tokens stay cached until verification says how many to keep
+
+    def accept(self, seq: int, *, start: int, accepted: int) -> None:
+        self._keep(seq, start + accepted)
+
+    def _keep(self, seq: int, n: int) -> None:
+        """Forget all but the first `n` cached tokens of `seq` (rejected drafts)."""
+        if len(self._cached[seq]) > n:
+            self.model.remove(seq, n)
+            del self._cached[seq][n:]
 
     def _decode(self, seq: int, tokens: Sequence[int], *, start: int) -> int:
         batch = Batch()
@@ -207,61 +199,49 @@ class DraftModel:
         self.model.close()
 
 
-class DraftModelDrafter:
-    """One request's view of the shared DraftModel: the same seq id as its slot in the target."""
+def draft_from(source: DraftSource, seq: int, tokens: Sequence[int], window: DraftWindow, *, busy_slots: int,
+               room: int) -> list[int]:
+    """The drafting loop over any DraftSource: greedy tokens while the window finds each one worth its row."""
+    room = min(room, source.n_ctx - len(tokens))
+    run = window.start(busy_slots=busy_slots, draft_seconds=source.seconds_per_token, room=room)
+    if room <= 0 or not run.pays():
+        return []
+    logits = source.begin(seq, tokens)
+    draft: list[int] = []
+    try:
+        while len(draft) < room:
+            token, confidence = greedy_pick(logits)
+            if token >= source.n_vocab or not run.offer(confidence):
+                break
+            draft.append(token)
+            if len(draft) == room or not run.pays():
+                break  # even a certain next token would not pay: skip its decode
+            logits = source.advance(seq, token, len(tokens) + len(draft) - 1)
+    finally:
+        source.end(seq, len(tokens))
+    return draft if run.worthwhile() else []
 
-    kind = "draft"
 
-    def __init__(self, model: DraftModel, request: "Request", window: DraftWindow):
-        self._model = model
-        self._request = request
+class SourceDrafter:
+    """One request's view of a shared DraftSource (a draft model, or the target's MTP head): the same seq id as its
+    slot in the target."""
+
+    def __init__(self, source: DraftSource, window: DraftWindow, *, kind: str):
+        self._source = source
         self.window = window
+        self.kind = kind
+        self._seq = 0
         self._start = 0  # length of `tokens` at the last proposal
 
-    def propose(self, tokens: Sequence[int], *, busy_slots: int, room: int) -> list[int]:
-        slot = self._request.slot  # assigned at schedule time, after this drafter was made
-        if slot is None:
-            return []
-        self._start = len(tokens)
-        return self._model.draft(slot.seq, tokens, self.window, busy_slots=busy_slots, room=room)
+    def propose(self, tokens: Sequence[int], *, seq: int, busy_slots: int, room: int) -> list[int]:
+        self._seq, self._start = seq, len(tokens)
+        return draft_from(self._source, seq, tokens, self.window, busy_slots=busy_slots, room=room)
 
     def feedback(self, *, drafted: int, accepted: int) -> None:
         self.window.record(drafted=drafted, accepted=accepted)
-        slot = self._request.slot
-        if drafted and slot is not None:
-            # The draft KV holds the tokens and (some of) the draft after them: keep what the target agreed with.
-            self._model.keep(slot.seq, self._start + accepted)
-
-    def close(self) -> None:
-        pass
-
-
-# ---------------------------------------------------------------------------------------------------------- MTP
-
-class MtpDrafter:
-    """One request's view of the target's MTP head (backends/llama_cpp_spec.MtpHead), which follows every target
-    decode on its own and drafts from the target's last hidden state."""
-
-    kind = "mtp"
-
-    def __init__(self, head, request: "Request", window: DraftWindow):
-        self._head = head
-        self._request = request
-        self.window = window
-        self._start = 0
-
-    def propose(self, tokens: Sequence[int], *, busy_slots: int, room: int) -> list[int]:
-        slot = self._request.slot
-        if slot is None:
-            return []
-        self._start = len(tokens)
-        return self._head.draft(slot.seq, tokens, self.window, busy_slots=busy_slots, room=room)
-
-    def feedback(self, *, drafted: int, accepted: int) -> None:
-        self.window.record(drafted=drafted, accepted=accepted)
-        slot = self._request.slot
-        if drafted and slot is not None:
-            self._head.accept(slot.seq, start=self._start, accepted=accepted)
+        if drafted:
+            # The source holds the tokens and (some of) the draft after them: keep what the target agreed with.
+            self._source.accept(self._seq, start=self._start, accepted=accepted)
 
     def close(self) -> None:
         pass
@@ -273,14 +253,14 @@ class GrammarCheckedDrafter:
     """Wraps a drafter for a grammar-constrained request: the draft passes through the request's grammar and stops at
     the first token the grammar forbids (the target could never accept it, so verifying it would be wasted)."""
 
-    def __init__(self, inner: Drafter, probe, *, n_prompt: int):
+    def __init__(self, inner: Drafter, probe: GrammarProbe, *, n_prompt: int):
         self.inner = inner
         self.kind = inner.kind
         self._probe = probe
         self._n_prompt = n_prompt
 
-    def propose(self, tokens: Sequence[int], *, busy_slots: int, room: int) -> list[int]:
-        draft = self.inner.propose(tokens, busy_slots=busy_slots, room=room)
+    def propose(self, tokens: Sequence[int], *, seq: int, busy_slots: int, room: int) -> list[int]:
+        draft = self.inner.propose(tokens, seq=seq, busy_slots=busy_slots, room=room)
         if not draft:
             return draft
         return draft[: self._probe.allowed(tokens[self._n_prompt:], draft)]

@@ -10,19 +10,16 @@ import numpy as np
 
 
 class StepCost:
-    """Seconds of a decode step of `rows` rows, all read out (decode rows and their drafts), modelled as
-    a + b * rows and fitted by exponentially weighted least squares over the engine's decode steps. Steps that carry
-    prefill chunks are left out: their rows skip the output layer and run faster kernels, and would make draft rows
-    look cheaper than they are. A light prior, scaled to the first step seen, says extra rows are cheap (`prior` of a
-    one-row step): optimistic, so drafts get tried and their real cost measured."""
+    """Seconds of a decode step of `rows` rows, all read out, modelled as a + b * rows: exponentially weighted least
+    squares over decode-only steps (prefill rows run other kernels), each step weighted by its rows, under a light
+    optimistic prior scaled to the first step (docs/benchmark-notes.md, "Rules in the code")."""
 
     def __init__(self, *, prior: float = 0.05, memory: float = 0.999):
-        # A long memory: costs are CPU seconds of the engine thread, steady for a loaded model, and what a few draft
-        # steps taught about the slope must outlive the long runs of same-sized steps between them.
+        # A long memory: what a few draft steps taught about the slope must outlive the same-sized steps between.
         self.prior = prior
         self.memory = memory
-        # Decayed, row-weighted sums of the fit: weight, rows, rows², seconds, rows x seconds. Plain floats: this
-        # runs after every decode step, speculating or not, and numpy's small arrays cost ten times more.
+        # Decayed, row-weighted sums of the fit: weight, rows, rows², seconds, rows x seconds. Plain floats: this runs
+        # after every decode step, and numpy's small arrays cost ten times more.
         self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)
         self._anchor: Optional[np.ndarray] = None  # prior coefficients, once a step gave them a scale
         self._coef = np.array([1.0, prior])  # in one-row steps until something is measured
@@ -33,9 +30,7 @@ class StepCost:
             return
         if self._anchor is None:
             self._anchor = self._coef * seconds / float(self._coef[0] + self._coef[1] * rows)
-        # Each step weighs as many as its rows: drafts are sized at the batch's size and above, and a step's cost
-        # bends there (llama.cpp's kernels get more from each row in a wider batch), so the few small steps as
-        # requests start and finish must not set the slope that large draft steps pay.
+        # Each step weighs as many as its rows: large draft steps pay the slope, not the few small steps.
         m, w = self.memory, float(rows)
         n, sx, sxx, sy, sxy = self._sums
         self._sums = (m * n + w, m * sx + w * rows, m * sxx + w * rows * rows, m * sy + w * seconds,
@@ -45,9 +40,7 @@ class StepCost:
     @property
     def coef(self) -> np.ndarray:
         if self._stale:
-            # The prior decides only what the data cannot: while every step has the same rows, a and b cannot be
-            # told apart, and the prior's cheap rows then get drafts tried where only the drafting request waits on
-            # them (a lone request: see may_try).
+            # The prior decides only what the data cannot: a and b apart while every step has the same rows.
             n, sx, sxx, sy, sxy = self._sums
             coef = np.linalg.solve(np.array([[n + 1.0, sx], [sx, sxx + 1.0]]), np.array([sy, sxy]) + self._anchor)
             self._coef = np.maximum(coef, [self._anchor[0] * 0.01, 0.0])
@@ -207,13 +200,8 @@ PER_TOKEN_CEILING = 0.995  # DraftWindow.per_token never believes a draft token 
 
 def may_try(cost: StepCost, busy_slots: int) -> bool:
     """May a batch of `busy_slots` generating requests carry drafts at all? Once the per-row cost is measured, or
-    when one request is alone: a trial then costs only the request that gambles on it.
-
-    A draft that misses in a shared batch holds up every request in it, so a shared batch never pays for a trial,
-    not even a short one of sure tokens: a dozen such trials, rejected, cost a batch of four 1-4% on smollm2, and
-    with rows that cost as much as a one-row step (a CPU) even accepted drafts of one request only move work from
-    the others. The cost is learned where trials are free for the rest: a lone request's drafts of varying length,
-    and batches that shrink and grow as requests finish and arrive."""
+    when one request is alone: a trial then costs only the request that gambles on it, never the rest of a shared
+    batch (docs/benchmark-notes.md, "Speculation in busy slots")."""
     return busy_slots <= 1 or cost.identified
 
 

@@ -1,0 +1,134 @@
+"""Speculation: what one loaded model offers for speculative decoding, and the drafter each request gets."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+from ...api import LoadOptions, SamplingOptions
+from ...backends.base import Batch, MtpHead
+from ...errors import InvalidInput, LocalLLMError
+from .drafters import DraftModel, Drafter, GrammarCheckedDrafter, NgramDrafter, SourceDrafter, check_same_vocab
+from .policy import DraftWindow, StepCost
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ...backends.base import LoadedModel
+    from ...models.store import ResolvedModel, Store
+
+log = logging.getLogger(__name__)
+
+
+GATE_STEPS = 32
+
+_MISSING_HINT = {
+    "draft": "add a DRAFT line to the Modelfile (or the draft load option) naming a smaller model of the same family",
+    "mtp": "only weights with MTP (nextn) layers have MTP heads",
+}
+
+
+
+class Speculation:
+    """What one loaded model offers for speculative decoding, and each request's drafter.
+
+    spec_type auto picks MTP when the weights carry MTP heads, else the Modelfile's DRAFT model when there is one,
+    else n-gram lookup; none (or spec_max_draft 0) turns speculation off for that request. The engine thread calls
+    every method but the constructor."""
+
+    def __init__(self, target: "LoadedModel", *, draft: Optional[DraftModel] = None, mtp: Optional[MtpHead] = None,
+                 window: type[DraftWindow] = DraftWindow):
+        self.target = target
+        self.draft_model = draft
+        self.mtp = mtp
+        self.cost = StepCost()
+        self._window = window
+        self._steps = 0
+        self._gate: dict[int, tuple[int, bool]] = {}  # busy slots -> (step, could any draft pay)
+        self._builders: dict[str, Callable[[DraftWindow], Drafter]] = {"ngram": NgramDrafter}
+        if draft is not None:
+            self._builders["draft"] = lambda window: SourceDrafter(draft, window, kind="draft")
+        if mtp is not None:
+            self._builders["mtp"] = lambda window: SourceDrafter(mtp, window, kind="mtp")
+
+    @property
+    def kind(self) -> str:
+        """The drafter `auto` picks (what `localllm ps` shows)."""
+        return next(k for k in ("mtp", "draft", "ngram") if k in self._builders)
+
+    def drafter_for(self, opts: SamplingOptions, *, grammar: Optional[str], n_prompt: int) -> Optional[Drafter]:
+        """A new request's drafter (None: it does not speculate); InvalidInput when its spec_type is not offered."""
+        kind = self.kind if opts.spec_type == "auto" else opts.spec_type
+        if kind == "none" or opts.spec_max_draft == 0:
+            return None
+        builder = self._builders.get(kind)
+        if builder is None:
+            raise InvalidInput(f"spec_type {kind!r} is not available for this model",
+                               hint=_MISSING_HINT[kind] + f"; it offers {', '.join(sorted(self._builders))}")
+        drafter = builder(self._window(opts.spec_max_draft, self.cost))
+        probe = self.target.grammar_probe(grammar) if grammar else None
+        return drafter if probe is None else GrammarCheckedDrafter(drafter, probe, n_prompt=n_prompt)
+
+    def may_draft(self, busy_slots: int) -> bool:
+        """Before a step: is it worth asking the drafters at all? (No: they are skipped.) The answer for a batch size
+        is kept for GATE_STEPS steps: the step cost moves slowly."""
+        steps, answer = self._gate.get(busy_slots, (-1, False))
+        if steps < 0 or self._steps - steps >= GATE_STEPS:
+            answer = self._window.any_draft_pays(self.cost, busy_slots)
+            self._gate[busy_slots] = (self._steps, answer)
+        return answer
+
+    def observe(self, batch: Batch, copies: Sequence[tuple[int, int, int]]) -> None:
+        """After every target decode, before sampling: the MTP head follows the batch."""
+        if self.mtp is not None:
+            self.mtp.observe(batch, copies)
+
+    def record_step(self, batch: Batch, seconds: float) -> None:
+        """After sampling: what the step cost in CPU seconds of the engine thread (decode, MTP follow-up and
+        sampling), for the draft window."""
+        self.cost.record(len(batch), sum(batch.logits), seconds)
+        self._steps += 1
+
+    def close(self) -> None:
+        """When the model unloads: free the draft contexts."""
+        if self.mtp is not None:
+            self.mtp.close()
+            self.mtp = None
+        if self.draft_model is not None:
+            self.draft_model.close()
+            self.draft_model = None
+
+
+def load_speculation(store: "Store", model: "ResolvedModel", load: LoadOptions,
+                     loaded: "LoadedModel") -> Speculation:
+    """The pool's drafter factory: called once per model load, on the loading thread, before the engine starts."""
+    draft = None
+    if load.draft:
+        weights = store.resolve(load.draft).weights
+        draft = open_draft_model(weights, load, loaded, name=load.draft)
+    return Speculation(loaded, draft=draft, mtp=open_mtp_head(loaded))
+
+
+def open_mtp_head(loaded: "LoadedModel") -> Optional[MtpHead]:
+    """The model's MTP head when its weights carry one and the backend runs it, else None."""
+    try:
+        return loaded.mtp_head()
+    except LocalLLMError as exc:  # e.g. nextn layers this llama.cpp cannot run as a head: speculate without them
+        log.warning("MTP head unavailable: %s", exc)
+        return None
+
+
+def open_draft_model(weights: "Path", load: LoadOptions, target: "LoadedModel", *, name: str) -> DraftModel:
+    """Load a draft model beside `target` (same slots and context per slot), checking it shares the vocabulary."""
+    from ...backends import choose_backend, get_backend
+
+    options = load.model_copy(update={"draft": None})
+    model = get_backend(choose_backend(options.backend, weights)).load(weights, options, n_seq=target.n_seq,
+                                                                       n_ctx=target.n_ctx)
+    try:
+        check_same_vocab(target, model, draft_name=name)
+    except BaseException:
+        model.close()
+        raise
+    log.info("draft model %s loaded beside the model: %d slots x %d tokens", name, model.n_seq, model.n_ctx)
+    return DraftModel(model, name=name, n_vocab=target.meta.n_vocab)
