@@ -12,6 +12,7 @@ from textual.binding import Binding
 from ..client.protocol import Client
 from ..conversation import Conversation
 from ..errors import LocalLLMError
+from .messages import ErrorReported
 from .screens.chat import ChatScreen
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,12 @@ class LocalLLMApp(App[None]):
         self._notice = notice
 
     def on_mount(self) -> None:
-        self.push_screen(ChatScreen(self.conversation))
+        self.push_screen(ChatScreen(self.client, self.conversation))
         if self._notice is not None:
             self.report(self._notice, title="Server")
+
+    def on_error_reported(self, message: ErrorReported) -> None:
+        self.report(message.error, title=message.title)
 
     def report(self, error: BaseException, *, title: str) -> None:
         """Show an error as a notification and log it with its cause (the traceback goes to the log)."""

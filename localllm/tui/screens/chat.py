@@ -20,8 +20,10 @@ from textual.widgets import Footer, Header, Markdown
 from textual.worker import get_current_worker
 
 from ... import api
+from ...client.protocol import Client
 from ...conversation import Conversation, is_model, rate
 from ...errors import LocalLLMError
+from ..messages import ErrorReported
 from ..widgets.engine_panel import EnginePanel
 from ..widgets.message_list import MessageList, MessageView
 from ..widgets.prompt_input import PromptInput
@@ -31,7 +33,6 @@ from .models import ModelsScreen
 if TYPE_CHECKING:
     from textual.widgets._markdown import MarkdownStream
 
-    from ..app import LocalLLMApp
 
 POLL_SECONDS = 2.0
 
@@ -53,17 +54,13 @@ class ChatScreen(Screen):
         error: Optional[LocalLLMError]
         epoch: int  # the chat it belongs to: an answer stopped by /clear or a model switch is not recorded
 
-    def __init__(self, conversation: Conversation):
+    def __init__(self, client: Client, conversation: Conversation):
         super().__init__()
+        self.client = client
         self.conversation = conversation
         self._server_up: Optional[bool] = None
         self._answering = False
         self._epoch = 0
-
-    @property
-    def client(self):
-        app: LocalLLMApp = self.app  # type: ignore[assignment]
-        return app.client
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -138,7 +135,7 @@ class ChatScreen(Screen):
         else:
             self.conversation.answered(event.text, event.timings)
         if event.error is not None:
-            self.app.report(event.error, title="Answer failed")  # type: ignore[attr-defined]
+            self.post_message(ErrorReported(event.error, title="Answer failed"))
         self._show_answer_figures()
         self.poll_engine()
 
@@ -166,7 +163,7 @@ class ChatScreen(Screen):
     def _server_state(self, error: Optional[LocalLLMError]) -> None:
         up = error is None
         if up != self._server_up and error is not None:
-            self.app.report(error, title="Server unreachable")  # type: ignore[attr-defined]
+            self.post_message(ErrorReported(error, title="Server unreachable"))
         self._server_up = up
         panel = self.query_one(EnginePanel)
         panel.figures = replace(panel.figures, server="connected" if up else "unreachable")
@@ -189,7 +186,7 @@ class ChatScreen(Screen):
         self.query_one(MessageList).clear_messages()
 
     def action_models(self) -> None:
-        self.app.push_screen(ModelsScreen(current=self.conversation.model), callback=self.use_model)
+        self.app.push_screen(ModelsScreen(self.client, current=self.conversation.model), callback=self.use_model)
 
     def use_model(self, model: Optional[str]) -> None:
         if not model or model == self.conversation.model:

@@ -13,7 +13,9 @@ from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Header, Input
 
 from ... import api
+from ...client.protocol import Client
 from ...errors import LocalLLMError
+from ..messages import ErrorReported
 from ..widgets.model_views import ModelDetails, PullView
 from .dialogs import ConfirmScreen
 
@@ -37,13 +39,10 @@ class ModelsScreen(Screen[Optional[str]]):
         Binding("r", "refresh", "Refresh"),
     ]
 
-    def __init__(self, *, current: str = ""):
+    def __init__(self, client: Client, *, current: str = ""):
         super().__init__()
+        self.client = client
         self.current = current
-
-    @property
-    def client(self):
-        return self.app.client  # type: ignore[attr-defined]
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -72,7 +71,7 @@ class ModelsScreen(Screen[Optional[str]]):
         try:
             listing = self.client.list_models()
         except LocalLLMError as exc:
-            self.app.call_from_thread(self.app.report, exc, title="Cannot list models")  # type: ignore[attr-defined]
+            self.post_message(ErrorReported(exc, title="Cannot list models"))
             return
         self.app.call_from_thread(self._fill_table, listing)
 
@@ -96,7 +95,7 @@ class ModelsScreen(Screen[Optional[str]]):
         try:
             info = self.client.show(name)
         except LocalLLMError as exc:
-            self.app.call_from_thread(self.app.report, exc, title=f"Cannot show {name}")  # type: ignore[attr-defined]
+            self.post_message(ErrorReported(exc, title=f"Cannot show {name}"))
             return
         self.app.call_from_thread(setattr, self.query_one(ModelDetails), "info", info)
 
@@ -128,7 +127,7 @@ class ModelsScreen(Screen[Optional[str]]):
             for progress in self.client.pull(name):
                 self.app.call_from_thread(setattr, view, "progress", progress)
         except LocalLLMError as exc:
-            self.app.call_from_thread(self.app.report, exc, title=f"Pull of {name} failed")  # type: ignore
+            self.post_message(ErrorReported(exc, title=f"Pull of {name} failed"))
             return
         self.app.call_from_thread(self.notify, f"Pulled {name}.", markup=False)
         self.app.call_from_thread(self.load_models)
@@ -160,7 +159,7 @@ class ModelsScreen(Screen[Optional[str]]):
         try:
             self.client.delete(name)
         except LocalLLMError as exc:
-            self.app.call_from_thread(self.app.report, exc, title=f"Cannot delete {name}")  # type: ignore
+            self.post_message(ErrorReported(exc, title=f"Cannot delete {name}"))
             return
         self.app.call_from_thread(self.notify, f"Deleted {name}.", markup=False)
         self.app.call_from_thread(self.load_models)
