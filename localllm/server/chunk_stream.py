@@ -5,7 +5,12 @@ thread that runs its iterator and hands every chunk to the event loop; a hop thr
 the loop about twice the CPU. The first chunk is awaited before any response starts: an error that comes before
 output (unknown model, context overflow, full queue) raises from `ChunkStream.open` and becomes a real HTTP status.
 Closing the stream makes the pump close the client's iterator at its next chunk, which cancels the request in the
-engine and frees its slot."""
+engine and frees its slot. At most BUFFERED chunks wait for a slow reader; then the pump waits too (and so does the
+request's output in the engine, bounded by its context).
+
+Why a pump thread, not a callback from the engine thread: the client's iterator does the per-request work between the
+engine and the wire (detokenized text, stop strings, tool-call parsing, thinking split), and that work must not run on
+the engine thread, whose every microsecond between decodes is paid by all slots (docs/benchmark-notes.md)."""
 
 from __future__ import annotations
 
@@ -17,12 +22,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Iterator, O
 import anyio
 from anyio.lowlevel import RunVar
 
-from .. import api
-
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _END = object()
+BUFFERED = 256  # chunks a stream holds for a reader that falls behind
 
 # A pump thread spends its life waiting for the engine's next chunk. The limiter bounds how many exist at once (one
 # limiter per event loop, as anyio keeps its own); a stream beyond it waits for one to end.
@@ -73,6 +77,7 @@ class ChunkStream(Generic[T]):
 
     def __init__(self, observe: Optional[Callable[[T], None]]):
         self._chunks: asyncio.Queue = asyncio.Queue()
+        self._room = threading.Semaphore(BUFFERED)  # taken by the pump per chunk, given back as the reader takes it
         self._stop = threading.Event()
         self._observe = observe
         self._first: Any = _END
@@ -87,11 +92,14 @@ class ChunkStream(Generic[T]):
         loop = asyncio.get_running_loop()
 
         def deliver(item: Any) -> bool:
+            last = item is _END or isinstance(item, _Failed)
+            if not last and not stream._wait_for_room():
+                return False
             try:
                 loop.call_soon_threadsafe(stream._chunks.put_nowait, item)
             except RuntimeError:  # the loop has closed (server shutdown): stop pumping
                 return False
-            if item is _END or isinstance(item, _Failed):
+            if last:
                 loop.call_soon_threadsafe(limiter.release_on_behalf_of, stream)
             return True
 
@@ -104,8 +112,17 @@ class ChunkStream(Generic[T]):
             raise
         return stream
 
+    def _wait_for_room(self) -> bool:
+        """On the pump thread: wait until the reader has taken enough chunks; False once the stream is closed."""
+        while not self._room.acquire(timeout=0.5):
+            if self._stop.is_set():
+                return False
+        return True
+
     async def _next(self) -> Any:
         item = await self._chunks.get()
+        if item is not _END and not isinstance(item, _Failed):
+            self._room.release()
         if isinstance(item, _Failed):
             raise item.exc
         if item is not _END and self._observe is not None:
@@ -144,29 +161,3 @@ class ChunkStream(Generic[T]):
         while not await disconnected():
             await anyio.sleep(0.25)
         scope.cancel()
-
-
-# ---------------------------------------------------------------------------------------------------------- merging
-
-def merge_generate(chunks: list[api.GenerateChunk]) -> api.GenerateChunk:
-    """One non-streamed answer: all the text, with the final chunk's reason and timings."""
-    last = chunks[-1]
-    thinking = "".join(c.thinking or "" for c in chunks)
-    return last.model_copy(update={"response": "".join(c.response for c in chunks), "thinking": thinking or None,
-                                   **_joined_tokens(chunks)})
-
-
-def merge_chat(chunks: list[api.ChatChunk]) -> api.ChatChunk:
-    """One non-streamed chat answer: content and thinking joined, every tool call kept."""
-    last = chunks[-1]
-    content = "".join(c.message.content for c in chunks)
-    thinking = "".join(c.message.thinking or "" for c in chunks)
-    calls = [call for c in chunks for call in (c.message.tool_calls or [])]
-    message = api.Message(role="assistant", content=content, thinking=thinking or None, tool_calls=calls or None)
-    return last.model_copy(update={"message": message, **_joined_tokens(chunks)})
-
-
-def _joined_tokens(chunks: list[Any]) -> dict[str, Any]:
-    tokens = [t for c in chunks for t in (c.tokens or [])]
-    logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
-    return {"tokens": tokens or None, "logprobs": logprobs or None}

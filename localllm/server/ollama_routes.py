@@ -13,8 +13,8 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from .. import api, config
-from .chunk_stream import ChunkStream, merge_chat, merge_generate
-from .responses import client_gone, ndjson_response
+from .chunk_stream import ChunkStream
+from .responses import client_gone, merge_chat, merge_generate, ndjson_response
 from .state import State
 
 router = APIRouter()

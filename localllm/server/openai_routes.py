@@ -8,10 +8,10 @@ from fastapi.responses import JSONResponse
 
 from ..errors import ModelNotFound
 from . import openai_render as render
-from .chunk_stream import ChunkStream, merge_chat, merge_generate
+from .chunk_stream import ChunkStream
 from .openai_requests import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, chat_request,
                               completion_request, embed_request)
-from .responses import client_gone, sse_response
+from .responses import client_gone, merge_chat, merge_generate, sse_response
 from .state import State
 
 router = APIRouter(prefix="/v1")

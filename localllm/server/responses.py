@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from .. import api
 from ..api import Timings
 from ..errors import LocalLLMError, QueueFull, Unauthorized
 from .chunk_stream import ChunkStream
@@ -146,3 +147,29 @@ def ndjson_response(stream: ChunkStream) -> StreamResponse:
 def sse_response(stream: ChunkStream, render: Callable[[ChunkStream], AsyncIterator[bytes]]) -> StreamResponse:
     """OpenAI's streaming format; `render` turns the chunks into `data: ...` events."""
     return StreamResponse(render(stream), stream, media_type="text/event-stream")
+
+
+# -------------------------------------------------------------------------------------------- non-streamed answers
+
+def merge_generate(chunks: list[api.GenerateChunk]) -> api.GenerateChunk:
+    """One non-streamed answer: all the text, with the final chunk's reason and timings."""
+    last = chunks[-1]
+    thinking = "".join(c.thinking or "" for c in chunks)
+    return last.model_copy(update={"response": "".join(c.response for c in chunks), "thinking": thinking or None,
+                                   **_joined_tokens(chunks)})
+
+
+def merge_chat(chunks: list[api.ChatChunk]) -> api.ChatChunk:
+    """One non-streamed chat answer: content and thinking joined, every tool call kept."""
+    last = chunks[-1]
+    content = "".join(c.message.content for c in chunks)
+    thinking = "".join(c.message.thinking or "" for c in chunks)
+    calls = [call for c in chunks for call in (c.message.tool_calls or [])]
+    message = api.Message(role="assistant", content=content, thinking=thinking or None, tool_calls=calls or None)
+    return last.model_copy(update={"message": message, **_joined_tokens(chunks)})
+
+
+def _joined_tokens(chunks: list[Any]) -> dict[str, Any]:
+    tokens = [t for c in chunks for t in (c.tokens or [])]
+    logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
+    return {"tokens": tokens or None, "logprobs": logprobs or None}
