@@ -44,9 +44,7 @@ class Figure:
         return {None: "—", True: "yes", False: "no"}[self.met]
 
 
-# Repeats of a Bracketed figure: equal work on both sides, so its median must ride out the host's bursts of load.
-# Identical runs here move by 2-4% when a burst lands, and with five repeats two bursts decided a median (REST four
-# streams read 1.01 and then 0.97 on unchanged code); nine need five.
+# Repeats of a Bracketed figure: its median must ride out bursts of host load (docs/benchmark-notes.md).
 BRACKET_REPEATS = 9
 
 

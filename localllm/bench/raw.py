@@ -41,7 +41,8 @@ class RawLoop:
         biases = (llama_cpp.llama_logit_bias * len(eog))()
         for i, tok in enumerate(eog):
             biases[i].token, biases[i].bias = tok, float("-inf")
-        llama_cpp.llama_sampler_chain_add(self.sampler, llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(eog), biases))
+        bias = llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(eog), biases)
+        llama_cpp.llama_sampler_chain_add(self.sampler, bias)
 
     def tokenize(self, text: str) -> list[int]:
         data = text.encode()

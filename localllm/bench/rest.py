@@ -101,8 +101,10 @@ def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads:
     threads = threads or config.NUM_THREAD.get()
     loop = RawLoop(path, n_ctx=n_ctx, threads=1)
     template = llama_cpp.llama_model_chat_template(loop.model, None)
-    render = (lambda text: loop.tokenize(render_chat(template.decode() if template else None,
-                                                     [{"role": "user", "content": text}])))
+
+    def render(text: str) -> list[int]:
+        return loop.tokenize(render_chat(template.decode() if template else None, [{"role": "user", "content": text}]))
+
     story, four = render(LONG_STORY), [render(p) for p in FOUR_PROMPTS]
     loop.close()
     raw1 = one = 0.0

@@ -28,7 +28,10 @@ def bench(
     resolved = Store().resolve(model)
     if resolved.format != "gguf":
         raise InvalidInput(f"{model} is an {resolved.format} model; the benchmark compares against llama.cpp (GGUF)")
-    log = (lambda msg: err_console.print(f"[dim]{msg}[/]"))
+
+    def log(msg: str) -> None:
+        err_console.print(f"[dim]{msg}[/]")
+
     figures = run_benchmarks(resolved.weights, n=tokens, threads=threads, log=log)
     if rest:
         figures += run_rest_benchmarks(resolved.weights, n=tokens, threads=threads, log=log)

