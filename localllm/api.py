@@ -372,3 +372,11 @@ class VersionResponse(_Model):
 
 class ErrorBody(_Model):
     error: str
+
+
+class PruneReport(_Model):
+    """What `localllm prune` removed (or would remove, with dry_run): paths relative to the store root."""
+
+    removed: list[str] = Field(default_factory=list)
+    freed: int = 0
+    dry_run: bool = False
