@@ -360,6 +360,7 @@ class ProcessModel(_Model):
     speculation: str = "none"
     draft_count: int = 0
     draft_accepted: int = 0
+    status: Optional[str] = None  # "removed": its model was deleted; it unloads when its running requests end
 
 
 class ProcessResponse(_Model):

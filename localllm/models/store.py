@@ -207,6 +207,16 @@ class Store:
         except (ModelNotFound, ModelFormatError, InvalidName):
             return None
 
+    def still_names(self, name: str, digest: str) -> bool:
+        """Whether `name` still stands for the model whose id is `digest` (a path: whether the file is there)."""
+        try:
+            ref = parse_ref(name)
+        except InvalidName:
+            return False
+        if ref.kind == "file":
+            return ref.path is not None and ref.path.is_file()
+        return self.manifest_digest(name) == digest
+
     def source_of(self, name: str) -> Optional[dict[str, Any]]:
         """Where a stored model was pulled from ({"url": ...}), when its pull recorded it."""
         try:
