@@ -267,6 +267,13 @@ class HFSource:
         self.repo = f"{ref.namespace}/{ref.name}"
         self.quant = ref.tag if ref.explicit_tag else DEFAULT_QUANT
         self.stored_name = ref.display
+        # Recorded in the manifest: the stored name is lower-cased, the repo's own spelling is kept for a re-pull.
+        self.source = {"hf": self.repo, "quant": self.quant}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "HFSource":
+        """The source a manifest's recorded {"hf": repo, "quant": tag} names."""
+        return cls(parse_ref(f"hf.co/{record['hf']}:{record['quant']}"))
 
     def pull(self, store: Store) -> Progress:
         yield api.PullProgress(status="pulling manifest")
@@ -290,7 +297,7 @@ class HFSource:
                                                    headers=_hf_headers())
             if not _stored_with_weights(store, self.stored_name, digest):
                 yield api.PullProgress(status="writing manifest")
-                store.write_model(self.stored_name, weights=digest)
+                store.write_model(self.stored_name, weights=digest, source=self.source)
         yield api.PullProgress(status="success")
 
 
@@ -311,7 +318,8 @@ class HFSource:
             digests[sibling.rfilename] = digest
         config_json = json.loads(store.blob_path(digests["config.json"]).read_bytes())
         yield api.PullProgress(status="writing manifest")
-        store.write_model(self.stored_name, weights=digests, fmt="mlx", details=mlx_details(config_json))
+        store.write_model(self.stored_name, weights=digests, fmt="mlx", details=mlx_details(config_json),
+                          source=self.source)
         yield api.PullProgress(status="success")
 
 

@@ -23,6 +23,16 @@ def repair_blobs(store: Store, name: Optional[str] = None) -> Progress:
             yield from _repair_one(store, digest, names)
 
 
+def _hf_source(store: Store, names: list[str]) -> Optional[HFSource]:
+    """The Hugging Face repo one of `names` was pulled from: as recorded in its manifest, else as its name says."""
+    for name in names:
+        record = store.source_of(name) or {}
+        if "hf" in record:
+            return HFSource.from_record(record)
+    hf_name = next((n for n in names if parse_ref(n).kind == "hf"), None)
+    return HFSource(parse_ref(hf_name)) if hf_name else None
+
+
 def _repair_one(store: Store, digest: str, names: list[str]) -> Progress:
     entry = next((e for e in CATALOG if e.digest == digest), None)
     if entry is not None:
@@ -30,10 +40,10 @@ def _repair_one(store: Store, digest: str, names: list[str]) -> Progress:
         with store.pin(digest):
             yield from CatalogSource(entry).fetch_blob(store)
         return
-    hf_name = next((n for n in names if parse_ref(n).kind == "hf"), None)
-    if hf_name is not None:
-        yield api.PullProgress(status=f"repairing {digest} from {hf_name}", digest=digest)
-        yield from HFSource(parse_ref(hf_name)).pull(store)
+    hf = _hf_source(store, names)
+    if hf is not None:
+        yield api.PullProgress(status=f"repairing {digest} from hf.co/{hf.repo}", digest=digest)
+        yield from hf.pull(store)
         return
     yield api.PullProgress(status=f"cannot repair {digest} of {', '.join(names)}: it has no catalog or Hugging Face "
                                   "source; pull or create it again", digest=digest)

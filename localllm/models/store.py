@@ -668,13 +668,13 @@ class PartialBlob:
 
     def write(self, data: bytes) -> None:
         assert self._file is not None, "the blob is already stored"
-        with disk_full_as_error(f"pulling {self.label}", self.path.parent, self._still_needed(len(data))):
+        with disk_full_as_error(f"pulling {self.label}", self.path.parent, self._still_needed()):
             self._file.write(data)
         self._hasher.update(data)
         self.completed += len(data)
 
-    def _still_needed(self, pending: int) -> int:
-        return self.size - self.completed if self.size is not None else pending
+    def _still_needed(self) -> Optional[int]:
+        return self.size - self.completed if self.size is not None else None
 
     def commit(self, source: str = "") -> str:
         """Check the bytes and move them into place; return the digest. A mismatch discards them. A blob learned
@@ -686,7 +686,7 @@ class PartialBlob:
         if self.done:
             return self.digest or ""
         assert self._file is not None
-        with disk_full_as_error(f"pulling {self.label}", self.path.parent, self._still_needed(0)):
+        with disk_full_as_error(f"pulling {self.label}", self.path.parent, self._still_needed()):
             _sync(self._file)
         actual = f"sha256-{self._hasher.hexdigest()}"
         problem = self._mismatch(actual)
