@@ -33,21 +33,31 @@ def check_free_space(folder: Path, needed: int, what: str) -> None:
 
 
 @contextmanager
-def disk_full_as_error(what: str, folder: Path, needed: Optional[int] = None) -> Iterator[None]:
-    """Within the block, a write that finds the disk (or the quota) full raises DiskFull instead of OSError."""
+def disk_full_as_error(what: str, folder: Path, needed: Optional[int] = None, *,
+                       written: Optional[int] = None) -> Iterator[None]:
+    """Within the block, a write that finds the disk (or the quota) full raises DiskFull instead of OSError.
+
+    Args:
+        needed: the bytes the whole write still needed, when known.
+        written: the bytes written before the disk filled up (said when `needed` is unknown).
+    """
     try:
         yield
     except OSError as exc:
         if exc.errno not in _FULL:
             raise
+        if needed is None and written is not None:
+            raise DiskFull(f"not enough disk space for {what}: the disk filled up after {size_text(written)} in "
+                           f"{folder}", hint=_HINT) from None
         raise _disk_full(what, folder, needed=needed, free=free_bytes(folder)) from None
+
+
+_HINT = "free some space (`localllm prune` removes unused blobs) or set LOCALLLM_HOME to a larger disk"
 
 
 def _disk_full(what: str, folder: Path, *, needed: Optional[int], free: int) -> DiskFull:
     amount = f"needs {size_text(needed)}, " if needed is not None else ""
-    return DiskFull(f"not enough disk space for {what}: {amount}{size_text(free)} free in {folder}",
-                    hint="free some space (`localllm prune` removes unused blobs) or set LOCALLLM_HOME to a "
-                         "larger disk")
+    return DiskFull(f"not enough disk space for {what}: {amount}{size_text(free)} free in {folder}", hint=_HINT)
 
 
 def size_text(size: int) -> str:

@@ -668,7 +668,8 @@ class PartialBlob:
 
     def write(self, data: bytes) -> None:
         assert self._file is not None, "the blob is already stored"
-        with disk_full_as_error(f"pulling {self.label}", self.path.parent, self._still_needed()):
+        with disk_full_as_error(f"pulling {self.label}", self.path.parent, self._still_needed(),
+                                written=self.completed):
             self._file.write(data)
         self._hasher.update(data)
         self.completed += len(data)
@@ -686,7 +687,8 @@ class PartialBlob:
         if self.done:
             return self.digest or ""
         assert self._file is not None
-        with disk_full_as_error(f"pulling {self.label}", self.path.parent, self._still_needed()):
+        with disk_full_as_error(f"pulling {self.label}", self.path.parent, self._still_needed(),
+                                written=self.completed):
             _sync(self._file)
         actual = f"sha256-{self._hasher.hexdigest()}"
         problem = self._mismatch(actual)
