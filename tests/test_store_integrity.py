@@ -310,3 +310,29 @@ def test_verify_repair_downloads_corrupt_blobs_again_in_place(server, hub, store
     invoke("rm", "local")
     repaired = invoke("verify", "--repair")
     assert repaired.exit_code == 0 and "all blobs intact" in repaired.output
+
+
+# ------------------------------------------------------------------------------------------------------- server
+
+@pytest.mark.models
+def test_the_server_notices_a_model_removed_from_the_command_line(models_home, tmp_path):
+    from localllm.client.local import LocalClient
+    from localllm.engine.pool import resolve_options
+    from localllm.server.app import create_app
+    from server_harness import private_home, serve_in_thread
+
+    home = private_home(models_home, tmp_path / "home")
+    client = LocalClient(store=Store(home / "models"))
+    model = client.store.resolve("smollm2:135m")
+    try:
+        with serve_in_thread(create_app(client)) as base:
+            load, _ = resolve_options(model, {})
+            with client.pool.acquire(model, load, keep_alive=600):  # a request still running on it
+                assert localllm("rm", "smollm2:135m", home=home).returncode == 0
+                (row,) = httpx.get(f"{base}/api/ps").json()["models"]
+                assert row["name"] == "smollm2:135m" and row["status"] == "removed"
+                answer = httpx.post(f"{base}/api/generate", json={"model": "smollm2:135m", "prompt": "hi"})
+                assert answer.status_code == 404
+            assert httpx.get(f"{base}/api/ps").json()["models"] == []  # unloaded once its request ended
+    finally:
+        client.close()
