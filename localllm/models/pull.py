@@ -392,7 +392,10 @@ class URLSource:
         after = store.manifest_digest(self.stored_name)
         if after is None or after == before or (store.source_of(self.stored_name) or {}).get("url") != self.url:
             return False
-        format_, weights = store.weights_of(self.stored_name)
+        try:
+            format_, weights = store.weights_of(self.stored_name)
+        except LocalLLMError:
+            return False
         return format_ == "gguf" and isinstance(weights, str) and store.has_trusted_blob(weights)
 
 

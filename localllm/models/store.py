@@ -215,7 +215,10 @@ class Store:
             return False
         if ref.kind == "file":
             return ref.path is not None and ref.path.is_file()
-        return self.manifest_digest(name) == digest
+        try:
+            return self.manifest_digest(name) == digest
+        except OSError:  # unreadable just now: not proof that it is gone
+            return True
 
     def source_of(self, name: str) -> Optional[dict[str, Any]]:
         """Where a stored model was pulled from ({"url": ...}), when its pull recorded it."""
@@ -230,11 +233,14 @@ class Store:
         """Remove a model's manifest, then the blobs no other manifest references; return the bytes freed."""
         ref = parse_ref(name)
         with self.lock():
-            manifest = self._read_manifest(ref)
-            path = self._manifest_path(manifest.ref)
+            path = self._manifest_path(ref)
+            try:
+                manifest: Optional[_Manifest] = self._read_manifest(ref)
+            except ModelFormatError:  # a broken manifest can still be removed; `prune` collects its blobs
+                manifest = None
             path.unlink()
             _remove_empty_parents(path.parent, stop=self.manifests_dir)
-            return self._collect(manifest)
+            return self._collect(manifest) if manifest is not None else 0
 
     def copy(self, source: str, destination: str) -> Optional[Replaced]:
         """Store the same manifest under a second name (same bytes, so the same id). A model already stored under
