@@ -384,7 +384,8 @@ class URLSource:
             yield api.PullProgress(status="verifying sha256 digest")
             digest = partial.commit(self.url)
             yield api.PullProgress(status="writing manifest")
-            store.write_model(self.stored_name, weights=digest, source={"url": self.url})
+            store.write_model(self.stored_name, weights=digest, source={
+                "url": self.url, "validator": partial.validator, "size": partial.completed})
         yield api.PullProgress(status="success")
 
     def _pulled_meanwhile(self, store: Store, before: Optional[str]) -> bool:
