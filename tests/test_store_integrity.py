@@ -332,3 +332,22 @@ def test_the_server_notices_a_model_removed_from_the_command_line(models_home, t
             assert httpx.get(f"{base}/api/ps").json()["models"] == []  # unloaded once its request ended
     finally:
         client.close()
+
+
+def test_prune_waits_for_a_pull_in_progress_and_takes_nothing_from_it(server, hub, store, ggufs, isolated_home):
+    hub.repos["org/one-GGUF"] = {"one.Q8_0.gguf": ggufs["v1"]}
+    hub.gate, hub.gate_after = threading.Event(), 64 * 1024
+    env = dict(os.environ, LOCALLLM_HOME=str(isolated_home), HF_ENDPOINT=server)
+    pull = subprocess.Popen([sys.executable, "-m", "localllm", "pull", "hf.co/org/one-GGUF:Q8_0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    waited, reports = threading.Event(), []
+    try:
+        _wait_for(lambda: store.partials(), pull)  # the pull is writing its partial file
+        pruner = threading.Thread(target=lambda: reports.append(store.prune(on_wait=waited.set)))
+        pruner.start()
+        assert waited.wait(timeout=120) and not reports  # it waits; it has removed nothing
+    finally:
+        hub.gate.set()
+    pruner.join(timeout=120)
+    assert pull.wait(timeout=120) == 0
+    assert reports[0].removed == [] and store.verify() == []

@@ -12,7 +12,7 @@ from rich.table import Table
 from .. import api
 from ..errors import IntegrityError, InvalidInput, ModelNotFound
 from ..models.names import parse_ref
-from .app import app, console
+from .app import app, console, err_console
 from .render import human_age, human_size, print_show, render_pull  # noqa: F401  (also imported from here)
 
 
@@ -153,7 +153,7 @@ def verify(model: Optional[str] = typer.Argument(None, help="one stored model (d
             render_pull(repair_blobs(store, model))
             problems = store.verify(model)
             _print_lines(f"still: {problem}" for problem in problems)
-        _print_prune(store.prune())
+        _print_prune(store.prune(on_wait=_say_waiting))
     if problems:
         hint = ("pull or create the affected models again" if repair else
                 "run `localllm verify --repair` to download them again, or `localllm rm` the affected models")
@@ -165,7 +165,11 @@ def verify(model: Optional[str] = typer.Argument(None, help="one stored model (d
 def prune(dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed, remove nothing")):
     """Remove blobs no model uses, partial downloads and leftovers of interrupted writes; say how much that freed.
     Waits for pulls and creates in progress to finish first."""
-    _print_prune(_store().prune(dry_run=dry_run))
+    _print_prune(_store().prune(dry_run=dry_run, on_wait=_say_waiting))
+
+
+def _say_waiting() -> None:
+    err_console.print("waiting for the pulls and creates in progress to finish…", highlight=False)
 
 
 def _print_lines(lines) -> None:

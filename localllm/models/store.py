@@ -30,7 +30,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, Iterator, Optional, Union
+from typing import Any, BinaryIO, Callable, Iterator, Optional, Union
 
 from .. import api, config
 from ..errors import DiskFull, IntegrityError, InvalidInput, InvalidName, ModelFormatError, ModelNotFound
@@ -389,10 +389,21 @@ class Store:
 
     # ------------------------------------------------------------------------------------------------- collecting
 
-    def prune(self, *, dry_run: bool = False) -> api.PruneReport:
+    def prune(self, *, dry_run: bool = False, on_wait: Optional[Callable[[], None]] = None) -> api.PruneReport:
         """Remove what no model needs: blobs no manifest names, partial downloads, temp files of interrupted writes,
-        MLX folders of removed models. Waits for pulls and creates in progress, so nothing they write is taken."""
-        with file_lock(self.locks_dir / "writers.lock"), self.lock():
+        MLX folders of removed models. Waits for pulls and creates in progress (calling `on_wait` first), so nothing
+        they write is taken."""
+        writers = self.locks_dir / "writers.lock"
+        with try_file_lock(writers) as free:
+            if free:
+                return self._prune(dry_run)
+        if on_wait is not None:
+            on_wait()
+        with file_lock(writers):
+            return self._prune(dry_run)
+
+    def _prune(self, dry_run: bool) -> api.PruneReport:
+        with self.lock():
             named, manifest_digests = self._named()
             doomed = [path for path in _children(self.blobs_dir)
                       if _is_leftover(path.name) or (_BLOB_NAME.match(path.name) and path.name not in named)]
