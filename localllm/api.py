@@ -360,6 +360,7 @@ class ProcessModel(_Model):
     speculation: str = "none"
     draft_count: int = 0
     draft_accepted: int = 0
+    status: Optional[str] = None  # "removed": its model was deleted; it unloads when its running requests end
 
 
 class ProcessResponse(_Model):
@@ -372,3 +373,11 @@ class VersionResponse(_Model):
 
 class ErrorBody(_Model):
     error: str
+
+
+class PruneReport(_Model):
+    """What `localllm prune` removed (or would remove, with dry_run): paths relative to the store root."""
+
+    removed: list[str] = Field(default_factory=list)
+    freed: int = 0
+    dry_run: bool = False

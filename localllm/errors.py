@@ -62,6 +62,12 @@ class NetworkError(LocalLLMError):
     status_code = 502
 
 
+class DiskFull(LocalLLMError):
+    """Not enough free space for a download or a write; the message says what, how much and where."""
+
+    status_code = 507
+
+
 class BackendUnavailable(LocalLLMError):
     """An optional backend whose package is not installed; the hint says what to install."""
 

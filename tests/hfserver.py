@@ -6,7 +6,9 @@ a file tree the way the Hugging Face hub does for the calls huggingface_hub and 
     GET /files/<file>                                a plain download (for URL pulls)
 
 Behaviours a test can switch on: drop the connection after some bytes (`drop_after`, for the first N responses),
-serve other bytes than the sha256 the model info announces (`corrupt`), or trickle the bytes (`delay`)."""
+serve other bytes than the sha256 the model info announces (`corrupt`), trickle the bytes (`delay`), hold every
+download after some bytes until the test opens a gate (`gate`, `gate_after`), send no ETag (`validators`), ignore
+If-Range like an old server (`if_range`), or send no Content-Length (`send_length`)."""
 
 from __future__ import annotations
 
@@ -67,12 +69,21 @@ class Hub:
     corrupt: bool = False
     delay: float = 0.0
     chunk: int = 64 * 1024
+    gate: Optional[threading.Event] = None
+    gate_after: int = 0
+    validators: bool = True
+    if_range: bool = True
+    send_length: bool = True
     requests: list[tuple[str, str, Optional[str]]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def ranges(self) -> list[Optional[str]]:
         """The Range headers of the file downloads, in order."""
         return [rng for method, path, rng in self.requests if method == "GET" and "/api/" not in path]
+
+    def downloads_of(self, name: str) -> int:
+        """How many GET requests asked for a file whose path ends with `name`."""
+        return sum(1 for method, path, _ in self.requests if method == "GET" and path.endswith(name))
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -116,8 +127,14 @@ class _Handler(BaseHTTPRequestHandler):
         if self.hub.corrupt:
             data = bytes(reversed(data))
         start = 0
+        etag = f'"{sha256_of(data)}"'
         match = re.match(r"bytes=(\d+)-$", self.headers.get("Range") or "")
-        headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{sha256_of(data)}"', "Accept-Ranges": "bytes"}
+        if_range = self.headers.get("If-Range")
+        if match and self.hub.if_range and if_range is not None and if_range != etag:
+            match = None  # RFC 9110: the file changed since the validator, so the whole file is sent
+        headers = {"X-Repo-Commit": COMMIT, "Accept-Ranges": "bytes"}
+        if self.hub.validators:
+            headers["ETag"] = etag
         if match:
             start = int(match.group(1))
             if start >= len(data):
@@ -131,13 +148,19 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         for key, value in headers.items():
             self.send_header(key, value)
-        self.send_header("Content-Length", str(len(body)))
+        if self.hub.send_length or not droppable:
+            self.send_header("Content-Length", str(len(body)))
+        else:
+            self.send_header("Connection", "close")  # the body ends where the connection does
+            self.close_connection = True
         self.end_headers()
         if not send_body:
             return
         drop = self._take_drop() if droppable else None
         sent = 0
         while sent < len(body):
+            if droppable and self.hub.gate is not None and sent >= self.hub.gate_after:
+                self.hub.gate.wait(timeout=120)
             if drop is not None and sent >= drop:
                 self.close_connection = True
                 self.connection.shutdown(2)  # mid-body: the client sees a connection closed early

@@ -239,3 +239,10 @@ def test_a_partial_blob_without_a_known_digest_is_named_by_its_bytes(store):
         partial.write(b"abc")
         digest = partial.commit()
     assert digest == "sha256-" + sha256_of(b"abc") and store.has_blob(digest)
+
+
+def test_a_manifest_that_is_not_json_can_still_be_removed(store, stored):
+    (store.manifests_dir / "localllm/library/tiny/1").write_text("{broken")
+    store.delete("tiny:1")
+    assert not store.exists("tiny:1") and store.has_blob(stored)  # its blob waits for prune
+    assert store.prune().removed == [f"blobs/{stored}"] and not store.has_blob(stored)

@@ -1,4 +1,4 @@
-"""Model commands: pull, list, show, rm, cp, create, verify. Each parses its arguments, calls the store / pull /
+"""Model commands: pull, list, show, rm, cp, create, verify, prune. Each parses its arguments, calls the store / pull /
 create functions and renders the result; errors are raised as errors.* and mapped to exit codes in cli/app.py."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from rich.table import Table
 from .. import api
 from ..errors import IntegrityError, InvalidInput, ModelNotFound
 from ..models.names import parse_ref
-from .app import app, console
+from .app import app, console, err_console
 from .render import human_age, human_size, print_show, render_pull  # noqa: F401  (also imported from here)
 
 
@@ -99,9 +99,13 @@ def _check_stored(store, name: str) -> None:
 @app.command()
 def cp(source: str = typer.Argument(..., help="stored model"),
        destination: str = typer.Argument(..., help="new name")):
-    """Copy a model under a new name (no bytes are copied)."""
-    _store().copy(source, destination)
-    console.print(f"copied '{parse_ref(source).display}' to '{parse_ref(destination).display}'", highlight=False)
+    """Copy a model under a new name (no bytes are copied); a model already under that name is replaced."""
+    replaced = _store().copy(source, destination)
+    line = f"copied '{parse_ref(source).display}' to '{parse_ref(destination).display}'"
+    if replaced is not None:
+        line += f" (replaced the previous '{replaced.name}' {replaced.digest.removeprefix('sha256-')[:12]}"
+        line += f", freed {human_size(replaced.freed)})" if replaced.freed else ")"
+    console.print(line, highlight=False)
 
 
 # ---------------------------------------------------------------------------------------------------------- create
@@ -135,12 +139,45 @@ def create(name: str = typer.Argument(..., help="name of the new model, e.g. me/
 # ---------------------------------------------------------------------------------------------------------- verify
 
 @app.command()
-def verify(model: Optional[str] = typer.Argument(None, help="one stored model (default: all)")):
+def verify(model: Optional[str] = typer.Argument(None, help="one stored model (default: all)"),
+           repair: bool = typer.Option(False, "--repair", help="download corrupt or missing catalog and Hugging "
+                                                              "Face blobs again in place, then prune")):
     """Re-hash the blobs of one model or of all models; exit 1 naming any corrupt or missing blob."""
-    problems = _store().verify(model)
-    for problem in problems:
-        console.print(problem, highlight=False, markup=False)
+    from ..models.repair import repair_blobs
+
+    store = _store()
+    problems = store.verify(model)
+    _print_lines(problems)
+    if repair:
+        if problems:
+            render_pull(repair_blobs(store, model))
+            problems = store.verify(model)
+            _print_lines(f"still: {problem}" for problem in problems)
+        _print_prune(store.prune(on_wait=_say_waiting))
     if problems:
-        raise IntegrityError(f"{len(problems)} problem(s) found",
-                             hint="remove the affected models with `localllm rm` and pull them again")
+        hint = ("pull or create the affected models again" if repair else
+                "run `localllm verify --repair` to download them again, or `localllm rm` the affected models")
+        raise IntegrityError(f"{len(problems)} problem(s) found", hint=hint)
     console.print("all blobs intact")
+
+
+@app.command()
+def prune(dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed, remove nothing")):
+    """Remove blobs no model uses, partial downloads and leftovers of interrupted writes; say how much that freed.
+    Waits for pulls and creates in progress to finish first."""
+    _print_prune(_store().prune(dry_run=dry_run, on_wait=_say_waiting))
+
+
+def _say_waiting() -> None:
+    err_console.print("waiting for the pulls and creates in progress to finish…", highlight=False)
+
+
+def _print_lines(lines) -> None:
+    for line in lines:
+        console.print(line, highlight=False, markup=False)
+
+
+def _print_prune(report: api.PruneReport) -> None:
+    verb = "would remove" if report.dry_run else "removed"
+    _print_lines(f"{verb} {path}" for path in report.removed)
+    console.print(f"{'would free' if report.dry_run else 'freed'} {human_size(report.freed)}", highlight=False)

@@ -182,6 +182,7 @@ def ps_table(models: Iterable[api.ProcessModel]) -> Table:
     for row in models:
         table.add_row(row.name, row.digest[:12], human_size(row.size), row.backend, _slots_text(row),
                       str(row.context_length), row.kv_type, _gpu_text(row.gpu_layers), _speculation_text(row),
+                      "removed, unloading" if row.status == "removed" else
                       human_until(row.expires_at, busy=row.slots_busy > 0))
     return table
 

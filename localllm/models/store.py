@@ -5,13 +5,18 @@ Layout under the root (`LOCALLLM_HOME/models` by default)::
     manifests/<host>/<namespace>/<name>/<tag>   JSON: config (format, cached details) + layers (media type, digest)
     blobs/sha256-<64 hex>                        the bytes; the same bytes are stored once
     blobs/sha256-<64 hex>-partial                a download in progress; the next pull resumes from it
+    blobs/<stem>-partial.json                     what a resumed download must match (validator, size)
     mlx/<manifest digest>/                        an MLX model's files as symlinks to its blobs, built on demand
-    locks/                                        one lock file per blob being written (several pulls, one writer)
+    corrupt/<digest>                              blobs `verify` found corrupt: a pull re-checks them before trusting
+    locks/store.lock                              exclusive: manifest changes and garbage collection
+    locks/writers.lock                            shared by every pull and create in progress; `prune` takes it whole
+    locks/<stem>.lock                             one per blob: one writer, and no collection while it is held
 
 Crash safety comes from the order of writes: a blob is renamed into place only after its sha256 checks, and a
 manifest (written to a temp file, then renamed) only after all its blobs exist. A kill at any moment therefore never
-leaves a listed model with a missing or corrupt blob. Every name and digest is validated (names.py) before a path is
-built from it."""
+leaves a listed model with a missing or corrupt blob. Races between processes are settled by the locks (locks.py): a
+blob is removed only under the store lock, when no manifest names it and no pull holds it. Every name and digest is
+validated (names.py) before a path is built from it."""
 
 from __future__ import annotations
 
@@ -21,14 +26,16 @@ import os
 import re
 import shutil
 import uuid
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, Iterator, Optional, Union
+from typing import Any, BinaryIO, Callable, Iterator, Optional, Union
 
 from .. import api, config
-from ..errors import IntegrityError, InvalidInput, InvalidName, ModelFormatError, ModelNotFound
+from ..errors import DiskFull, IntegrityError, InvalidInput, InvalidName, ModelFormatError, ModelNotFound
+from .diskspace import check_free_space, disk_full_as_error
+from .locks import file_lock, try_file_lock
 from .names import ModelRef, parse_digest, parse_ref
 
 MANIFEST_MEDIA = "application/vnd.localllm.manifest.v1+json"
@@ -45,6 +52,16 @@ MEDIA_ADAPTER = "application/vnd.localllm.adapter"
 WEIGHT_MEDIA = {"gguf": MEDIA_GGUF, "mlx": MEDIA_MLX}
 CHUNK = 1024 * 1024
 _MLX_FILE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+_BLOB_NAME = re.compile(r"^sha256-[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class Replaced:
+    """A manifest that a copy (or a write) replaced, and the bytes its unshared blobs gave back."""
+
+    name: str
+    digest: str
+    freed: int
 
 
 @dataclass(frozen=True)
@@ -97,6 +114,31 @@ class Store:
         self.manifests_dir = self.root / "manifests"
         self.mlx_dir = self.root / "mlx"
         self.locks_dir = self.root / "locks"
+        self.corrupt_dir = self.root / "corrupt"
+
+    # ------------------------------------------------------------------------------------------------- locks
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """The store-wide lock: every manifest change and every blob removal happens inside it (held briefly)."""
+        with file_lock(self.locks_dir / "store.lock"):
+            yield
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Held (shared) by a pull or create from its first new blob until its manifest is written, so that `prune`
+        never collects a blob that is about to be named."""
+        with file_lock(self.locks_dir / "writers.lock", shared=True):
+            yield
+
+    @contextmanager
+    def pin(self, digest: str) -> Iterator[None]:
+        """Hold one blob: a second pull of it waits here, and no collection removes it while held."""
+        with self.writing(), file_lock(self._blob_lock_path(parse_digest(digest))):
+            yield
+
+    def _blob_lock_path(self, stem: str) -> Path:
+        return self.locks_dir / f"{stem}.lock"
 
     # ------------------------------------------------------------------------------------------------- reading
 
@@ -145,38 +187,123 @@ class Store:
     def has_blob(self, digest: str) -> bool:
         return self.blob_path(digest).is_file()
 
+    def has_trusted_blob(self, digest: str, size: Optional[int] = None) -> bool:
+        """The blob is there with the expected size, and re-hashes clean if `verify` found it corrupt before."""
+        path = self.blob_path(digest)
+        if not path.is_file() or (size is not None and path.stat().st_size != size):
+            return False
+        if not self._marked_corrupt(digest):
+            return True
+        if self._check_blob(digest) is not None:
+            return False
+        self._mark_corrupt(digest, False)
+        return True
+
+    def manifest_digest(self, name: str) -> Optional[str]:
+        """The id of the manifest stored under `name` now (None when there is none): what a loaded model compares
+        with to notice it was removed or replaced by another process."""
+        try:
+            return self._read_manifest(parse_ref(name)).digest
+        except (ModelNotFound, ModelFormatError, InvalidName):
+            return None
+
+    def still_names(self, name: str, digest: str) -> bool:
+        """Whether `name` still stands for the model whose id is `digest` (a path: whether the file is there)."""
+        try:
+            ref = parse_ref(name)
+        except InvalidName:
+            return False
+        if ref.kind == "file":
+            return ref.path is not None and ref.path.is_file()
+        try:
+            return self.manifest_digest(name) == digest
+        except OSError:  # unreadable just now: not proof that it is gone
+            return True
+
+    def source_of(self, name: str) -> Optional[dict[str, Any]]:
+        """Where a stored model was pulled from ({"url": ...}), when its pull recorded it."""
+        try:
+            return self._read_manifest(parse_ref(name)).data.get("config", {}).get("source")
+        except (ModelNotFound, ModelFormatError, InvalidName):
+            return None
+
     # ------------------------------------------------------------------------------------------------- changing
 
-    def delete(self, name: str) -> None:
-        """Remove a model's manifest, then the blobs no other manifest references."""
-        manifest = self._read_manifest(parse_ref(name))
-        path = self._manifest_path(manifest.ref)
-        path.unlink()
-        _remove_empty_parents(path.parent, stop=self.manifests_dir)
-        still_used = {layer["digest"] for other in self._all_manifests() for layer in other.layers}
-        for layer in manifest.layers:
-            if layer["digest"] not in still_used:
-                self.blob_path(layer["digest"]).unlink(missing_ok=True)
-        shutil.rmtree(self.mlx_dir / manifest.digest, ignore_errors=True)
+    def delete(self, name: str) -> int:
+        """Remove a model's manifest, then the blobs no other manifest references; return the bytes freed."""
+        ref = parse_ref(name)
+        with self.lock():
+            path = self._manifest_path(ref)
+            try:
+                manifest: Optional[_Manifest] = self._read_manifest(ref)
+            except ModelFormatError:  # a broken manifest can still be removed; `prune` collects its blobs
+                manifest = None
+            path.unlink()
+            _remove_empty_parents(path.parent, stop=self.manifests_dir)
+            return self._collect(manifest) if manifest is not None else 0
 
-    def copy(self, source: str, destination: str) -> None:
-        """Store the same manifest under a second name (same bytes, so the same id)."""
-        manifest = self._read_manifest(parse_ref(source))
+    def copy(self, source: str, destination: str) -> Optional[Replaced]:
+        """Store the same manifest under a second name (same bytes, so the same id). A model already stored under
+        `destination` is replaced (as Ollama does) and returned, its unshared blobs collected."""
         target = parse_ref(destination)
-        _atomic_write(self._manifest_path(target), _manifest_bytes(manifest.data))
+        with self.lock():
+            manifest = self._read_manifest(parse_ref(source))
+            return self._write_manifest(target, manifest.data)
+
+    def _write_manifest(self, ref: ModelRef, data: dict[str, Any]) -> Optional[Replaced]:
+        """Write a manifest whose blobs all exist (checked here, under the store lock, so none can be dangling);
+        collect what a replaced manifest no longer shares. Call with the store lock held."""
+        for layer in data.get("layers", []):
+            if not self.has_blob(layer["digest"]):
+                raise IntegrityError(f"blob {layer['digest']} of {ref.display!r} is no longer in the store",
+                                     hint="another process removed it meanwhile; pull or create the model again")
+        path = self._manifest_path(ref)
+        try:
+            old: Optional[_Manifest] = self._read_manifest(ref) if path.is_file() else None
+        except ModelFormatError:
+            old = None
+        _atomic_write(path, _manifest_bytes(data))
+        if old is None:
+            return None
+        freed = self._collect(old) if old.digest != self._read_manifest(ref).digest else 0
+        return Replaced(old.ref.display, old.digest, freed)
+
+    def _collect(self, gone: _Manifest) -> int:
+        """Remove the blobs of a manifest that was just deleted or replaced which no manifest names now and no pull
+        holds; return the bytes freed. Call with the store lock held."""
+        named, manifest_digests = self._named()
+        freed = 0
+        for digest in {layer["digest"] for layer in gone.layers} - named:
+            with try_file_lock(self._blob_lock_path(digest)) as free:
+                if free:  # a pull that holds it is about to name it; `prune` collects it later if not
+                    freed += _remove(self.blob_path(digest))
+                    self._mark_corrupt(digest, False)
+        if gone.digest not in manifest_digests:
+            shutil.rmtree(self.mlx_dir / gone.digest, ignore_errors=True)
+        return freed
+
+    def _named(self) -> tuple[set[str], set[str]]:
+        """(every blob digest some manifest names, every manifest digest)."""
+        manifests = list(self._all_manifests())
+        return {layer["digest"] for m in manifests for layer in m.layers}, {m.digest for m in manifests}
 
     def add_blob_from_file(self, path: Path) -> str:
         """Copy a file into the blobs (hashing as it goes) and return its digest; known bytes are not stored twice."""
         path = Path(path).expanduser()
         if not path.is_file():
             raise InvalidInput(f"no file at {path}")
-        with path.open("rb") as source:
+        size = path.stat().st_size
+        self.blobs_dir.mkdir(parents=True, exist_ok=True)
+        check_free_space(self.blobs_dir, size, f"a copy of {path}")
+        with self.writing(), path.open("rb") as source, \
+                disk_full_as_error(f"a copy of {path}", self.blobs_dir, size):
             return self._add_blob_from_stream(source)
 
     def add_blob_from_bytes(self, data: bytes) -> str:
         digest = f"sha256-{hashlib.sha256(data).hexdigest()}"
-        if not self.has_blob(digest):
+        if not self.has_trusted_blob(digest):
             _atomic_write(self.blob_path(digest), data)
+            self._mark_corrupt(digest, False)
         return digest
 
     @contextmanager
@@ -191,19 +318,30 @@ class Store:
         """
         digest = parse_digest(digest) if digest is not None else None
         stem = digest or f"download-{hashlib.sha256(key.encode()).hexdigest()[:32]}"
-        with _file_lock(self.locks_dir / f"{stem}.lock"):
-            partial = PartialBlob(self, digest, self.blobs_dir / f"{stem}-partial", size)
+        with self.writing(), file_lock(self._blob_lock_path(stem)), ExitStack() as pins:
+            partial = PartialBlob(self, digest, self.blobs_dir / f"{stem}-partial", size, pins=pins,
+                                  label=key or digest or stem)
             try:
+                partial.ensure_room()
                 yield partial
+            except DiskFull:
+                partial.discard()  # never leave the disk full
+                raise
+            except BaseException:
+                if not partial.resumable:
+                    partial.discard()
+                raise
             finally:
                 partial.close()
+                if not partial.done and partial.completed == 0:
+                    partial.discard()  # nothing received: no empty file left behind
 
     def write_model(self, name: str, *, weights: Union[str, dict[str, str]], fmt: str = "gguf",
                     template: Optional[str] = None, system: Optional[str] = None,
                     parameters: Optional[dict[str, Any]] = None, messages: Optional[list] = None,
                     license: Union[str, list[str], None] = None, draft: Optional[str] = None,
-                    adapters: Optional[list[str]] = None, details: Optional[api.ModelDetails] = None
-                    ) -> ResolvedModel:
+                    adapters: Optional[list[str]] = None, details: Optional[api.ModelDetails] = None,
+                    source: Optional[dict[str, Any]] = None) -> ResolvedModel:
         """Write (or replace) the manifest of `name` from blobs already in the store.
 
         Args:
@@ -213,19 +351,22 @@ class Store:
             draft: a model name, kept as a reference (the draft's weights are resolved when loading).
             adapters: digests of adapter blobs.
             details: cached for `list`; read from the GGUF metadata when not given.
+            source: where the weights came from ({"url": ...}), kept in the manifest's config.
         """
         ref = parse_ref(name)
-        path = self._manifest_path(ref)
-        layers = self._weight_layers(weights, fmt)
-        layers += self._extra_layers(template=template, system=system, parameters=parameters, messages=messages,
-                                     license=license, draft=draft, adapters=adapters)
-        if details is None and fmt == "gguf":
-            details = _inspect_details(self.blob_path(layers[0]["digest"]))
-        model_config: dict[str, Any] = {"format": fmt}
-        if details is not None:
-            model_config["details"] = details.model_dump(mode="json")
-        data = {"schemaVersion": 2, "mediaType": MANIFEST_MEDIA, "config": model_config, "layers": layers}
-        _atomic_write(path, _manifest_bytes(data))
+        with self.lock():  # the blobs checked here cannot be collected before the manifest names them
+            layers = self._weight_layers(weights, fmt)
+            layers += self._extra_layers(template=template, system=system, parameters=parameters,
+                                         messages=messages, license=license, draft=draft, adapters=adapters)
+            if details is None and fmt == "gguf":
+                details = _inspect_details(self.blob_path(layers[0]["digest"]))
+            model_config: dict[str, Any] = {"format": fmt}
+            if details is not None:
+                model_config["details"] = details.model_dump(mode="json")
+            if source:
+                model_config["source"] = source
+            data = {"schemaVersion": 2, "mediaType": MANIFEST_MEDIA, "config": model_config, "layers": layers}
+            self._write_manifest(ref, data)
         return self.resolve(ref.display)
 
     # ------------------------------------------------------------------------------------------------- checking
@@ -240,9 +381,74 @@ class Store:
                 digest = layer["digest"]
                 if digest not in checked:
                     checked[digest] = self._check_blob(digest)
+                    if self.has_blob(digest):
+                        self._mark_corrupt(digest, checked[digest] is not None)
                 if checked[digest]:
                     problems.append(f"{manifest.ref.display}: {checked[digest]}")
         return problems
+
+    # ------------------------------------------------------------------------------------------------- collecting
+
+    def prune(self, *, dry_run: bool = False, on_wait: Optional[Callable[[], None]] = None) -> api.PruneReport:
+        """Remove what no model needs: blobs no manifest names, partial downloads, temp files of interrupted writes,
+        MLX folders of removed models. Waits for pulls and creates in progress (calling `on_wait` first), so nothing
+        they write is taken."""
+        writers = self.locks_dir / "writers.lock"
+        with try_file_lock(writers) as free:
+            if free:
+                return self._prune(dry_run)
+        if on_wait is not None:
+            on_wait()
+        with file_lock(writers):
+            return self._prune(dry_run)
+
+    def _prune(self, dry_run: bool) -> api.PruneReport:
+        with self.lock():
+            named, manifest_digests = self._named()
+            doomed = [path for path in _children(self.blobs_dir)
+                      if _is_leftover(path.name) or (_BLOB_NAME.match(path.name) and path.name not in named)]
+            doomed += [path for path in _children(self.mlx_dir) if path.name not in manifest_digests]
+            doomed += [path for path in _children(self.corrupt_dir) if path.name not in named]
+            doomed += [path for path in self.manifests_dir.rglob(".*") if ".tmp-" in path.name] \
+                if self.manifests_dir.is_dir() else []
+            report = api.PruneReport(removed=[str(p.relative_to(self.root)) for p in doomed],
+                                     freed=sum(_size_of(p) for p in doomed), dry_run=dry_run)
+            if not dry_run:
+                for path in doomed:
+                    _remove(path)
+                self._remove_blob_locks()
+            return report
+
+    def _remove_blob_locks(self) -> None:
+        # Safe only here: every holder of a blob lock holds the writers lock first, which prune holds whole.
+        for path in _children(self.locks_dir):
+            if path.suffix == ".lock" and path.name not in ("store.lock", "writers.lock"):
+                path.unlink(missing_ok=True)
+
+    def partials(self) -> list[Path]:
+        """Partial downloads kept to be resumed (a pull of the same source continues them; `prune` removes them)."""
+        return [path for path in _children(self.blobs_dir) if path.name.endswith("-partial")]
+
+    def damaged(self, name: Optional[str] = None) -> dict[str, list[str]]:
+        """{digest: the models naming it} for each missing blob and each blob `verify` marked corrupt."""
+        manifests = [self._read_manifest(parse_ref(name))] if name else list(self._all_manifests())
+        found: dict[str, list[str]] = {}
+        for manifest in manifests:
+            for digest in dict.fromkeys(layer["digest"] for layer in manifest.layers):
+                if not self.has_blob(digest) or self._marked_corrupt(digest):
+                    found.setdefault(digest, []).append(manifest.ref.display)
+        return found
+
+    def _marked_corrupt(self, digest: str) -> bool:
+        return (self.corrupt_dir / parse_digest(digest)).exists()
+
+    def _mark_corrupt(self, digest: str, corrupt: bool) -> None:
+        marker = self.corrupt_dir / parse_digest(digest)
+        if corrupt:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        else:
+            marker.unlink(missing_ok=True)
 
     def _check_blob(self, digest: str) -> Optional[str]:
         path = self.blob_path(digest)
@@ -407,20 +613,33 @@ class Store:
 
 class PartialBlob:
     """Bytes arriving for one blob. They are appended to a `-partial` file that survives a crash; `completed` says
-    where a resumed download starts. `commit()` checks size and sha256, then renames the file into place."""
+    where a resumed download starts. Beside it, `-partial.json` keeps what those bytes must match to be resumed:
+    the source's validator (a strong ETag or Last-Modified) and the total size. `commit()` checks size and sha256,
+    then renames the file into place."""
 
-    def __init__(self, store: Store, digest: Optional[str], path: Path, size: Optional[int]):
+    def __init__(self, store: Store, digest: Optional[str], path: Path, size: Optional[int], *,
+                 pins: Optional[ExitStack] = None, label: str = ""):
         self.store = store
         self.digest = digest
         self.path = path
+        self.meta_path = path.with_name(path.name + ".json")
         self.size = size
-        self.done = bool(digest) and store.has_blob(digest)
+        self.label = label or path.name
+        self.validator: Optional[str] = None
+        self.done = bool(digest) and store.has_trusted_blob(digest, size)
+        self._pins = pins
         self._hasher = hashlib.sha256()
         self._file: Optional[BinaryIO] = None
         self.completed = 0 if self.done else self._resume()
 
+    @property
+    def resumable(self) -> bool:
+        """Whether the bytes kept can be continued later: a pinned digest or a recorded validator proves them."""
+        return self.completed > 0 and (self.digest is not None or self.validator is not None)
+
     def _resume(self) -> int:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._read_meta()
         if self.path.exists() and self.size is not None and self.path.stat().st_size > self.size:
             self.path.unlink()  # longer than the blob can be: not worth trusting
         self._file = self.path.open("a+b")
@@ -429,22 +648,55 @@ class PartialBlob:
             self._hasher.update(block)
         return self._file.tell()
 
+    def _read_meta(self) -> None:
+        try:
+            meta = json.loads(self.meta_path.read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(meta.get("validator"), str):
+            self.validator = meta["validator"]
+        if self.size is None and isinstance(meta.get("size"), int):
+            self.size = meta["size"]
+
+    def remember(self, validator: Optional[str], size: Optional[int]) -> None:
+        """Record what the source said at the start of a full download, for a later resume to compare against."""
+        self.validator = validator
+        if size is not None and (self.size is None or self.digest is None):
+            self.size = size
+        with disk_full_as_error(f"pulling {self.label}", self.path.parent):
+            _atomic_write(self.meta_path, json.dumps({"validator": validator, "size": self.size}).encode())
+
+    def ensure_room(self) -> None:
+        """Refuse now, before any byte is written, when the rest of the blob cannot fit on the disk."""
+        if self.size is not None and not self.done:
+            check_free_space(self.path.parent, self.size - self.completed, f"pulling {self.label}")
+
     def restart(self) -> None:
-        """Drop what was received (the source could not resume where we stopped)."""
+        """Drop what was received (the source could not resume where we stopped, or its file changed)."""
         assert self._file is not None
         self._file.truncate(0)
         self._file.seek(0)
         self._hasher = hashlib.sha256()
         self.completed = 0
+        self.validator = None
+        if self.digest is None:
+            self.size = None  # a URL's size is learned again from the response
+        self.meta_path.unlink(missing_ok=True)
 
     def write(self, data: bytes) -> None:
         assert self._file is not None, "the blob is already stored"
-        self._file.write(data)
+        with disk_full_as_error(f"pulling {self.label}", self.path.parent, self._still_needed(),
+                                written=self.completed):
+            self._file.write(data)
         self._hasher.update(data)
         self.completed += len(data)
 
+    def _still_needed(self) -> Optional[int]:
+        return self.size - self.completed if self.size is not None else None
+
     def commit(self, source: str = "") -> str:
-        """Check the bytes and move them into place; return the digest. A mismatch discards them.
+        """Check the bytes and move them into place; return the digest. A mismatch discards them. A blob learned
+        only now (no digest was known) is pinned until the open_partial block ends, so its manifest can be written.
 
         Raises:
             IntegrityError: the size or the sha256 is not the one expected (the message names `source`).
@@ -452,19 +704,24 @@ class PartialBlob:
         if self.done:
             return self.digest or ""
         assert self._file is not None
-        _sync(self._file)
+        with disk_full_as_error(f"pulling {self.label}", self.path.parent, self._still_needed(),
+                                written=self.completed):
+            _sync(self._file)
         actual = f"sha256-{self._hasher.hexdigest()}"
         problem = self._mismatch(actual)
         if problem:
-            self.close()
-            self.path.unlink(missing_ok=True)
+            self.discard()
             raise IntegrityError(f"{problem}{' from ' + source if source else ''}; the download was discarded",
                                  hint="pull again; if it keeps failing the source is serving other bytes")
         self.close()
-        if self.store.has_blob(actual):
+        if self._pins is not None and self.digest is None:
+            self._pins.enter_context(file_lock(self.store._blob_lock_path(actual)))
+        if self.store.has_blob(actual) and not self.store._marked_corrupt(actual):
             self.path.unlink()
-        else:
+        else:  # new, or replacing a corrupt copy in place (models that name it are whole again)
             os.replace(self.path, self.store.blob_path(actual))
+            self.store._mark_corrupt(actual, False)
+        self.meta_path.unlink(missing_ok=True)
         self.done, self.digest = True, actual
         return actual
 
@@ -474,6 +731,13 @@ class PartialBlob:
         if self.digest and actual != self.digest:
             return f"sha256 mismatch: expected {self.digest}, got {actual}"
         return None
+
+    def discard(self) -> None:
+        """Remove the bytes received and what was recorded about them."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+        self.meta_path.unlink(missing_ok=True)
+        self.completed = 0
 
     def close(self) -> None:
         if self._file is not None:
@@ -542,7 +806,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
     try:
-        with temp.open("wb") as out:
+        with disk_full_as_error(f"writing {path.name}", path.parent, len(data)), temp.open("wb") as out:
             out.write(data)
             _sync(out)
         os.replace(temp, path)
@@ -561,22 +825,30 @@ def _remove_empty_parents(folder: Path, *, stop: Path) -> None:
         folder = folder.parent
 
 
+def _children(folder: Path) -> list[Path]:
+    return sorted(folder.iterdir()) if folder.is_dir() else []
+
+
+def _remove(path: Path) -> int:
+    """Remove a file, a link or a folder; return the bytes it held (0 if it was gone already)."""
+    size = _size_of(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+    return size
+
+
+def _size_of(path: Path) -> int:
+    if path.is_dir() and not path.is_symlink():
+        return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+    return path.lstat().st_size if path.exists() or path.is_symlink() else 0
+
+
+def _is_leftover(name: str) -> bool:
+    """A temp file of an interrupted write, or a partial download with its notes."""
+    return name.startswith(".") and ".tmp-" in name or name.endswith(("-partial", "-partial.json"))
+
+
 def _last(values: list[str]) -> Optional[str]:
     return values[-1] if values else None
-
-
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock between processes (several pulls of one blob wait for the first; then find it stored)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        try:
-            import fcntl
-        except ImportError:  # Windows: no advisory locks; the sha256 check still guards the result
-            yield
-            return
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
