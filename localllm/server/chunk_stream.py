@@ -162,8 +162,9 @@ def merge_chat(chunks: list[api.ChatChunk]) -> api.ChatChunk:
     content = "".join(c.message.content for c in chunks)
     thinking = "".join(c.message.thinking or "" for c in chunks)
     calls = [call for c in chunks for call in (c.message.tool_calls or [])]
+    deltas = [delta for c in chunks for delta in (c.tool_call_deltas or [])]
     message = api.Message(role="assistant", content=content, thinking=thinking or None, tool_calls=calls or None)
-    return last.model_copy(update={"message": message, **_joined_tokens(chunks)})
+    return last.model_copy(update={"message": message, "tool_call_deltas": deltas or None, **_joined_tokens(chunks)})
 
 
 def _joined_tokens(chunks: list[Any]) -> dict[str, Any]:
