@@ -271,9 +271,13 @@ def test_completions_prompt_list_echo_and_token_ids(oai, base_url):
     alone = [oai.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0).choices[0].text
              for p in ("The sky is", "One, two,")]
     assert [c.text for c in many.choices] == alone
+    counts = [oai.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0).usage.prompt_tokens
+              for p in ("The sky is", "One, two,")]
+    assert many.usage.prompt_tokens == sum(counts)  # each prompt counted
     crossed = oai.completions.create(model=MODEL, prompt=["The sky is", "One, two,"], n=2, max_tokens=4,
                                      temperature=0)
     assert [c.text for c in crossed.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    assert crossed.usage.prompt_tokens == sum(counts)  # each prompt once, whatever n
     echoed = oai.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, echo=True)
     assert echoed.choices[0].text == "The sky is" + alone[0]
     streamed = list(oai.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, echo=True,

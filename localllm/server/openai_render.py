@@ -28,12 +28,14 @@ def finish_reason(done_reason: Optional[str], *, tool_calls: bool = False) -> st
     return "tool_calls" if tool_calls else "stop"
 
 
-def usage(chunks: list[api.Timings]) -> dict[str, Any]:
-    """Usage of one answer, or of n answers to one prompt (OpenAI counts the shared prompt once)."""
-    prompt = max(c.prompt_eval_count for c in chunks)
+def usage(*chunks: api.Timings, per_prompt: int = 1) -> dict[str, Any]:
+    """Usage of answers in index order, `per_prompt` of them to each prompt: OpenAI counts each prompt once (its
+    first answer's figures) and every answer's tokens."""
+    firsts = chunks[::max(1, per_prompt)]
+    prompt = sum(c.prompt_eval_count for c in firsts)
     completion = sum(c.eval_count for c in chunks)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": max(c.prompt_cache_count for c in chunks)}}
+            "prompt_tokens_details": {"cached_tokens": sum(c.prompt_cache_count for c in firsts)}}
 
 
 def tool_calls(calls: list[api.ToolCall]) -> list[dict[str, Any]]:
@@ -116,7 +118,7 @@ def chat_choice(index: int, merged: api.ChatChunk) -> dict[str, Any]:
 def chat_completion(answers: list[api.ChatChunk], envelope: Envelope) -> dict[str, Any]:
     """The merged answers (one per choice, in index order) as one chat.completion."""
     choices = [chat_choice(index, merged) for index, merged in enumerate(answers)]
-    return envelope.wrap("chat.completion", choices, usage=usage(answers))
+    return envelope.wrap("chat.completion", choices, usage=usage(*answers, per_prompt=len(answers)))
 
 
 @dataclass
@@ -154,7 +156,8 @@ class ChatEvents:
     def closing(self) -> list[dict[str, Any]]:
         if not self.include_usage or not self.finals:
             return []
-        return [self.envelope.wrap("chat.completion.chunk", [], usage=usage(self.finals))]
+        return [self.envelope.wrap("chat.completion.chunk", [],
+                                   usage=usage(*self.finals, per_prompt=len(self.finals)))]
 
     def _delta(self, index: int, delta: dict[str, Any], *, finish: Optional[str] = None,
                logprobs: Optional[list[api.TokenLogprob]] = None) -> dict[str, Any]:
@@ -183,16 +186,17 @@ class CompletionLogprobs:
                 "text_offset": offsets}
 
 
-def text_completion(answers: list[api.GenerateChunk], envelope: Envelope,
-                    echoes: Optional[list[str]] = None) -> dict[str, Any]:
-    """The merged answers (one per choice) as one text_completion; `echoes[i]` is prepended to choice i (`echo`)."""
+def text_completion(answers: list[api.GenerateChunk], envelope: Envelope, echoes: Optional[list[str]] = None,
+                    n: int = 1) -> dict[str, Any]:
+    """The merged answers (one per choice, `n` per prompt) as one text_completion; `echoes[i]` is prepended to
+    choice i (`echo`)."""
     choices = []
     for index, merged in enumerate(answers):
         echo = echoes[index] if echoes else ""
         choices.append({"index": index, "text": echo + merged.response,
                         "logprobs": CompletionLogprobs(len(echo)).render(merged.logprobs),
                         "finish_reason": finish_reason(merged.done_reason)})
-    return envelope.wrap("text_completion", choices, usage=usage(answers))
+    return envelope.wrap("text_completion", choices, usage=usage(*answers, per_prompt=n))
 
 
 @dataclass
@@ -200,6 +204,7 @@ class CompletionEvents:
     envelope: Envelope
     include_usage: bool = False
     echoes: Optional[list[str]] = None
+    n: int = 1
     logprobs: dict[int, CompletionLogprobs] = field(default_factory=dict)
     finals: list[api.GenerateChunk] = field(default_factory=list)
 
@@ -220,7 +225,7 @@ class CompletionEvents:
     def closing(self) -> list[dict[str, Any]]:
         if not self.include_usage or not self.finals:
             return []
-        return [self.envelope.wrap("text_completion", [], usage=usage(self.finals))]
+        return [self.envelope.wrap("text_completion", [], usage=usage(*self.finals, per_prompt=self.n))]
 
 
 # ---------------------------------------------------------------------------------------------------------- SSE

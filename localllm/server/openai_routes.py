@@ -52,12 +52,12 @@ async def completions(body: CompletionRequest, state: State, http: Request) -> R
     chunks = await ChunkStream.open(lambda: state.client.generate_batch(requests), observe=_observe(state))
     envelope = render.Envelope(model=body.model, prefix="cmpl")
     if body.stream:
-        events = render.CompletionEvents(envelope, include_usage=body.include_usage, echoes=echoes)
+        events = render.CompletionEvents(envelope, include_usage=body.include_usage, echoes=echoes, n=body.n)
         return sse_response(chunks, lambda s: render.sse_events(s, events))
     collected = await chunks.collect(disconnected=http.is_disconnected)
     if not collected:
         return client_gone()
-    return JSONResponse(render.text_completion(by_choice(collected, merge_generate), envelope, echoes))
+    return JSONResponse(render.text_completion(by_choice(collected, merge_generate), envelope, echoes, body.n))
 
 
 @router.post("/embeddings")
