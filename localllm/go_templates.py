@@ -47,9 +47,9 @@ _BINARY = {"ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _CONSTANTS = {"true": "true", "false": "false", "nil": "none"}
 _UNSUPPORTED_KEYWORDS = {"with", "define", "template", "block"}
 _CUT = "\x00localllm-response\x00"  # where the last turn's {{ .Response }} stands: the prompt ends there
-_HINT = ("localllm translates Ollama's usual subset: {{ .System }}, {{ .Prompt }}, {{ .Response }}, {{ range .Messages }}"
-         ", {{ if }}/{{ else }}, .Role, .Content, .Tools, eq/and/or/not/len/json; or write TEMPLATE as a Jinja chat "
-         "template")
+_HINT = ("localllm translates Ollama's usual subset: {{ .System }}, {{ .Prompt }}, {{ .Response }}, "
+         "{{ range .Messages }}, {{ if }}/{{ else }}, .Role, .Content, .Tools, eq/and/or/not/len/json; or write "
+         "TEMPLATE as a Jinja chat template")
 
 GO_TEMPLATE = re.compile(r"\{\{-?\s*(?:\.|\$|if\s|range\s|end\s*-?\}\}|else\s*-?\}\}|/\*)")
 
