@@ -454,6 +454,7 @@ class ModelEngine:
             draft_mean_accepted=round(req.n_accepted / req.n_draft_steps, 3) if req.n_draft_steps else 0.0)
 
     def _close_request(self, req: Request, exc: BaseException) -> None:
+        req.done_reason = req.done_reason or "error"  # over: a request that follows it stops waiting for it
         req.sink.outbox.put(exc)
         self._release(req)
 

@@ -6,11 +6,11 @@ overflow a 400 and a full queue a 503 rather than an error inside a 200 stream."
 from __future__ import annotations
 
 import tempfile
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from .. import api, config
@@ -165,7 +165,7 @@ class LegacyEmbeddingsRequest(BaseModel):
 
     model: str
     prompt: str
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: Optional[dict[str, Any]] = None
     keep_alive: Union[str, int, float, None] = None
 
 
