@@ -7,12 +7,15 @@ flat `options` object into the two."""
 from __future__ import annotations
 
 import difflib
+import logging
 from datetime import datetime, timezone
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import InvalidInput
+
+log = logging.getLogger(__name__)
 
 
 def now() -> datetime:
@@ -92,6 +95,21 @@ def split_options(options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[
     return load, sampling
 
 
+def request_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """A REST request's `options` as Ollama reads them: a null value is skipped and an unknown or obsolete name
+    (`f16_kv`, `logits_all`, ...) is dropped with a warning, because clients send both. The CLI and Modelfiles keep
+    the strict checks of split_options and parse_option."""
+    kept: dict[str, Any] = {}
+    for name, value in (options or {}).items():
+        if value is None:
+            continue
+        if name in LOAD_OPTION_NAMES or name in SAMPLING_OPTION_NAMES:
+            kept[name] = value
+        elif name not in IGNORED_OPTION_NAMES:
+            log.warning("ignoring unknown option %r (%s)", name, _unknown_option(name).split("; ", 1)[-1])
+    return kept
+
+
 def parse_option(name: str, value: Any) -> Any:
     """One option (Ollama's names) as its typed value, for a Modelfile PARAMETER or a chat's `/set parameter`.
 
@@ -139,11 +157,27 @@ class Message(_Model):
     tool_calls: Optional[list[ToolCall]] = None
     tool_name: Optional[str] = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _null_content(cls, value: Any) -> Any:
+        """`content: null` (an assistant turn that only called tools, as LangChain sends it) reads as ""."""
+        return "" if value is None else value
+
 
 class ToolFunction(_Model):
     name: str
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolCallDelta(_Model):
+    """A tool call as it is generated (localllm extension, what OpenAI streams): a call's first delta has its id and
+    name, the next ones pieces of its arguments' JSON text."""
+
+    index: int = 0
+    id: Optional[str] = None
+    name: Optional[str] = None
+    arguments: str = ""
 
 
 class Tool(_Model):
@@ -167,6 +201,11 @@ class _InferenceRequest(_Model):
     logprobs: bool = Field(False, description="return each generated token's log-probability")
     top_logprobs: int = Field(0, ge=0, le=20, description="and this many most likely alternatives per token")
 
+    @field_validator("options", mode="before")
+    @classmethod
+    def _null_options(cls, value: Any) -> Any:
+        return {} if value is None else value
+
 
 class GenerateRequest(_InferenceRequest):
     prompt: str = ""
@@ -186,7 +225,10 @@ class ChatRequest(_InferenceRequest):
 
 class EmbedRequest(_Model):
     model: str
-    input: Union[str, list[str]]
+    input: Union[str, list[str]] = Field(description='text(s) to embed; "" or [] only loads the model')
+    input_tokens: Optional[list[list[int]]] = Field(None, description="inputs as token ids instead of text (OpenAI's "
+                                                    "int[] / int[][] input; localllm extension)")
+    dimensions: Optional[int] = Field(None, ge=1, description="keep the first n dimensions, re-normalized")
     truncate: bool = True
     options: dict[str, Any] = Field(default_factory=dict)
     keep_alive: Union[str, int, float, None] = None
@@ -249,6 +291,9 @@ class ChatChunk(Timings):
     message: Message = Field(default_factory=lambda: Message(role="assistant"))
     done: bool = False
     done_reason: Optional[DoneReason] = None
+    tool_call_deltas: Optional[list[ToolCallDelta]] = Field(None, description="a forced tool call as it is "
+                                                            "generated (localllm extension; the last chunk's "
+                                                            "message carries the whole call)")
     tokens: Optional[list[int]] = Field(None, description="token ids in this chunk (localllm extension)")
     logprobs: Optional[list[TokenLogprob]] = None
 
@@ -280,7 +325,7 @@ class ListResponse(_Model):
 
 
 class ShowRequest(_Model):
-    model: str
+    model: str = Field(validation_alias=AliasChoices("model", "name"))  # `name`: Ollama's deprecated spelling
     verbose: bool = False
 
 
@@ -299,7 +344,7 @@ class ShowResponse(_Model):
 
 
 class PullRequest(_Model):
-    model: str
+    model: str = Field(validation_alias=AliasChoices("model", "name"))  # `name`: Ollama's deprecated spelling
     insecure: bool = False
     stream: bool = True
 
@@ -316,7 +361,7 @@ class PullProgress(_Model):
 class CreateRequest(_Model):
     """What a Modelfile says, and what /api/create accepts."""
 
-    model: str
+    model: str = Field(validation_alias=AliasChoices("model", "name"))  # `name`: Ollama's deprecated spelling
     from_: Optional[str] = Field(None, alias="from")
     modelfile: Optional[str] = None
     template: Optional[str] = None
@@ -328,6 +373,8 @@ class CreateRequest(_Model):
     draft: Optional[str] = None
     quantize: Optional[str] = None
     format: Optional[Literal["gguf", "mlx"]] = None
+    files: dict[str, str] = Field(default_factory=dict, description="uploaded blobs by file name (Ollama's "
+                                  "create(files=...)): {\"model.gguf\": \"sha256:...\"}")
     stream: bool = True
 
 
@@ -337,7 +384,7 @@ class CopyRequest(_Model):
 
 
 class DeleteRequest(_Model):
-    model: str
+    model: str = Field(validation_alias=AliasChoices("model", "name"))  # `name`: Ollama's deprecated spelling
 
 
 class ProcessModel(_Model):

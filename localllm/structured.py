@@ -10,7 +10,7 @@ import re
 import uuid
 from typing import Any, Optional
 
-from .api import Format, Tool, ToolCall, ToolCallFunction
+from .api import Format, Tool, ToolCall, ToolCallDelta, ToolCallFunction
 from .errors import InvalidInput
 
 
@@ -101,3 +101,63 @@ def _as_call(raw: str, known: set[str]) -> Optional[ToolCall]:
     if not isinstance(args, dict):
         return None
     return ToolCall(id=f"call_{uuid.uuid4().hex[:12]}", function=ToolCallFunction(name=data["name"], arguments=args))
+
+
+_CALL_HEAD = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*', re.S)
+
+
+class ForcedCallStream:
+    """A forced tool call ({"name": ..., "arguments": {...}}, the grammar of tool_call_schema) parsed as it streams:
+    `feed` returns the deltas that became known: the id and name once the name is complete, then the arguments'
+    text. The last `}` seen is held back, since it may close the call rather than the arguments."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.id = f"call_{uuid.uuid4().hex[:12]}"
+        self.name: Optional[str] = None
+        self._args_start = 0
+        self._sent = 0  # characters of the arguments already sent
+
+    def feed(self, text: str) -> list[ToolCallDelta]:
+        self.text += text
+        deltas: list[ToolCallDelta] = []
+        if self.name is None:
+            head = _CALL_HEAD.match(self.text)
+            if head is None:
+                return deltas
+            self.name = json.loads(f'"{head.group(1)}"')
+            self._args_start = head.end()
+            deltas.append(ToolCallDelta(id=self.id, name=self.name))
+        arguments = self.text[self._args_start:]
+        safe = len(arguments.rstrip().removesuffix("}")) if arguments.rstrip().endswith("}") else len(arguments)
+        if safe > self._sent:
+            deltas.append(ToolCallDelta(arguments=arguments[self._sent:safe]))
+            self._sent = safe
+        return deltas
+
+    def finish(self) -> list[ToolCallDelta]:
+        """The arguments' last piece, once the answer has ended (complete, or cut off by num_predict)."""
+        if self.name is None:
+            return []
+        arguments = self.arguments()
+        rest = arguments[self._sent:]
+        self._sent = len(arguments)
+        return [ToolCallDelta(arguments=rest)] if rest else []
+
+    def arguments(self) -> str:
+        """The arguments' text: all of it for a complete call, what was generated for a cut-off one."""
+        raw = self.text[self._args_start:] if self.name is not None else ""
+        complete = self.complete()
+        if complete is not None:
+            return json.dumps(complete.function.arguments) if not raw else raw.rstrip().removesuffix("}").rstrip()
+        return raw
+
+    def complete(self) -> Optional[ToolCall]:
+        """The call, when the text is one whole call; None when it was cut off."""
+        try:
+            data = json.loads(self.text)
+        except ValueError:
+            return None
+        if not isinstance(data, dict) or not isinstance(data.get("arguments"), dict) or "name" not in data:
+            return None
+        return ToolCall(id=self.id, function=ToolCallFunction(name=str(data["name"]), arguments=data["arguments"]))

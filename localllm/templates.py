@@ -2,12 +2,12 @@
 
 The template is the model's own Jinja chat template from GGUF metadata (or a Modelfile TEMPLATE, which overrides it),
 rendered in jinja2's ImmutableSandboxedEnvironment: a template is data from a downloaded file, so it must not reach
-Python internals or mutate what it is given. A model without any template (a base model) gets a plain transcript."""
+Python internals or mutate what it is given. A model without any template (a base model) gets a plain transcript.
+A TEMPLATE in Ollama's Go syntax is translated into the same sandboxed Jinja (go_templates.py)."""
 
 from __future__ import annotations
 
 import json
-import re
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, Optional, Sequence
@@ -16,6 +16,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from .errors import InvalidInput
+from .go_templates import compile_go, is_go_template, render_go
 
 # For models that ship no chat template (base models): a transcript the model can continue.
 PLAIN_TEMPLATE = (
@@ -41,17 +42,8 @@ def _tojson(value: Any, indent: Optional[int] = None, ensure_ascii: bool = False
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
-_GO_TEMPLATE = re.compile(r"{{-?\s*(\.[A-Z]|if \.|range \.)")
-
-
 @lru_cache(maxsize=32)
 def _compile(source: str):
-    if _GO_TEMPLATE.search(source):
-        # Ollama's TEMPLATE is a Go template ({{ .Prompt }}); ours is a Jinja chat template, as in GGUF metadata.
-        raise InvalidInput("the template uses Go template syntax ({{ .Prompt }}, as Ollama's TEMPLATE does); "
-                           "localllm templates are Jinja chat templates",
-                           hint="write it with messages, e.g. {% for m in messages %}{{ m.content }}{% endfor %}, "
-                                "or drop TEMPLATE to use the model's own")
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -63,14 +55,20 @@ def _compile(source: str):
 
 
 def validate_template(source: str) -> None:
-    """Raise InvalidInput when `source` is not a usable chat template (Go syntax, or Jinja that does not parse)."""
-    _compile(source)
+    """Raise InvalidInput when `source` is not a usable chat template: Jinja that does not parse, or a Go template
+    outside the subset we translate (the message names the construct)."""
+    if is_go_template(source):
+        compile_go(source)
+    else:
+        _compile(source)
 
 
 def render_chat(template: Optional[str], messages: Sequence[dict[str, Any]], *, tools: Optional[list] = None,
                 add_generation_prompt: bool = True, bos_token: str = "", eos_token: str = "",
                 extra: Optional[dict[str, Any]] = None) -> str:
     """Render `messages` (dicts with role/content/...) with `template` (None: the plain transcript)."""
+    if template and is_go_template(template):
+        return render_go(template, messages, tools=tools)
     compiled = _compile(template or PLAIN_TEMPLATE)
     context = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt,
                "bos_token": bos_token, "eos_token": eos_token, **(extra or {})}

@@ -86,8 +86,8 @@ def test_errors_come_back_as_their_classes(http):
         list(http.chat(chat_request(model="missing:7b")))
     with pytest.raises(InvalidInput, match="1024"):
         list(http.generate(api.GenerateRequest(model="smollm2:135m", prompt="word " * 3000, options=SMALL)))
-    with pytest.raises(InvalidInput, match="temprature"):
-        list(http.generate(api.GenerateRequest(model="smollm2:135m", prompt="x", options={"temprature": 1})))
+    with pytest.raises(InvalidInput, match="top_p"):
+        list(http.generate(api.GenerateRequest(model="smollm2:135m", prompt="x", options={"top_p": 7})))
 
 
 def test_unreachable_server_names_the_address():

@@ -169,3 +169,28 @@ def test_decode_stops_at_the_context_edge():
     step = s.schedule()
     # 4 cached prompt tokens: the decode row sits at position 4 and one draft fits the last cell, 5.
     assert step.batch.tokens == [100, 7] and step.batch.positions == [4, 5] and a.draft == [7]
+
+
+def test_a_request_following_another_waits_for_its_prefill_then_copies_it():
+    s = _sched(slots=3, n_batch=8)
+    prompt = list(range(1, 21))  # three prefill steps at 8 tokens a step
+    leader = Request(prompt=prompt, max_tokens=10, sink=None)
+    follower = Request(prompt=list(prompt), max_tokens=10, sink=None, follows=leader)
+    s.admit(leader)
+    s.admit(follower)
+    steps = []
+    while leader.slot is None or leader.slot.state is not SlotState.DECODE:
+        step = s.schedule()
+        steps.append(step)
+        done = [w for w in step.work if w.request is leader]
+        s.update(step, {leader.id: [100]} if done else {})
+        # While the leader prefills, the follower holds no slot and computes nothing.
+        assert follower.slot is None
+        assert all(seq == leader.slot.seq for seq in step.batch.seqs)
+    assert sum(len(step.batch.tokens) for step in steps) == len(prompt)
+    step = s.schedule()
+    assert follower.slot is not None and follower.slot is not leader.slot
+    assert step.copies == [(leader.slot.seq, follower.slot.seq, len(prompt) - 1)]
+    assert follower.n_cached == len(prompt) - 1
+    # Only the prompt's last token is left for the follower to decode: its output is its own first token.
+    assert [t for t, seq in zip(step.batch.tokens, step.batch.seqs) if seq == follower.slot.seq] == [prompt[-1]]

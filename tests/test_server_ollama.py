@@ -141,8 +141,8 @@ def test_bad_field_is_400_naming_it(base_url):
     assert response.status_code == 400
     assert "messages.0.role" in response.json()["error"]
     bad_option = httpx.post(base_url + "/api/generate",
-                            json={"model": "smollm2:135m", "prompt": "x", "options": {"temprature": 1}})
-    assert bad_option.status_code == 400 and "temprature" in bad_option.json()["error"]
+                            json={"model": "smollm2:135m", "prompt": "x", "options": {"top_p": 7}})
+    assert bad_option.status_code == 400 and "top_p" in bad_option.json()["error"]
 
 
 def test_images_are_refused_clearly(api):

@@ -49,6 +49,6 @@ def test_broken_template_is_a_clear_error():
         render_chat("{% for m in messages %}", [{"role": "user", "content": "Hi"}])
 
 
-def test_ollama_go_template_is_refused_with_a_hint():
-    with pytest.raises(InvalidInput, match="Go template syntax"):
-        render_chat("{{ if .System }}{{ .System }}{{ end }}{{ .Prompt }}", [{"role": "user", "content": "Hi"}])
+def test_ollama_go_template_is_translated():
+    out = render_chat("{{ if .System }}{{ .System }}\n{{ end }}{{ .Prompt }}", [{"role": "user", "content": "Hi"}])
+    assert out == "Hi"

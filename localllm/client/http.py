@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, TypeVar, Union
+from typing import Any, BinaryIO, Iterator, Optional, TypeVar, Union
 
 import httpx
 from pydantic import BaseModel
@@ -119,8 +119,23 @@ class HttpClient:
     def list_models(self) -> api.ListResponse:
         return self._get("/api/tags", api.ListResponse)
 
-    def show(self, model: str) -> api.ShowResponse:
-        return self._post("/api/show", {"model": model}, api.ShowResponse)
+    def show(self, model: str, *, verbose: bool = False) -> api.ShowResponse:
+        return self._post("/api/show", {"model": model, "verbose": verbose}, api.ShowResponse)
+
+    def has_blob(self, digest: str) -> bool:
+        with self._reaching_server():
+            response = self._http.head(f"/api/blobs/{digest}")
+        if response.status_code == 404:
+            return False
+        if response.status_code >= 400:
+            raise error_for(response)
+        return True
+
+    def add_blob(self, digest: str, source: BinaryIO) -> None:
+        with self._reaching_server():
+            response = self._http.post(f"/api/blobs/{digest}", content=iter(lambda: source.read(1 << 20), b""))
+        if response.status_code >= 400:
+            raise error_for(response)
 
     def pull(self, model: str) -> Iterator[api.PullProgress]:
         return self._stream("/api/pull", {"model": model, "stream": True}, api.PullProgress)
@@ -151,6 +166,15 @@ class HttpClient:
 
     def embed(self, request: api.EmbedRequest) -> api.EmbedResponse:
         return self._post("/api/embed", _body(request), api.EmbedResponse)
+
+    def generate_batch(self, requests: list[api.GenerateRequest]) -> Iterator[tuple[int, api.GenerateChunk]]:
+        # Ollama's API has no batch: the requests run one after the other.
+        for index, request in enumerate(requests):
+            yield from ((index, chunk) for chunk in self.generate(request))
+
+    def chat_batch(self, requests: list[api.ChatRequest]) -> Iterator[tuple[int, api.ChatChunk]]:
+        for index, request in enumerate(requests):
+            yield from ((index, chunk) for chunk in self.chat(request))
 
 
 def _body(request: BaseModel) -> dict:

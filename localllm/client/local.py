@@ -6,20 +6,21 @@ model's chat template), then tokens, then an engine submission; engine chunks be
 
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
-from typing import Any, Iterator, Optional
+from typing import Any, BinaryIO, Iterator, Optional
 
 from .. import __version__, api, config
 from ..models.create import create_model
 from ..engine.pool import Loaded, ModelPool, resolve_options
 from ..engine.runner import EngineChunk, GenerationParams
-from ..errors import InvalidInput
+from ..errors import ContextOverflow, InvalidInput
 from ..models.info import show_model
 from ..models.pull import pull_model
 from ..engine.speculative.speculation import load_speculation
 from ..models.store import ResolvedModel, Store
-from ..structured import grammar_for_format, parse_tool_calls, tool_choice_grammar
+from ..structured import ForcedCallStream, grammar_for_format, parse_tool_calls, tool_choice_grammar
 from ..templates import render_chat
 
 
@@ -32,9 +33,11 @@ def _keep_alive(value: Any) -> Optional[float]:
         raise InvalidInput(f"keep_alive {value!r} is not valid: {exc}") from None
 
 
-def _timing_fields(chunk: EngineChunk, loaded: Loaded, first_request: bool) -> dict[str, Any]:
+def _timing_fields(chunk: EngineChunk, load_seconds: float) -> dict[str, Any]:
+    """Ollama's timings, adding up: load (getting the model ready, a load included) + prompt_eval (templating,
+    tokenizing, waiting for a slot and the whole prefill, up to the first sampled token) + eval = total."""
     timings = chunk.timings.model_dump() if chunk.timings else {}
-    load_ns = int(loaded.load_seconds * 1e9) if first_request else 0
+    load_ns = int(load_seconds * 1e9)
     timings["load_duration"] = load_ns
     timings["total_duration"] = timings.get("total_duration", 0) + load_ns
     return timings
@@ -53,8 +56,14 @@ class LocalClient:
     def list_models(self) -> api.ListResponse:
         return api.ListResponse(models=self.store.list())
 
-    def show(self, model: str) -> api.ShowResponse:
-        return show_model(self.store, model)
+    def show(self, model: str, *, verbose: bool = False) -> api.ShowResponse:
+        return show_model(self.store, model, verbose=verbose)
+
+    def has_blob(self, digest: str) -> bool:
+        return self.store.has_blob(digest)
+
+    def add_blob(self, digest: str, source: BinaryIO) -> None:
+        self.store.add_uploaded_blob(digest, source)
 
     def pull(self, model: str) -> Iterator[api.PullProgress]:
         return pull_model(model, self.store)
@@ -83,28 +92,50 @@ class LocalClient:
     # ----------------------------------------------------------------------------------------------- inference
 
     def generate(self, request: api.GenerateRequest) -> Iterator[api.GenerateChunk]:
-        _refuse_images(request.images)
-        model = self.store.resolve(request.model)
-        load, sampling = resolve_options(model, request.options)
-        keep_alive = _keep_alive(request.keep_alive)
         if not request.prompt and not request.context:
             # Ollama: an empty prompt loads the model (or unloads it with keep_alive 0) and answers done.
-            yield from self._load_only(model, load, keep_alive, request.model)
+            model = self.store.resolve(request.model)
+            load, _ = resolve_options(model, request.options)
+            yield from self._load_only(model, load, _keep_alive(request.keep_alive), request.model)
             return
-        grammar = grammar_for_format(request.format)
+        yield from (chunk for _, chunk in self.generate_batch([request]))
+
+    def generate_batch(self, requests: list[api.GenerateRequest]) -> Iterator[tuple[int, api.GenerateChunk]]:
+        """Several generations with one model, admitted together (all or none): OpenAI's `n` and prompt lists.
+        Answers come one request after the other, each chunk tagged with its request's index; requests with the
+        same prompt prefill it once."""
+        for request in requests:
+            _refuse_images(request.images)
+        started = time.perf_counter()
+        model, load, keep_alive = self._batch_model(requests)
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
-            tokens = self._generate_tokens(loaded, model, request)
-            stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate,
-                                                           _logprobs_wanted(request)))
-            first = loaded.engine.stats.requests == 0
-            generated: list[int] = []
-            for chunk in stream:
-                generated.extend(chunk.tokens)
-                # Ollama's `context`: the conversation so far as tokens, to send back with the next prompt. Ours is
-                # the prompt's tokens as sent to the engine and the answer's, so the next request finds them in the
-                # prefix cache (all but the answer's last token, which was never decoded).
-                context = tokens + generated if chunk.done and not request.raw else None
-                yield self._generate_chunk(request.model, chunk, loaded, first, context)
+            ready = time.perf_counter()
+            prompts = [self._generate_tokens(loaded, model, request) for request in requests]
+            params = [GenerationParams(tokens, resolve_options(model, r.options)[1], grammar_for_format(r.format),
+                                       r.truncate, _logprobs_wanted(r), started=ready)
+                      for tokens, r in zip(prompts, requests)]
+            streams = loaded.engine.submit_all(params)
+            try:
+                for index, (request, tokens, stream) in enumerate(zip(requests, prompts, streams)):
+                    generated: list[int] = []
+                    for chunk in stream:
+                        generated.extend(chunk.tokens)
+                        # Ollama's `context`: the conversation so far as tokens, to send back with the next prompt.
+                        # Ours is the prompt's tokens as sent to the engine and the answer's, so the next request
+                        # finds them in the prefix cache (all but the answer's last token, never decoded).
+                        context = tokens + generated if chunk.done and not request.raw else None
+                        yield index, self._generate_chunk(request.model, chunk, loaded, ready - started, context)
+            finally:
+                for stream in streams:  # a client that left early cancels every answer still running
+                    stream.cancel()
+
+    def _batch_model(self, requests: list[Any]) -> tuple[ResolvedModel, api.LoadOptions, Optional[float]]:
+        names = {request.model for request in requests}
+        if len(names) != 1:
+            raise InvalidInput(f"a batch of requests must name one model, not {sorted(names)}")
+        model = self.store.resolve(requests[0].model)
+        load, _ = resolve_options(model, requests[0].options)
+        return model, load, _keep_alive(requests[0].keep_alive)
 
     def _generate_tokens(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest) -> list[int]:
         if request.raw:
@@ -112,45 +143,69 @@ class LocalClient:
         else:
             messages = _messages_with_system(model, request.system, [api.Message(role="user", content=request.prompt)])
             text = self._render(loaded, model, messages, template=request.template)
-        tokens = list(request.context or []) + (self._tokenize(loaded, text) if text else [])
-        return tokens
+        context = _checked_tokens(loaded, request.context or [], "context")
+        return context + (self._tokenize(loaded, text) if text else [])
 
     @staticmethod
-    def _generate_chunk(name: str, chunk: EngineChunk, loaded: Loaded, first: bool,
+    def _generate_chunk(name: str, chunk: EngineChunk, loaded: Loaded, load_seconds: float,
                         context: Optional[list[int]]) -> api.GenerateChunk:
         if not chunk.done:
             return api.GenerateChunk(model=name, response=chunk.text, tokens=list(chunk.tokens),
                                      logprobs=_logprobs(loaded, chunk))
         return api.GenerateChunk(model=name, response=chunk.text, done=True, done_reason=chunk.done_reason,
-                                 context=context, **_timing_fields(chunk, loaded, first))
+                                 context=context, **_timing_fields(chunk, load_seconds))
 
     def chat(self, request: api.ChatRequest) -> Iterator[api.ChatChunk]:
-        for message in request.messages:
-            _refuse_images(message.images)
-        model = self.store.resolve(request.model)
-        load, sampling = resolve_options(model, request.options)
-        keep_alive = _keep_alive(request.keep_alive)
         if not request.messages:
+            model = self.store.resolve(request.model)
+            load, _ = resolve_options(model, request.options)
             yield from (api.ChatChunk(model=c.model, done=True, done_reason=c.done_reason)
-                        for c in self._load_only(model, load, keep_alive, request.model))
+                        for c in self._load_only(model, load, _keep_alive(request.keep_alive), request.model))
             return
+        yield from (chunk for _, chunk in self.chat_batch([request]))
+
+    def chat_batch(self, requests: list[api.ChatRequest]) -> Iterator[tuple[int, api.ChatChunk]]:
+        """As generate_batch, for chats (OpenAI's `n`)."""
+        for request in requests:
+            if not request.messages:
+                raise InvalidInput("messages is empty", hint="send at least one message")
+            for message in request.messages:
+                _refuse_images(message.images)
+        started = time.perf_counter()
+        model, load, keep_alive = self._batch_model(requests)
+        with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
+            ready = time.perf_counter()
+            prepared = [self._prepare_chat(loaded, model, request, ready) for request in requests]
+            streams = loaded.engine.submit_all([params for params, _ in prepared])
+            try:
+                for index, (request, (_, tools), stream) in enumerate(zip(requests, prepared, streams)):
+                    if tools and request.tool_choice not in (None, "auto"):
+                        chunks = self._chat_forced_call(request.model, stream, loaded, ready - started)
+                    elif tools:
+                        chunks = self._chat_with_tools(request.model, stream, loaded, ready - started, tools)
+                    else:
+                        chunks = (self._chat_chunk(request.model, c, loaded, ready - started) for c in stream)
+                    for chunk in chunks:
+                        yield index, chunk
+            finally:
+                for stream in streams:  # a client that left early cancels every answer still running
+                    stream.cancel()
+
+    def _prepare_chat(self, loaded: Loaded, model: ResolvedModel, request: api.ChatRequest,
+                      ready: float) -> tuple[GenerationParams, Optional[list[api.Tool]]]:
+        _, sampling = resolve_options(model, request.options)
         grammar = grammar_for_format(request.format) or tool_choice_grammar(request.tools, request.tool_choice)
         tools = request.tools if request.tool_choice != "none" else None
-        with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
-            messages = _messages_with_system(model, None, request.messages)
-            text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None)
-            tokens = self._tokenize(loaded, text)
-            stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate,
-                                                           _logprobs_wanted(request)))
-            first = loaded.engine.stats.requests == 0
-            if tools:
-                yield from self._chat_with_tools(request.model, stream, loaded, first, tools)
-            else:
-                for chunk in stream:
-                    yield self._chat_chunk(request.model, chunk, loaded, first)
+        messages = _messages_with_system(model, None, request.messages)
+        text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None)
+        params = GenerationParams(self._tokenize(loaded, text), sampling, grammar, request.truncate,
+                                  _logprobs_wanted(request), started=ready)
+        return params, tools
 
-    def _chat_with_tools(self, name: str, stream, loaded: Loaded, first: bool, tools) -> Iterator[api.ChatChunk]:
-        # Tool calls can only be recognised once the whole answer is known, so the text is held until the end.
+    def _chat_with_tools(self, name: str, stream, loaded: Loaded, load_seconds: float,
+                         tools) -> Iterator[api.ChatChunk]:
+        # The model may answer in text or call tools; that is known only once the whole answer is, so the text is
+        # held until the end.
         parts: list[str] = []
         for chunk in stream:
             parts.append(chunk.text)
@@ -158,36 +213,68 @@ class LocalClient:
                 content, calls = parse_tool_calls("".join(parts), tools)
                 message = api.Message(role="assistant", content=content, tool_calls=calls or None)
                 yield api.ChatChunk(model=name, message=message, done=True, done_reason=chunk.done_reason,
-                                    **_timing_fields(chunk, loaded, first))
+                                    **_timing_fields(chunk, load_seconds))
+
+    def _chat_forced_call(self, name: str, stream, loaded: Loaded, load_seconds: float) -> Iterator[api.ChatChunk]:
+        """A call the grammar forces ({"name": ..., "arguments": {...}}) streams as it is generated: its id and name
+        first, then pieces of its arguments' JSON; one cut off by num_predict ends with its partial arguments."""
+        call = ForcedCallStream()
+        for chunk in stream:
+            deltas = call.feed(chunk.text)
+            if not chunk.done:
+                if deltas:
+                    yield api.ChatChunk(model=name, tool_call_deltas=deltas, tokens=list(chunk.tokens))
+                continue
+            deltas += call.finish()
+            complete = call.complete()
+            message = api.Message(role="assistant", tool_calls=[complete] if complete else None)
+            yield api.ChatChunk(model=name, message=message, tool_call_deltas=deltas or None, done=True,
+                                done_reason=chunk.done_reason, **_timing_fields(chunk, load_seconds))
 
     @staticmethod
-    def _chat_chunk(name: str, chunk: EngineChunk, loaded: Loaded, first: bool) -> api.ChatChunk:
+    def _chat_chunk(name: str, chunk: EngineChunk, loaded: Loaded, load_seconds: float) -> api.ChatChunk:
         message = api.Message(role="assistant", content=chunk.text)
         if not chunk.done:
             return api.ChatChunk(model=name, message=message, tokens=list(chunk.tokens),
                                  logprobs=_logprobs(loaded, chunk))
         return api.ChatChunk(model=name, message=message, done=True, done_reason=chunk.done_reason,
-                             **_timing_fields(chunk, loaded, first))
+                             **_timing_fields(chunk, load_seconds))
 
     def embed(self, request: api.EmbedRequest) -> api.EmbedResponse:
         model = self.store.resolve(request.model)
         load, _ = resolve_options(model, request.options)
-        inputs = [request.input] if isinstance(request.input, str) else list(request.input)
         t0 = time.perf_counter()
         with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
-            tokenized = [self._embed_tokens(loaded, text, request.truncate) for text in inputs]
-            vectors = loaded.engine.embed(tokenized)
+            t_loaded = time.perf_counter()
+            tokenized = self._embed_inputs(loaded, request)
+            vectors = loaded.engine.embed(tokenized) if tokenized else []
+        if request.dimensions is not None:
+            vectors = [_shorten(vector, request.dimensions) for vector in vectors]
         return api.EmbedResponse(model=request.model, embeddings=vectors,
                                  total_duration=int((time.perf_counter() - t0) * 1e9),
+                                 load_duration=int((t_loaded - t0) * 1e9),
                                  prompt_eval_count=sum(map(len, tokenized)))
 
-    def _embed_tokens(self, loaded: Loaded, text: str, truncate: bool) -> list[int]:
-        tokens = self._tokenize(loaded, text)
+    def _embed_inputs(self, loaded: Loaded, request: api.EmbedRequest) -> list[list[int]]:
+        """The inputs as token lists. Ollama: "" or [] embeds nothing (the model is loaded: clients preload so)."""
+        if request.input_tokens is not None:
+            return [self._fit_embed(loaded, _checked_tokens(loaded, tokens, f"input {i}"), request.truncate)
+                    for i, tokens in enumerate(request.input_tokens)]
+        texts = [request.input] if isinstance(request.input, str) else list(request.input)
+        if texts == [""]:
+            return []
+        for i, text in enumerate(texts):
+            if not text:
+                raise InvalidInput(f"input {i} is an empty string", hint="embed non-empty texts")
+        return [self._fit_embed(loaded, self._tokenize(loaded, text), request.truncate) for text in texts]
+
+    @staticmethod
+    def _fit_embed(loaded: Loaded, tokens: list[int], truncate: bool) -> list[int]:
+        if not tokens:
+            raise InvalidInput("an input is empty", hint="embed at least one token")
         limit = loaded.engine.n_ctx
         if len(tokens) > limit:
             if not truncate:
-                from ..errors import ContextOverflow
-
                 raise ContextOverflow(prompt_tokens=len(tokens), num_ctx=limit)
             tokens = tokens[:limit]
         return tokens
@@ -252,6 +339,25 @@ def _messages_with_system(model: ResolvedModel, system: Optional[str],
     if system_text and not any(m.role == "system" for m in out):
         out.insert(0, api.Message(role="system", content=system_text))
     return out
+
+
+def _checked_tokens(loaded: Loaded, tokens: list[int], what: str) -> list[int]:
+    """Token ids from the client, checked against the vocabulary before they reach native code."""
+    n_vocab = loaded.engine.model.meta.n_vocab
+    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise InvalidInput(f"{what} holds token id {bad}, outside the model's vocabulary of {n_vocab}")
+    return list(tokens)
+
+
+def _shorten(vector: list[float], dimensions: int) -> list[float]:
+    """The first `dimensions` values, scaled back to unit length (Ollama's and OpenAI's `dimensions`)."""
+    if dimensions > len(vector):
+        raise InvalidInput(f"dimensions {dimensions} is more than the model's {len(vector)}",
+                           hint=f"ask for at most {len(vector)}")
+    head = vector[:dimensions]
+    norm = math.sqrt(sum(v * v for v in head))
+    return [v / norm for v in head] if norm > 0 else head
 
 
 def _refuse_images(images: Optional[list[str]]) -> None:

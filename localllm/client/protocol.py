@@ -5,7 +5,7 @@ Streaming methods return iterators; closing an iterator early (generator close) 
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol
+from typing import BinaryIO, Iterator, Protocol
 
 from ..api import (ChatChunk, ChatRequest, CreateRequest, EmbedRequest, EmbedResponse, GenerateChunk,
                   GenerateRequest, ListResponse, ProcessResponse, PullProgress, ShowResponse)
@@ -16,7 +16,14 @@ class Client(Protocol):
 
     def list_models(self) -> ListResponse: ...
 
-    def show(self, model: str) -> ShowResponse: ...
+    def show(self, model: str, *, verbose: bool = False) -> ShowResponse:
+        """`verbose` adds the token tables (tokenizer.ggml.tokens, merges, token_type) to model_info."""
+
+    def has_blob(self, digest: str) -> bool:
+        """Whether the store holds the blob (Ollama's HEAD /api/blobs/:digest)."""
+
+    def add_blob(self, digest: str, source: BinaryIO) -> None:
+        """Store uploaded bytes under `digest`, refusing bytes with another sha256 (POST /api/blobs/:digest)."""
 
     def pull(self, model: str) -> Iterator[PullProgress]: ...
 
@@ -34,5 +41,12 @@ class Client(Protocol):
     def generate(self, request: GenerateRequest) -> Iterator[GenerateChunk]: ...
 
     def chat(self, request: ChatRequest) -> Iterator[ChatChunk]: ...
+
+    def generate_batch(self, requests: list[GenerateRequest]) -> Iterator[tuple[int, GenerateChunk]]:
+        """Several generations of one model admitted together (OpenAI's n, prompt lists); each chunk is tagged with
+        its request's index."""
+
+    def chat_batch(self, requests: list[ChatRequest]) -> Iterator[tuple[int, ChatChunk]]:
+        """As generate_batch, for chats."""
 
     def embed(self, request: EmbedRequest) -> EmbedResponse: ...

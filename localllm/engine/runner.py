@@ -55,6 +55,7 @@ class GenerationParams:
     grammar: Optional[str] = None
     truncate: bool = False
     logprobs: Optional[int] = None  # None: none; n: the chosen token's and the n most likely alternatives
+    started: Optional[float] = None  # perf_counter when the request began (prompt_eval counts from here); None: now
 
 
 @dataclass
@@ -107,7 +108,6 @@ class _Output:
     logprobs: Optional[int] = None
     pending_logprobs: list = field(default_factory=list)
     t_submit: float = field(default_factory=time.perf_counter)
-    t_start: float = 0.0
     t_first: float = 0.0
 
 
@@ -141,6 +141,16 @@ def _top_indices(logits: np.ndarray, n: int) -> np.ndarray:
     n = min(n, logits.shape[0])
     part = np.argpartition(-logits, n - 1)[:n]
     return part[np.argsort(-logits[part])]
+
+
+def _share_prefills(requests: list[Request]) -> None:
+    """Requests of one batch with the same prompt (OpenAI's n) prefill it once: each follows the first, waiting for
+    its prefill and then copying its KV cache."""
+    first: dict[tuple[int, ...], Request] = {}
+    for request in requests:
+        leader = first.setdefault(tuple(request.prompt), request)
+        if leader is not request:
+            request.follows = leader
 
 
 class ModelEngine:
@@ -187,6 +197,7 @@ class ModelEngine:
                                 hint="retry shortly, or raise LOCALLLM_MAX_QUEUE / LOCALLLM_NUM_PARALLEL")
             self._outstanding += len(batch)
         admitted = [self._new_request(params, prompt, truncated) for params, (prompt, truncated) in zip(batch, fitted)]
+        _share_prefills([request for request, _ in admitted])
         self._inbox.put(_Submit(admitted))
         return [Stream(request, request.sink.outbox) for request, _ in admitted]
 
@@ -196,6 +207,8 @@ class ModelEngine:
         max_tokens = opts.num_predict if opts.num_predict > 0 else math.inf
         sink = _Output(queue.SimpleQueue(), TextStream(self.model.token_bytes, opts.stop), truncated=truncated,
                        logprobs=params.logprobs)
+        if params.started is not None:
+            sink.t_submit = params.started
         return Request(prompt=prompt, max_tokens=max_tokens, sink=sink), params
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
@@ -336,11 +349,6 @@ class ModelEngine:
             self.model.remove(seq, keep)
         for src, dst, n in step.copies:
             self.model.copy_prefix(src, dst, n)
-        now = time.perf_counter()
-        for work in step.work:
-            out: _Output = work.request.sink
-            if not out.t_start:
-                out.t_start = now
 
     def _sample(self, step: Step) -> dict[int, list[int]]:
         sampled: dict[int, list[int]] = {}
@@ -452,7 +460,9 @@ class ModelEngine:
         out: _Output = req.sink
         end = time.perf_counter()
         first = out.t_first or end
-        start = out.t_start or first
+        # The prefill is everything from admission to the first sampled token: the wait for a slot and every prefill
+        # chunk (a slot's work shows in a step only with its last chunk), so the parts add up to the total.
+        start = out.t_submit
 
         def ns(seconds: float) -> int:
             return max(0, int(seconds * 1e9))
@@ -465,6 +475,7 @@ class ModelEngine:
             draft_mean_accepted=round(req.n_accepted / req.n_draft_steps, 3) if req.n_draft_steps else 0.0)
 
     def _close_request(self, req: Request, exc: BaseException) -> None:
+        req.done_reason = req.done_reason or "error"  # over: a request that follows it stops waiting for it
         req.sink.outbox.put(exc)
         self._release(req)
 

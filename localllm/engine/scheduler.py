@@ -49,6 +49,7 @@ class Request(Generic[SinkT]):
     n_drafted: int = 0
     n_accepted: int = 0
     n_draft_steps: int = 0  # steps whose decode row carried drafts
+    follows: Optional["Request"] = None  # a request with the same prompt whose prefill this one waits for and copies
 
     @property
     def finished(self) -> bool:
@@ -75,6 +76,13 @@ class Step:
 
     def __bool__(self) -> bool:
         return bool(self.batch.tokens or self.finished)
+
+
+def _prefilling(request: Optional[Request]) -> bool:
+    """Whether `request` still has prompt to prefill (waiting for a slot, or in its prefill)."""
+    if request is None or request.finished:
+        return False
+    return request.slot is None or request.slot.state is SlotState.PREFILL
 
 
 class Scheduler:
@@ -139,6 +147,8 @@ class Scheduler:
 
     def _assign_waiting(self, step: Step) -> None:
         while self.waiting:
+            if _prefilling(self.waiting[0].follows):
+                return  # its prompt's KV is being computed; once done, choose() finds it to copy
             choice = self.table.choose(self.waiting[0].prompt)
             if choice is None:
                 return

@@ -150,14 +150,19 @@ def _skip_array(cursor: _Cursor, item_type: gguf.GGUFValueType, count: int, key:
     cursor.offset += count * width
 
 
-def _read_array(cursor: _Cursor, key: str) -> tuple[Optional[list[Any]], tuple[str, int]]:
-    """Read an array value: (its items, or None when too long to decode, (item type name, length))."""
+def _read_array(cursor: _Cursor, key: str, *, whole: bool = False
+                ) -> tuple[Optional[list[Any]], tuple[str, int]]:
+    """Read an array value: (its items, or None when too long to decode, (item type name, length)). `whole`
+    decodes it whatever its length (its length was checked against the file's bytes first)."""
     item_type = _value_type(cursor.scalar("<I", f"array type of {key!r}"), cursor, key)
     if item_type == _V.ARRAY:
         raise cursor.fail(f"key {key!r} is an array of arrays, which GGUF readers do not support")
     count = cursor.scalar("<Q", f"array length of {key!r}")
     summary = (item_type.name.lower(), count)
-    if count > MAX_ARRAY_ITEMS:
+    if whole:
+        cursor.need(count * (8 if item_type == _V.STRING else struct.calcsize(_SCALAR_FORMATS[item_type])),
+                    f"{count} items of {key!r}")
+    if count > MAX_ARRAY_ITEMS and not whole:
         _skip_array(cursor, item_type, count, key)
         return None, summary
     return [_read_scalar(cursor, item_type, key) for _ in range(count)], summary
@@ -198,7 +203,7 @@ def _read_preamble(cursor: _Cursor) -> tuple[int, int]:
     return n_tensors, n_kv
 
 
-def _read_metadata(cursor: _Cursor, count: int, header: _Header) -> None:
+def _read_metadata(cursor: _Cursor, count: int, header: _Header, whole: frozenset[str] = frozenset()) -> None:
     for index in range(count):
         key = cursor.string(f"key #{index}")
         if key in header.metadata or key in header.arrays:
@@ -207,7 +212,7 @@ def _read_metadata(cursor: _Cursor, count: int, header: _Header) -> None:
         if vtype != _V.ARRAY:
             header.metadata[key] = _read_scalar(cursor, vtype, key)
             continue
-        items, header.arrays[key] = _read_array(cursor, key)
+        items, header.arrays[key] = _read_array(cursor, key, whole=key in whole)
         if items is not None:
             header.metadata[key] = items
 
@@ -289,6 +294,20 @@ def _read_header(path: Path) -> _Header:
         _read_metadata(cursor, n_kv, header)
         _read_tensors(cursor, n_tensors, header)
         return header
+    finally:
+        buf.close()
+
+
+def read_arrays(path: Path, keys: frozenset[str]) -> dict[str, list[Any]]:
+    """The whole of the array values named by `keys` (for `show --verbose`: tokenizer.ggml.tokens, merges, ...);
+    keys the file does not have are left out."""
+    buf = _open_map(Path(path))
+    try:
+        cursor = _Cursor(buf, Path(path))
+        header = _Header()
+        _, n_kv = _read_preamble(cursor)
+        _read_metadata(cursor, n_kv, header, whole=keys)
+        return {key: header.metadata[key] for key in keys if key in header.metadata}
     finally:
         buf.close()
 

@@ -11,7 +11,8 @@ from typing import Any, Iterator, Optional, Union
 
 from .. import api
 from ..errors import InvalidInput, InvalidName
-from .names import parse_ref
+from ..formats.gguf import inspect_gguf
+from .names import parse_digest, parse_ref
 from .pull import make_source, pull_model
 from .store import ResolvedModel, Store
 from ..templates import validate_template
@@ -43,8 +44,8 @@ def _create_model(request: api.CreateRequest, store: Store, *, base_dir: Optiona
     if request.quantize and not _wants_mlx(request):
         raise InvalidInput(f"quantize {request.quantize!r} is not supported yet",
                            hint="create from an already quantized GGUF, or pass --format mlx to requantize")
-    if not request.from_:
-        raise InvalidInput("the model to build on is missing (FROM)")
+    if not request.from_ and not request.files:
+        raise InvalidInput("the model to build on is missing (FROM, or uploaded files)")
     if _wants_mlx(request):
         from ..formats.mlx_convert import check_quantize
 
@@ -54,7 +55,10 @@ def _create_model(request: api.CreateRequest, store: Store, *, base_dir: Optiona
         validate_template(request.template)  # a template that cannot render fails now, not at the first chat
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     yield api.PullProgress(status="parsing modelfile")
-    parent = yield from _resolve_parent(request.from_, store, base)
+    if request.files:
+        parent = _parent_from_files(request.files, store)
+    else:
+        parent = yield from _resolve_parent(request.from_ or "", store, base)
     fmt, weights = parent.format, parent.weights_spec
     details = parent.model.details.model_copy(update={"parent_model": parent.label})
     if _wants_mlx(request) and fmt == "gguf":
@@ -128,6 +132,27 @@ def _resolve_parent(from_: str, store: Store, base: Path) -> Iterator[api.PullPr
         name = make_source(name).stored_name
     _, weights = store.weights_of(name)
     return _Parent(store.resolve(name), weights, store.adapter_digests(name), name)
+
+
+def _parent_from_files(files: dict[str, str], store: Store) -> _Parent:
+    """Ollama's create(files={"model.gguf": "sha256:..."}): the weights are a blob the client uploaded first."""
+    ggufs = {name: digest for name, digest in files.items() if name.lower().endswith(".gguf")}
+    others = sorted(set(files) - set(ggufs))
+    if others:
+        raise InvalidInput(f"files {others} are not GGUF: localllm creates models from one .gguf file",
+                           hint="convert safetensors weights to GGUF first (llama.cpp's convert_hf_to_gguf.py)")
+    if len(ggufs) != 1:
+        raise InvalidInput(f"files names {len(ggufs)} .gguf files; localllm creates a model from exactly one")
+    name, digest = next(iter(ggufs.items()))
+    digest = parse_digest(digest)
+    if not store.has_blob(digest):
+        raise InvalidInput(f"blob {digest} for {name!r} is not on the server",
+                           hint="upload it first: POST /api/blobs/<digest> (what the ollama client's create does)")
+    path = store.blob_path(digest)
+    info = inspect_gguf(path)  # a file that is no GGUF fails here, before a manifest names it
+    model = ResolvedModel(name=name, digest=digest, weights=path, format="gguf", size=path.stat().st_size,
+                          details=info.details())
+    return _Parent(model, digest, [], name)
 
 
 def _adapter_digest(path: str, digest: str, store: Store, base: Path) -> str:

@@ -6,15 +6,15 @@ system, parameters, license) overrides what the weights carry."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from .. import api
 from ..errors import InvalidInput
 from .store import ResolvedModel, Store
 
 
-def show_model(store: Store, name: str) -> api.ShowResponse:
-    """Describe `name` (a stored model or a .gguf path).
+def show_model(store: Store, name: str, *, verbose: bool = False) -> api.ShowResponse:
+    """Describe `name` (a stored model or a .gguf path); `verbose` adds the token tables to model_info.
 
     Raises:
         ModelNotFound / InvalidName: as Store.resolve.
@@ -23,6 +23,11 @@ def show_model(store: Store, name: str) -> api.ShowResponse:
     model = store.resolve(name)
     info = _inspect(model)
     template = model.template or (info.chat_template if info else None) or ""
+    model_info = info.model_info() if info else {}
+    if verbose and model.format == "gguf":
+        from ..formats.gguf import read_arrays
+
+        model_info.update(read_arrays(model.weights, VERBOSE_ARRAYS))
     return api.ShowResponse(
         license=model.license or (info.license if info else None) or "",
         modelfile=render_model_modelfile(model, template=template or None),
@@ -30,8 +35,8 @@ def show_model(store: Store, name: str) -> api.ShowResponse:
         template=template,
         system=model.system or "",
         details=model.details,
-        model_info=info.model_info() if info else {},
-        capabilities=_capabilities(template),
+        model_info=model_info,
+        capabilities=template_capabilities(template),
         modified_at=model.modified_at,
         path=str(model.weights),
         draft=model.draft,
@@ -79,11 +84,41 @@ def _inspect(model: ResolvedModel):
     return inspect_gguf(model.weights)
 
 
-def _capabilities(template: str) -> list[str]:
+# What `show --verbose` (Ollama's /api/show with verbose) adds: the token tables summarised as null otherwise.
+VERBOSE_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"})
+
+# A chat template that reads these can put tools / a thinking switch into the prompt (Jinja from GGUF metadata, or
+# an Ollama Go template).
+_TOOL_MARKERS = ("tools", ".Tools")
+_THINKING_MARKERS = ("enable_thinking", "reasoning_content", ".Thinking", ".Think")
+
+
+def template_capabilities(template: str) -> list[str]:
+    """What a model can do, decided from its chat template as Ollama decides it. The one place that decides: /api/show
+    lists these, and require_capabilities refuses requests that need one the model lacks."""
     capabilities = ["completion"]
-    if "tools" in template:
+    if any(marker in template for marker in _TOOL_MARKERS):
         capabilities.append("tools")
+    if any(marker in template for marker in _THINKING_MARKERS):
+        capabilities.append("thinking")
     return capabilities
+
+
+def wants_thinking(think: Union[bool, str, None]) -> bool:
+    """Ollama's `think`: true or a level ("high", "medium", "low") asks for thinking; false or absent does not."""
+    return think is not None and think is not False and think != ""
+
+
+def require_capabilities(name: str, capabilities: list[str], *, tools: bool = False,
+                         think: Union[bool, str, None] = None) -> None:
+    """Refuse, with Ollama's wording (clients match on it), a request for tools or thinking the model cannot do."""
+    if wants_thinking(think) and "thinking" not in capabilities:
+        raise InvalidInput(f"{json.dumps(name)} does not support thinking",
+                           hint="leave `think` out for this model")
+    if tools and "tools" not in capabilities:
+        raise InvalidInput(f"{name} does not support tools",
+                           hint="its chat template cannot show tools to the model; create a model with a TEMPLATE "
+                                "that renders .Tools / tools")
 
 
 def _plain(value: Any) -> str:

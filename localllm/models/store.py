@@ -299,6 +299,25 @@ class Store:
                 disk_full_as_error(f"a copy of {path}", self.blobs_dir, size):
             return self._add_blob_from_stream(source)
 
+    def add_uploaded_blob(self, digest: str, source: BinaryIO) -> str:
+        """Store the bytes a client uploads under the digest it names (Ollama's POST /api/blobs/:digest).
+
+        Raises:
+            InvalidName: the digest is not one.
+            InvalidInput: the bytes have another sha256 (nothing is kept).
+        """
+        with self.open_partial(digest) as partial:
+            if partial.done:
+                return partial.digest or digest
+            partial.restart()  # an upload always starts at its first byte
+            for block in iter(lambda: source.read(CHUNK), b""):
+                partial.write(block)
+            try:
+                return partial.commit("the upload")
+            except IntegrityError as exc:
+                raise InvalidInput(f"the uploaded bytes do not match {parse_digest(digest)}: {exc.message}",
+                                   hint="upload the file whose sha256 the URL names") from None
+
     def add_blob_from_bytes(self, data: bytes) -> str:
         digest = f"sha256-{hashlib.sha256(data).hexdigest()}"
         if not self.has_trusted_blob(digest):

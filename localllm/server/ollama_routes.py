@@ -5,14 +5,16 @@ overflow a 400 and a full queue a 503 rather than an error inside a 200 stream."
 
 from __future__ import annotations
 
-from typing import Any, Union
+import tempfile
+from typing import Any, Optional, Union
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from .. import api, config
+from ..models.info import require_capabilities, wants_thinking
 from .chunk_stream import ChunkStream
 from .responses import client_gone, merge_chat, merge_generate, ndjson_response
 from .state import State
@@ -54,7 +56,7 @@ def ps(state: State) -> JSONResponse:
 
 @router.post("/api/show")
 def show(body: api.ShowRequest, state: State) -> JSONResponse:
-    return json_of(state.client.show(body.model))
+    return json_of(state.client.show(body.model, verbose=body.verbose))
 
 
 @router.post("/api/copy")
@@ -87,12 +89,42 @@ async def create(body: api.CreateRequest, state: State) -> Response:
     return await progress_response(lambda: state.client.create(body), body.stream)
 
 
+@router.head("/api/blobs/{digest}")
+def blob_exists(digest: str, state: State) -> Response:
+    if not state.client.has_blob(digest):
+        return JSONResponse({"error": f"blob {digest!r} not found"}, status_code=404)
+    return Response(status_code=200)
+
+
+@router.post("/api/blobs/{digest}")
+async def upload_blob(digest: str, state: State, http: Request) -> Response:
+    """Ollama's upload for create(files=...): 200 when the blob is already there, 201 once stored; bytes with
+    another sha256 are a 400. The body is spooled to disk first: the store hashes and writes on a worker thread."""
+    if await run_in_threadpool(state.client.has_blob, digest):
+        return Response(status_code=200)
+    with tempfile.TemporaryFile() as spool:
+        async for block in http.stream():
+            await run_in_threadpool(spool.write, block)
+        spool.seek(0)
+        await run_in_threadpool(state.client.add_blob, digest, spool)
+    return Response(status_code=201)
+
+
 # ---------------------------------------------------------------------------------------------------------- inference
+
+async def check_capabilities(state: State, model: str, *, tools: bool, think: Any) -> None:
+    """Ollama's 400 for tools or thinking the model cannot do (its wording, which clients match on)."""
+    if tools or wants_thinking(think):
+        shown = await run_in_threadpool(state.client.show, model)
+        require_capabilities(model, shown.capabilities, tools=tools, think=think)
+
 
 @router.post("/api/generate")
 async def generate(body: api.GenerateRequest, state: State, http: Request) -> Response:
+    body.options = api.request_options(body.options)
     if not body.prompt and not body.context and asks_unload(body.keep_alive):
         return await unload(body.model, state)
+    await check_capabilities(state, body.model, tools=False, think=body.think)
     chunks = await ChunkStream.open(lambda: state.client.generate(body), observe=state.metrics.observe_chunk)
     if body.stream:
         return ndjson_response(chunks)
@@ -102,8 +134,10 @@ async def generate(body: api.GenerateRequest, state: State, http: Request) -> Re
 
 @router.post("/api/chat")
 async def chat(body: api.ChatRequest, state: State, http: Request) -> Response:
+    body.options = api.request_options(body.options)
     if not body.messages and asks_unload(body.keep_alive):
         return await unload(body.model, state, chat=True)
+    await check_capabilities(state, body.model, tools=bool(body.tools), think=body.think)
     chunks = await ChunkStream.open(lambda: state.client.chat(body), observe=state.metrics.observe_chunk)
     if body.stream:
         return ndjson_response(chunks)
@@ -120,6 +154,7 @@ async def unload(model: str, state: State, *, chat: bool = False) -> JSONRespons
 
 @router.post("/api/embed")
 def embed(body: api.EmbedRequest, state: State) -> JSONResponse:
+    body.options = api.request_options(body.options)
     response = state.client.embed(body)
     state.metrics.observe_embed(response)
     return json_of(response)
@@ -130,13 +165,14 @@ class LegacyEmbeddingsRequest(BaseModel):
 
     model: str
     prompt: str
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: Optional[dict[str, Any]] = None
     keep_alive: Union[str, int, float, None] = None
 
 
 @router.post("/api/embeddings")
 def embeddings(body: LegacyEmbeddingsRequest, state: State) -> JSONResponse:
-    request = api.EmbedRequest(model=body.model, input=body.prompt, options=body.options, keep_alive=body.keep_alive)
+    request = api.EmbedRequest(model=body.model, input=body.prompt, options=api.request_options(body.options),
+                               keep_alive=body.keep_alive)
     response = state.client.embed(request)
     state.metrics.observe_embed(response)
-    return JSONResponse({"embedding": response.embeddings[0]})
+    return JSONResponse({"embedding": response.embeddings[0] if response.embeddings else []})

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Optional
 
 from .. import api
 from .chunk_stream import ChunkStream
-from .responses import error_payload
+from .responses import error_payload, openai_code
 
 FINGERPRINT = "fp_localllm"
 
@@ -23,24 +23,58 @@ def new_id(prefix: str) -> str:
 
 
 def finish_reason(done_reason: Optional[str], *, tool_calls: bool = False) -> str:
-    if tool_calls:
-        return "tool_calls"
-    return "length" if done_reason == "length" else "stop"
+    if done_reason == "length":  # a call cut off by max_tokens is a partial call, and says so
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
 
 
-def usage(chunk: api.Timings) -> dict[str, Any]:
-    return {"prompt_tokens": chunk.prompt_eval_count, "completion_tokens": chunk.eval_count,
-            "total_tokens": chunk.prompt_eval_count + chunk.eval_count,
-            "prompt_tokens_details": {"cached_tokens": chunk.prompt_cache_count}}
+def usage(*chunks: api.Timings, per_prompt: int = 1) -> dict[str, Any]:
+    """Usage of answers in index order, `per_prompt` of them to each prompt: OpenAI counts each prompt once (its
+    first answer's figures) and every answer's tokens."""
+    firsts = chunks[::max(1, per_prompt)]
+    prompt = sum(c.prompt_eval_count for c in firsts)
+    completion = sum(c.eval_count for c in chunks)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.prompt_cache_count for c in firsts)}}
 
 
-def tool_calls(calls: list[api.ToolCall], *, indexed: bool = False) -> list[dict[str, Any]]:
-    """OpenAI carries arguments as a JSON string; a streamed call also carries its index."""
+def tool_calls(calls: list[api.ToolCall]) -> list[dict[str, Any]]:
+    """OpenAI carries arguments as a JSON string."""
+    return [{"id": call.id or new_id("call"), "type": "function",
+             "function": {"name": call.function.name, "arguments": json.dumps(call.function.arguments)}}
+            for call in calls]
+
+
+def delta_calls(deltas: list[api.ToolCallDelta]) -> list[dict[str, Any]]:
+    """Streamed pieces of calls as one call each (a call cut off by max_tokens keeps its partial arguments)."""
+    calls: dict[int, dict[str, Any]] = {}
+    for delta in deltas:
+        call = calls.setdefault(delta.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        call["id"] = delta.id or call["id"]
+        call["function"]["name"] = delta.name or call["function"]["name"]
+        call["function"]["arguments"] += delta.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+def stream_deltas(deltas: list[api.ToolCallDelta]) -> list[dict[str, Any]]:
+    """OpenAI's streamed tool call pieces: the first of a call has id, type and name, the rest argument text."""
+    out = []
+    for delta in deltas:
+        item: dict[str, Any] = {"index": delta.index}
+        if delta.id is not None:
+            item.update(id=delta.id, type="function", function={"name": delta.name or "", "arguments": ""})
+        else:
+            item["function"] = {"arguments": delta.arguments}
+        out.append(item)
+    return out
+
+
+def whole_call_deltas(calls: list[api.ToolCall]) -> list[api.ToolCallDelta]:
+    """Calls known only at the end, as the two deltas a streamed call starts with: id and name, then arguments."""
     out = []
     for index, call in enumerate(calls):
-        item = {"id": call.id or new_id("call"), "type": "function",
-                "function": {"name": call.function.name, "arguments": json.dumps(call.function.arguments)}}
-        out.append({"index": index, **item} if indexed else item)
+        out.append(api.ToolCallDelta(index=index, id=call.id or new_id("call"), name=call.function.name))
+        out.append(api.ToolCallDelta(index=index, arguments=json.dumps(call.function.arguments)))
     return out
 
 
@@ -69,45 +103,65 @@ class Envelope:
 
 # ---------------------------------------------------------------------------------------------------------- chat
 
-def chat_completion(merged: api.ChatChunk, envelope: Envelope) -> dict[str, Any]:
-    calls = merged.message.tool_calls or []
+def chat_choice(index: int, merged: api.ChatChunk) -> dict[str, Any]:
+    calls = tool_calls(merged.message.tool_calls) if merged.message.tool_calls else \
+        delta_calls(merged.tool_call_deltas or [])
     message: dict[str, Any] = {"role": "assistant", "content": merged.message.content if not calls else None}
     if calls:
-        message["tool_calls"] = tool_calls(calls)
+        message["tool_calls"] = calls
     if merged.message.thinking:
         message["reasoning_content"] = merged.message.thinking
-    choice = {"index": 0, "message": message, "logprobs": chat_logprobs(merged.logprobs),
-              "finish_reason": finish_reason(merged.done_reason, tool_calls=bool(calls))}
-    return envelope.wrap("chat.completion", [choice], usage=usage(merged))
+    return {"index": index, "message": message, "logprobs": chat_logprobs(merged.logprobs),
+            "finish_reason": finish_reason(merged.done_reason, tool_calls=bool(calls))}
+
+
+def chat_completion(answers: list[api.ChatChunk], envelope: Envelope) -> dict[str, Any]:
+    """The merged answers (one per choice, in index order) as one chat.completion."""
+    choices = [chat_choice(index, merged) for index, merged in enumerate(answers)]
+    return envelope.wrap("chat.completion", choices, usage=usage(*answers, per_prompt=len(answers)))
 
 
 @dataclass
 class ChatEvents:
-    """A chat stream as chat.completion.chunk objects: the role in the first delta, tool calls and finish_reason in
-    the last, then a usage-only chunk when the client asked for it."""
+    """A chat stream as chat.completion.chunk objects: for each choice a first chunk with the role alone, then its
+    text or tool call pieces, then its finish_reason; a usage-only chunk ends the stream when the client asked."""
 
     envelope: Envelope
     include_usage: bool = False
-    started: bool = False
+    started: set[int] = field(default_factory=set)
+    streamed_calls: set[int] = field(default_factory=set)
+    finals: list[api.ChatChunk] = field(default_factory=list)
 
-    def events(self, chunk: api.ChatChunk) -> list[dict[str, Any]]:
+    def events(self, item: tuple[int, api.ChatChunk]) -> list[dict[str, Any]]:
+        index, chunk = item
         out = []
-        text = chunk.message.content
-        if text or chunk.logprobs or not self.started:
-            out.append(self._delta({"content": text}, None, chunk.logprobs))
+        if index not in self.started:
+            self.started.add(index)
+            out.append(self._delta(index, {"role": "assistant", "content": ""}))
+        if chunk.message.content or chunk.logprobs:
+            out.append(self._delta(index, {"content": chunk.message.content}, logprobs=chunk.logprobs))
+        deltas = list(chunk.tool_call_deltas or [])
+        if deltas:
+            self.streamed_calls.add(index)
+        elif chunk.done and chunk.message.tool_calls and index not in self.streamed_calls:
+            deltas = whole_call_deltas(chunk.message.tool_calls)
+        if deltas:
+            out.append(self._delta(index, {"tool_calls": stream_deltas(deltas)}))
         if chunk.done:
-            calls = chunk.message.tool_calls or []
-            delta = {"tool_calls": tool_calls(calls, indexed=True)} if calls else {}
-            out.append(self._delta(delta, finish_reason(chunk.done_reason, tool_calls=bool(calls)), None))
-            if self.include_usage:
-                out.append(self.envelope.wrap("chat.completion.chunk", [], usage=usage(chunk)))
+            self.finals.append(chunk)
+            calls = bool(chunk.message.tool_calls) or index in self.streamed_calls
+            out.append(self._delta(index, {}, finish=finish_reason(chunk.done_reason, tool_calls=calls)))
         return out
 
-    def _delta(self, delta: dict[str, Any], finish: Optional[str], logprobs) -> dict[str, Any]:
-        if not self.started:
-            delta = {"role": "assistant", **delta}
-            self.started = True
-        choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
+    def closing(self) -> list[dict[str, Any]]:
+        if not self.include_usage or not self.finals:
+            return []
+        return [self.envelope.wrap("chat.completion.chunk", [],
+                                   usage=usage(*self.finals, per_prompt=len(self.finals)))]
+
+    def _delta(self, index: int, delta: dict[str, Any], *, finish: Optional[str] = None,
+               logprobs: Optional[list[api.TokenLogprob]] = None) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
         extra = {"usage": None} if self.include_usage else {}
         return self.envelope.wrap("chat.completion.chunk", [choice], **extra)
 
@@ -132,26 +186,46 @@ class CompletionLogprobs:
                 "text_offset": offsets}
 
 
-def text_completion(merged: api.GenerateChunk, envelope: Envelope) -> dict[str, Any]:
-    choice = {"index": 0, "text": merged.response, "logprobs": CompletionLogprobs().render(merged.logprobs),
-              "finish_reason": finish_reason(merged.done_reason)}
-    return envelope.wrap("text_completion", [choice], usage=usage(merged))
+def text_completion(answers: list[api.GenerateChunk], envelope: Envelope, echoes: Optional[list[str]] = None,
+                    n: int = 1) -> dict[str, Any]:
+    """The merged answers (one per choice, `n` per prompt) as one text_completion; `echoes[i]` is prepended to
+    choice i (`echo`)."""
+    choices = []
+    for index, merged in enumerate(answers):
+        echo = echoes[index] if echoes else ""
+        choices.append({"index": index, "text": echo + merged.response,
+                        "logprobs": CompletionLogprobs(len(echo)).render(merged.logprobs),
+                        "finish_reason": finish_reason(merged.done_reason)})
+    return envelope.wrap("text_completion", choices, usage=usage(*answers, per_prompt=n))
 
 
 @dataclass
 class CompletionEvents:
     envelope: Envelope
     include_usage: bool = False
-    logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+    echoes: Optional[list[str]] = None
+    n: int = 1
+    logprobs: dict[int, CompletionLogprobs] = field(default_factory=dict)
+    finals: list[api.GenerateChunk] = field(default_factory=list)
 
-    def events(self, chunk: api.GenerateChunk) -> list[dict[str, Any]]:
+    def events(self, item: tuple[int, api.GenerateChunk]) -> list[dict[str, Any]]:
+        index, chunk = item
+        text = chunk.response
+        if index not in self.logprobs:  # the choice's first chunk: the echoed prompt goes first
+            echo = self.echoes[index] if self.echoes else ""
+            self.logprobs[index] = CompletionLogprobs(len(echo))
+            text = echo + text
         finish = finish_reason(chunk.done_reason) if chunk.done else None
-        choice = {"index": 0, "text": chunk.response, "logprobs": self.logprobs.render(chunk.logprobs),
+        if chunk.done:
+            self.finals.append(chunk)
+        choice = {"index": index, "text": text, "logprobs": self.logprobs[index].render(chunk.logprobs),
                   "finish_reason": finish}
-        out = [self.envelope.wrap("text_completion", [choice])]
-        if chunk.done and self.include_usage:
-            out.append(self.envelope.wrap("text_completion", [], usage=usage(chunk)))
-        return out
+        return [self.envelope.wrap("text_completion", [choice])]
+
+    def closing(self) -> list[dict[str, Any]]:
+        if not self.include_usage or not self.finals:
+            return []
+        return [self.envelope.wrap("text_completion", [], usage=usage(*self.finals, per_prompt=self.n))]
 
 
 # ---------------------------------------------------------------------------------------------------------- SSE
@@ -166,8 +240,12 @@ async def sse_events(stream: ChunkStream, renderer: ChatEvents | CompletionEvent
         async for chunk in stream:
             for event in renderer.events(chunk):
                 yield sse(event)
+        for event in renderer.closing():
+            yield sse(event)
     except Exception as exc:  # noqa: BLE001 - the status line is gone; the error travels as an event
-        yield sse({"error": {"message": error_payload(exc)["error"], "type": "server_error"}})
+        status = getattr(exc, "status_code", 500)
+        yield sse({"error": {"message": error_payload(exc)["error"], "type": "server_error",
+                             "code": openai_code(exc if isinstance(exc, Exception) else None, status)}})
         return
     yield b"data: [DONE]\n\n"
 

@@ -2,7 +2,8 @@
 
 These wire types live here rather than in api.py because only the OpenAI routes speak them (Ollama keeps its OpenAI
 layer apart from api/types.go the same way). Everything that is not expressible is a 400 naming the field, never
-silently dropped: n > 1, image parts, token-array prompts."""
+silently dropped (image parts, echo with logprobs). `n` choices and prompt lists become several api requests, run
+as one batch."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class _Sampling(_Wire):
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     seed: Optional[int] = None
     stop: Union[str, list[str], None] = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=128, description="choices per prompt")
     logit_bias: Optional[dict[str, float]] = None
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token (llama.cpp extension)")
     keep_alive: Union[str, int, float, None] = Field(None, description="Ollama's keep_alive (extension)")
@@ -76,16 +77,13 @@ class EmbeddingRequest(_Wire):
     model: str
     input: Union[str, list[str], list[int], list[list[int]]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = None
+    dimensions: Optional[int] = Field(None, ge=1)
 
 
 # ---------------------------------------------------------------------------------------------------------- options
 
 def sampling_options(body: _Sampling, max_tokens: Optional[int]) -> dict[str, Any]:
     """OpenAI's sampling fields as our flat options; unset fields leave the Modelfile's values in force."""
-    if body.n != 1:
-        raise InvalidInput(f"n={body.n} is not supported: localllm returns one choice per request",
-                           hint="send n separate requests (with different seeds)")
     options: dict[str, Any] = {
         "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
         "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
@@ -121,13 +119,21 @@ def response_format(fmt: Optional[dict[str, Any]]) -> api.Format:
 
 # ---------------------------------------------------------------------------------------------------------- chat
 
-def chat_request(body: ChatCompletionRequest) -> api.ChatRequest:
+def chat_requests(body: ChatCompletionRequest) -> list[api.ChatRequest]:
+    """One api request per choice (`n`); with a seed, choice i samples with seed + i so the choices differ."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return api.ChatRequest(
+    request = api.ChatRequest(
         model=body.model, messages=chat_messages(body.messages), stream=body.stream,
         options=sampling_options(body, max_tokens), format=response_format(body.response_format),
         tools=body.tools, tool_choice=body.tool_choice, keep_alive=body.keep_alive,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)
+    return [_choice(request, body.seed, i) for i in range(body.n)]
+
+
+def _choice(request: Any, seed: Optional[int], index: int) -> Any:
+    if seed is None or index == 0:
+        return request
+    return request.model_copy(update={"options": {**request.options, "seed": seed + index}})
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[api.Message]:
@@ -170,31 +176,56 @@ def _tool_call(call: dict[str, Any], where: str) -> api.ToolCall:
 
 # ---------------------------------------------------------------------------------------------------------- completions
 
-def completion_request(body: CompletionRequest) -> api.GenerateRequest:
-    """A completion is raw text continuation: no chat template, as with OpenAI and llama-server."""
-    if body.echo:
-        raise InvalidInput("echo is not supported", hint="prepend the prompt to the answer yourself")
-    return api.GenerateRequest(
-        model=body.model, prompt=completion_prompt(body.prompt), raw=True, stream=body.stream,
-        options=sampling_options(body, body.max_tokens), keep_alive=body.keep_alive, suffix=body.suffix,
-        logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
+def completion_requests(body: CompletionRequest) -> tuple[list[api.GenerateRequest], Optional[list[str]]]:
+    """One api request per prompt and choice (OpenAI orders them prompt by prompt, n each), and the text each
+    choice echoes (`echo`), or None. A completion is raw text continuation: no chat template, as with OpenAI and
+    llama-server; a token-id prompt goes to the engine as it is."""
+    if body.echo and body.logprobs is not None:
+        raise InvalidInput("echo with logprobs is not supported", hint="drop one of them")
+    prompts = completion_prompts(body.prompt)
+    if body.echo and any(not isinstance(p, str) for p in prompts):
+        raise InvalidInput("echo needs a text prompt, not token ids", hint="send the prompt as text")
+    requests, echoes = [], []
+    for prompt in prompts:
+        text, tokens = (prompt, None) if isinstance(prompt, str) else ("", prompt)
+        request = api.GenerateRequest(
+            model=body.model, prompt=text, context=tokens, raw=True, stream=body.stream,
+            options=sampling_options(body, body.max_tokens), keep_alive=body.keep_alive, suffix=body.suffix,
+            logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
+        requests += [_choice(request, body.seed, i) for i in range(body.n)]
+        echoes += [text] * body.n
+    return requests, echoes if body.echo else None
 
 
-def completion_prompt(prompt: Union[str, list[str], list[int], list[list[int]]]) -> str:
+def completion_prompts(prompt: Union[str, list[str], list[int], list[list[int]]]) -> list[Union[str, list[int]]]:
+    """`prompt` as a list of prompts: text, or token ids."""
     if isinstance(prompt, str):
-        return prompt
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
-    if all(isinstance(p, str) for p in prompt):
-        raise InvalidInput(f"prompt holds {len(prompt)} prompts; localllm completes one per request",
-                           hint="send one request per prompt")
-    raise InvalidInput("prompt as token ids is not supported", hint="send the prompt as text")
+        return [prompt]
+    if not prompt:
+        raise InvalidInput("prompt is an empty list", hint="send a prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    for i, p in enumerate(prompt):
+        if isinstance(p, list) and not p:
+            raise InvalidInput(f"prompt {i} is an empty list of tokens")
+    return list(prompt)  # type: ignore[arg-type]
 
 
 def embed_request(body: EmbeddingRequest) -> api.EmbedRequest:
-    if body.input and not all(isinstance(i, str) for i in ([body.input] if isinstance(body.input, str)
-                                                           else body.input)):
-        raise InvalidInput("input as token ids is not supported", hint="send the input as text")
-    if body.dimensions is not None:
-        raise InvalidInput("dimensions is not supported: the model's embedding size is fixed")
-    return api.EmbedRequest(model=body.model, input=body.input, truncate=False)
+    """Text or token-id input (langchain-openai sends token ids by default). OpenAI refuses "" and [] with a 400."""
+    value = body.input
+    if isinstance(value, str):
+        value = [value]
+    if not value:
+        raise InvalidInput("input is an empty list", hint="send at least one text or token list")
+    if all(isinstance(item, int) for item in value):
+        return api.EmbedRequest(model=body.model, input=[], input_tokens=[list(value)],  # type: ignore[arg-type]
+                                dimensions=body.dimensions, truncate=False)
+    for i, item in enumerate(value):
+        if not item:
+            raise InvalidInput(f"input {i} is empty", hint="embed non-empty texts")
+    if all(isinstance(item, str) for item in value):
+        return api.EmbedRequest(model=body.model, input=list(value), dimensions=body.dimensions,  # type: ignore
+                                truncate=False)
+    return api.EmbedRequest(model=body.model, input=[], input_tokens=[list(item) for item in value],  # type: ignore
+                            dimensions=body.dimensions, truncate=False)

@@ -3,42 +3,61 @@ render the answer (openai_render). Streams are server-sent events ending in `dat
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from ..errors import ModelNotFound
 from . import openai_render as render
 from .chunk_stream import ChunkStream
-from .openai_requests import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, chat_request,
-                              completion_request, embed_request)
+from .openai_requests import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, chat_requests,
+                              completion_requests, embed_request)
 from .responses import client_gone, merge_chat, merge_generate, sse_response
 from .state import State
 
 router = APIRouter(prefix="/v1")
 
 
+def _observe(state: State):
+    """Metrics count each choice's final chunk."""
+    return lambda item: state.metrics.observe_chunk(item[1])
+
+
+def by_choice(items: list[tuple[int, Any]], merge: Callable[[list[Any]], Any]) -> list[Any]:
+    """A batch's (index, chunk) items as one merged answer per choice, in index order."""
+    chunks: dict[int, list[Any]] = {}
+    for index, chunk in items:
+        chunks.setdefault(index, []).append(chunk)
+    return [merge(chunks[i]) for i in sorted(chunks)]
+
+
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, state: State, http: Request) -> Response:
-    request = chat_request(body)
-    chunks = await ChunkStream.open(lambda: state.client.chat(request), observe=state.metrics.observe_chunk)
+    requests = chat_requests(body)
+    chunks = await ChunkStream.open(lambda: state.client.chat_batch(requests), observe=_observe(state))
     envelope = render.Envelope(model=body.model, prefix="chatcmpl")
     if body.stream:
         events = render.ChatEvents(envelope, include_usage=body.include_usage)
         return sse_response(chunks, lambda s: render.sse_events(s, events))
     collected = await chunks.collect(disconnected=http.is_disconnected)
-    return JSONResponse(render.chat_completion(merge_chat(collected), envelope)) if collected else client_gone()
+    if not collected:
+        return client_gone()
+    return JSONResponse(render.chat_completion(by_choice(collected, merge_chat), envelope))
 
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, state: State, http: Request) -> Response:
-    request = completion_request(body)
-    chunks = await ChunkStream.open(lambda: state.client.generate(request), observe=state.metrics.observe_chunk)
+    requests, echoes = completion_requests(body)
+    chunks = await ChunkStream.open(lambda: state.client.generate_batch(requests), observe=_observe(state))
     envelope = render.Envelope(model=body.model, prefix="cmpl")
     if body.stream:
-        events = render.CompletionEvents(envelope, include_usage=body.include_usage)
+        events = render.CompletionEvents(envelope, include_usage=body.include_usage, echoes=echoes, n=body.n)
         return sse_response(chunks, lambda s: render.sse_events(s, events))
     collected = await chunks.collect(disconnected=http.is_disconnected)
-    return JSONResponse(render.text_completion(merge_generate(collected), envelope)) if collected else client_gone()
+    if not collected:
+        return client_gone()
+    return JSONResponse(render.text_completion(by_choice(collected, merge_generate), envelope, echoes, body.n))
 
 
 @router.post("/embeddings")

@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from .. import api
 from ..api import Timings
-from ..errors import LocalLLMError, QueueFull, Unauthorized
+from ..errors import ContextOverflow, LocalLLMError, ModelNotFound, PayloadTooLarge, QueueFull, Unauthorized
 from .chunk_stream import ChunkStream
 
 log = logging.getLogger(__name__)
@@ -39,14 +39,29 @@ def error_headers(exc: Exception) -> dict[str, str]:
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "invalid_request_error", 413: "invalid_request_error", 503: "server_overloaded"}
+# OpenAI's string `code`s: clients map errors by them (litellm's ContextWindowExceededError comes only from
+# context_length_exceeded). The most specific class wins; otherwise the code follows the status.
+_OPENAI_CODES: tuple[tuple[type[LocalLLMError], str], ...] = (
+    (ContextOverflow, "context_length_exceeded"), (ModelNotFound, "model_not_found"),
+    (QueueFull, "rate_limit_exceeded"), (Unauthorized, "invalid_api_key"), (PayloadTooLarge, "request_too_large"))
+_OPENAI_STATUS_CODES = {400: "invalid_request_error", 401: "invalid_api_key", 403: "permission_denied",
+                        404: "not_found", 413: "request_too_large", 503: "server_overloaded"}
 
 
-def error_json(message: str, status: int, path: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """Ollama's `{"error": "..."}`; under /v1 OpenAI's `{"error": {"message": ..., "type": ...}}`, which its
-    client libraries read."""
+def openai_code(exc: Exception | None, status: int) -> str:
+    for kind, code in _OPENAI_CODES:
+        if isinstance(exc, kind):
+            return code
+    return _OPENAI_STATUS_CODES.get(status, "server_error")
+
+
+def error_json(message: str, status: int, path: str, headers: dict[str, str] | None = None,
+               exc: Exception | None = None) -> JSONResponse:
+    """Ollama's `{"error": "..."}`; under /v1 OpenAI's `{"error": {"message", "type", "param", "code"}}`, which
+    its client libraries read."""
     if path.startswith("/v1/"):
         body: dict[str, Any] = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"),
-                                          "param": None, "code": status}}
+                                          "param": None, "code": openai_code(exc, status)}}
     else:
         body = {"error": message}
     return JSONResponse(body, status_code=status, headers=headers)
@@ -55,7 +70,7 @@ def error_json(message: str, status: int, path: str, headers: dict[str, str] | N
 def error_response(exc: Exception, path: str = "") -> JSONResponse:
     """The JSON error for any exception: errors.* by their status, anything else a logged 500."""
     if isinstance(exc, LocalLLMError):
-        return error_json(str(exc), exc.status_code, path, error_headers(exc))
+        return error_json(str(exc), exc.status_code, path, error_headers(exc), exc)
     log.error("unexpected error", exc_info=exc)
     return error_json(f"internal error: {exc}", 500, path)
 
@@ -165,8 +180,9 @@ def merge_chat(chunks: list[api.ChatChunk]) -> api.ChatChunk:
     content = "".join(c.message.content for c in chunks)
     thinking = "".join(c.message.thinking or "" for c in chunks)
     calls = [call for c in chunks for call in (c.message.tool_calls or [])]
+    deltas = [delta for c in chunks for delta in (c.tool_call_deltas or [])]
     message = api.Message(role="assistant", content=content, thinking=thinking or None, tool_calls=calls or None)
-    return last.model_copy(update={"message": message, **_joined_tokens(chunks)})
+    return last.model_copy(update={"message": message, "tool_call_deltas": deltas or None, **_joined_tokens(chunks)})
 
 
 def _joined_tokens(chunks: list[Any]) -> dict[str, Any]:

@@ -23,6 +23,9 @@ from .responses import error_response
 
 # Routes a load balancer or a "is it up?" probe may call without the key.
 OPEN_PATHS = frozenset({"/", "/health"})
+# Uploads of model files (Ollama's POST /api/blobs/:digest) are weights, gigabytes: the JSON body limit does not
+# apply; the bytes go to disk and must hash to the digest in the path.
+UNLIMITED_BODY_PREFIX = "/api/blobs/"
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ class GuardMiddleware:
         except LocalLLMError as exc:
             await error_response(exc, scope["path"])(scope, receive, send)
             return
-        await self.app(scope, self._limited(receive), send)
+        unlimited = scope["path"].startswith(UNLIMITED_BODY_PREFIX)
+        await self.app(scope, receive if unlimited else self._limited(receive), send)
 
     def _check(self, scope: Scope) -> None:
         headers = Headers(scope=scope)
@@ -90,6 +94,8 @@ class GuardMiddleware:
         if self._needs_key(scope) and not key_matches(headers.get("authorization"), self.settings.api_key):
             raise Unauthorized("missing or wrong API key", hint="send `Authorization: Bearer <LOCALLLM_API_KEY>`")
         length = headers.get("content-length")
+        if scope["path"].startswith(UNLIMITED_BODY_PREFIX):
+            return
         if length and length.isdigit() and int(length) > self.settings.max_body:
             raise self._too_large(length)
 
