@@ -55,15 +55,6 @@ class LlamaCppBackend:
         return LlamaCppModel(path, model, ctx, options, n_seq=n_seq)
 
 
-def cpu_reports_amx() -> bool:
-    """llama.cpp built on a CPU that reports AMX sends batched matmuls through its AMX buffers, which crash
-    (SIGSEGV in ggml_backend_amx_mul_mat on any prompt of 2+ tokens) on our VMs that report AMX without granting
-    it; there the weights stay in plain CPU buffers."""
-    try:
-        return "amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
 
 def _load_weights(path: Path, options: LoadOptions):
     if not Path(path).is_file():
@@ -72,7 +63,6 @@ def _load_weights(path: Path, options: LoadOptions):
     # num_gpu None means "all layers that fit": llama.cpp clamps a large count to the model's layers.
     params.n_gpu_layers = 999 if options.num_gpu is None or options.num_gpu < 0 else options.num_gpu
     params.use_mmap = options.use_mmap
-    params.use_extra_bufts = not cpu_reports_amx()
     # Weights with MTP (nextn) layers bring their heads for speculative decoding (speculative.py); the trunk's own
     # context never runs them, and files without them are unaffected.
     params.load_mtp = True

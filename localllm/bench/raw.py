@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import llama_cpp
 
-from ..backends.llama_cpp import _init_backend, cpu_reports_amx
+from ..backends.llama_cpp import _init_backend
 
 
 class RawLoop:
@@ -19,7 +19,6 @@ class RawLoop:
                  ignore_eos: bool = False):
         _init_backend()
         mparams = llama_cpp.llama_model_default_params()
-        mparams.use_extra_bufts = not cpu_reports_amx()  # the same weights layout as our engine (see there)
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx, cparams.n_seq_max = n_ctx * n_seq, n_seq
