@@ -23,6 +23,7 @@ from ...errors import InvalidInput, LocalLLMError
 from .drafters import (DraftModel, DraftModelDrafter, Drafter, GrammarCheckedDrafter, MtpDrafter, NgramDrafter,
                        check_same_vocab)
 from .policy import DraftWindow, StepCost, any_draft_pays
+from ..probe import LoadProbe
 
 __all__ = ["Drafter", "DraftWindow", "Speculation", "StepCost", "load_speculation", "open_draft_model",
            "open_mtp_head"]
@@ -128,7 +129,11 @@ def load_speculation(store: "Store", model: "ResolvedModel", load: LoadOptions,
     """The pool's drafter factory: called once per model load, on the loading thread, before the engine starts."""
     draft = None
     if load.draft:
+        from ...backends import choose_backend
+
         weights = store.resolve(load.draft).weights
+        # A draft that would abort llama.cpp fails this load alone.
+        LoadProbe.for_store(store).check(weights, load, backend=choose_backend(load.backend, weights))
         draft = open_draft_model(weights, load, loaded, name=load.draft)
     return Speculation(loaded, draft=draft, mtp=open_mtp_head(loaded))
 
