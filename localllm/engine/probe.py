@@ -4,14 +4,14 @@ llama.cpp stops the whole process on a failed GGML_ASSERT (a hyperparameter out 
 cannot take), and no Python code can catch that. So the first load of a weights file runs in a child (load, then
 one decode of a few tokens and one of a single token, the two paths a model takes): if the child dies, only that
 request fails, with the assert's own line in its error, and the server lives on. A success is remembered per blob,
-so each file pays the probe once per LOCALLLM_HOME and llama.cpp version (a fraction of a second for the catalog
-models; their weights stay in the page cache for the real load that follows).
+so each file pays the probe once per LOCALLLM_HOME and llama.cpp version (about a second for the catalog models;
+their weights stay in the page cache for the real load that follows).
 
 Memory: `<store root>/probes/<blob digest>` (a file path outside the store is named by its path, size and mtime),
 holding the llama.cpp version that loaded it. Only the llama.cpp backend is probed: MLX raises Python errors.
 
 Run as a module, this file is the child: `python -m localllm.engine.probe WEIGHTS` with the LoadOptions as JSON on
-stdin; exit 0 means it loaded and decoded, EXIT_REFUSED a clean error (its message on stdout)."""
+stdin; its exit status says how it went (EXIT_REFUSED and its neighbours below)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROBE_CTX = 256  # context of the child's one slot: enough for the probe's tokens, cheap to allocate
-EXIT_REFUSED = 3  # the child's load failed with a clean LocalLLMError (the in-process load will say the same)
+# The child's exit status: 0 loaded and decoded; EXIT_REFUSED a clean LocalLLMError (the in-process load will say
+# the same); EXIT_PYTHON_ERROR an uncaught Python error. Anything else is a death: a signal on POSIX, an abort's 3 or
+# an exception code on Windows.
+EXIT_REFUSED = 10
+EXIT_PYTHON_ERROR = 1
 _DIGEST_NAME = re.compile(r"^sha256-[0-9a-f]{64}$")
 _STDERR_TAIL = 8192
 # ggml's abort message: "<source file>:<line>: <what failed>" (llama.cpp's log lines may run into it unbroken).
@@ -58,15 +62,20 @@ class LoadProbe:
 
         A child that failed cleanly (a missing tensor, a context too large) is not remembered and not raised: the
         in-process load that follows fails the same way, with its own error type and status."""
-        if backend != "llama.cpp":
+        weights = Path(weights)
+        if backend != "llama.cpp" or not weights.is_file():  # a missing file is the real load's error to give
             return
         entry = self.memory_dir / weights_key(weights)
         if _remembered(entry):
             return
+        log.info("first load of %s on this machine: trying it in a child process", weights.name)
         outcome = _run_child(weights, load)
         if outcome.returncode == 0:
             _remember(entry)
+        elif outcome.returncode == EXIT_PYTHON_ERROR:  # not llama.cpp: the child itself could not run
+            log.warning("the load probe of %s could not run: %s", weights.name, outcome.stderr[-_STDERR_TAIL:])
         elif outcome.returncode != EXIT_REFUSED:
+            log.warning("%s crashed llama.cpp in the load probe: %s", weights, outcome.stderr[-_STDERR_TAIL:])
             raise ModelFormatError(f"{weights} crashed llama.cpp while loading: {_crash_line(outcome)}",
                                    hint="the file is damaged or needs another llama.cpp; only this load failed")
 
