@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROBE_CTX = 256  # context of the child's one slot: enough for the probe's tokens, cheap to allocate
+PROBE_TOKENS = 4  # decoded together first (the prompt path), then one more alone (the generation path)
 # The child's exit status: 0 loaded and decoded; EXIT_REFUSED a clean LocalLLMError (the in-process load will say
 # the same); EXIT_PYTHON_ERROR an uncaught Python error. Anything else is a death: a signal on POSIX, an abort's 3 or
 # an exception code on Windows.
@@ -122,7 +123,8 @@ def _timeout(weights: Path) -> float:
 
 
 def _run_child(weights: Path, load: api.LoadOptions) -> subprocess.CompletedProcess:
-    options = load.model_copy(update={"num_ctx": PROBE_CTX, "num_parallel": 1, "draft": None, "embedding": False})
+    options = load.model_copy(update={"num_ctx": PROBE_CTX, "num_parallel": 1, "draft": None, "embedding": False,
+                                      "num_batch": max(load.num_batch, PROBE_TOKENS)})
     # No backtrace: ggml would otherwise try to attach a debugger to the dying child.
     env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
     command = [sys.executable, "-m", "localllm.engine.probe", str(weights)]
@@ -152,7 +154,7 @@ def _crash_line(outcome: subprocess.CompletedProcess) -> str:
 
 def _probe_tokens(n_vocab: int, bos: int | None) -> list[int]:
     first = bos if bos is not None else 0
-    return [first] + [token % n_vocab for token in (1, 2, 3)]
+    return [first] + [token % n_vocab for token in range(1, PROBE_TOKENS)]
 
 
 def probe_load(weights: Path, load: api.LoadOptions) -> None:
