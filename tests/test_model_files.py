@@ -107,7 +107,7 @@ def test_a_good_file_is_probed_once_and_remembered(tmp_path, monkeypatch):
 
     monkeypatch.setattr(probe, "_run_child", no_child)
     memory.check(path, api.LoadOptions())
-    entry.write_text(json.dumps({"llama_cpp": "0.0.1"}))  # another llama.cpp loaded it: that proves nothing now
+    entry.write_text(json.dumps({**json.loads(entry.read_text()), "llama_cpp": "0.0.1"}))  # another llama.cpp
     with pytest.raises(AssertionError, match="probed again"):
         memory.check(path, api.LoadOptions())
 
@@ -117,6 +117,14 @@ def test_a_file_that_aborts_llama_cpp_fails_in_the_probe_every_time(tmp_path, ba
     for _ in range(2):  # a failure is not remembered as a success
         with pytest.raises(ModelFormatError, match="binary_op: unsupported types"):
             memory.check(bad_norm, api.LoadOptions())
+
+
+def test_a_vocabulary_llama_cpp_cannot_tokenize_with_fails_in_the_probe(tmp_path):
+    """A SentencePiece vocabulary without its <0xNN> byte tokens loads and decodes, then the first unknown character
+    a user types throws out of llama.cpp's C API, which ends the process."""
+    path = write_tiny_llama(tmp_path / "no-bytes.gguf", byte_tokens=False)
+    with pytest.raises(ModelFormatError, match=r"llama.cpp threw std::out_of_range \(unordered_map::at\)"):
+        LoadProbe(tmp_path / "probes").check(path, api.LoadOptions())
 
 
 def test_a_clean_load_failure_is_left_to_the_real_load(tmp_path):

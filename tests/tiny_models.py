@@ -1,4 +1,4 @@
-"""A tiny llama model that llama.cpp really loads and runs (one layer, 256 tokens, random F32 weights), written with
+"""A tiny llama model that llama.cpp really loads and runs (one layer, 320 tokens, random F32 weights), written with
 the `gguf` package; its hyperparameters and tensor types can be changed to make the files llama.cpp aborts on."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ HPARAMS: dict[str, Any] = {"context_length": 512, "embedding_length": 64, "feed_
 
 
 def write_tiny_llama(path: Path, *, hparams: Optional[dict[str, Any]] = None, raw: Optional[dict[str, Any]] = None,
-                     half: tuple[str, ...] = (), n_vocab: int = 256, seed: int = 0) -> Path:
+                     half: tuple[str, ...] = (), byte_tokens: bool = True, seed: int = 0) -> Path:
     """`hparams` override HPARAMS (by GGUFWriter.add_<name>); `raw` adds keys as they are (e.g. a string where a
-    number belongs); tensors named in `half` are stored as F16."""
+    number belongs); tensors named in `half` are stored as F16. Without `byte_tokens` the vocabulary lacks the
+    <0xNN> tokens a SentencePiece vocabulary falls back to, and llama.cpp aborts tokenizing any unknown text."""
     rng = np.random.default_rng(seed)
     n_embd = 64
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -29,9 +30,12 @@ def write_tiny_llama(path: Path, *, hparams: Optional[dict[str, Any]] = None, ra
         else:
             writer.add_uint32(key, value)
     writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>", "<0x0A>"] + [f"\u2581w{i}" for i in range(n_vocab - 4)])
+    pieces = [f"<0x{byte:02X}>" for byte in range(256)] if byte_tokens else []
+    words = [f"\u2581w{i}" for i in range(320 - 3 - len(pieces))]
+    n_vocab = 3 + len(pieces) + len(words)
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + pieces + words)
     writer.add_token_scores([0.0] * n_vocab)
-    writer.add_token_types([2, 3, 3, 6] + [1] * (n_vocab - 4))
+    writer.add_token_types([2, 3, 3] + [6] * len(pieces) + [1] * len(words))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 

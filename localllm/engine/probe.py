@@ -8,7 +8,7 @@ so each file pays the probe once per LOCALLLM_HOME and llama.cpp version (about 
 their weights stay in the page cache for the real load that follows).
 
 Memory: `<store root>/probes/<blob digest>` (a file path outside the store is named by its path, size and mtime),
-holding the llama.cpp version that loaded it. Only the llama.cpp backend is probed: MLX raises Python errors.
+holding the llama.cpp and probe versions that passed. Only the llama.cpp backend is probed: MLX raises Python errors.
 
 Run as a module, this file is the child: `python -m localllm.engine.probe WEIGHTS` with the LoadOptions as JSON on
 stdin; its exit status says how it went (EXIT_REFUSED and its neighbours below)."""
@@ -35,8 +35,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+PROBE_VERSION = "1"  # raise when the probe checks more: what it remembered no longer covers it
 PROBE_CTX = 256  # context of the child's one slot: enough for the probe's tokens, cheap to allocate
 PROBE_TOKENS = 4  # decoded together first (the prompt path), then one more alone (the generation path)
+# Tokenized and detokenized by the child: ASCII, controls, several scripts and an emoji, as users type them.
+PROBE_TEXT = "Hello, world!\n\t{\"a\": [1, 2.5]} <b>x</b> Grüße, ça va? Привет Ωμέγα 中文 日本語 한국어 🙂\r\n"
 # The child's exit status: 0 loaded and decoded; EXIT_REFUSED a clean LocalLLMError (the in-process load will say
 # the same); EXIT_PYTHON_ERROR an uncaught Python error. Anything else is a death: a signal on POSIX, an abort's 3 or
 # an exception code on Windows.
@@ -46,6 +49,8 @@ _DIGEST_NAME = re.compile(r"^sha256-[0-9a-f]{64}$")
 _STDERR_TAIL = 8192
 # ggml's abort message: "<source file>:<line>: <what failed>" (llama.cpp's log lines may run into it unbroken).
 _GGML_MESSAGE = re.compile(r"([\w.+-]+\.(?:c|cc|cpp|h|cu|m):\d+: [^\n]*)")
+# What the C++ runtime prints when an exception escapes llama.cpp's C API (std::terminate, then abort).
+_UNCAUGHT = re.compile(r"instance of '([^']+)'\s+what\(\):\s*([^\n]*)")
 
 
 class LoadProbe:
@@ -100,10 +105,15 @@ def _llama_cpp_version() -> str:
         return "unknown"
 
 
+def _record() -> dict[str, str]:
+    """What a success is remembered with: another llama.cpp, or another probe, proves nothing about this one."""
+    return {"llama_cpp": _llama_cpp_version(), "probe": PROBE_VERSION}
+
+
 def _remembered(entry: Path) -> bool:
     try:
-        return json.loads(entry.read_text(encoding="utf-8")).get("llama_cpp") == _llama_cpp_version()
-    except (OSError, ValueError, AttributeError):
+        return json.loads(entry.read_text(encoding="utf-8")) == _record()
+    except (OSError, ValueError):
         return False
 
 
@@ -111,7 +121,7 @@ def _remember(entry: Path) -> None:
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         temp = entry.with_name(f".{entry.name}.{uuid.uuid4().hex}")
-        temp.write_text(json.dumps({"llama_cpp": _llama_cpp_version()}), encoding="utf-8")
+        temp.write_text(json.dumps(_record()), encoding="utf-8")
         os.replace(temp, entry)
     except OSError as exc:  # a read-only home: the probe runs again next time, nothing worse
         log.warning("could not remember that %s loads: %s", entry.name, exc)
@@ -137,11 +147,15 @@ def _run_child(weights: Path, load: api.LoadOptions) -> subprocess.CompletedProc
 
 
 def _crash_line(outcome: subprocess.CompletedProcess) -> str:
-    """Why the child died: ggml's "file.cpp:line: message" (GGML_ASSERT, GGML_ABORT), else the signal."""
+    """Why the child died: ggml's "file.cpp:line: message" (GGML_ASSERT, GGML_ABORT), a C++ exception that escaped
+    llama.cpp, else the signal."""
     tail = outcome.stderr[-_STDERR_TAIL:]
     found = _GGML_MESSAGE.findall(tail)
     if found:
         return found[-1].strip()[:300]
+    thrown = _UNCAUGHT.search(tail)
+    if thrown:
+        return f"llama.cpp threw {thrown.group(1)} ({thrown.group(2).strip()[:200]})"
     if outcome.returncode < 0:
         try:
             return f"the load probe was killed by {signal.Signals(-outcome.returncode).name}"
@@ -158,12 +172,14 @@ def _probe_tokens(n_vocab: int, bos: int | None) -> list[int]:
 
 
 def probe_load(weights: Path, load: api.LoadOptions) -> None:
-    """Load `weights` and decode a few tokens, then one more: what the child runs."""
+    """Load `weights`, tokenize text of several scripts and decode a few tokens, then one more: what the child runs."""
     from ..backends.base import Batch
     from ..backends.llama_cpp import LlamaCppBackend
 
     model = LlamaCppBackend().load(weights, load, n_seq=1, n_ctx=PROBE_CTX)
     try:
+        for token in model.tokenize(PROBE_TEXT):  # a vocabulary without byte fallback aborts on unknown text
+            model.token_bytes(token)
         tokens = _probe_tokens(model.meta.n_vocab, model.meta.bos_token)
         prompt = Batch()
         for pos, token in enumerate(tokens):
