@@ -39,7 +39,8 @@ PROBE_VERSION = "1"  # raise when the probe checks more: what it remembered no l
 PROBE_CTX = 256  # context of the child's one slot: enough for the probe's tokens, cheap to allocate
 PROBE_TOKENS = 4  # decoded together first (the prompt path), then one more alone (the generation path)
 # Tokenized and detokenized by the child: ASCII, controls, several scripts and an emoji, as users type them.
-PROBE_TEXT = "Hello, world!\n\t{\"a\": [1, 2.5]} <b>x</b> Grüße, ça va? Привет Ωμέγα 中文 日本語 한국어 🙂\r\n"
+PROBE_TEXT = ("Hello, world!\n\t{\"a\": [1, 2.5]} <b>x</b> Grüße, ça va? Привет Ωμέγα 中文 日本語 한국어 "
+              "🙂\r\n")
 # The child's exit status: 0 loaded and decoded; EXIT_REFUSED a clean LocalLLMError (the in-process load will say
 # the same); EXIT_PYTHON_ERROR an uncaught Python error. Anything else is a death: a signal on POSIX, an abort's 3 or
 # an exception code on Windows.
