@@ -72,4 +72,6 @@ def private_home(models_home: Path, target: Path) -> Path:
                 os.link(blob, dst / "blobs" / blob.name)
             except OSError:
                 shutil.copy2(blob, dst / "blobs" / blob.name)
+    if (src / "probes").is_dir():  # the same blobs on the same machine: their load probes hold here too
+        shutil.copytree(src / "probes", dst / "probes")
     return target

@@ -21,6 +21,7 @@ from ..backends import choose_backend, get_backend
 from ..errors import InvalidInput, QueueFull
 from ..models.store import ResolvedModel, Store
 from ..backends.base import LoadedModel
+from .probe import LoadProbe
 from .runner import ModelEngine
 from .speculative.speculation import Speculation
 
@@ -91,6 +92,7 @@ class ModelPool:
         self._lock = threading.RLock()
         self._load_lock = threading.Lock()
         self._speculation_factory = speculation_factory
+        self._probe = LoadProbe.for_store(self.store)
         self._reaper = threading.Thread(target=self._reap_forever, name="localllm-keepalive", daemon=True)
         self._stopping = threading.Event()
         self._reaper.start()
@@ -146,6 +148,7 @@ class ModelPool:
     def _load(self, model: ResolvedModel, load: api.LoadOptions, keep_alive: Optional[float]) -> Loaded:
         backend_name = choose_backend(load.backend, model.weights)
         t0 = time.perf_counter()
+        self._probe.check(model.weights, load, backend=backend_name)  # a file that aborts llama.cpp fails here
         loaded = get_backend(backend_name).load(model.weights, load, n_seq=load.num_parallel or 1,
                                                 n_ctx=load.num_ctx or config.CONTEXT_LENGTH.get())
         seconds = time.perf_counter() - t0

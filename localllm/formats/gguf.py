@@ -17,7 +17,7 @@ import struct
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import gguf
 
@@ -28,13 +28,25 @@ SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 # Arrays longer than this (token tables, merges, scores) are summarised by type and length, never decoded.
 MAX_ARRAY_ITEMS = 64
+# Every item of a string array, key and tensor info costs a Python step, so counts are bounded far above any real
+# model (vocabularies reach 262,144 tokens, headers a few hundred keys and some thousands of tensors): a crafted
+# header cannot make inspection run for minutes or fill memory.
+MAX_STRING_ITEMS = 1 << 22
+MAX_KV = 1 << 16
+MAX_TENSORS = 1 << 18
 # The smallest encodings: a tensor info is name length (8) + n_dims (4) + type (4) + offset (8); a key/value pair is
 # key length (8) + value type (4) + a one-byte value. Counts are checked against them before anything is read.
 MIN_TENSOR_INFO_BYTES = 24
 MIN_KV_BYTES = 13
 HEADER_BYTES = 24  # magic, version, tensor count, kv count
+# llama.cpp's own limits (src/llama-hparams.h): a file beyond them trips a GGML_ASSERT, which aborts the process.
+LLAMA_MAX_LAYERS = 512
+LLAMA_MAX_EXPERTS = 1024
+LLAMA_ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+NORM_EPSILONS = ("attention.layer_norm_epsilon", "attention.layer_norm_rms_epsilon", "attention.group_norm_epsilon")
 
 _V = gguf.GGUFValueType
+_U64 = struct.Struct("<Q")
 _SCALAR_FORMATS = {
     _V.UINT8: "<B", _V.INT8: "<b", _V.UINT16: "<H", _V.INT16: "<h", _V.UINT32: "<I", _V.INT32: "<i",
     _V.FLOAT32: "<f", _V.BOOL: "<?", _V.UINT64: "<Q", _V.INT64: "<q", _V.FLOAT64: "<d",
@@ -139,21 +151,48 @@ def _read_scalar(cursor: _Cursor, vtype: gguf.GGUFValueType, key: str) -> Any:
     return cursor.scalar(_SCALAR_FORMATS[vtype], f"value of {key!r}")
 
 
+def _skip_strings(cursor: _Cursor, count: int, key: str) -> None:
+    """Step over `count` strings: one length read per item in a tight loop (a 262k-token vocabulary in ~20 ms)."""
+    cursor.need(count * 8, f"{count} string lengths of {key!r}")
+    if count > MAX_STRING_ITEMS:
+        raise cursor.fail(f"{key!r} holds {count} strings; localllm reads at most {MAX_STRING_ITEMS}")
+    buf, offset, length_at = cursor.buf, cursor.offset, _U64.unpack_from
+    last = cursor.size - 8  # where the last length field can start
+    for _ in range(count):
+        if offset > last:
+            cursor.offset = offset
+            cursor.need(8, f"length of an item of {key!r}")
+        length = length_at(buf, offset)[0]
+        offset += 8 + length
+        if offset > cursor.size:
+            raise cursor.fail(f"item of {key!r} ({length} bytes) at byte {offset - length} needs more than the "
+                              f"{cursor.size - offset + length} bytes that remain (truncated or corrupt)")
+    cursor.offset = offset
+
+
 def _skip_array(cursor: _Cursor, item_type: gguf.GGUFValueType, count: int, key: str) -> None:
     if item_type == _V.STRING:
-        cursor.need(count * 8, f"{count} string lengths of {key!r}")
-        for _ in range(count):
-            cursor.skip_string(f"item of {key!r}")
+        _skip_strings(cursor, count, key)
         return
     width = struct.calcsize(_SCALAR_FORMATS[item_type])
     cursor.need(count * width, f"{count} items of {key!r}")
     cursor.offset += count * width
 
 
+def _read_numbers(cursor: _Cursor, item_type: gguf.GGUFValueType, count: int, key: str) -> list[Any]:
+    """A numeric array in one unpack (per-layer hyperparameters: up to LLAMA_MAX_LAYERS items)."""
+    fmt = "<" + _SCALAR_FORMATS[item_type][1] * count
+    cursor.need(struct.calcsize(fmt), f"{count} items of {key!r}")
+    values = list(struct.unpack_from(fmt, cursor.buf, cursor.offset))
+    cursor.offset += struct.calcsize(fmt)
+    return values
+
+
 def _read_array(cursor: _Cursor, key: str, *, whole: bool = False
                 ) -> tuple[Optional[list[Any]], tuple[str, int]]:
-    """Read an array value: (its items, or None when too long to decode, (item type name, length)). `whole`
-    decodes it whatever its length (its length was checked against the file's bytes first)."""
+    """Read an array value: (its items, or None when too long to decode, (item type name, length)). Numeric arrays
+    of up to LLAMA_MAX_LAYERS items are decoded: per-layer hyperparameters are checked against llama.cpp's limits.
+    `whole` decodes it whatever its length (its length was checked against the file's bytes first)."""
     item_type = _value_type(cursor.scalar("<I", f"array type of {key!r}"), cursor, key)
     if item_type == _V.ARRAY:
         raise cursor.fail(f"key {key!r} is an array of arrays, which GGUF readers do not support")
@@ -162,6 +201,8 @@ def _read_array(cursor: _Cursor, key: str, *, whole: bool = False
     if whole:
         cursor.need(count * (8 if item_type == _V.STRING else struct.calcsize(_SCALAR_FORMATS[item_type])),
                     f"{count} items of {key!r}")
+    if item_type != _V.STRING and count <= LLAMA_MAX_LAYERS:
+        return _read_numbers(cursor, item_type, count, key), summary
     if count > MAX_ARRAY_ITEMS and not whole:
         _skip_array(cursor, item_type, count, key)
         return None, summary
@@ -181,6 +222,7 @@ class _Header:
     metadata: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, tuple[str, int]] = field(default_factory=dict)
     tensors: list[_Tensor] = field(default_factory=list)
+    layer_arrays: dict[str, list[Any]] = field(default_factory=dict)  # numeric arrays too long for `metadata`
 
 
 def _read_preamble(cursor: _Cursor) -> tuple[int, int]:
@@ -200,6 +242,9 @@ def _read_preamble(cursor: _Cursor) -> tuple[int, int]:
     if n_tensors * MIN_TENSOR_INFO_BYTES + n_kv * MIN_KV_BYTES > cursor.size - HEADER_BYTES:
         raise cursor.fail(f"header claims {n_tensors} tensors and {n_kv} metadata keys, "
                           f"impossible in a file of {cursor.size} bytes")
+    if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
+        raise cursor.fail(f"header claims {n_tensors} tensors and {n_kv} metadata keys; localllm reads at most "
+                          f"{MAX_TENSORS} tensors and {MAX_KV} keys")
     return n_tensors, n_kv
 
 
@@ -213,7 +258,9 @@ def _read_metadata(cursor: _Cursor, count: int, header: _Header, whole: frozense
             header.metadata[key] = _read_scalar(cursor, vtype, key)
             continue
         items, header.arrays[key] = _read_array(cursor, key, whole=key in whole)
-        if items is not None:
+        if items is not None and len(items) > MAX_ARRAY_ITEMS and key not in whole:
+            header.layer_arrays[key] = items
+        elif items is not None:
             header.metadata[key] = items
 
 
@@ -293,6 +340,7 @@ def _read_header(path: Path) -> _Header:
         n_tensors, n_kv = _read_preamble(cursor)
         _read_metadata(cursor, n_kv, header)
         _read_tensors(cursor, n_tensors, header)
+        _check_hparams(cursor, header)
         return header
     finally:
         buf.close()
@@ -310,6 +358,80 @@ def read_arrays(path: Path, keys: frozenset[str]) -> dict[str, list[Any]]:
         return {key: header.metadata[key] for key in keys if key in header.metadata}
     finally:
         buf.close()
+
+
+# ---------------------------------------------------------------------------------------------------------- limits
+#
+# llama.cpp checks some hyperparameters with GGML_ASSERT while it loads a model (llama-model.cpp, load_hparams) or
+# runs it (ggml's norms assert eps >= 0): a file that breaks one aborts the whole process, the server included. These
+# are refused here, at inspection (pull, create, show), with the value and the rule. Anything else llama.cpp would
+# abort on is caught by the load probe (engine/probe.py).
+
+class _Hparams:
+    """Typed reads of `<arch>.*` numbers: scalars, or per-layer arrays (their items)."""
+
+    def __init__(self, header: _Header, arch: str):
+        self.header, self.arch = header, arch
+
+    def key(self, name: str) -> str:
+        return f"{self.arch}.{name}"
+
+    def number(self, name: str) -> Optional[float]:
+        value = self.header.metadata.get(self.key(name))
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    def per_layer(self, name: str) -> list[float]:
+        value = self.header.layer_arrays.get(self.key(name), self.header.metadata.get(self.key(name)))
+        values = value if isinstance(value, list) else [value]
+        return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _layer_problems(hp: _Hparams) -> Iterator[str]:
+    layers = hp.number("block_count")
+    if layers is not None and not 1 <= layers <= LLAMA_MAX_LAYERS:
+        yield f"{hp.key('block_count')} is {layers}, outside 1..{LLAMA_MAX_LAYERS}"
+    nextn = hp.number("nextn_predict_layers")
+    if layers is not None and nextn is not None and nextn > layers:
+        yield f"{hp.key('nextn_predict_layers')} is {nextn}, more than the {layers} layers"
+
+
+def _expert_problems(hp: _Hparams) -> Iterator[str]:
+    experts = hp.number("expert_count") or 0
+    if hp.arch in ("hunyuan-dense", "hunyuan_vl") and experts <= 1:
+        return  # llama.cpp treats these as dense models and ignores the expert keys
+    used = max(hp.per_layer("expert_used_count"), default=0)
+    groups, groups_used = hp.number("expert_group_count") or 0, hp.number("expert_group_used_count") or 0
+    if experts > LLAMA_MAX_EXPERTS:
+        yield f"{hp.key('expert_count')} is {experts}, more than llama.cpp's {LLAMA_MAX_EXPERTS}"
+    elif experts == 0 and (used or groups):
+        yield f"{hp.key('expert_used_count')} or expert_group_count is set but the model has no experts"
+    elif experts and not 0 < used <= experts:
+        yield f"{hp.key('expert_used_count')} is {used}, outside 1..{experts} (expert_count)"
+    elif experts and groups >= experts:
+        yield f"{hp.key('expert_group_count')} is {groups}, not fewer than the {experts} experts"
+    elif groups > 1 and (experts % groups or not 0 < groups_used < groups):
+        yield (f"{hp.key('expert_group_count')} {groups} with expert_group_used_count {groups_used} does not fit "
+               f"{experts} experts (groups must divide them, and 0 < used < groups)")
+
+
+def _number_problems(hp: _Hparams) -> Iterator[str]:
+    for name in NORM_EPSILONS:
+        eps = hp.number(name)
+        if eps is not None and not eps >= 0:  # ggml's norms assert eps >= 0, which a NaN fails too
+            yield f"{hp.key(name)} is {eps}; a norm epsilon must be at least 0"
+    scaling = hp.header.metadata.get(hp.key("rope.scaling.type"))
+    if isinstance(scaling, str) and scaling not in LLAMA_ROPE_SCALING_TYPES:
+        yield f"{hp.key('rope.scaling.type')} is {scaling!r}, not one of {', '.join(LLAMA_ROPE_SCALING_TYPES)}"
+
+
+def _check_hparams(cursor: _Cursor, header: _Header) -> None:
+    arch = _text(header.metadata, gguf.Keys.General.ARCHITECTURE)
+    if not arch:
+        return
+    hp = _Hparams(header, arch)
+    for problems in (_layer_problems, _expert_problems, _number_problems):
+        for problem in problems(hp):
+            raise cursor.fail(f"{problem}; llama.cpp would abort on it (a broken conversion or a damaged file)")
 
 
 # ---------------------------------------------------------------------------------------------------------- facts

@@ -9,6 +9,7 @@ from ...api import LoadOptions, SamplingOptions
 from ...backends.base import Batch, MtpHead
 from ...errors import InvalidInput, LocalLLMError
 from .drafters import DraftModel, Drafter, GrammarCheckedDrafter, NgramDrafter, SourceDrafter, check_same_vocab
+from ..probe import LoadProbe
 from .policy import DraftWindow, StepCost
 
 if TYPE_CHECKING:
@@ -104,7 +105,11 @@ def load_speculation(store: "Store", model: "ResolvedModel", load: LoadOptions,
     """The pool's drafter factory: called once per model load, on the loading thread, before the engine starts."""
     draft = None
     if load.draft:
+        from ...backends import choose_backend
+
         weights = store.resolve(load.draft).weights
+        # A draft that would abort llama.cpp fails this load alone.
+        LoadProbe.for_store(store).check(weights, load, backend=choose_backend(load.backend, weights))
         draft = open_draft_model(weights, load, loaded, name=load.draft)
     return Speculation(loaded, draft=draft, mtp=open_mtp_head(loaded))
 

@@ -1,0 +1,209 @@
+"""The load probe: weights that have not yet loaded on this machine are first loaded in a short-lived child process.
+
+llama.cpp stops the whole process on a failed GGML_ASSERT (a hyperparameter out of range, a tensor type a kernel
+cannot take), and no Python code can catch that. So the first load of a weights file runs in a child (load, then
+one decode of a few tokens and one of a single token, the two paths a model takes): if the child dies, only that
+request fails, with the assert's own line in its error, and the server lives on. A success is remembered per blob,
+so each file pays the probe once per LOCALLLM_HOME and llama.cpp version (about a second for the catalog models;
+their weights stay in the page cache for the real load that follows).
+
+Memory: `<store root>/probes/<blob digest>` (a file path outside the store is named by its path, size and mtime),
+holding the llama.cpp and probe versions that passed. Only the llama.cpp backend is probed: MLX raises Python errors.
+
+Run as a module, this file is the child: `python -m localllm.engine.probe WEIGHTS` with the LoadOptions as JSON on
+stdin; its exit status says how it went (EXIT_REFUSED and its neighbours below)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .. import api
+from ..errors import LocalLLMError, ModelFormatError
+
+if TYPE_CHECKING:
+    from ..models.store import Store
+
+log = logging.getLogger(__name__)
+
+PROBE_VERSION = "1"  # raise when the probe checks more: what it remembered no longer covers it
+PROBE_CTX = 256  # context of the child's one slot: enough for the probe's tokens, cheap to allocate
+PROBE_TOKENS = 4  # decoded together first (the prompt path), then one more alone (the generation path)
+# Tokenized and detokenized by the child: ASCII, controls, several scripts and an emoji, as users type them.
+PROBE_TEXT = ("Hello, world!\n\t{\"a\": [1, 2.5]} <b>x</b> Grüße, ça va? Привет Ωμέγα 中文 日本語 한국어 "
+              "🙂\r\n")
+# The child's exit status: 0 loaded and decoded; EXIT_REFUSED a clean LocalLLMError (the in-process load will say
+# the same); EXIT_PYTHON_ERROR an uncaught Python error. Anything else is a death: a signal on POSIX, an abort's 3 or
+# an exception code on Windows.
+EXIT_REFUSED = 10
+EXIT_PYTHON_ERROR = 1
+_DIGEST_NAME = re.compile(r"^sha256-[0-9a-f]{64}$")
+_STDERR_TAIL = 8192
+# ggml's abort message: "<source file>:<line>: <what failed>" (llama.cpp's log lines may run into it unbroken).
+_GGML_MESSAGE = re.compile(r"([\w.+-]+\.(?:c|cc|cpp|h|cu|m):\d+: [^\n]*)")
+# What the C++ runtime prints when an exception escapes llama.cpp's C API (std::terminate, then abort).
+_UNCAUGHT = re.compile(r"instance of '([^']+)'\s+what\(\):\s*([^\n]*)")
+
+
+class LoadProbe:
+    """Probes weights once per home before the pool loads them in-process."""
+
+    def __init__(self, memory_dir: Path):
+        self.memory_dir = Path(memory_dir)
+
+    @classmethod
+    def for_store(cls, store: "Store") -> "LoadProbe":
+        return cls(store.root / "probes")
+
+    def check(self, weights: Path, load: api.LoadOptions, *, backend: str = "llama.cpp") -> None:
+        """Return when `weights` loaded (now or before) in a child; raise ModelFormatError when the child died.
+
+        A child that failed cleanly (a missing tensor, a context too large) is not remembered and not raised: the
+        in-process load that follows fails the same way, with its own error type and status."""
+        weights = Path(weights)
+        if backend != "llama.cpp" or not weights.is_file():  # a missing file is the real load's error to give
+            return
+        entry = self.memory_dir / weights_key(weights)
+        if _remembered(entry):
+            return
+        log.info("first load of %s on this machine: trying it in a child process", weights.name)
+        outcome = _run_child(weights, load)
+        if outcome.returncode == 0:
+            _remember(entry)
+        elif outcome.returncode == EXIT_PYTHON_ERROR:  # not llama.cpp: the child itself could not run
+            log.warning("the load probe of %s could not run: %s", weights.name, outcome.stderr[-_STDERR_TAIL:])
+        elif outcome.returncode != EXIT_REFUSED:
+            log.warning("%s crashed llama.cpp in the load probe: %s", weights, outcome.stderr[-_STDERR_TAIL:])
+            raise ModelFormatError(f"{weights} crashed llama.cpp while loading: {_crash_line(outcome)}",
+                                   hint="the file is damaged or needs another llama.cpp; only this load failed")
+
+
+def weights_key(weights: Path) -> str:
+    """A store blob is named by its digest; any other file by its path, size and modification time."""
+    weights = Path(weights)
+    if _DIGEST_NAME.match(weights.name):
+        return weights.name
+    stat = weights.stat()
+    identity = f"{weights.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    return f"file-{hashlib.sha256(identity).hexdigest()}"
+
+
+def _llama_cpp_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llama-cpp-python")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _record() -> dict[str, str]:
+    """What a success is remembered with: another llama.cpp, or another probe, proves nothing about this one."""
+    return {"llama_cpp": _llama_cpp_version(), "probe": PROBE_VERSION}
+
+
+def _remembered(entry: Path) -> bool:
+    try:
+        return json.loads(entry.read_text(encoding="utf-8")) == _record()
+    except (OSError, ValueError):
+        return False
+
+
+def _remember(entry: Path) -> None:
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        temp = entry.with_name(f".{entry.name}.{uuid.uuid4().hex}")
+        temp.write_text(json.dumps(_record()), encoding="utf-8")
+        os.replace(temp, entry)
+    except OSError as exc:  # a read-only home: the probe runs again next time, nothing worse
+        log.warning("could not remember that %s loads: %s", entry.name, exc)
+
+
+def _timeout(weights: Path) -> float:
+    # Loading reads the whole file once; allow a slow disk (about 30 MB/s) on top of a minute of fixed cost.
+    return 60.0 + Path(weights).stat().st_size / 30e6
+
+
+def _run_child(weights: Path, load: api.LoadOptions) -> subprocess.CompletedProcess:
+    options = load.model_copy(update={"num_ctx": PROBE_CTX, "num_parallel": 1, "draft": None, "embedding": False,
+                                      "num_batch": max(load.num_batch, PROBE_TOKENS)})
+    # No backtrace: ggml would otherwise try to attach a debugger to the dying child.
+    env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
+    command = [sys.executable, "-m", "localllm.engine.probe", str(weights)]
+    try:
+        return subprocess.run(command, input=options.model_dump_json(), capture_output=True, text=True,
+                              errors="replace", env=env, timeout=_timeout(weights))
+    except subprocess.TimeoutExpired:
+        raise ModelFormatError(f"{weights} did not load within {_timeout(weights):.0f} s in the load probe",
+                               hint="the file may be damaged; only this load failed") from None
+
+
+def _crash_line(outcome: subprocess.CompletedProcess) -> str:
+    """Why the child died: ggml's "file.cpp:line: message" (GGML_ASSERT, GGML_ABORT), a C++ exception that escaped
+    llama.cpp, else the signal."""
+    tail = outcome.stderr[-_STDERR_TAIL:]
+    found = _GGML_MESSAGE.findall(tail)
+    if found:
+        return found[-1].strip()[:300]
+    thrown = _UNCAUGHT.search(tail)
+    if thrown:
+        return f"llama.cpp threw {thrown.group(1)} ({thrown.group(2).strip()[:200]})"
+    if outcome.returncode < 0:
+        try:
+            return f"the load probe was killed by {signal.Signals(-outcome.returncode).name}"
+        except ValueError:
+            pass
+    return f"the load probe ended with status {outcome.returncode}"
+
+
+# ---------------------------------------------------------------------------------------------------------- child
+
+def _probe_tokens(n_vocab: int, bos: int | None) -> list[int]:
+    first = bos if bos is not None else 0
+    return [first] + [token % n_vocab for token in range(1, PROBE_TOKENS)]
+
+
+def probe_load(weights: Path, load: api.LoadOptions) -> None:
+    """Load `weights`, tokenize text of several scripts and decode a few tokens, then one more: what the child runs."""
+    from ..backends.base import Batch
+    from ..backends.llama_cpp import LlamaCppBackend
+
+    model = LlamaCppBackend().load(weights, load, n_seq=1, n_ctx=PROBE_CTX)
+    try:
+        for token in model.tokenize(PROBE_TEXT):  # a vocabulary without byte fallback aborts on unknown text
+            model.token_bytes(token)
+        tokens = _probe_tokens(model.meta.n_vocab, model.meta.bos_token)
+        prompt = Batch()
+        for pos, token in enumerate(tokens):
+            prompt.add(token, pos, 0, pos == len(tokens) - 1)
+        model.decode(prompt)
+        model.logits(len(tokens) - 1)
+        one = Batch()
+        one.add(tokens[-1], len(tokens), 0, True)
+        model.decode(one)
+        model.logits(0)
+    finally:
+        model.close()
+
+
+def _main(argv: list[str]) -> int:
+    load = api.LoadOptions.model_validate_json(sys.stdin.read())
+    try:
+        probe_load(Path(argv[0]), load)
+    except LocalLLMError as exc:
+        print(exc, flush=True)
+        return EXIT_REFUSED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
