@@ -40,7 +40,7 @@ class LoadOptions(_Model):
     num_parallel: Optional[int] = Field(None, ge=1, le=256, description="slots: requests decoded at once")
     num_batch: int = Field(512, ge=1, description="most tokens decoded in one step")
     num_gpu: Optional[int] = Field(None, ge=-1, description="layers offloaded to the GPU; default all that fit")
-    num_thread: Optional[int] = Field(None, ge=1, description="CPU threads for decoding")
+    num_thread: Optional[int] = Field(None, ge=1, description="CPU threads for decoding (unset: chosen as it runs)")
     flash_attn: Optional[bool] = Field(None, description="flash attention where the backend has it")
     kv_type: Optional[KVType] = Field(None, description="KV cache element type")
     use_mmap: bool = Field(True, description="map the weights file instead of reading it")
@@ -405,6 +405,8 @@ class ProcessModel(_Model):
     kv_type: str = "f16"
     gpu_layers: int = 0
     speculation: str = "none"
+    threads: int = 0  # CPU threads of its decode steps now (llama.cpp; 0 where the backend chooses)
+    threads_auto: bool = False  # chosen as it runs (LOCALLLM_NUM_THREAD auto), not pinned
     draft_count: int = 0
     draft_accepted: int = 0
     status: Optional[str] = None  # "removed": its model was deleted; it unloads when its running requests end

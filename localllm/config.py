@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Optional, TypeVar
 
 from .errors import ConfigError
 
@@ -96,11 +96,9 @@ def _default_parallel() -> int:
     return 4
 
 
-def _default_threads() -> int:
-    # llama.cpp's throughput collapses when its threads outnumber the free cores (measured in docs/BENCHMARKS.md):
-    # leave one core for the server and other work once there are few cores.
-    cores = os.cpu_count() or 1
-    return max(1, cores - 1) if cores <= 4 else max(1, cores // 2)
+def parse_threads(raw: str) -> Optional[int]:
+    """A fixed thread count, or `auto` (None): the engine measures which count is fastest as it runs."""
+    return None if raw.strip().lower() == "auto" else parse_positive_int(raw)
 
 
 HOME = Setting("LOCALLLM_HOME", "where models and manifests live", lambda raw: Path(raw).expanduser(), _default_home)
@@ -116,8 +114,8 @@ MAX_LOADED_MODELS = Setting("LOCALLLM_MAX_LOADED_MODELS", "models kept loaded at
                             "one is unloaded", parse_positive_int, lambda: 3)
 CONTEXT_LENGTH = Setting("LOCALLLM_CONTEXT_LENGTH", "default context per slot (num_ctx), in tokens",
                          parse_positive_int, lambda: 4096)
-NUM_THREAD = Setting("LOCALLLM_NUM_THREAD", "CPU threads for decoding (default: leave a core free)",
-                     parse_positive_int, _default_threads)
+NUM_THREAD = Setting("LOCALLLM_NUM_THREAD", "CPU threads for decoding: a number pins it; auto (the default) tries "
+                     "1 to the physical cores as the model runs and keeps the fastest", parse_threads, lambda: None)
 KV_CACHE_TYPE = Setting("LOCALLLM_KV_CACHE_TYPE", "KV cache type: f16, q8_0 or q4_0",
                         lambda raw: _one_of(raw, ("f16", "q8_0", "q4_0")), lambda: "f16")
 FLASH_ATTENTION = Setting("LOCALLLM_FLASH_ATTENTION", "flash attention on/off (default: the backend decides)",

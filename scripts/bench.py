@@ -48,8 +48,9 @@ def llama_server_streams(binary: str, path: Path, args: argparse.Namespace, prom
     and timed on the client's clock, after every stream's first token."""
     import bench_spec
     from localllm import config
+    from localllm.machine import physical_cores
 
-    threads = args.threads or config.NUM_THREAD.get()
+    threads = args.threads or config.NUM_THREAD.get() or physical_cores()
     server = bench_spec.LlamaServer(binary, path, threads=threads, spec=None, slots=len(prompts), ctx_per_slot=4096)
 
     def one(i: int, run: engine.EngineRun) -> None:
@@ -74,6 +75,14 @@ def spec_section(path: Path, args: argparse.Namespace) -> list[Figure]:
                                    llama_server=args.llama_server)
 
 
+def defaults_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """Ours at its defaults (threads tuned as it runs) against llama-server's defaults and the best raw thread count,
+    idle and with a core busy (scripts/bench_threads.py)."""
+    import bench_threads
+
+    return bench_threads.thread_figures(path, n=args.tokens, llama_server=args.llama_server)
+
+
 def mlx_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return run_mlx_benchmarks(path)
 
@@ -81,6 +90,7 @@ def mlx_section(path: Path, args: argparse.Namespace) -> list[Figure]:
 SECTIONS: dict[str, tuple[str, Section]] = {
     "engine": ("Engine against raw llama.cpp", engine_section),
     "rest": ("REST path against raw llama.cpp", rest_section),
+    "defaults": ("Defaults: threads tuned as the model runs", defaults_section),
     "spec": ("Speculative decoding", spec_section),
     "mlx": ("MLX against llama.cpp (informational)", mlx_section),
 }
@@ -131,7 +141,7 @@ def section_block(model: str, title: str, figures: list[Figure]) -> str:
 
 
 def in_section_order(blocks: list[str]) -> list[str]:
-    """Sections in SECTIONS' order (engine, REST, speculation, MLX), whichever run measured them; models keep the
+    """Sections in SECTIONS' order (engine, REST, defaults, speculation, MLX), whichever run measured them; models keep the
     order they come in."""
     titles = [f"## {title} — " for title, _ in SECTIONS.values()]
     return sorted(blocks, key=lambda block: next(i for i, t in enumerate(titles) if block.startswith(t)))

@@ -119,14 +119,15 @@ class LlamaServer:
     """llama.cpp's own server on a free loopback port, fed token ids so it sees exactly our prompt."""
 
     def __init__(self, binary: str, path: Path, *, threads: int, spec: Optional[str], slots: int = 1,
-                 ctx_per_slot: int = N_CTX):
+                 ctx_per_slot: int = N_CTX, defaults: bool = False):
+        """`defaults`: llama-server as a user starts it (`-m MODEL`): its own threads, slots and context."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        # -c is the total context, which llama-server divides among its -np slots.
-        cmd = [binary, "-m", str(path), "-c", str(ctx_per_slot * slots), "-np", str(slots), "-t", str(threads),
-               "-tb", str(threads),
-               "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
+        cmd = [binary, "-m", str(path), "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
+        if not defaults:
+            # -c is the total context, which llama-server divides among its -np slots.
+            cmd += ["-c", str(ctx_per_slot * slots), "-np", str(slots), "-t", str(threads), "-tb", str(threads)]
         if spec:
             cmd += ["--spec-type", spec]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -118,6 +118,7 @@ class LoadedModel(Protocol):
     n_ctx: int
     n_batch: int  # the most tokens one decode takes
     kv_pad: int  # the backend attends over its cache in spans of this many cells (1: exactly)
+    adjustable_threads: bool  # set_threads takes effect (the engine then tunes the count as it runs)
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
 
@@ -143,6 +144,9 @@ class LoadedModel(Protocol):
 
     def embed(self, tokens: Sequence[int]) -> list[float]:
         """A pooled, normalised embedding of `tokens`."""
+
+    def set_threads(self, n: int) -> None:
+        """CPU threads for the next decodes (a no-op where the backend schedules its own)."""
 
     def mtp_head(self) -> Optional[MtpHead]:
         """The weights' MTP head in a context of its own, or None where the weights or the backend have none."""

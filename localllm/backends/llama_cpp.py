@@ -18,6 +18,7 @@ import numpy as np
 
 from ..api import LoadOptions, SamplingOptions
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
+from ..machine import physical_cores
 from .base import Batch, GrammarProbe, ModelMeta, MtpHead
 from .llama_cpp_spec import LlamaGrammarProbe, LlamaMtpHead
 
@@ -77,7 +78,8 @@ def _context_params(options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings:
     from .. import config
 
     params = llama_cpp.llama_context_default_params()
-    threads = options.num_thread or config.NUM_THREAD.get()
+    # Unpinned, the engine's thread tuner sets each step's count; it starts from every physical core.
+    threads = options.num_thread or physical_cores()
     params.n_ctx = n_ctx * n_seq
     params.n_batch = max(options.num_batch, n_seq)
     params.n_ubatch = params.n_batch
@@ -149,6 +151,7 @@ class LlamaCppModel:
     # llama.cpp attends over a sequence's KV cells up to its highest used cell rounded up to 256 (llama_kv_cache::
     # get_n_kv, so that graphs can be reused); the scheduler ends prefill chunks on that grid.
     kv_pad = 256
+    adjustable_threads = True
 
     def __init__(self, path: Path, model, ctx, options: LoadOptions, *, n_seq: int):
         self.path = path
@@ -295,6 +298,9 @@ class LlamaCppModel:
         llama_cpp.llama_free(self._ctx)
         llama_cpp.llama_model_free(self._model)
         self._ctx = self._embed_ctx = self._model = None
+
+    def set_threads(self, n: int) -> None:
+        llama_cpp.llama_set_n_threads(self._ctx, n, n)
 
     def mtp_head(self) -> Optional[MtpHead]:
         if not self.meta.has_mtp:

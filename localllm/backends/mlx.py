@@ -156,6 +156,7 @@ class MlxModel:
 
     n_batch = 512  # prefill chunk: the scheduler's token budget per step
     kv_pad = 1  # attention spans the cache exactly (no padded grid as in llama.cpp)
+    adjustable_threads = False  # MLX schedules its own threads: the engine's thread tuner leaves it alone
 
     def __init__(self, path: Path, model, tokenizer, config: dict, *, n_seq: int, n_ctx: int):
         self.path = path
@@ -316,6 +317,9 @@ class MlxModel:
         pooled = hidden.mean(axis=0)
         norm = mx.maximum(mx.linalg.norm(pooled), 1e-12)
         return np.array(pooled / norm, dtype=np.float64).tolist()
+
+    def set_threads(self, n: int) -> None:
+        pass
 
     def mtp_head(self) -> None:
         return None  # MLX runs no MTP layers: spec_type auto falls back to a draft model or n-gram

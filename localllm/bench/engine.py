@@ -12,6 +12,8 @@ from typing import Callable, Iterator, Optional, Sequence
 from ..api import LoadOptions, SamplingOptions
 from ..backends.llama_cpp import LlamaCppBackend
 from ..engine.runner import GenerationParams, ModelEngine
+from ..engine.threads import ThreadTuner
+from ..machine import physical_cores
 from .figures import BRACKET_REPEATS, Bracketed, Figure
 from .raw import raw_batched_rate, raw_decode_rate, raw_prefill_rate
 
@@ -77,9 +79,11 @@ class EngineRun:
 
 
 def make_engine(path: Path, *, threads: Optional[int], n_ctx: int, n_slots: int = 1) -> ModelEngine:
+    """Our engine on `path`; `threads` pins the count, None tunes it as it runs (the server's default)."""
     opts = LoadOptions(num_thread=threads, num_ctx=n_ctx, num_parallel=n_slots)
     model = LlamaCppBackend().load(path, opts, n_seq=n_slots, n_ctx=n_ctx)
-    return ModelEngine(model, max_queue=16)
+    tuner = ThreadTuner(physical_cores()) if threads is None else None
+    return ModelEngine(model, max_queue=16, threads=tuner, pinned_threads=threads or 0)
 
 
 def engine_run(engine: ModelEngine, prompts: list[list[int]], n: int, **sampling) -> EngineRun:
@@ -99,15 +103,17 @@ def _drain(stream, run: EngineRun, i: int) -> None:
 
 def run_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: Optional[int] = None,
                    repeats: int = 3, log: Callable[[str], None] = print) -> list[Figure]:
-    """Every figure of the engine benchmark for one GGUF model. `threads`: our engine's (default: its own); the raw
-    reference runs at the same count, and once at the other count of a 2-core machine, for an informational row.
-    Speeds are the best of `repeats` runs, ours and the reference interleaved, so a burst of load from elsewhere on
-    the machine hits both sides alike; four streams, which do the raw loop's work, are Bracketed."""
+    """Every figure of the engine benchmark for one GGUF model. `threads`: our engine's (default: LOCALLLM_NUM_THREAD,
+    else the physical cores), pinned; the raw reference runs at the same count, and once at the other count of a
+    2-core machine, for an informational row. Speeds are the best of `repeats` runs, ours and the reference
+    interleaved, so a burst of load from elsewhere on the machine hits both sides alike; four streams, which do the
+    raw loop's work, are Bracketed."""
     from .. import config
     from ..templates import render_chat
 
-    engine = make_engine(path, threads=threads, n_ctx=n_ctx)
-    ours_threads = threads or config.NUM_THREAD.get()
+    # Same-work figures pin our engine to the raw loop's count (the tuner's own figures are scripts/bench_threads.py).
+    ours_threads = threads or config.NUM_THREAD.get() or physical_cores()
+    engine = make_engine(path, threads=ours_threads, n_ctx=n_ctx)
     template = engine.model.meta.chat_template
 
     def chat_tokens(messages: list[dict]) -> list[int]:

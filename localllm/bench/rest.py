@@ -96,9 +96,10 @@ def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads:
     `other_server(prompts, n)` starts another server for the same four streams (llama.cpp's llama-server -np 4) and
     yields its name and a function that measures one run of them; ours is Bracketed by its runs too."""
     from .. import config
+    from ..machine import physical_cores
     from ..templates import render_chat
 
-    threads = threads or config.NUM_THREAD.get()
+    threads = threads or config.NUM_THREAD.get() or physical_cores()
     loop = RawLoop(path, n_ctx=n_ctx, threads=1)
     template = llama_cpp.llama_model_chat_template(loop.model, None)
 

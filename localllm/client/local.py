@@ -376,5 +376,6 @@ def _process_row(entry: Loaded) -> api.ProcessModel:
         queue_depth=stats.queue_depth, kv_type=entry.options.kv_type or "f16",
         gpu_layers=entry.options.num_gpu if entry.options.num_gpu is not None else -1,
         speculation=entry.speculation.kind if entry.speculation is not None else "none",
+        threads=stats.threads, threads_auto=entry.engine.threads is not None,
         draft_count=stats.draft_tokens, draft_accepted=stats.accepted_tokens,
         status="removed" if entry.removed else None)

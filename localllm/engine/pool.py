@@ -23,7 +23,9 @@ from ..models.store import ResolvedModel, Store
 from ..backends.base import LoadedModel
 from .probe import LoadProbe
 from .runner import ModelEngine
+from ..machine import physical_cores
 from .speculative.speculation import Speculation
+from .threads import ThreadTuner
 
 # Called once per load, on the loading thread: what the model offers for speculative decoding.
 SpeculationFactory = Callable[[ResolvedModel, api.LoadOptions, LoadedModel], Speculation]
@@ -58,7 +60,7 @@ def effective_load(load: api.LoadOptions) -> api.LoadOptions:
     return load.model_copy(update={
         "num_ctx": load.num_ctx or config.CONTEXT_LENGTH.get(),
         "num_parallel": load.num_parallel or config.NUM_PARALLEL.get(),
-        "num_thread": load.num_thread or config.NUM_THREAD.get(),
+        "num_thread": load.num_thread or config.NUM_THREAD.get(),  # None: tuned as it runs
         "kv_type": load.kv_type or config.KV_CACHE_TYPE.get(),
         "flash_attn": config.FLASH_ATTENTION.get() if load.flash_attn is None else load.flash_attn,
     })
@@ -158,8 +160,9 @@ class ModelPool:
         except BaseException:  # e.g. a draft model with another vocabulary: the error goes to the request
             loaded.close()
             raise
+        tuner = ThreadTuner(physical_cores()) if load.num_thread is None and loaded.adjustable_threads else None
         engine = ModelEngine(loaded, max_queue=config.MAX_QUEUE.get(), load_seconds=seconds,
-                             speculation=speculation)
+                             speculation=speculation, threads=tuner, pinned_threads=load.num_thread or 0)
         log.info("loaded %s on %s in %.2fs: %d slots x %d tokens", model.name, backend_name, seconds,
                  loaded.n_seq, loaded.n_ctx)
         return Loaded(model=model, options=load, engine=engine, backend=backend_name, load_seconds=seconds,

@@ -23,6 +23,7 @@ from ..errors import Cancelled, ContextOverflow, LocalLLMError, QueueFull
 from .scheduler import Request, Scheduler, Step
 from .speculative.speculation import Speculation
 from .text import TextStream
+from .threads import StepKind, ThreadTuner
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class EngineStats:
     accepted_tokens: int = 0
     draft_steps: int = 0  # verification steps that carried drafts: accepted_tokens / draft_steps is the mean run
     decode_seconds: float = 0.0
+    threads: int = 0  # CPU threads of the last decode-only step (0: the backend chooses)
 
 
 class Stream:
@@ -155,7 +157,8 @@ def _share_prefills(requests: list[Request]) -> None:
 
 class ModelEngine:
     def __init__(self, model: LoadedModel, *, max_queue: int, num_batch: Optional[int] = None,
-                 load_seconds: float = 0.0, speculation: Optional[Speculation] = None):
+                 load_seconds: float = 0.0, speculation: Optional[Speculation] = None,
+                 threads: Optional[ThreadTuner] = None, pinned_threads: int = 0):
         self.model = model
         self.n_slots = model.n_seq
         self.n_ctx = model.n_ctx
@@ -164,13 +167,15 @@ class ModelEngine:
         # Builds each request's drafter, follows every decode, learns what a step costs (its draft windows weigh
         # that) and is freed with the model.
         self.speculation = speculation
+        self.threads = threads  # None: the count is pinned (or the backend schedules its own threads)
+        self._threads_now = 0
         self._scheduler = Scheduler(n_slots=model.n_seq, n_ctx=model.n_ctx, n_batch=num_batch or model.n_batch,
                                     max_queue=max_queue, kv_pad=model.kv_pad)
         self._inbox: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
         self._outstanding = 0
         self._lock = threading.Lock()
         self._closed = False
-        self.stats = EngineStats(slots_total=model.n_seq)
+        self.stats = EngineStats(slots_total=model.n_seq, threads=pinned_threads)
         self._thread = threading.Thread(target=self._run, name="localllm-engine", daemon=True)
         self._thread.start()
 
@@ -325,6 +330,8 @@ class ModelEngine:
 
     def _run_step(self, step: Step) -> None:
         self._apply_cache_ops(step)
+        kind: StepKind = "decode" if all(step.batch.logits) else "batch"
+        threads = self._set_threads(kind)
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             self.model.decode(step.batch)
@@ -333,6 +340,9 @@ class ModelEngine:
                 self._scheduler.finish(work.request, "error")
                 self._close_request(work.request, exc)
             return
+        if self.threads is not None:
+            # Wall time, not CPU time: a thread that waits for a core another process holds is what it must see.
+            self.threads.record(kind, threads, len(step.batch), time.perf_counter() - t0)
         if self.speculation is not None:
             self.speculation.observe(step.batch, step.copies)
         sampled = self._sample(step)
@@ -343,6 +353,17 @@ class ModelEngine:
         self._scheduler.update(step, sampled)
         self._drop_rejected(step)
         self._emit(step, sampled)
+
+    def _set_threads(self, kind: StepKind) -> int:
+        if self.threads is None:
+            return 0
+        threads = self.threads.choose(kind)
+        if threads != self._threads_now:
+            self.model.set_threads(threads)
+            self._threads_now = threads
+        if kind == "decode":
+            self.stats.threads = threads
+        return threads
 
     def _apply_cache_ops(self, step: Step) -> None:
         for seq, keep in step.trims:

@@ -35,6 +35,8 @@ class _EngineCollector(Collector):
             "queue_depth": GaugeMetricFamily("localllm_queue_depth", "requests waiting for a slot", labels=["model"]),
             "slots_busy": GaugeMetricFamily("localllm_slots_busy", "slots decoding a request", labels=["model"]),
             "slots_total": GaugeMetricFamily("localllm_slots_total", "slots of the loaded model", labels=["model"]),
+            "threads": GaugeMetricFamily("localllm_threads", "CPU threads of the model's decode steps now (0: the "
+                                         "backend chooses, as MLX does)", labels=["model"]),
         }
         rows = self._client.ps().models
         for row in rows:

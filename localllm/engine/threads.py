@@ -1,0 +1,120 @@
+"""How many CPU threads each decode uses, chosen while the model runs instead of fixed at load.
+
+llama.cpp's speed against its thread count depends on the machine and on what else runs there: on an idle machine
+every physical core helps, but once another process takes a core, threads that wait for it stall every step (on two
+cores, two threads with one core busy ran at 0.24x of idle, one thread at 0.9x). So the engine measures: per kind of
+step (decode-only, or carrying a prefill chunk), it tries each count from 1 to the physical cores in turn, keeps the
+fastest, tries them again now and then, and at once when its steps slow down. Pure bookkeeping on (threads, rows,
+seconds): the engine thread times each decode and sets the count (backends' `set_threads`)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+StepKind = Literal["decode", "batch"]  # batch: the step carries a prefill chunk (llama.cpp's n_threads_batch)
+
+
+@dataclass
+class _Tuning:
+    """One kind of step: the counts under trial, or the settled count and how its steps compare with when it won."""
+
+    candidates: list[int]
+    trials: list[int] = field(default_factory=list)  # counts still to try, in order (interleaved rounds)
+    samples: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # per count: (rows bucket, s/row)
+    best: int = 0
+    # The settled count's seconds per row, per rows bucket: from its trial, or its first steps of a new batch shape.
+    baselines: dict[int, list[float]] = field(default_factory=dict)
+    slow: int = 0  # consecutive steps slower than the baseline allows
+    since: int = 0  # steps since it settled
+    settles: int = 0  # how many times it has settled (for ps and the benchmark)
+    last_trial_steps: int = 0  # steps the last trial took, from its start to settling
+
+
+class ThreadTuner:
+    """Chooses each step's thread count. `choose(kind)` before a decode, `record(kind, threads, rows, seconds)` after.
+
+    Trials interleave the candidates (1, 2, .., n, 1, 2, .., n, ...) for `rounds` rounds, so a change in the batch or
+    the machine during a trial weighs on every count alike; each count's median seconds per row decides. A settled
+    count is tried again after `recheck` steps, or at once after `patience` steps in a row slower than `slowdown`
+    times its baseline (another process took a core)."""
+
+    def __init__(self, max_threads: int, *, rounds: int = 3, recheck: int = 1024, slowdown: float = 1.3,
+                 patience: int = 6):
+        self.candidates = list(range(1, max(1, max_threads) + 1))
+        self.rounds = rounds
+        self.recheck = recheck
+        self.slowdown = slowdown
+        self.patience = patience
+        self._kinds: dict[str, _Tuning] = {}
+
+    def choose(self, kind: StepKind) -> int:
+        tuning = self._tuning(kind)
+        return tuning.trials[0] if tuning.trials else tuning.best
+
+    def record(self, kind: StepKind, threads: int, rows: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        tuning = self._tuning(kind)
+        shape, per_row = _bucket(rows), seconds / rows
+        if tuning.trials:
+            if threads == tuning.trials[0]:
+                tuning.samples.setdefault(threads, []).append((shape, per_row))
+                tuning.trials.pop(0)
+                tuning.last_trial_steps += 1
+                if not tuning.trials:
+                    self._settle(tuning)
+            return
+        tuning.since += 1
+        seen = tuning.baselines.setdefault(shape, [])
+        if len(seen) < BASELINE_STEPS:  # a batch shape the trial did not see: its first steps set its baseline
+            seen.append(per_row)
+            return
+        tuning.slow = tuning.slow + 1 if per_row > statistics.median(seen) * self.slowdown else 0
+        if tuning.slow >= self.patience or tuning.since >= self.recheck:
+            self._start_trial(tuning)
+
+    def settled(self, kind: StepKind) -> Optional[int]:
+        """The count in use for `kind` once a trial has settled it; None while the first trial runs."""
+        tuning = self._kinds.get(kind)
+        return tuning.best if tuning is not None and tuning.settles else None
+
+    def trial_steps(self, kind: StepKind) -> int:
+        """Steps the last finished trial of `kind` took (what settling costs after the load changes)."""
+        tuning = self._kinds.get(kind)
+        return tuning.last_trial_steps if tuning is not None else 0
+
+    def _tuning(self, kind: StepKind) -> _Tuning:
+        tuning = self._kinds.get(kind)
+        if tuning is None:
+            tuning = self._kinds[kind] = _Tuning(self.candidates, best=self.candidates[-1])
+            self._start_trial(tuning)
+        return tuning
+
+    def _start_trial(self, tuning: _Tuning) -> None:
+        if len(tuning.candidates) == 1:  # nothing to choose, and nothing to watch
+            tuning.best, tuning.since, tuning.slow, tuning.settles = tuning.candidates[0], 0, 0, 1
+            tuning.baselines = {}
+            return
+        tuning.trials = [t for _ in range(self.rounds) for t in tuning.candidates]
+        tuning.samples = {}
+        tuning.last_trial_steps = 0
+
+    def _settle(self, tuning: _Tuning) -> None:
+        medians = {t: statistics.median(per_row for _, per_row in s) for t, s in tuning.samples.items() if s}
+        # Ties go to fewer threads: they leave more of the machine to everything else.
+        tuning.best = min(medians, key=lambda t: (medians[t], t))
+        tuning.baselines = {}
+        for shape, per_row in tuning.samples[tuning.best]:
+            tuning.baselines.setdefault(shape, []).append(per_row)
+        tuning.since = tuning.slow = 0
+        tuning.settles += 1
+
+
+BASELINE_STEPS = 3  # steps of a batch shape that set the settled count's baseline for it
+
+
+def _bucket(rows: int) -> int:
+    """Steps compare with steps of about the same rows: exact up to 8 rows, then by powers of two."""
+    return rows if rows <= 8 else 1 << (rows - 1).bit_length()

@@ -1,0 +1,101 @@
+"""The thread tuner on plain data: synthetic step times of an idle machine, a contended one, and one whose load
+changes. No timing is measured here; the machine is a formula."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from localllm.engine.threads import ThreadTuner
+from localllm.machine import _linux_cores
+
+
+def machine(cores: int, busy: int = 0):
+    """Seconds of a decode step: the work splits over the threads, but a thread without a free core of its own stalls
+    every step (llama.cpp's threads wait for each other), the collapse measured on two cores with one busy."""
+    free = cores - busy
+
+    def step(threads: int, rows: int) -> float:
+        seconds = 0.010 * (1 + 0.2 * rows) / threads
+        return seconds * (4.0 if threads > free else 1.0)
+
+    return step
+
+
+def run(tuner: ThreadTuner, step, n: int, *, rows: int = 1, kind: str = "decode") -> list[int]:
+    """Drive the tuner for n steps; the thread counts it chose."""
+    used = []
+    for _ in range(n):
+        threads = tuner.choose(kind)
+        tuner.record(kind, threads, rows, step(threads, rows))
+        used.append(threads)
+    return used
+
+
+def test_idle_machine_settles_on_every_core():
+    tuner = ThreadTuner(4)
+    used = run(tuner, machine(4), 12 + 20)
+    assert used[:12] == [1, 2, 3, 4] * 3  # one trial: interleaved rounds over every count
+    assert tuner.settled("decode") == 4 and set(used[12:]) == {4}
+
+
+def test_a_busy_core_settles_on_the_free_ones():
+    tuner = ThreadTuner(2)
+    run(tuner, machine(2, busy=1), 6)
+    assert tuner.settled("decode") == 1
+
+
+def test_load_arriving_moves_to_fewer_threads_and_leaving_moves_back():
+    tuner = ThreadTuner(2, patience=4, recheck=200)
+    run(tuner, machine(2), 6)
+    assert tuner.settled("decode") == 2
+    used = run(tuner, machine(2, busy=1), 4 + 6 + 10)  # patience slow steps, then a trial of 6
+    assert tuner.settled("decode") == 1 and used[-10:] == [1] * 10
+    assert tuner.trial_steps("decode") == 6
+    # The load goes away: nothing looks slow at one thread, so the periodic re-check finds two threads again.
+    used = run(tuner, machine(2), 200 + 6 + 5)
+    assert tuner.settled("decode") == 2 and used[-5:] == [2] * 5
+
+
+def test_a_new_batch_shape_is_not_mistaken_for_a_slowdown():
+    tuner = ThreadTuner(2, patience=3, recheck=10_000)
+    step = machine(2)
+    run(tuner, step, 6, rows=4)
+    trials_before = tuner._kinds["decode"].settles
+    run(tuner, step, 50, rows=1)  # one row costs more per row than four, at the same thread count
+    assert tuner._kinds["decode"].settles == trials_before  # no new trial
+    assert tuner.settled("decode") == 2
+
+
+def test_decode_and_batch_steps_settle_apart():
+    tuner = ThreadTuner(2)
+
+    def prefill_prefers_two_decode_prefers_one(threads: int, rows: int) -> float:
+        return 0.001 * rows / threads if rows > 8 else 0.01 * threads
+
+    for _ in range(6):
+        for kind, rows in (("decode", 1), ("batch", 512)):
+            threads = tuner.choose(kind)
+            tuner.record(kind, threads, rows, prefill_prefers_two_decode_prefers_one(threads, rows))
+    assert tuner.settled("decode") == 1 and tuner.settled("batch") == 2
+
+
+def test_one_core_never_tries_anything():
+    tuner = ThreadTuner(1)
+    assert run(tuner, machine(1), 20) == [1] * 20
+
+
+def test_ties_go_to_fewer_threads():
+    tuner = ThreadTuner(3)
+    run(tuner, lambda threads, rows: 0.01, 9)
+    assert tuner.settled("decode") == 1
+
+
+def test_physical_cores_count_hyperthread_siblings_once(tmp_path: Path):
+    for cpu, (package, core) in enumerate([(0, 0), (0, 1), (0, 0), (0, 1), (1, 0)]):
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text(f"{package}\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    assert _linux_cores({0, 1, 2, 3, 4}, tmp_path) == 3
+    assert _linux_cores({0, 2}, tmp_path) == 1  # two siblings of one core
+    assert _linux_cores({0, 9}, tmp_path) == 0  # unreadable topology: the caller falls back
