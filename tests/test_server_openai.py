@@ -123,12 +123,18 @@ def test_json_schema_answer_validates(oai):
     assert isinstance(json.loads(loose.choices[0].message.content), dict)
 
 
-def test_stop_seed_and_ignore_eos(oai):
+def test_stop_string_ends_the_answer_without_showing_it(oai):
     stopped = oai.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=40, stop=["."])
     assert "." not in stopped.choices[0].message.content
+
+
+def test_a_seed_repeats_a_sampled_answer(oai):
     same = [oai.chat.completions.create(model=MODEL, messages=PARIS, temperature=1.0, seed=7, max_tokens=16)
             .choices[0].message.content for _ in range(2)]
     assert same[0] == same[1]
+
+
+def test_ignore_eos_runs_to_max_tokens(oai):
     hi = [{"role": "user", "content": "Say hi"}]
     natural = oai.chat.completions.create(model=MODEL, messages=hi, temperature=0, max_tokens=40)
     assert natural.choices[0].finish_reason == "stop"  # ends early by itself...
@@ -169,18 +175,24 @@ def test_models_and_embeddings(oai, base_url):
     assert plain.data[0].embedding == pytest.approx(ollama_vector["embeddings"][0], abs=1e-5)
 
 
-def test_errors(oai):
-    with pytest.raises(openai.NotFoundError, match="pull") as missing:
-        oai.chat.completions.create(model="nothing-here:1b", messages=PARIS)
-    assert missing.value.code == "model_not_found" and missing.value.type == "invalid_request_error"
-    image = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
-                                          {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk="}}]}]
-    with pytest.raises(openai.BadRequestError, match="image_url"):
-        oai.chat.completions.create(model=MODEL, messages=image)
-    # litellm maps a too-long prompt to ContextWindowExceededError from this code alone.
-    with pytest.raises(openai.BadRequestError, match="1024") as overflow:
-        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 3000}], stream=True)
-    assert overflow.value.code == "context_length_exceeded" and overflow.value.type == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError, match="messages") as empty:
-        oai.chat.completions.create(model=MODEL, messages=[])
-    assert empty.value.code == "invalid_request_error"
+IMAGE = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                      {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk="}}]}]
+
+# (request, error class, text in the message, OpenAI's code). litellm maps a too-long prompt to
+# ContextWindowExceededError from its code alone.
+ERRORS = {
+    "unknown model": ({"model": "nothing-here:1b", "messages": PARIS}, openai.NotFoundError, "pull",
+                      "model_not_found"),
+    "image part": ({"model": MODEL, "messages": IMAGE}, openai.BadRequestError, "image_url", "invalid_request_error"),
+    "prompt too long": ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}], "stream": True},
+                        openai.BadRequestError, "1024", "context_length_exceeded"),
+    "no messages": ({"model": MODEL, "messages": []}, openai.BadRequestError, "messages", "invalid_request_error"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_errors(oai, case):
+    request, error, text, code = ERRORS[case]
+    with pytest.raises(error, match=text) as raised:
+        oai.chat.completions.create(**request)
+    assert raised.value.code == code and raised.value.type == "invalid_request_error"
