@@ -7,4 +7,4 @@ from . import models, chat, serve, bench, plan  # noqa: E402,F401  (registration
 
 
 def main() -> None:
-    app()
+    app(prog_name="localllm")

@@ -43,10 +43,12 @@ def render_pull(stream: Iterable[api.PullProgress], *, to: Optional[Console] = N
                     tasks[key] = bar.add_task(progress.status, total=progress.total)
                 bar.update(tasks[key], completed=progress.completed, total=progress.total)
             elif progress.status != last_line:
+                if bar.live.is_started and bar.finished:
+                    bar.stop()  # the bytes are in: the bar stays above "verifying", "writing manifest", "success"
                 console.print(progress.status, highlight=False, soft_wrap=True)
                 last_line = progress.status
     finally:
-        if tasks:
+        if bar.live.is_started:
             bar.stop()
 
 
@@ -139,13 +141,17 @@ def _indent(text: str) -> str:
 # ---------------------------------------------------------------------------------------------------------- timings
 
 def timing_rows(t: api.Timings) -> list[tuple[str, str]]:
-    """Ollama's --verbose figures for one answer, plus ours: prompt tokens reused from the cache, speculation."""
+    """Ollama's --verbose figures for one answer, plus ours: prompt tokens reused from the cache, speculation.
+
+    The prompt eval count and rate are over the tokens actually evaluated; the reused ones are counted apart (their
+    time is not in prompt_eval_duration, so counting them would inflate the rate)."""
+    evaluated = max(0, t.prompt_eval_count - t.prompt_cache_count)
     rows = [("total duration", human_duration(t.total_duration)),
             ("load duration", human_duration(t.load_duration)),
-            ("prompt eval count", f"{t.prompt_eval_count} token(s)"),
+            ("prompt eval count", f"{evaluated} token(s)"),
             ("prompt cache", f"{t.prompt_cache_count} token(s) reused"),
             ("prompt eval duration", human_duration(t.prompt_eval_duration)),
-            ("prompt eval rate", _rate_text(t.prompt_eval_count - t.prompt_cache_count, t.prompt_eval_duration)),
+            ("prompt eval rate", _rate_text(evaluated, t.prompt_eval_duration)),
             ("eval count", f"{t.eval_count} token(s)"),
             ("eval duration", human_duration(t.eval_duration)),
             ("eval rate", _rate_text(t.eval_count, t.eval_duration))]

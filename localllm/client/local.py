@@ -20,7 +20,7 @@ from ..models.pull import pull_model
 from ..engine.speculative import load_speculation
 from ..models.store import ResolvedModel, Store
 from ..structured import grammar_for_format, parse_tool_calls, tool_choice_grammar
-from ..templates import render_chat
+from ..templates import render_chat, transcript_sampling
 
 
 def _keep_alive(value: Any) -> Optional[float]:
@@ -94,6 +94,8 @@ class LocalClient:
         grammar = grammar_for_format(request.format)
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
             tokens = self._generate_tokens(loaded, model, request)
+            if not request.raw and _template(loaded, model, request.template) is None:
+                sampling = transcript_sampling(sampling)
             stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate,
                                                            _logprobs_wanted(request)))
             first = loaded.engine.stats.requests == 0
@@ -140,6 +142,8 @@ class LocalClient:
             messages = _messages_with_system(model, None, request.messages)
             text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None)
             tokens = self._tokenize(loaded, text)
+            if _template(loaded, model) is None:
+                sampling = transcript_sampling(sampling)
             stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate,
                                                            _logprobs_wanted(request)))
             first = loaded.engine.stats.requests == 0
@@ -205,8 +209,7 @@ class LocalClient:
     def _render(loaded: Loaded, model: ResolvedModel, messages: list[api.Message], *,
                 template: Optional[str] = None, tools: Optional[list] = None) -> str:
         meta = loaded.engine.model.meta
-        source = template or model.template or meta.chat_template
-        return render_chat(source, [m.model_dump(exclude_none=True) for m in messages], tools=tools,
+        return render_chat(_template(loaded, model, template), [m.model_dump(exclude_none=True) for m in messages], tools=tools,
                            bos_token=_token_text(loaded, meta.bos_token), eos_token=_token_text(loaded, meta.eos_token))
 
     @staticmethod
@@ -216,6 +219,11 @@ class LocalClient:
         # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
         add_special = not (bos and text.startswith(bos))
         return loaded.engine.tokenize(text, add_special=add_special, parse_special=True)
+
+
+def _template(loaded: Loaded, model: ResolvedModel, override: Optional[str] = None) -> Optional[str]:
+    """The chat template a prompt is rendered with; None means the plain transcript (a base model)."""
+    return override or model.template or loaded.engine.model.meta.chat_template
 
 
 def _logprobs_wanted(request: api.GenerateRequest | api.ChatRequest) -> Optional[int]:
