@@ -84,8 +84,8 @@ def run(model: str = typer.Argument(..., help="model name (pulled first if missi
     with open_client(in_process=in_process) as client:
         prepare_model(client, conversation.load_request(), to=err_console)
         if text is None:
-            Repl(client, conversation, read_line=make_line_reader(config.HOME.get() / "history"),
-                 verbose=verbose).run()
+            reader = make_line_reader(config.HOME.get() / "history")
+            Repl(client, conversation, read_line=reader, interrupted=reader.take_interrupt, verbose=verbose).run()
         elif text.strip():
             _answer_once(client, conversation, text, verbose=verbose)
 

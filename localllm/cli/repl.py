@@ -7,6 +7,9 @@ error and the chat goes on."""
 
 from __future__ import annotations
 
+import os
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -81,23 +84,106 @@ HELP_PARAMETERS = """Parameters (any Modelfile parameter is accepted):
 
 # ---------------------------------------------------------------------------------------------------------- input
 
-def make_line_reader(history_file: Optional[Path]) -> ReadLine:
+class LineReader:
     """A prompt_toolkit line editor with a persistent history (up arrow, Ctrl-R) and bracketed paste, so pasted
-    text with newlines arrives as one message."""
-    from prompt_toolkit import PromptSession
-    from prompt_toolkit.formatted_text import FormattedText
-    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    text with newlines arrives as one message.
 
-    if history_file is not None:
-        history_file.parent.mkdir(parents=True, exist_ok=True)
-    session: PromptSession = PromptSession(
-        history=FileHistory(str(history_file)) if history_file is not None else InMemoryHistory())
-    placeholder = FormattedText([("#808080", PLACEHOLDER)])
+    Ctrl-C pressed right after Enter, before the editor has handed the terminal back, reaches the editor as a key
+    rather than as a signal (the terminal is still raw): it would stop nothing and show up at the next prompt.
+    Such a Ctrl-C is taken out of the typed-ahead keys here and reported by `take_interrupt`, so the answer it was
+    meant for is stopped instead."""
 
-    def read_line(prompt: str) -> str:
-        return session.prompt(prompt, placeholder=placeholder if prompt == PROMPT else None)
+    def __init__(self, history_file: Optional[Path]):
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.formatted_text import FormattedText
+        from prompt_toolkit.history import FileHistory, InMemoryHistory
 
-    return read_line
+        if history_file is not None:
+            history_file.parent.mkdir(parents=True, exist_ok=True)
+        self.session: PromptSession = PromptSession(
+            history=FileHistory(str(history_file)) if history_file is not None else InMemoryHistory())
+        self._placeholder = FormattedText([("#808080", PLACEHOLDER)])
+        self._interrupted = False
+
+    def __call__(self, prompt: str) -> str:
+        line = self.session.prompt(prompt, placeholder=self._placeholder if prompt == PROMPT else None)
+        try:
+            self._interrupted = self._interrupt_typed_ahead()
+        except KeyboardInterrupt:  # the terminal is back in line mode: Ctrl-C is a signal again, meant for the answer
+            self._interrupted = True
+        return line
+
+    def take_interrupt(self) -> bool:
+        """Whether Ctrl-C came after the last line was entered, before signals could carry it (then forgotten)."""
+        interrupted, self._interrupted = self._interrupted, False
+        return interrupted
+
+    def _interrupt_typed_ahead(self) -> bool:
+        from prompt_toolkit.input.typeahead import get_typeahead, store_typeahead
+        from prompt_toolkit.keys import Keys
+
+        keys = get_typeahead(self.session.input) + _unread_keys(self.session.input)
+        kept = [key for key in keys if key.key != Keys.ControlC]
+        store_typeahead(self.session.input, kept)
+        return len(kept) < len(keys)
+
+
+def _unread_keys(terminal_input) -> list:
+    """Keys typed while the editor was closing: still bytes in the terminal's queue, unseen as signals. The terminal
+    is in line mode again here, so they are read with line mode briefly off (nothing waits: only what is there)."""
+    import select
+
+    if sys.platform == "win32" or not sys.stdin.isatty():
+        return []
+    import termios
+
+    from prompt_toolkit.input.vt100_parser import Vt100Parser
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    raw = list(saved)
+    raw[3] &= ~(termios.ICANON | termios.ECHO | termios.ISIG)
+    raw[6] = list(saved[6])
+    raw[6][termios.VMIN], raw[6][termios.VTIME] = 0, 0
+    data = b""
+    try:
+        termios.tcsetattr(fd, termios.TCSANOW, raw)
+        while select.select([fd], [], [], 0)[0]:
+            chunk = os.read(fd, 1024)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+    keys: list = []
+    parser = Vt100Parser(keys.append)
+    parser.feed(data.decode("utf-8", "replace"))
+    parser.flush()
+    return keys
+
+
+@contextmanager
+def keys_not_echoed() -> Iterator[None]:
+    """While an answer is drawn, keys typed (and the ^C of Ctrl-C) are not echoed; Ctrl-C still signals. An echo
+    would move the cursor under the redrawn region, which then leaves its last line on screen twice."""
+    if sys.platform == "win32" or not sys.stdin.isatty():
+        yield
+        return
+    import termios
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    quiet = list(saved)
+    quiet[3] &= ~(termios.ECHO | termios.ECHOCTL)
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+
+def make_line_reader(history_file: Optional[Path]) -> LineReader:
+    return LineReader(history_file)
 
 
 def read_message(read_line: ReadLine) -> str:
@@ -158,11 +244,14 @@ def prepare_model(client: Client, load: api.ChatRequest, *, to: Console) -> None
 class Repl:
     """The chat loop. Each slash command is one small method, found through `_commands`."""
 
-    def __init__(self, client: Client, conversation: Conversation, *, read_line: ReadLine, verbose: bool = False):
+    def __init__(self, client: Client, conversation: Conversation, *, read_line: ReadLine, verbose: bool = False,
+                 interrupted: Callable[[], bool] = lambda: False):
+        """`interrupted` says whether Ctrl-C came with the line just read (LineReader.take_interrupt)."""
         self.client = client
         self.conversation = conversation
         self.read_line = read_line
         self.verbose = verbose
+        self.interrupted = interrupted
         self._commands: dict[str, Callable[[str], Optional[bool]]] = {
             "/set": self._set, "/show": self._show, "/load": self._load, "/save": self._save, "/clear": self._clear,
             "/stats": self._stats, "/help": self._help, "/?": self._help, "/bye": self._bye, "/exit": self._bye,
@@ -206,10 +295,15 @@ class Repl:
             view.write(piece)
 
         try:
-            with MarkdownStream(console) as view:
+            if self.interrupted():
+                raise KeyboardInterrupt
+            with keys_not_echoed(), MarkdownStream(console) as view:
                 final = stream_reply(self.client.chat(request), show)
         except KeyboardInterrupt:
             console.print("[dim](stopped)[/]", highlight=False)
+            if not parts:  # nothing was answered: the question goes too, so the history still alternates
+                self.conversation.withdraw()
+                return
         except LocalLLMError:
             if parts:
                 self.conversation.answered("".join(parts))
