@@ -7,4 +7,7 @@ from . import models, chat, serve, bench, plan  # noqa: E402,F401  (registration
 
 
 def main() -> None:
+    from . import interrupts
+
+    interrupts.install()
     app(prog_name="localllm")

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from .. import __version__
 from ..errors import InvalidInput, LocalLLMError
+from . import interrupts
 
 console = Console()
 err_console = Console(stderr=True)
@@ -29,6 +30,7 @@ class _Group(typer.core.TyperGroup):
             print_error(exc)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
+            interrupts.handled()
             # The shell's prompt must start on a line of its own, whatever was being written when Ctrl-C came.
             err_console.print()
             raise typer.Exit(130) from None

@@ -19,6 +19,7 @@ from .. import api
 from ..client.protocol import Client
 from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
+from . import interrupts
 from .app import console, err_console, print_error
 from .render import MarkdownStream, print_model_facts, print_timings, render_pull, timing_rows
 
@@ -110,6 +111,7 @@ class LineReader:
         try:
             self._interrupted = self._interrupt_typed_ahead()
         except KeyboardInterrupt:  # the terminal is back in line mode: Ctrl-C is a signal again, meant for the answer
+            interrupts.handled()
             self._interrupted = True
         return line
 
@@ -216,6 +218,7 @@ def stream_reply(stream: Iterator[api.ChatChunk], on_text: Callable[[str], None]
     The stream is closed on every way out, so Ctrl-C (KeyboardInterrupt) cancels the request, server-side too."""
     try:
         for chunk in stream:
+            interrupts.check()
             on_text(chunk.message.content)
             if chunk.done:
                 return chunk
@@ -237,6 +240,7 @@ def prepare_model(client: Client, load: api.ChatRequest, *, to: Console) -> None
     with to.status(f"loading {load.model}…", spinner="dots"):
         for _ in client.chat(load):
             pass
+    interrupts.check()  # a Ctrl-C during an in-process load is swallowed by the engine's native callbacks
 
 
 # ---------------------------------------------------------------------------------------------------------- repl
@@ -263,6 +267,7 @@ class Repl:
             try:
                 text = read_message(self.read_line)
             except KeyboardInterrupt:
+                interrupts.handled()
                 console.print(EXIT_HINT, highlight=False)
                 continue
             except EOFError:
@@ -281,6 +286,7 @@ class Repl:
         except LocalLLMError as exc:
             print_error(exc)
         except KeyboardInterrupt:  # e.g. during /load: stop that, not the chat
+            interrupts.handled()
             console.print("[dim](stopped)[/]", highlight=False)
         return True
 
@@ -300,6 +306,7 @@ class Repl:
             with keys_not_echoed(), MarkdownStream(console) as view:
                 final = stream_reply(self.client.chat(request), show)
         except KeyboardInterrupt:
+            interrupts.handled()
             console.print("[dim](stopped)[/]", highlight=False)
             if not parts:  # nothing was answered: the question goes too, so the history still alternates
                 self.conversation.withdraw()
