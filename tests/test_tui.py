@@ -141,7 +141,7 @@ async def test_settings_dialog_sets_the_system_prompt_and_parameters():
     app = LocalLLMApp(ScriptedClient(), model="smollm2:135m")
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         await pilot.press("f3")
-        await pilot.pause()
+        await settle(pilot)
         assert isinstance(app.screen, SettingsScreen)
         app.screen.query_one("#system", TextArea).text = "You are terse."
         app.screen.query_one("#parameters", TextArea).text = "temperature hot"
@@ -344,7 +344,7 @@ def test_snapshot_models_screen(snap_compare):
 def test_snapshot_settings_dialog(snap_compare):
     async def open_settings(pilot):
         await pilot.press("f3")
-        await pilot.pause()
+        await settle(pilot)
         _still_cursor(pilot)
 
     app = LocalLLMApp(ScriptedClient(), model="smollm2:135m", system=SYSTEM,

@@ -17,7 +17,7 @@ from ..client.protocol import Client
 from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
 from .app import app, console, err_console
-from .render import print_timings, ps_table
+from .render import print_timings, ps_table, ps_text
 from .repl import Repl, make_line_reader, prepare_model, stream_reply
 
 IN_PROCESS_HELP = "run the model inside this command instead of through the server (nothing else can share it)"
@@ -81,12 +81,16 @@ def run(model: str = typer.Argument(..., help="model name (pulled first if missi
     A one-shot run prints the answer alone on stdout; progress and timings go to stderr."""
     conversation = Conversation(model, keep_alive=_keep_alive(keepalive), format=_format(format))
     text = _one_shot_prompt(prompt)
+    if text is not None and not text.strip():
+        raise InvalidInput("there was no prompt: " + ("stdin was empty" if not prompt else "the prompt is empty"),
+                           hint=f"pass one: `localllm run {model} \"...\"`, or pipe text in; without either, "
+                                "`run` opens the chat")
     with open_client(in_process=in_process) as client:
         prepare_model(client, conversation.load_request(), to=err_console)
         if text is None:
             reader = make_line_reader(config.HOME.get() / "history")
             Repl(client, conversation, read_line=reader, interrupted=reader.take_interrupt, verbose=verbose).run()
-        elif text.strip():
+        else:
             _answer_once(client, conversation, text, verbose=verbose)
 
 
@@ -146,8 +150,10 @@ def ps(as_json: bool = typer.Option(False, "--json", help="print the list as JSO
         err_console.print(f"no localllm server answers at {url}, so no model is loaded", highlight=False)
     if as_json:
         typer.echo(response.model_dump_json(indent=2))
+    elif console.is_terminal:
+        console.print(ps_table(response.models, width=console.width))
     else:
-        console.print(ps_table(response.models))
+        typer.echo(ps_text(response.models))
 
 
 @app.command()

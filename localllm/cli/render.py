@@ -177,19 +177,37 @@ def _rate_text(count: int, duration_ns: int) -> str:
 # ---------------------------------------------------------------------------------------------------------- ps
 
 PS_COLUMNS = ("NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "GPU", "SPEC", "UNTIL")
+# Below this width the ID goes (`localllm ps | cat` prints it) and the long headers shorten, so a row fits 80 columns.
+PS_WIDE = 100
+_NARROW_HEADERS = {"CTX/SLOT": "CTX"}
 _WRAPPABLE = frozenset({"BACKEND", "SPEC", "UNTIL"})  # on a narrow terminal these fold, so the name stays whole
 
 
-def ps_table(models: Iterable[api.ProcessModel]) -> Table:
+def ps_rows(models: Iterable[api.ProcessModel]) -> list[tuple[str, ...]]:
     """`localllm ps`: effective values, never totals to divide (context is per slot; BUSY is busy/total slots)."""
+    return [(row.name, row.digest[:12], human_size(row.size), row.backend, _slots_text(row), str(row.context_length),
+             row.kv_type, _gpu_text(row.gpu_layers), _speculation_text(row),
+             human_until(row.expires_at, busy=row.slots_busy > 0)) for row in models]
+
+
+def ps_table(models: Iterable[api.ProcessModel], *, width: int = PS_WIDE) -> Table:
+    """The `ps` table for a terminal `width` columns wide."""
+    narrow = width < PS_WIDE
+    shown = [i for i, column in enumerate(PS_COLUMNS) if not (narrow and column == "ID")]
     table = Table(box=None, pad_edge=False)
-    for column in PS_COLUMNS:
-        table.add_column(column, no_wrap=column not in _WRAPPABLE)
-    for row in models:
-        table.add_row(row.name, row.digest[:12], human_size(row.size), row.backend, _slots_text(row),
-                      str(row.context_length), row.kv_type, _gpu_text(row.gpu_layers), _speculation_text(row),
-                      human_until(row.expires_at, busy=row.slots_busy > 0))
+    for i in shown:
+        column = PS_COLUMNS[i]
+        table.add_column(_NARROW_HEADERS.get(column, column) if narrow else column, no_wrap=column not in _WRAPPABLE)
+    for row in ps_rows(models):
+        table.add_row(*(row[i] for i in shown))
     return table
+
+
+def ps_text(models: Iterable[api.ProcessModel]) -> str:
+    """The `ps` table as plain aligned text with every column and whole values (for a pipe or a file)."""
+    rows = [PS_COLUMNS, *ps_rows(models)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(PS_COLUMNS))]
+    return "\n".join("   ".join(value.ljust(w) for value, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def _slots_text(row: api.ProcessModel) -> str:
