@@ -132,14 +132,14 @@ def with_default_tag(ref: ModelRef, stored: Callable[[ModelRef], bool]) -> Model
 
 
 def did_you_mean(name: str, stored: Iterable[str] = ()) -> Optional[str]:
-    """A hint naming the catalog or stored names closest to a name that was not found, or None."""
+    """A hint naming the catalog or stored names closest to a name that was not found, or None.
+
+    Names are compared without their tags (`smollm` is close to `smollm2:135m` whatever tag was typed); every tag of
+    a close name is offered, up to three names."""
     typed = name.lower()
-    known = sorted(({entry.name for entry in CATALOG} | set(stored)) - {typed})
-    # A name typed without its tag, or with the wrong one, is close to every tag of that name.
-    same_name = [k for k in known if k.split(":")[0] == typed.split(":")[0]]
-    close = same_name or difflib.get_close_matches(typed, known, n=3, cutoff=0.6) or \
-        difflib.get_close_matches(typed.split(":")[0], [k.split(":")[0] for k in known], n=3, cutoff=0.6)
-    if not close:
-        return None
-    names = [k for k in known if k in close or k.split(":")[0] in close][:3]
-    return "did you mean " + " or ".join(repr(n) for n in names) + "?"
+    by_name: dict[str, list[str]] = {}
+    for known in sorted(({entry.name for entry in CATALOG} | set(stored)) - {typed}):
+        by_name.setdefault(known.split(":")[0], []).append(known)
+    close = difflib.get_close_matches(typed.split(":")[0], list(by_name), n=3, cutoff=0.6)
+    names = [known for base in close for known in by_name[base]][:3]
+    return "did you mean " + " or ".join(repr(n) for n in names) + "?" if names else None
