@@ -424,3 +424,33 @@ def test_ps_fits_80_columns_and_prints_whole_values_when_piped():
     piped = ps_text(models).splitlines()
     assert piped[0].split() == ["NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "GPU", "SPEC", "UNTIL"]
     assert "b179c9523d0e" in piped[1] and "ngram (70% accepted)" in piped[1] and "4 minutes" in piped[1]
+
+
+# ---------------------------------------------------------------------------------------------------------- /set
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+@pytest.mark.models
+def test_set_history_and_wordwrap(env, home):
+    child = pexpect.spawn(sys.executable, ["-m", "localllm", "run", "smollm2:135m", "--in-process"], env=env,
+                          encoding="utf-8", timeout=120, dimensions=(40, 40), preexec_fn=_as_in_a_terminal)
+    child.expect_exact(PROMPT)
+    say(child, "/? set", "/set nohistory", "/set nowordwrap")
+    say(child, "/set parameter num_predict 40")
+    say(child, "/set nohistory", "Set 'nohistory' mode.")
+    say(child, "Say private-words-42.")
+    say(child, "/set history", "Set 'history' mode.")
+    say(child, "Say saved-words-43.")
+    history = (home / "history").read_text()
+    assert "saved-words-43" in history and "private-words-42" not in history
+
+    say(child, "/set nowordwrap", "Set 'nowordwrap' mode.")
+    child.sendline("Explain in two long sentences why the sky is blue.")
+    child.expect_exact("\x1b[?2004l")  # the line editor is done: what follows is the answer, then the next prompt
+    child.expect_exact(PROMPT)
+    raw = [ANSI.sub("", line) for line in child.before.split("\r\n")]
+    assert max(map(len, raw)) > 40  # printed as it came: the terminal, not the chat, wraps it
+    say(child, "/set wordwrap", "Set 'wordwrap' mode.")
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)

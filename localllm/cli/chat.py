@@ -89,7 +89,7 @@ def run(model: str = typer.Argument(..., help="model name (pulled first if missi
         prepare_model(client, conversation.load_request(), to=err_console)
         if text is None:
             reader = make_line_reader(config.HOME.get() / "history")
-            Repl(client, conversation, read_line=reader, interrupted=reader.take_interrupt, verbose=verbose).run()
+            Repl(client, conversation, reader=reader, verbose=verbose).run()
         else:
             _answer_once(client, conversation, text, verbose=verbose)
 

@@ -312,3 +312,26 @@ class MarkdownStream:
         lines = self._console.render_lines(Markdown(self._finished), self._console.options, pad=False)
         self._console.print(_Lines(lines[self._printed_lines:]), end="")
         self._printed_lines = len(lines)
+
+
+class RawStream:
+    """An answer printed as it comes, unrendered and unwrapped (`/set nowordwrap`): the terminal wraps the lines.
+    The same context manager and `write` as MarkdownStream."""
+
+    def __init__(self, console: Console):
+        self._console = console
+        self._ended_line = True
+
+    def __enter__(self) -> "RawStream":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if not self._ended_line:
+            self._console.file.write("\n")
+        self._console.file.flush()
+
+    def write(self, text: str) -> None:
+        if text:
+            self._console.file.write(text)
+            self._console.file.flush()
+            self._ended_line = text.endswith("\n")

@@ -11,7 +11,7 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Protocol
 
 from rich.console import Console
 
@@ -21,7 +21,7 @@ from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
 from . import interrupts
 from .app import console, err_console, print_error
-from .render import MarkdownStream, print_model_facts, print_timings, render_pull, timing_rows
+from .render import MarkdownStream, RawStream, print_model_facts, print_timings, render_pull, timing_rows
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -30,6 +30,21 @@ EXIT_HINT = "Use Ctrl + d or /bye to exit."
 TRIPLE_QUOTE = '"""'
 
 ReadLine = Callable[[str], str]
+
+
+class LineInput(Protocol):
+    """What the chat reads its lines with (LineReader)."""
+
+    def __call__(self, prompt: str) -> str: ...
+
+    def keep_history(self, enabled: bool) -> None:
+        """/set history | nohistory: whether lines typed from now on are written to the history file."""
+        if self._history is not None:
+            self._history.saving = enabled
+
+    def take_interrupt(self) -> bool: ...
+
+    def keep_history(self, enabled: bool) -> None: ...
 
 HELP = f"""Available Commands:
   /set            Set session variables
@@ -50,7 +65,11 @@ HELP_SET = """Available Commands:
   /set format json            Enable JSON mode
   /set noformat               Disable formatting
   /set verbose                Show timings after each answer
-  /set quiet                  Disable timings"""
+  /set quiet                  Disable timings
+  /set history                Save the messages you type to the history file
+  /set nohistory              Stop saving them (this chat still recalls them)
+  /set wordwrap               Draw answers as markdown, wrapped at words
+  /set nowordwrap             Print answers as raw text, as they come"""
 
 HELP_SHOW = """Available Commands:
   /show info         Show details for this model
@@ -97,12 +116,13 @@ class LineReader:
     def __init__(self, history_file: Optional[Path]):
         from prompt_toolkit import PromptSession
         from prompt_toolkit.formatted_text import FormattedText
-        from prompt_toolkit.history import FileHistory, InMemoryHistory
+        from prompt_toolkit.history import InMemoryHistory
 
         if history_file is not None:
             history_file.parent.mkdir(parents=True, exist_ok=True)
+        self._history = _switchable_history(str(history_file)) if history_file is not None else None
         self.session: PromptSession = PromptSession(
-            history=FileHistory(str(history_file)) if history_file is not None else InMemoryHistory())
+            history=self._history if self._history is not None else InMemoryHistory())
         self._placeholder = FormattedText([("#808080", PLACEHOLDER)])
         self._interrupted = False
 
@@ -114,6 +134,11 @@ class LineReader:
             interrupts.handled()
             self._interrupted = True
         return line
+
+    def keep_history(self, enabled: bool) -> None:
+        """/set history | nohistory: whether lines typed from now on are written to the history file."""
+        if self._history is not None:
+            self._history.saving = enabled
 
     def take_interrupt(self) -> bool:
         """Whether Ctrl-C came after the last line was entered, before signals could carry it (then forgotten)."""
@@ -128,6 +153,20 @@ class LineReader:
         kept = [key for key in keys if key.key != Keys.ControlC]
         store_typeahead(self.session.input, kept)
         return len(kept) < len(keys)
+
+
+def _switchable_history(path: str):
+    """A history file that can stop being written (prompt_toolkit is imported only when the chat opens)."""
+    from prompt_toolkit.history import FileHistory
+
+    class SwitchableHistory(FileHistory):
+        saving = True  # off: lines stay recallable in this chat but are not written
+
+        def store_string(self, string: str) -> None:
+            if self.saving:
+                super().store_string(string)
+
+    return SwitchableHistory(path)
 
 
 def _unread_keys(terminal_input) -> list:
@@ -248,14 +287,12 @@ def prepare_model(client: Client, load: api.ChatRequest, *, to: Console) -> None
 class Repl:
     """The chat loop. Each slash command is one small method, found through `_commands`."""
 
-    def __init__(self, client: Client, conversation: Conversation, *, read_line: ReadLine, verbose: bool = False,
-                 interrupted: Callable[[], bool] = lambda: False):
-        """`interrupted` says whether Ctrl-C came with the line just read (LineReader.take_interrupt)."""
+    def __init__(self, client: Client, conversation: Conversation, *, reader: LineInput, verbose: bool = False):
         self.client = client
         self.conversation = conversation
-        self.read_line = read_line
+        self.reader = reader
         self.verbose = verbose
-        self.interrupted = interrupted
+        self.wordwrap = True
         self._commands: dict[str, Callable[[str], Optional[bool]]] = {
             "/set": self._set, "/show": self._show, "/load": self._load, "/save": self._save, "/clear": self._clear,
             "/stats": self._stats, "/help": self._help, "/?": self._help, "/bye": self._bye, "/exit": self._bye,
@@ -265,7 +302,7 @@ class Repl:
         """Chat until Ctrl-D or /bye."""
         while True:
             try:
-                text = read_message(self.read_line)
+                text = read_message(self.reader)
             except KeyboardInterrupt:
                 interrupts.handled()
                 console.print(EXIT_HINT, highlight=False)
@@ -301,9 +338,9 @@ class Repl:
             view.write(piece)
 
         try:
-            if self.interrupted():
+            if self.reader.take_interrupt():
                 raise KeyboardInterrupt
-            with keys_not_echoed(), MarkdownStream(console) as view:
+            with keys_not_echoed(), (MarkdownStream(console) if self.wordwrap else RawStream(console)) as view:
                 final = stream_reply(self.client.chat(request), show)
         except KeyboardInterrupt:
             interrupts.handled()
@@ -350,6 +387,8 @@ class Repl:
         setters: dict[str, Callable[[str], None]] = {
             "parameter": self._set_parameter, "system": self._set_system, "format": self._set_format,
             "noformat": self._set_noformat, "verbose": self._set_verbose, "quiet": self._set_quiet,
+            "history": self._set_history, "nohistory": self._set_nohistory, "wordwrap": self._set_wordwrap,
+            "nowordwrap": self._set_nowordwrap,
         }
         setter = setters.get(what.lower())
         if setter is None:
@@ -386,6 +425,22 @@ class Repl:
     def _set_quiet(self, value: str) -> None:
         self.verbose = False
         console.print("Set 'quiet' mode.")
+
+    def _set_history(self, value: str) -> None:
+        self.reader.keep_history(True)
+        console.print("Set 'history' mode.", highlight=False)
+
+    def _set_nohistory(self, value: str) -> None:
+        self.reader.keep_history(False)
+        console.print("Set 'nohistory' mode.", highlight=False)
+
+    def _set_wordwrap(self, value: str) -> None:
+        self.wordwrap = True
+        console.print("Set 'wordwrap' mode.", highlight=False)
+
+    def _set_nowordwrap(self, value: str) -> None:
+        self.wordwrap = False
+        console.print("Set 'nowordwrap' mode.", highlight=False)
 
     def _show(self, rest: str) -> None:
         what = rest.strip().lower()
