@@ -245,6 +245,8 @@ def test_run_never_uses_the_server_of_another_home(env, tmp_path):
         refused = localllm(env, "run", "smollm2:135m", "hi")
         assert refused.returncode == 1
         assert "serves another LOCALLLM_HOME" in refused.stderr and "LOCALLLM_HOST" in refused.stderr
+        tui = localllm(env, "tui")
+        assert tui.returncode == 1 and "serves another LOCALLLM_HOME" in tui.stderr
         not_ours = localllm(env, "serve", "--stop")
         assert "no background localllm server is running" in not_ours.stdout and server.poll() is None
         started_by_hand = localllm(other, "serve", "--stop")

@@ -15,7 +15,7 @@ import typer
 from .. import config
 from ..client.protocol import Client
 from ..conversation import Conversation, is_model
-from ..errors import InvalidInput, LocalLLMError, ModelNotFound
+from ..errors import InvalidInput, LocalLLMError, ModelNotFound, ServerConflict
 from .app import app, console, err_console
 from .render import print_timings, ps_table, ps_text
 from .repl import Repl, make_line_reader, prepare_model, stream_reply
@@ -178,6 +178,8 @@ def tui(model: Optional[str] = typer.Argument(None, help="model to chat with at 
     if not in_process:
         try:
             _server_client(start=True).close()
+        except ServerConflict:
+            raise  # another home's server: the TUI must not open on its models
         except LocalLLMError as exc:
             notice = exc  # the TUI opens anyway and says why it cannot reach the server
     client = _local_client() if in_process else _server_client(start=False)
