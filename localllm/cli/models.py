@@ -56,7 +56,7 @@ app.command("ls", hidden=True)(list_models)  # Ollama's alias
 
 @app.command()
 def show(model: str = typer.Argument(..., help="stored model name or .gguf path"),
-         as_json: bool = typer.Option(False, "--json", help="print the model's description as JSON (as /api/show does)"),
+         as_json: bool = typer.Option(False, "--json", help="print the description as JSON (as /api/show does)"),
          modelfile: bool = typer.Option(False, "--modelfile", help="print a Modelfile that rebuilds the model"),
          parameters: bool = typer.Option(False, "--parameters", help="print the parameters only"),
          template: bool = typer.Option(False, "--template", help="print the chat template only"),

@@ -37,14 +37,10 @@ class LineInput(Protocol):
 
     def __call__(self, prompt: str) -> str: ...
 
-    def keep_history(self, enabled: bool) -> None:
-        """/set history | nohistory: whether lines typed from now on are written to the history file."""
-        if self._history is not None:
-            self._history.saving = enabled
-
     def take_interrupt(self) -> bool: ...
 
     def keep_history(self, enabled: bool) -> None: ...
+
 
 HELP = f"""Available Commands:
   /set            Set session variables

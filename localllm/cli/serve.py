@@ -73,7 +73,7 @@ def _status() -> None:
         console.print(f"started in the background; log: {server_log_path()}", highlight=False)
         console.print("stop it with `localllm serve --stop`", highlight=False)
     else:
-        console.print(f"started with `localllm serve`: stop it with Ctrl+C in its terminal"
+        console.print("started with `localllm serve`: stop it with Ctrl+C in its terminal"
                       + (f" or `kill {health.pid}`" if health.pid is not None else ""), highlight=False)
 
 

@@ -209,8 +209,9 @@ class LocalClient:
     def _render(loaded: Loaded, model: ResolvedModel, messages: list[api.Message], *,
                 template: Optional[str] = None, tools: Optional[list] = None) -> str:
         meta = loaded.engine.model.meta
-        return render_chat(_template(loaded, model, template), [m.model_dump(exclude_none=True) for m in messages], tools=tools,
-                           bos_token=_token_text(loaded, meta.bos_token), eos_token=_token_text(loaded, meta.eos_token))
+        return render_chat(_template(loaded, model, template), [m.model_dump(exclude_none=True) for m in messages],
+                           tools=tools, bos_token=_token_text(loaded, meta.bos_token),
+                           eos_token=_token_text(loaded, meta.eos_token))
 
     @staticmethod
     def _tokenize(loaded: Loaded, text: str) -> list[int]:

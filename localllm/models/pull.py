@@ -77,7 +77,8 @@ def make_source(name: str, store: Optional[Store] = None) -> Source:
         return FileSource(ref.path or Path(name))
     suggestion = did_you_mean(ref.display, store.stored_names() if store is not None else ())
     raise ModelNotFound(f"model {ref.display!r} is not in the catalog",
-                        hint=suggestion or "pull a catalog name (smollm2:135m, gemma3:270m), hf.co/<org>/<repo>, a URL or a path")
+                        hint=suggestion or "pull a catalog name (smollm2:135m, gemma3:270m), hf.co/<org>/<repo>, "
+                                           "a URL or a path")
 
 
 # ------------------------------------------------------------------------------------------------------- catalog
