@@ -7,7 +7,7 @@ from . import models, chat, serve, bench, plan  # noqa: E402,F401  (registration
 
 
 def main() -> None:
-    from . import interrupts
+    from .interrupts import note_interrupts
 
-    interrupts.install()
+    note_interrupts()
     app(prog_name="localllm")

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from .. import __version__
 from ..errors import InvalidInput, LocalLLMError
-from . import interrupts
+from .interrupts import interrupt_handled
 
 console = Console()
 err_console = Console(stderr=True)
@@ -30,7 +30,7 @@ class _Group(typer.core.TyperGroup):
             print_error(exc)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
-            interrupts.handled()
+            interrupt_handled()
             # The shell's prompt must start on a line of its own, whatever was being written when Ctrl-C came.
             err_console.print()
             raise typer.Exit(130) from None

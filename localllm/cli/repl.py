@@ -19,7 +19,7 @@ from .. import api
 from ..client.protocol import Client
 from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
-from . import interrupts
+from .interrupts import interrupt_handled, raise_noted_interrupt
 from .app import console, err_console, print_error
 from .render import MarkdownStream, RawStream, print_model_facts, print_timings, render_pull, timing_rows
 
@@ -127,7 +127,7 @@ class LineReader:
         try:
             self._interrupted = self._interrupt_typed_ahead()
         except KeyboardInterrupt:  # the terminal is back in line mode: Ctrl-C is a signal again, meant for the answer
-            interrupts.handled()
+            interrupt_handled()
             self._interrupted = True
         return line
 
@@ -253,7 +253,7 @@ def stream_reply(stream: Iterator[api.ChatChunk], on_text: Callable[[str], None]
     The stream is closed on every way out, so Ctrl-C (KeyboardInterrupt) cancels the request, server-side too."""
     try:
         for chunk in stream:
-            interrupts.check()
+            raise_noted_interrupt()
             on_text(chunk.message.content)
             if chunk.done:
                 return chunk
@@ -275,7 +275,7 @@ def prepare_model(client: Client, load: api.ChatRequest, *, to: Console) -> None
     with to.status(f"loading {load.model}…", spinner="dots"):
         for _ in client.chat(load):
             pass
-    interrupts.check()  # a Ctrl-C during an in-process load is swallowed by the engine's native callbacks
+    raise_noted_interrupt()  # a Ctrl-C during an in-process load is swallowed by the engine's native callbacks
 
 
 # ---------------------------------------------------------------------------------------------------------- repl
@@ -300,7 +300,7 @@ class Repl:
             try:
                 text = read_message(self.reader)
             except KeyboardInterrupt:
-                interrupts.handled()
+                interrupt_handled()
                 console.print(EXIT_HINT, highlight=False)
                 continue
             except EOFError:
@@ -319,7 +319,7 @@ class Repl:
         except LocalLLMError as exc:
             print_error(exc)
         except KeyboardInterrupt:  # e.g. during /load: stop that, not the chat
-            interrupts.handled()
+            interrupt_handled()
             console.print("[dim](stopped)[/]", highlight=False)
         return True
 
@@ -339,7 +339,7 @@ class Repl:
             with keys_not_echoed(), (MarkdownStream(console) if self.wordwrap else RawStream(console)) as view:
                 final = stream_reply(self.client.chat(request), show)
         except KeyboardInterrupt:
-            interrupts.handled()
+            interrupt_handled()
             console.print("[dim](stopped)[/]", highlight=False)
             if not parts:  # nothing was answered: the question goes too, so the history still alternates
                 self.conversation.withdraw()
