@@ -121,6 +121,13 @@ def remove_stale_pid_file() -> bool:
 
 
 def process_alive(pid: int) -> bool:
+    if sys.platform == "win32":  # there os.kill(pid, 0) would terminate the process
+        import ctypes
+
+        handle = ctypes.windll.kernel32.OpenProcess(0x1000, False, pid)  # type: ignore[attr-defined]
+        if handle:
+            ctypes.windll.kernel32.CloseHandle(handle)  # type: ignore[attr-defined]
+        return bool(handle)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
