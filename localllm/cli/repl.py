@@ -145,7 +145,7 @@ class LineReader:
         from prompt_toolkit.input.typeahead import get_typeahead, store_typeahead
         from prompt_toolkit.keys import Keys
 
-        keys = get_typeahead(self.session.input) + _unread_keys(self.session.input)
+        keys = get_typeahead(self.session.input) + _unread_keys()
         kept = [key for key in keys if key.key != Keys.ControlC]
         store_typeahead(self.session.input, kept)
         return len(kept) < len(keys)
@@ -165,7 +165,7 @@ def _switchable_history(path: str):
     return SwitchableHistory(path)
 
 
-def _unread_keys(terminal_input) -> list:
+def _unread_keys() -> list:
     """Keys typed while the editor was closing: still bytes in the terminal's queue, unseen as signals. The terminal
     is in line mode again here, so they are read with line mode briefly off (nothing waits: only what is there)."""
     import select
