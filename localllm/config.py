@@ -154,6 +154,14 @@ def base_url() -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def home_id() -> str:
+    """A fingerprint of LOCALLLM_HOME, reported on /health: a client can tell whether a server serves its own home
+    without the server publishing the path."""
+    import hashlib
+
+    return hashlib.sha256(str(HOME.get().resolve()).encode("utf-8")).hexdigest()[:16]
+
+
 def describe() -> str:
     """The environment section of `localllm serve --help`."""
     return "\n".join(f"{s.name:<28} {s.description}" for s in ALL)

@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence, Union
 
 from . import api
 from .errors import InvalidInput, LocalLLMError
+from .models.catalog import find_entry
 from .models.names import parse_ref
 
 
@@ -29,14 +30,17 @@ def parse_parameter(name: str, words: Sequence[str]) -> Any:
 
 def is_model(row: api.ProcessModel, name: str) -> bool:
     """Whether a loaded model (a `ps` row) is `name`, however it is spelled: `me/chat` is `me/chat:latest`."""
-    return bool({row.name, row.model} & {name, _display(name)})
+    return bool({row.name, row.model} & {name, *_spellings(name)})
 
 
-def _display(name: str) -> str:
+def _spellings(name: str) -> set[str]:
+    # `smollm2` may be the stored `smollm2:latest` or, when none is, the catalog's `smollm2:135m`.
     try:
-        return parse_ref(name).display
+        ref = parse_ref(name)
     except LocalLLMError:
-        return name
+        return set()
+    entry = find_entry(ref)
+    return {ref.display} | ({entry.name} if entry is not None else set())
 
 
 # ---------------------------------------------------------------------------------------------------------- figures

@@ -116,3 +116,9 @@ class ServerUnreachable(LocalLLMError):
     """The HTTP client found no localllm server at the configured address."""
 
     status_code = 503
+
+
+class ServerConflict(LocalLLMError):
+    """The server at the configured address serves another LOCALLLM_HOME (its models, not ours)."""
+
+    status_code = 409

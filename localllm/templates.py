@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+from . import api
 from .errors import InvalidInput
 from .go_templates import compile_go, is_go_template, render_go
 
@@ -28,6 +29,21 @@ PLAIN_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
+
+
+# A base model continues the transcript past its own turn, writing the user's next line and answering it in turn;
+# these end the answer where the next turn would begin, and the cap ends one that never reaches a turn marker
+# (as a chat answer, not a document that fills the context).
+TRANSCRIPT_STOPS = ("\nUser:", "\nAssistant:", "\nTool result:")
+TRANSCRIPT_NUM_PREDICT = 512
+
+
+def transcript_sampling(sampling: api.SamplingOptions) -> api.SamplingOptions:
+    """The sampling options for a model chatted through PLAIN_TEMPLATE: its turn markers added to the stop strings,
+    and num_predict capped when the user left it unlimited (-1; -2, "until the context is full", is kept)."""
+    stops = list(sampling.stop) + [stop for stop in TRANSCRIPT_STOPS if stop not in sampling.stop]
+    num_predict = TRANSCRIPT_NUM_PREDICT if sampling.num_predict == -1 else sampling.num_predict
+    return sampling.model_copy(update={"stop": stops, "num_predict": num_predict})
 
 
 def _raise_exception(message: str) -> None:

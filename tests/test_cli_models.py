@@ -92,7 +92,7 @@ def test_create_from_a_gguf_next_to_the_modelfile(tmp_path, isolated_home, monke
     assert "temperature" in show.parameters and '"<|im_end|>"' in show.parameters
     rebuilt = parse_modelfile(invoke("show", "me/brief:v1", "--modelfile").output)
     assert rebuilt.system == "Be brief." and rebuilt.parameters == {"temperature": 0.3, "stop": ["<|im_end|>"]}
-    assert Path(rebuilt.from_).is_file()
+    assert rebuilt.from_ == "me/brief:v1"  # the model itself, so `create -f` takes the file as it is
 
 
 def test_create_from_a_stored_model_inherits_and_overrides(tiny, tmp_path):

@@ -141,7 +141,7 @@ async def test_settings_dialog_sets_the_system_prompt_and_parameters():
     app = LocalLLMApp(ScriptedClient(), model="smollm2:135m")
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         await pilot.press("f3")
-        await pilot.pause()
+        await settle(pilot)
         assert isinstance(app.screen, SettingsScreen)
         app.screen.query_one("#system", TextArea).text = "You are terse."
         app.screen.query_one("#parameters", TextArea).text = "temperature hot"
@@ -344,7 +344,7 @@ def test_snapshot_models_screen(snap_compare):
 def test_snapshot_settings_dialog(snap_compare):
     async def open_settings(pilot):
         await pilot.press("f3")
-        await pilot.pause()
+        await settle(pilot)
         _still_cursor(pilot)
 
     app = LocalLLMApp(ScriptedClient(), model="smollm2:135m", system=SYSTEM,
@@ -365,3 +365,74 @@ async def test_prompt_keeps_pasted_newlines_and_ctrl_j_adds_one():
         await settle(pilot)
         assert app.conversation.messages[0].content == "first line\nsecond line\nthird"
         assert prompt.text == ""
+
+
+# ---------------------------------------------------------------------------------------------------------- issue 22
+
+MODEL_PARAMETERS = ('stop                    "<|im_start|>"\nstop                    "<|im_end|>"\n'
+                    'temperature             0.2\nnum_ctx                 8192')
+
+
+class ModelDefaultsClient(ScriptedClient):
+    """A model with its own SYSTEM and several parameters, and answers that stream until stopped (bounded)."""
+
+    def show(self, model: str) -> api.ShowResponse:
+        return super().show(model).model_copy(update={"parameters": MODEL_PARAMETERS})
+
+    def chat(self, request: api.ChatRequest):
+        import time
+
+        for n in range(600):
+            yield api.ChatChunk(model=request.model, message=api.Message(role="assistant", content=f"word{n} "))
+            time.sleep(0.02)
+        yield api.ChatChunk(model=request.model, done=True, done_reason="length")
+
+
+async def test_a_stopped_answer_is_marked_and_a_finished_one_is_not():
+    app = LocalLLMApp(ModelDefaultsClient(), model="smollm2:135m")
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await type_text(pilot, "Talk")
+        await pilot.press("enter")
+        messages = app.screen.query_one(MessageList)
+        for _ in range(300):
+            if "word3" in messages.last_answer():
+                break
+            await pilot.pause(0.1)
+        await pilot.press("escape")
+        await wait_for_answer(pilot)
+        await settle(pilot)
+        assert messages.last_answer().rstrip().endswith("(stopped)*")
+        assert "(stopped)" not in app.conversation.messages[-1].content  # the mark is not part of the answer
+
+    app = LocalLLMApp(ScriptedClient(), model="smollm2:135m")
+    async with app.run_test(size=SIZE) as pilot:
+        await type_text(pilot, "Hi")
+        await pilot.press("enter")
+        await wait_for_answer(pilot)
+        await settle(pilot)
+        assert "(stopped)" not in app.screen.query_one(MessageList).last_answer()
+
+
+async def test_f3_opens_with_the_models_own_system_and_parameters():
+    app = LocalLLMApp(ModelDefaultsClient(), model="smollm2:135m", options={"temperature": 0.7})
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await pilot.press("f3")
+        await settle(pilot)
+        assert isinstance(app.screen, SettingsScreen)
+        assert app.screen.query_one("#system", TextArea).text == SYSTEM
+        lines = app.screen.query_one("#parameters", TextArea).text.splitlines()
+        # the model's values, with what this chat set on top
+        assert lines == ["stop <|im_start|> <|im_end|>", "temperature 0.7", "num_ctx 8192"]
+
+
+async def test_the_details_pane_keeps_one_parameter_per_line():
+    app = LocalLLMApp(ModelDefaultsClient(), model="smollm2:135m")
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f2")
+        await settle(pilot)
+        details = app.screen.query_one("#details")
+        shown = [details.render_line(y).text.rstrip() for y in range(details.size.height)]
+        values = [line.split("Parameters set", 1)[-1].strip() for line in shown]
+        start = next(i for i, line in enumerate(shown) if "Parameters set" in line)
+        assert values[start:start + 4] == ['stop "<|im_start|>"', 'stop "<|im_end|>"', "temperature 0.2",
+                                           "num_ctx 8192"]

@@ -7,4 +7,7 @@ from . import models, chat, serve, bench, plan  # noqa: E402,F401  (registration
 
 
 def main() -> None:
-    app()
+    from .interrupts import note_interrupts
+
+    note_interrupts()
+    app(prog_name="localllm")

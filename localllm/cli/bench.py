@@ -19,7 +19,9 @@ def bench(
     rest: bool = typer.Option(False, "--rest", help="also measure through `localllm serve`"),
     as_json: bool = typer.Option(False, "--json", help="print the figures as JSON"),
 ) -> None:
-    """Measure the engine against raw llama.cpp (same model, threads and tokens) in one run."""
+    """Measure the engine against raw llama.cpp in one run.
+
+    Same model, threads and tokens for both."""
     from ..bench.engine import run_benchmarks
     from ..bench.rest import run_rest_benchmarks
     from ..errors import InvalidInput

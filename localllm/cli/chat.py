@@ -15,9 +15,9 @@ import typer
 from .. import config
 from ..client.protocol import Client
 from ..conversation import Conversation, is_model
-from ..errors import InvalidInput, LocalLLMError, ModelNotFound
+from ..errors import InvalidInput, LocalLLMError, ModelNotFound, ServerConflict
 from .app import app, console, err_console
-from .render import print_timings, ps_table
+from .render import print_timings, ps_table, ps_text
 from .repl import Repl, make_line_reader, prepare_model, stream_reply
 
 IN_PROCESS_HELP = "run the model inside this command instead of through the server (nothing else can share it)"
@@ -42,14 +42,27 @@ def _local_client():
 
 
 def _server_client(*, start: bool):
-    from ..client.http import HttpClient, server_running
-    from .background import ensure_server
+    from ..client.http import HttpClient
+    from .background import check_same_home, server_health
 
     url = config.base_url()
-    if start and not server_running(url):
-        with err_console.status(f"starting the localllm server on {url}…", spinner="dots"):
-            ensure_server()
+    health = server_health(url) if start else None
+    if health is not None:
+        check_same_home(health)
+    elif start:
+        _start_server()
     return HttpClient(url)
+
+
+def _start_server() -> None:
+    from .background import ensure_server, started_notice
+
+    url = config.base_url()
+    started: list[str] = []
+    with err_console.status(f"starting the localllm server on {url}…", spinner="dots"):
+        ensure_server(on_start=started.append)
+    for url in started:  # said once, by the command that started it
+        err_console.print(started_notice(url), style="dim", highlight=False)
 
 
 # ---------------------------------------------------------------------------------------------------------- run
@@ -63,15 +76,21 @@ def run(model: str = typer.Argument(..., help="model name (pulled first if missi
                                                                           "the last request (5m, 1h, -1 forever)"),
         format: Optional[str] = typer.Option(None, "--format", help="json: answer in JSON"),
         in_process: bool = typer.Option(False, "--in-process", help=IN_PROCESS_HELP)):
-    """Chat with a model in the terminal, or ask it once (a prompt argument or piped stdin)."""
+    """Chat with a model, or ask it once (prompt argument or stdin).
+
+    A one-shot run prints the answer alone on stdout; progress and timings go to stderr."""
     conversation = Conversation(model, keep_alive=_keep_alive(keepalive), format=_format(format))
     text = _one_shot_prompt(prompt)
+    if text is not None and not text.strip():
+        raise InvalidInput("there was no prompt: " + ("stdin was empty" if not prompt else "the prompt is empty"),
+                           hint=f"pass one: `localllm run {model} \"...\"`, or pipe text in; without either, "
+                                "`run` opens the chat")
     with open_client(in_process=in_process) as client:
         prepare_model(client, conversation.load_request(), to=err_console)
         if text is None:
-            Repl(client, conversation, read_line=make_line_reader(config.HOME.get() / "history"),
-                 verbose=verbose).run()
-        elif text.strip():
+            reader = make_line_reader(config.HOME.get() / "history")
+            Repl(client, conversation, reader=reader, verbose=verbose).run()
+        else:
             _answer_once(client, conversation, text, verbose=verbose)
 
 
@@ -115,8 +134,10 @@ def _format(value: Optional[str]) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------------------- ps, stop
 
 @app.command()
-def ps(as_json: bool = typer.Option(False, "--json", help="print api.ProcessResponse as JSON")):
-    """List the models the server has loaded: slots, context per slot, KV type, GPU, speculation, expiry."""
+def ps(as_json: bool = typer.Option(False, "--json", help="print the list as JSON (as /api/ps does)")):
+    """List the loaded models: slots, context, KV, GPU, expiry.
+
+    Context is per slot; BUSY is busy/total slots; SPEC is the speculative decoding in use."""
     from .. import api
     from ..client.http import server_running
 
@@ -129,8 +150,10 @@ def ps(as_json: bool = typer.Option(False, "--json", help="print api.ProcessResp
         err_console.print(f"no localllm server answers at {url}, so no model is loaded", highlight=False)
     if as_json:
         typer.echo(response.model_dump_json(indent=2))
+    elif console.is_terminal:
+        console.print(ps_table(response.models, width=console.width))
     else:
-        console.print(ps_table(response.models))
+        typer.echo(ps_text(response.models))
 
 
 @app.command()
@@ -148,14 +171,15 @@ def stop(model: str = typer.Argument(..., help="a loaded model (see `localllm ps
 @app.command()
 def tui(model: Optional[str] = typer.Argument(None, help="model to chat with at start (F2 picks another)"),
         in_process: bool = typer.Option(False, "--in-process", help=IN_PROCESS_HELP)):
-    """Open the terminal UI: chat, models (list, pull, delete, details), live engine figures."""
+    """Open the terminal UI: chat, models, live engine figures."""
     from ..tui import run_tui
-    from .background import ensure_server
 
     notice = None
     if not in_process:
         try:
-            ensure_server()
+            _server_client(start=True).close()
+        except ServerConflict:
+            raise  # another home's server: the TUI must not open on its models
         except LocalLLMError as exc:
             notice = exc  # the TUI opens anyway and says why it cannot reach the server
     client = _local_client() if in_process else _server_client(start=False)

@@ -26,7 +26,7 @@ def _store():
 
 @app.command()
 def pull(model: str = typer.Argument(..., help="catalog name, hf.co/<org>/<repo>[:<quant>], URL or .gguf path")):
-    """Download a model into the store (resumes an interrupted pull)."""
+    """Download a model into the store (an interrupted pull resumes)."""
     from ..models.pull import pull_model
 
     render_pull(pull_model(model, _store()))
@@ -35,8 +35,8 @@ def pull(model: str = typer.Argument(..., help="catalog name, hf.co/<org>/<repo>
 # ---------------------------------------------------------------------------------------------------------- list
 
 @app.command("list")
-def list_models(as_json: bool = typer.Option(False, "--json", help="print api.ListResponse as JSON")):
-    """List the models in the store."""
+def list_models(as_json: bool = typer.Option(False, "--json", help="print the list as JSON (as /api/tags does)")):
+    """List the models in the store (also: ls)."""
     rows = _store().list()
     if as_json:
         typer.echo(api.ListResponse(models=rows).model_dump_json(indent=2))
@@ -49,17 +49,22 @@ def list_models(as_json: bool = typer.Option(False, "--json", help="print api.Li
     console.print(table)
 
 
+app.command("ls", hidden=True)(list_models)  # Ollama's alias
+
+
 # ---------------------------------------------------------------------------------------------------------- show
 
 @app.command()
 def show(model: str = typer.Argument(..., help="stored model name or .gguf path"),
-         as_json: bool = typer.Option(False, "--json", help="print api.ShowResponse as JSON"),
+         as_json: bool = typer.Option(False, "--json", help="print the description as JSON (as /api/show does)"),
          modelfile: bool = typer.Option(False, "--modelfile", help="print a Modelfile that rebuilds the model"),
          parameters: bool = typer.Option(False, "--parameters", help="print the parameters only"),
          template: bool = typer.Option(False, "--template", help="print the chat template only"),
          system: bool = typer.Option(False, "--system", help="print the system message only"),
          license: bool = typer.Option(False, "--license", help="print the license only")):
-    """Describe a model: architecture, size, quantization, context, template, parameters."""
+    """Describe a model: facts, template, system, parameters.
+
+    Architecture, size, quantization, context and format; --modelfile prints a Modelfile that `create -f` accepts."""
     from ..models.info import show_model
 
     info = show_model(_store(), model)
@@ -99,7 +104,9 @@ def _check_stored(store, name: str) -> None:
 @app.command()
 def cp(source: str = typer.Argument(..., help="stored model"),
        destination: str = typer.Argument(..., help="new name")):
-    """Copy a model under a new name (no bytes are copied); a model already under that name is replaced."""
+    """Copy a model under a new name; no bytes are copied.
+
+    A model already under that name is replaced, and what it held is freed when nothing else uses it."""
     replaced = _store().copy(source, destination)
     line = f"copied '{parse_ref(source).display}' to '{parse_ref(destination).display}'"
     if replaced is not None:
@@ -118,7 +125,7 @@ def create(name: str = typer.Argument(..., help="name of the new model, e.g. me/
            fmt: Optional[str] = typer.Option(None, "--format", help="weights format: gguf, or mlx to convert"),
            quantize: Optional[str] = typer.Option(None, "--quantize", "-q", help="quantize to TYPE (with --format "
                                                                                  "mlx: f32, f16, bf16, q8, q4)")):
-    """Create a model from a Modelfile, or from another model with --from."""
+    """Create a model from a Modelfile (or --from another model)."""
     from ..models.create import create_model
     from ..models.modelfile import parse_modelfile
 
@@ -142,7 +149,9 @@ def create(name: str = typer.Argument(..., help="name of the new model, e.g. me/
 def verify(model: Optional[str] = typer.Argument(None, help="one stored model (default: all)"),
            repair: bool = typer.Option(False, "--repair", help="download corrupt or missing catalog and Hugging "
                                                               "Face blobs again in place, then prune")):
-    """Re-hash the blobs of one model or of all models; exit 1 naming any corrupt or missing blob."""
+    """Re-hash the blobs of one model or all; exit 1 if any is bad.
+
+    Each corrupt or missing blob is named; --repair downloads corrupt catalog and Hugging Face blobs again."""
     from ..models.repair import repair_blobs
 
     store = _store()
@@ -163,8 +172,9 @@ def verify(model: Optional[str] = typer.Argument(None, help="one stored model (d
 
 @app.command()
 def prune(dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed, remove nothing")):
-    """Remove blobs no model uses, partial downloads and leftovers of interrupted writes; say how much that freed.
-    Waits for pulls and creates in progress to finish first."""
+    """Remove unused blobs and partial downloads; say how much that freed.
+
+    Leftovers of interrupted writes go too. Waits for pulls and creates in progress to finish first."""
     _print_prune(_store().prune(dry_run=dry_run, on_wait=_say_waiting))
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.table import Table
 
+from ..errors import LocalLLMError
 from .app import app, console
+
+if TYPE_CHECKING:
+    from ..models.plan import MemoryPlan
 
 
 def _mib(n: int) -> str:
@@ -23,7 +27,9 @@ def plan(
     kv_type: Optional[str] = typer.Option(None, "--kv-type", help="f16, q8_0 or q4_0"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
 ) -> None:
-    """Show the memory a model will take with these options (weights, KV cache per slot, compute), before loading."""
+    """Show the memory a load will take, before loading.
+
+    Weights, KV cache per slot and compute buffer for these options; exit 1 when it does not fit."""
     from ..engine.pool import effective_load, resolve_options
     from ..errors import InvalidInput
     from ..models.plan import plan_memory
@@ -39,8 +45,16 @@ def plan(
     mem = plan_memory(inspect_gguf(resolved.weights), effective_load(load))
     if as_json:
         console.print_json(json.dumps({**mem.__dict__, "total": mem.total, "fits": mem.fits}))
-        return
-    table = Table(title=f"{resolved.name}: {mem.num_parallel} slots x {mem.num_ctx} tokens, KV {mem.kv_type}")
+    else:
+        console.print(_table(resolved.name, mem))
+    if mem.fits is False:  # a script can test the exit code; None (memory unknown) is not a failure
+        raise LocalLLMError(f"{resolved.name} does not fit: it needs {_mib(mem.total)} and "
+                            f"{_mib(mem.available or 0)} is available",
+                            hint="lower --num-ctx or --num-parallel, or use --kv-type q8_0")
+
+
+def _table(name: str, mem: MemoryPlan) -> Table:
+    table = Table(title=f"{name}: {mem.num_parallel} slots x {mem.num_ctx} tokens, KV {mem.kv_type}")
     table.add_column("part")
     table.add_column("memory", justify="right")
     table.add_row("weights", _mib(mem.weights))
@@ -51,4 +65,4 @@ def plan(
     if mem.available is not None:
         verdict = "fits" if mem.fits else "[red]does not fit[/]"
         table.add_row("available now", f"{_mib(mem.available)} ({verdict})")
-    console.print(table)
+    return table

@@ -43,10 +43,12 @@ def render_pull(stream: Iterable[api.PullProgress], *, to: Optional[Console] = N
                     tasks[key] = bar.add_task(progress.status, total=progress.total)
                 bar.update(tasks[key], completed=progress.completed, total=progress.total)
             elif progress.status != last_line:
+                if bar.live.is_started and bar.finished:
+                    bar.stop()  # the bytes are in: the bar stays above "verifying", "writing manifest", "success"
                 console.print(progress.status, highlight=False, soft_wrap=True)
                 last_line = progress.status
     finally:
-        if tasks:
+        if bar.live.is_started:
             bar.stop()
 
 
@@ -139,13 +141,17 @@ def _indent(text: str) -> str:
 # ---------------------------------------------------------------------------------------------------------- timings
 
 def timing_rows(t: api.Timings) -> list[tuple[str, str]]:
-    """Ollama's --verbose figures for one answer, plus ours: prompt tokens reused from the cache, speculation."""
+    """Ollama's --verbose figures for one answer, plus ours: prompt tokens reused from the cache, speculation.
+
+    The prompt eval count and rate are over the tokens actually evaluated; the reused ones are counted apart (their
+    time is not in prompt_eval_duration, so counting them would inflate the rate)."""
+    evaluated = max(0, t.prompt_eval_count - t.prompt_cache_count)
     rows = [("total duration", human_duration(t.total_duration)),
             ("load duration", human_duration(t.load_duration)),
-            ("prompt eval count", f"{t.prompt_eval_count} token(s)"),
+            ("prompt eval count", f"{evaluated} token(s)"),
             ("prompt cache", f"{t.prompt_cache_count} token(s) reused"),
             ("prompt eval duration", human_duration(t.prompt_eval_duration)),
-            ("prompt eval rate", _rate_text(t.prompt_eval_count - t.prompt_cache_count, t.prompt_eval_duration)),
+            ("prompt eval rate", _rate_text(evaluated, t.prompt_eval_duration)),
             ("eval count", f"{t.eval_count} token(s)"),
             ("eval duration", human_duration(t.eval_duration)),
             ("eval rate", _rate_text(t.eval_count, t.eval_duration))]
@@ -171,20 +177,50 @@ def _rate_text(count: int, duration_ns: int) -> str:
 # ---------------------------------------------------------------------------------------------------------- ps
 
 PS_COLUMNS = ("NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "GPU", "SPEC", "UNTIL")
+# Below this width the ID goes (`localllm ps | cat` prints it) and the long headers shorten, so a row fits 80 columns.
+PS_WIDE = 100
+_NARROW_HEADERS = {"CTX/SLOT": "CTX"}
 _WRAPPABLE = frozenset({"BACKEND", "SPEC", "UNTIL"})  # on a narrow terminal these fold, so the name stays whole
 
 
-def ps_table(models: Iterable[api.ProcessModel]) -> Table:
+def ps_rows(models: Iterable[api.ProcessModel]) -> list[tuple[str, ...]]:
     """`localllm ps`: effective values, never totals to divide (context is per slot; BUSY is busy/total slots)."""
+    return [(row.name, row.digest[:12], human_size(row.size), _backend_text(row), _slots_text(row),
+             str(row.context_length), row.kv_type, _gpu_text(row.gpu_layers), _speculation_text(row),
+             _until_text(row)) for row in models]
+
+
+def _until_text(row: api.ProcessModel) -> str:
+    if row.status == "removed":
+        return "removed, unloading"
+    return human_until(row.expires_at, busy=row.slots_busy > 0)
+
+
+def ps_table(models: Iterable[api.ProcessModel], *, width: int = PS_WIDE) -> Table:
+    """The `ps` table for a terminal `width` columns wide."""
+    narrow = width < PS_WIDE
+    shown = [i for i, column in enumerate(PS_COLUMNS) if not (narrow and column == "ID")]
     table = Table(box=None, pad_edge=False)
-    for column in PS_COLUMNS:
-        table.add_column(column, no_wrap=column not in _WRAPPABLE)
-    for row in models:
-        table.add_row(row.name, row.digest[:12], human_size(row.size), row.backend, _slots_text(row),
-                      str(row.context_length), row.kv_type, _gpu_text(row.gpu_layers), _speculation_text(row),
-                      "removed, unloading" if row.status == "removed" else
-                      human_until(row.expires_at, busy=row.slots_busy > 0))
+    for i in shown:
+        column = PS_COLUMNS[i]
+        table.add_column(_NARROW_HEADERS.get(column, column) if narrow else column, no_wrap=column not in _WRAPPABLE)
+    for row in ps_rows(models):
+        table.add_row(*(row[i] for i in shown))
     return table
+
+
+def ps_text(models: Iterable[api.ProcessModel]) -> str:
+    """The `ps` table as plain aligned text with every column and whole values (for a pipe or a file)."""
+    rows = [PS_COLUMNS, *ps_rows(models)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(PS_COLUMNS))]
+    return "\n".join("   ".join(value.ljust(w) for value, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _backend_text(row: api.ProcessModel) -> str:
+    """"llama.cpp, 2 threads (auto)": the CPU threads its decode steps use now, tuned as it runs or pinned."""
+    if not row.threads:
+        return row.backend
+    return f"{row.backend}, {row.threads} thread{'s' if row.threads > 1 else ''}{' (auto)' if row.threads_auto else ''}"
 
 
 def _slots_text(row: api.ProcessModel) -> str:
@@ -289,3 +325,26 @@ class MarkdownStream:
         lines = self._console.render_lines(Markdown(self._finished), self._console.options, pad=False)
         self._console.print(_Lines(lines[self._printed_lines:]), end="")
         self._printed_lines = len(lines)
+
+
+class RawStream:
+    """An answer printed as it comes, unrendered and unwrapped (`/set nowordwrap`): the terminal wraps the lines.
+    The same context manager and `write` as MarkdownStream."""
+
+    def __init__(self, console: Console):
+        self._console = console
+        self._ended_line = True
+
+    def __enter__(self) -> "RawStream":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if not self._ended_line:
+            self._console.file.write("\n")
+        self._console.file.flush()
+
+    def write(self, text: str) -> None:
+        if text:
+            self._console.file.write(text)
+            self._console.file.flush()
+            self._ended_line = text.endswith("\n")

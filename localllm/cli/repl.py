@@ -7,8 +7,11 @@ error and the chat goes on."""
 
 from __future__ import annotations
 
+import os
+import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Protocol
 
 from rich.console import Console
 
@@ -16,8 +19,9 @@ from .. import api
 from ..client.protocol import Client
 from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
+from .interrupts import interrupt_handled, raise_noted_interrupt
 from .app import console, err_console, print_error
-from .render import MarkdownStream, print_model_facts, print_timings, render_pull, timing_rows
+from .render import MarkdownStream, RawStream, print_model_facts, print_timings, render_pull, timing_rows
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -26,6 +30,17 @@ EXIT_HINT = "Use Ctrl + d or /bye to exit."
 TRIPLE_QUOTE = '"""'
 
 ReadLine = Callable[[str], str]
+
+
+class LineInput(Protocol):
+    """What the chat reads its lines with (LineReader)."""
+
+    def __call__(self, prompt: str) -> str: ...
+
+    def take_interrupt(self) -> bool: ...
+
+    def keep_history(self, enabled: bool) -> None: ...
+
 
 HELP = f"""Available Commands:
   /set            Set session variables
@@ -46,7 +61,11 @@ HELP_SET = """Available Commands:
   /set format json            Enable JSON mode
   /set noformat               Disable formatting
   /set verbose                Show timings after each answer
-  /set quiet                  Disable timings"""
+  /set quiet                  Disable timings
+  /set history                Save the messages you type to the history file
+  /set nohistory              Stop saving them (this chat still recalls them)
+  /set wordwrap               Draw answers as markdown, wrapped at words
+  /set nowordwrap             Print answers as raw text, as they come"""
 
 HELP_SHOW = """Available Commands:
   /show info         Show details for this model
@@ -81,23 +100,127 @@ HELP_PARAMETERS = """Parameters (any Modelfile parameter is accepted):
 
 # ---------------------------------------------------------------------------------------------------------- input
 
-def make_line_reader(history_file: Optional[Path]) -> ReadLine:
+class LineReader:
     """A prompt_toolkit line editor with a persistent history (up arrow, Ctrl-R) and bracketed paste, so pasted
-    text with newlines arrives as one message."""
-    from prompt_toolkit import PromptSession
-    from prompt_toolkit.formatted_text import FormattedText
-    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    text with newlines arrives as one message.
 
-    if history_file is not None:
-        history_file.parent.mkdir(parents=True, exist_ok=True)
-    session: PromptSession = PromptSession(
-        history=FileHistory(str(history_file)) if history_file is not None else InMemoryHistory())
-    placeholder = FormattedText([("#808080", PLACEHOLDER)])
+    Ctrl-C pressed right after Enter, before the editor has handed the terminal back, reaches the editor as a key
+    rather than as a signal (the terminal is still raw): it would stop nothing and show up at the next prompt.
+    Such a Ctrl-C is taken out of the typed-ahead keys here and reported by `take_interrupt`, so the answer it was
+    meant for is stopped instead."""
 
-    def read_line(prompt: str) -> str:
-        return session.prompt(prompt, placeholder=placeholder if prompt == PROMPT else None)
+    def __init__(self, history_file: Optional[Path]):
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.formatted_text import FormattedText
+        from prompt_toolkit.history import InMemoryHistory
 
-    return read_line
+        if history_file is not None:
+            history_file.parent.mkdir(parents=True, exist_ok=True)
+        self._history = _switchable_history(str(history_file)) if history_file is not None else None
+        self.session: PromptSession = PromptSession(
+            history=self._history if self._history is not None else InMemoryHistory())
+        self._placeholder = FormattedText([("#808080", PLACEHOLDER)])
+        self._interrupted = False
+
+    def __call__(self, prompt: str) -> str:
+        line = self.session.prompt(prompt, placeholder=self._placeholder if prompt == PROMPT else None)
+        try:
+            self._interrupted = self._interrupt_typed_ahead()
+        except KeyboardInterrupt:  # the terminal is back in line mode: Ctrl-C is a signal again, meant for the answer
+            interrupt_handled()
+            self._interrupted = True
+        return line
+
+    def keep_history(self, enabled: bool) -> None:
+        """/set history | nohistory: whether lines typed from now on are written to the history file."""
+        if self._history is not None:
+            self._history.saving = enabled
+
+    def take_interrupt(self) -> bool:
+        """Whether Ctrl-C came after the last line was entered, before signals could carry it (then forgotten)."""
+        interrupted, self._interrupted = self._interrupted, False
+        return interrupted
+
+    def _interrupt_typed_ahead(self) -> bool:
+        from prompt_toolkit.input.typeahead import get_typeahead, store_typeahead
+        from prompt_toolkit.keys import Keys
+
+        keys = get_typeahead(self.session.input) + _unread_keys()
+        kept = [key for key in keys if key.key != Keys.ControlC]
+        store_typeahead(self.session.input, kept)
+        return len(kept) < len(keys)
+
+
+def _switchable_history(path: str):
+    """A history file that can stop being written (prompt_toolkit is imported only when the chat opens)."""
+    from prompt_toolkit.history import FileHistory
+
+    class SwitchableHistory(FileHistory):
+        saving = True  # off: lines stay recallable in this chat but are not written
+
+        def store_string(self, string: str) -> None:
+            if self.saving:
+                super().store_string(string)
+
+    return SwitchableHistory(path)
+
+
+def _unread_keys() -> list:
+    """Keys typed while the editor was closing: still bytes in the terminal's queue, unseen as signals. The terminal
+    is in line mode again here, so they are read with line mode briefly off (nothing waits: only what is there)."""
+    import select
+
+    if sys.platform == "win32" or not sys.stdin.isatty():
+        return []
+    import termios
+
+    from prompt_toolkit.input.vt100_parser import Vt100Parser
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    raw = list(saved)
+    raw[3] &= ~(termios.ICANON | termios.ECHO | termios.ISIG)
+    raw[6] = list(saved[6])
+    raw[6][termios.VMIN], raw[6][termios.VTIME] = 0, 0
+    data = b""
+    try:
+        termios.tcsetattr(fd, termios.TCSANOW, raw)
+        while select.select([fd], [], [], 0)[0]:
+            chunk = os.read(fd, 1024)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+    keys: list = []
+    parser = Vt100Parser(keys.append)
+    parser.feed(data.decode("utf-8", "replace"))
+    parser.flush()
+    return keys
+
+
+@contextmanager
+def keys_not_echoed() -> Iterator[None]:
+    """While an answer is drawn, keys typed (and the ^C of Ctrl-C) are not echoed; Ctrl-C still signals. An echo
+    would move the cursor under the redrawn region, which then leaves its last line on screen twice."""
+    if sys.platform == "win32" or not sys.stdin.isatty():
+        yield
+        return
+    import termios
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    quiet = list(saved)
+    quiet[3] &= ~(termios.ECHO | termios.ECHOCTL)
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+
+def make_line_reader(history_file: Optional[Path]) -> LineReader:
+    return LineReader(history_file)
 
 
 def read_message(read_line: ReadLine) -> str:
@@ -130,6 +253,7 @@ def stream_reply(stream: Iterator[api.ChatChunk], on_text: Callable[[str], None]
     The stream is closed on every way out, so Ctrl-C (KeyboardInterrupt) cancels the request, server-side too."""
     try:
         for chunk in stream:
+            raise_noted_interrupt()
             on_text(chunk.message.content)
             if chunk.done:
                 return chunk
@@ -151,6 +275,7 @@ def prepare_model(client: Client, load: api.ChatRequest, *, to: Console) -> None
     with to.status(f"loading {load.model}…", spinner="dots"):
         for _ in client.chat(load):
             pass
+    raise_noted_interrupt()  # a Ctrl-C during an in-process load is swallowed by the engine's native callbacks
 
 
 # ---------------------------------------------------------------------------------------------------------- repl
@@ -158,11 +283,12 @@ def prepare_model(client: Client, load: api.ChatRequest, *, to: Console) -> None
 class Repl:
     """The chat loop. Each slash command is one small method, found through `_commands`."""
 
-    def __init__(self, client: Client, conversation: Conversation, *, read_line: ReadLine, verbose: bool = False):
+    def __init__(self, client: Client, conversation: Conversation, *, reader: LineInput, verbose: bool = False):
         self.client = client
         self.conversation = conversation
-        self.read_line = read_line
+        self.reader = reader
         self.verbose = verbose
+        self.wordwrap = True
         self._commands: dict[str, Callable[[str], Optional[bool]]] = {
             "/set": self._set, "/show": self._show, "/load": self._load, "/save": self._save, "/clear": self._clear,
             "/stats": self._stats, "/help": self._help, "/?": self._help, "/bye": self._bye, "/exit": self._bye,
@@ -172,8 +298,9 @@ class Repl:
         """Chat until Ctrl-D or /bye."""
         while True:
             try:
-                text = read_message(self.read_line)
+                text = read_message(self.reader)
             except KeyboardInterrupt:
+                interrupt_handled()
                 console.print(EXIT_HINT, highlight=False)
                 continue
             except EOFError:
@@ -192,6 +319,7 @@ class Repl:
         except LocalLLMError as exc:
             print_error(exc)
         except KeyboardInterrupt:  # e.g. during /load: stop that, not the chat
+            interrupt_handled()
             console.print("[dim](stopped)[/]", highlight=False)
         return True
 
@@ -206,10 +334,16 @@ class Repl:
             view.write(piece)
 
         try:
-            with MarkdownStream(console) as view:
+            if self.reader.take_interrupt():
+                raise KeyboardInterrupt
+            with keys_not_echoed(), (MarkdownStream(console) if self.wordwrap else RawStream(console)) as view:
                 final = stream_reply(self.client.chat(request), show)
         except KeyboardInterrupt:
+            interrupt_handled()
             console.print("[dim](stopped)[/]", highlight=False)
+            if not parts:  # nothing was answered: the question goes too, so the history still alternates
+                self.conversation.withdraw()
+                return
         except LocalLLMError:
             if parts:
                 self.conversation.answered("".join(parts))
@@ -249,6 +383,8 @@ class Repl:
         setters: dict[str, Callable[[str], None]] = {
             "parameter": self._set_parameter, "system": self._set_system, "format": self._set_format,
             "noformat": self._set_noformat, "verbose": self._set_verbose, "quiet": self._set_quiet,
+            "history": self._set_history, "nohistory": self._set_nohistory, "wordwrap": self._set_wordwrap,
+            "nowordwrap": self._set_nowordwrap,
         }
         setter = setters.get(what.lower())
         if setter is None:
@@ -285,6 +421,22 @@ class Repl:
     def _set_quiet(self, value: str) -> None:
         self.verbose = False
         console.print("Set 'quiet' mode.")
+
+    def _set_history(self, value: str) -> None:
+        self.reader.keep_history(True)
+        console.print("Set 'history' mode.", highlight=False)
+
+    def _set_nohistory(self, value: str) -> None:
+        self.reader.keep_history(False)
+        console.print("Set 'nohistory' mode.", highlight=False)
+
+    def _set_wordwrap(self, value: str) -> None:
+        self.wordwrap = True
+        console.print("Set 'wordwrap' mode.", highlight=False)
+
+    def _set_nowordwrap(self, value: str) -> None:
+        self.wordwrap = False
+        console.print("Set 'nowordwrap' mode.", highlight=False)
 
     def _show(self, rest: str) -> None:
         what = rest.strip().lower()

@@ -1,13 +1,16 @@
-"""`localllm serve`: the REST server (server/app.py) under uvicorn on LOCALLLM_HOST, with readable logs."""
+"""`localllm serve`: the REST server (server/app.py) under uvicorn on LOCALLLM_HOST, with readable logs; and
+`serve --status` / `serve --stop` for the server that `run` and `tui` start in the background (cli/background.py)."""
 
 from __future__ import annotations
 
 import logging
 import socket
 
+import typer
+
 from .. import config
 from ..errors import LocalLLMError
-from .app import app, console
+from .app import app, console, err_console
 
 _ENV_HELP = "Environment variables:\n\n" + "\n\n".join(
     f"  {line}" for line in config.describe().splitlines())
@@ -33,8 +36,76 @@ def _configure_logging(level: str) -> None:
 
 
 @app.command(epilog=_ENV_HELP)
-def serve() -> None:
-    """Serve the Ollama and OpenAI APIs on LOCALLLM_HOST (default 127.0.0.1:11435)."""
+def serve(status: bool = typer.Option(False, "--status", help="say whether a server runs on LOCALLLM_HOST, where, "
+                                                              "and how to stop it (exit 1 when none does)"),
+          stop: bool = typer.Option(False, "--stop", help="stop the server that `run` or `tui` started in the "
+                                                          "background")) -> None:
+    """Serve the Ollama and OpenAI APIs (--status, --stop).
+
+    Listens on LOCALLLM_HOST (default 127.0.0.1:11435) until Ctrl+C."""
+    if status and stop:
+        raise typer.BadParameter("use --status or --stop, not both")
+    if status:
+        _status()
+    elif stop:
+        _stop()
+    else:
+        _serve()
+
+
+def _status() -> None:
+    from .background import remove_stale_pid_file, server_health, server_log_path, server_pid_path
+
+    if remove_stale_pid_file():
+        err_console.print(f"removed {server_pid_path()}: its server is no longer running", highlight=False)
+    url = config.base_url()
+    health = server_health(url)
+    if health is None:
+        console.print(f"no localllm server is running at {url}", highlight=False)
+        raise typer.Exit(1)
+    pid = f" (pid {health.pid})" if health.pid is not None else ""
+    if not health.ours:
+        console.print(f"a localllm server{pid} runs at {url}, for another LOCALLLM_HOME than "
+                      f"{config.HOME.get()}", highlight=False)
+        raise typer.Exit(1)
+    console.print(f"localllm server running at {url}{pid}, serving {config.HOME.get()}", highlight=False)
+    if _background_pid(health.pid) is not None:
+        console.print(f"started in the background; log: {server_log_path()}", highlight=False)
+        console.print("stop it with `localllm serve --stop`", highlight=False)
+    else:
+        console.print("started with `localllm serve`: stop it with Ctrl+C in its terminal"
+                      + (f" or `kill {health.pid}`" if health.pid is not None else ""), highlight=False)
+
+
+def _stop() -> None:
+    from .background import remove_stale_pid_file, server_health, server_pid_path, stop_background_server
+
+    if remove_stale_pid_file():
+        err_console.print(f"removed {server_pid_path()}: its server is no longer running", highlight=False)
+    url = config.base_url()
+    health = server_health(url)
+    pid = _background_pid(health.pid if health is not None else None)
+    if pid is not None:
+        stop_background_server(pid)
+        console.print(f"stopped the localllm server at {url} (pid {pid})", highlight=False)
+    elif health is not None and health.ours:
+        raise LocalLLMError(f"the server at {url} was not started in the background by `run` or `tui`",
+                            hint="stop it with Ctrl+C in its terminal"
+                                 + (f" or `kill {health.pid}`" if health.pid is not None else ""))
+    else:
+        console.print(f"no background localllm server is running for {config.HOME.get()}", highlight=False)
+
+
+def _background_pid(reported: "int | None") -> "int | None":
+    """The pid in server.pid when it is the server answering (never signal a pid the server does not confirm:
+    after a reboot the number may belong to anything)."""
+    from .background import read_pid_file
+
+    pid = read_pid_file()
+    return pid if pid is not None and pid == reported else None
+
+
+def _serve() -> None:
     import uvicorn
 
     from ..server.app import create_app

@@ -21,7 +21,7 @@ from ..models.pull import pull_model
 from ..engine.speculative.speculation import load_speculation
 from ..models.store import ResolvedModel, Store
 from ..structured import ForcedCallStream, grammar_for_format, parse_tool_calls, tool_choice_grammar
-from ..templates import render_chat
+from ..templates import render_chat, transcript_sampling
 
 
 def _keep_alive(value: Any) -> Optional[float]:
@@ -111,7 +111,7 @@ class LocalClient:
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
             ready = time.perf_counter()
             prompts = [self._generate_tokens(loaded, model, request) for request in requests]
-            params = [GenerationParams(tokens, resolve_options(model, r.options)[1], grammar_for_format(r.format),
+            params = [GenerationParams(tokens, _generate_sampling(loaded, model, r), grammar_for_format(r.format),
                                        r.truncate, _logprobs_wanted(r), started=ready)
                       for tokens, r in zip(prompts, requests)]
             streams = loaded.engine.submit_all(params)
@@ -198,6 +198,8 @@ class LocalClient:
         tools = request.tools if request.tool_choice != "none" else None
         messages = _messages_with_system(model, None, request.messages)
         text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None)
+        if _template(loaded, model) is None:
+            sampling = transcript_sampling(sampling)
         params = GenerationParams(self._tokenize(loaded, text), sampling, grammar, request.truncate,
                                   _logprobs_wanted(request), started=ready)
         return params, tools
@@ -292,9 +294,9 @@ class LocalClient:
     def _render(loaded: Loaded, model: ResolvedModel, messages: list[api.Message], *,
                 template: Optional[str] = None, tools: Optional[list] = None) -> str:
         meta = loaded.engine.model.meta
-        source = template or model.template or meta.chat_template
-        return render_chat(source, [m.model_dump(exclude_none=True) for m in messages], tools=tools,
-                           bos_token=_token_text(loaded, meta.bos_token), eos_token=_token_text(loaded, meta.eos_token))
+        return render_chat(_template(loaded, model, template), [m.model_dump(exclude_none=True) for m in messages],
+                           tools=tools, bos_token=_token_text(loaded, meta.bos_token),
+                           eos_token=_token_text(loaded, meta.eos_token))
 
     @staticmethod
     def _tokenize(loaded: Loaded, text: str) -> list[int]:
@@ -303,6 +305,11 @@ class LocalClient:
         # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
         add_special = not (bos and text.startswith(bos))
         return loaded.engine.tokenize(text, add_special=add_special, parse_special=True)
+
+
+def _template(loaded: Loaded, model: ResolvedModel, override: Optional[str] = None) -> Optional[str]:
+    """The chat template a prompt is rendered with; None means the plain transcript (a base model)."""
+    return override or model.template or loaded.engine.model.meta.chat_template
 
 
 def _logprobs_wanted(request: api.GenerateRequest | api.ChatRequest) -> Optional[int]:
@@ -379,3 +386,11 @@ def _process_row(entry: Loaded) -> api.ProcessModel:
         threads=stats.threads, threads_auto=entry.engine.threads is not None,
         draft_count=stats.draft_tokens, draft_accepted=stats.accepted_tokens,
         status="removed" if entry.removed else None)
+
+
+def _generate_sampling(loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest) -> api.SamplingOptions:
+    """A generate request's sampling: a base model's transcript gets its turn stops and a cap (transcript_sampling)."""
+    sampling = resolve_options(model, request.options)[1]
+    if not request.raw and _template(loaded, model, request.template) is None:
+        sampling = transcript_sampling(sampling)
+    return sampling

@@ -10,8 +10,9 @@ do, so the pin, not the mirror, is what we trust. Two kinds of mirror exist:
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 from .names import ModelRef, parse_ref
 
@@ -102,7 +103,44 @@ _BY_PARTS = {parse_ref(entry.name).manifest_parts: entry for entry in CATALOG}
 
 
 def find_entry(ref: ModelRef) -> Optional[CatalogEntry]:
-    """The catalog entry for a parsed short name, or None (HF names and paths are never catalog names)."""
+    """The catalog entry for a parsed short name, or None (HF names and paths are never catalog names).
+
+    A name without a tag is the catalog's default tag of that name (`smollm2` is `smollm2:135m`), as a bare name is
+    `:latest` in Ollama's library."""
     if ref.kind != "short":
         return None
-    return _BY_PARTS.get(ref.manifest_parts)
+    entry = _BY_PARTS.get(ref.manifest_parts)
+    if entry is None and not ref.explicit_tag:
+        entry = _default_entry(ref)
+    return entry
+
+
+def _default_entry(ref: ModelRef) -> Optional[CatalogEntry]:
+    # The first entry of a name in CATALOG is its default tag.
+    for entry in CATALOG:
+        if parse_ref(entry.name).manifest_parts[:3] == ref.manifest_parts[:3]:
+            return entry
+    return None
+
+
+def with_default_tag(ref: ModelRef, stored: Callable[[ModelRef], bool]) -> ModelRef:
+    """`ref`, or the catalog's default tag of its name when `ref` has no tag and is not stored as `:latest`
+    (a model the user named `smollm2:latest` wins over the catalog's `smollm2:135m`)."""
+    if ref.kind != "short" or ref.explicit_tag or stored(ref):
+        return ref
+    entry = _default_entry(ref)
+    return parse_ref(entry.name) if entry is not None else ref
+
+
+def did_you_mean(name: str, stored: Iterable[str] = ()) -> Optional[str]:
+    """A hint naming the catalog or stored names closest to a name that was not found, or None.
+
+    Names are compared without their tags (`smollm` is close to `smollm2:135m` whatever tag was typed); every tag of
+    a close name is offered, up to three names."""
+    typed = name.lower()
+    by_name: dict[str, list[str]] = {}
+    for known in sorted(({entry.name for entry in CATALOG} | set(stored)) - {typed}):
+        by_name.setdefault(known.split(":")[0], []).append(known)
+    close = difflib.get_close_matches(typed.split(":")[0], list(by_name), n=3, cutoff=0.6)
+    names = [known for base in close for known in by_name[base]][:3]
+    return "did you mean " + " or ".join(repr(n) for n in names) + "?" if names else None

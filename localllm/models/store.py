@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Optional, Union
 
 from .. import api, config
 from ..errors import DiskFull, IntegrityError, InvalidInput, InvalidName, ModelFormatError, ModelNotFound
+from .catalog import did_you_mean, find_entry, with_default_tag
 from .diskspace import check_free_space, disk_full_as_error
 from .locks import file_lock, try_file_lock
 from .names import ModelRef, parse_digest, parse_ref
@@ -149,13 +150,13 @@ class Store:
             InvalidName: the name breaks the grammar.
             ModelNotFound: nothing is stored under that name (the hint says how to pull it).
         """
-        ref = parse_ref(name)
+        ref = self._ref(name)
         if ref.kind == "file":
             return _resolve_file(ref)
         return self._resolve_manifest(self._read_manifest(ref))
 
     def exists(self, name: str) -> bool:
-        ref = parse_ref(name)
+        ref = self._ref(name)
         if ref.kind == "file":
             return ref.path is not None and ref.path.is_file()
         return self._manifest_path(ref).is_file()
@@ -481,16 +482,27 @@ class Store:
 
     # ------------------------------------------------------------------------------------------------- internals
 
+    def _ref(self, name: str) -> ModelRef:
+        """The parsed name; a catalog name without a tag means the catalog's default tag unless stored as is."""
+        return with_default_tag(parse_ref(name), lambda ref: self._manifest_path(ref).is_file())
+
     def _manifest_path(self, ref: ModelRef) -> Path:
         return self.manifests_dir.joinpath(*ref.manifest_parts)
+
+    def stored_names(self) -> list[str]:
+        """The names of every stored model, without reading a manifest."""
+        refs = (_ref_from_manifest_path(path.relative_to(self.manifests_dir))
+                for path in sorted(self.manifests_dir.glob("*/*/*/*")) if path.is_file())
+        return [ref.display for ref in refs if ref is not None]
 
     def _read_manifest(self, ref: ModelRef) -> _Manifest:
         path = self._manifest_path(ref)
         try:
             raw = path.read_bytes()
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            suggestion = None if find_entry(ref) else did_you_mean(ref.display, self.stored_names())
             raise ModelNotFound(f"model {ref.display!r} not found",
-                                hint=f"pull it with `localllm pull {ref.display}`") from None
+                                hint=suggestion or f"pull it with `localllm pull {ref.display}`") from None
         try:
             data = json.loads(raw)
         except ValueError:

@@ -6,6 +6,7 @@ size)."""
 
 from __future__ import annotations
 
+import os
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Optional
 
@@ -33,7 +34,8 @@ async def root() -> PlainTextResponse:
 
 @service.get("/health")
 async def health() -> JSONResponse:
-    return JSONResponse({"status": "ok"})
+    # `home` and `pid` let `localllm run` and `serve --status` tell which server this is (see cli/background.py).
+    return JSONResponse({"status": "ok", "version": __version__, "home": config.home_id(), "pid": os.getpid()})
 
 
 @service.get("/metrics")

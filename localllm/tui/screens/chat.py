@@ -27,7 +27,7 @@ from ..messages import ErrorReported
 from ..widgets.engine_panel import EnginePanel
 from ..widgets.message_list import MessageList, MessageView
 from ..widgets.prompt_input import PromptInput
-from .dialogs import Settings, SettingsScreen
+from .dialogs import Settings, SettingsScreen, options_from_show
 from .models import ModelsScreen
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 
 POLL_SECONDS = 2.0
+STOPPED_MARK = "\n\n*(stopped)*"
 
 
 class ChatScreen(Screen):
@@ -118,6 +119,8 @@ class ChatScreen(Screen):
         finally:
             getattr(chunks, "close", lambda: None)()
             self.app.call_from_thread(markdown.stop)
+        if final is None and error is None:  # stopped (Escape): said on the answer, as the terminal chat does
+            self.app.call_from_thread(reply.append, STOPPED_MARK)
         self.post_message(self.AnswerFinished("".join(parts), final, error, epoch))
 
     async def _show_piece(self, markdown: "MarkdownStream", text: str, speed: Optional[float]) -> None:
@@ -197,9 +200,20 @@ class ChatScreen(Screen):
         self.notify(f"Chatting with {model}.", markup=False)
         self.poll_engine()
 
+    @work(thread=True, exclusive=True, group="settings")
     def action_settings(self) -> None:
-        current = Settings(system=self.conversation.system, options=dict(self.conversation.options))
-        self.app.push_screen(SettingsScreen(current), callback=self.apply_settings)
+        """Open the dialog with what applies now: the chat's own settings over the model's SYSTEM and parameters."""
+        system, options = self.conversation.system, dict(self.conversation.options)
+        if self.conversation.model:
+            try:
+                info = self.client.show(self.conversation.model)
+            except LocalLLMError as exc:
+                self.app.call_from_thread(self.app.report, exc, title="Model settings")  # type: ignore[attr-defined]
+            else:
+                system = system if system is not None else (info.system or None)
+                options = {**options_from_show(info.parameters), **options}
+        self.app.call_from_thread(self.app.push_screen, SettingsScreen(Settings(system=system, options=options)),
+                                  self.apply_settings)
 
     def apply_settings(self, settings: Optional[Settings]) -> None:
         if settings is None:

@@ -3,6 +3,7 @@ through `dismiss`, so the screen that opened it decides what to do."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -42,6 +43,22 @@ def parse_options(text: str) -> dict[str, Any]:
             options[words[0]] = parse_parameter(words[0], words[1:])
         except InvalidInput as exc:
             raise InvalidInput(f"line {number}: {exc.message}", hint=exc.hint) from None
+    return options
+
+
+def options_from_show(parameters: str) -> dict[str, Any]:
+    """The options in `show`'s parameters text (`name value` lines, strings JSON-quoted, one line per stop);
+    a line that does not read back is left out rather than shown wrong."""
+    options: dict[str, Any] = {}
+    for line in parameters.splitlines():
+        name, _, raw = line.strip().partition(" ")
+        raw = raw.strip()
+        try:
+            value = json.loads(raw) if raw.startswith('"') else raw
+            typed = parse_parameter(name, [str(value)])
+        except (ValueError, InvalidInput):
+            continue
+        options[name] = options.get(name, []) + typed if name == "stop" else typed
     return options
 
 

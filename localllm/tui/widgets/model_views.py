@@ -36,8 +36,14 @@ def _facts(info: api.ShowResponse) -> list[tuple[str, str]]:
     rows = [("Architecture", d.family), ("Parameters", d.parameter_size), ("Quantization", d.quantization_level),
             ("Context", str(context_length(info) or "")), ("Format", d.format),
             ("Capabilities", ", ".join(info.capabilities)), ("Parent", d.parent_model), ("Draft", info.draft or ""),
-            ("System", info.system), ("Parameters set", info.parameters.replace("\n", "; "))]
+            ("System", info.system), ("Parameters set", _one_per_line(info.parameters))]
     return [(label, value) for label, value in rows if value]
+
+
+def _one_per_line(parameters: str) -> str:
+    # show's text pads names to a column; in the narrow pane each parameter keeps a line of its own, single-spaced,
+    # so a long value wraps under itself instead of running into the next parameter.
+    return "\n".join(" ".join(line.split()) for line in parameters.splitlines())
 
 
 class PullView(Vertical):
