@@ -24,7 +24,9 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
 ) -> None:
     """Show the memory a model will take with these options (weights, KV cache per slot, compute), before loading."""
+    from .. import config
     from ..engine.pool import effective_load, resolve_options
+    from ..engine.prefix_cache import ram_limit
     from ..errors import InvalidInput
     from ..models.plan import plan_memory
     from ..formats.gguf import inspect_gguf
@@ -37,8 +39,10 @@ def plan(
                  if v is not None}
     load, _ = resolve_options(resolved, overrides)
     mem = plan_memory(inspect_gguf(resolved.weights), effective_load(load))
+    cache_ram, cache_disk = ram_limit(), config.CACHE_DISK.get()
     if as_json:
-        console.print_json(json.dumps({**mem.__dict__, "total": mem.total, "fits": mem.fits}))
+        console.print_json(json.dumps({**mem.__dict__, "total": mem.total, "fits": mem.fits,
+                                       "cache_ram_limit": cache_ram, "cache_disk_limit": cache_disk}))
         return
     table = Table(title=f"{resolved.name}: {mem.num_parallel} slots x {mem.num_ctx} tokens, KV {mem.kv_type}")
     table.add_column("part")
@@ -48,6 +52,10 @@ def plan(
     table.add_row(f"KV cache, {mem.num_parallel} slots", _mib(mem.kv_total))
     table.add_row("compute buffer (estimate)", _mib(mem.compute))
     table.add_row("[bold]total[/]", f"[bold]{_mib(mem.total)}[/]")
+    # The prefix cache grows into its limit only as conversations outnumber the slots, so it is not in the total.
+    table.add_row("prefix cache in RAM, at most (LOCALLLM_CACHE_RAM)", _mib(cache_ram) if cache_ram else "off")
+    if cache_disk:
+        table.add_row("prefix cache on disk, at most (LOCALLLM_CACHE_DISK)", _mib(cache_disk))
     if mem.available is not None:
         verdict = "fits" if mem.fits else "[red]does not fit[/]"
         table.add_row("available now", f"{_mib(mem.available)} ({verdict})")

@@ -170,8 +170,9 @@ def _rate_text(count: int, duration_ns: int) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- ps
 
-PS_COLUMNS = ("NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "GPU", "SPEC", "UNTIL")
-_WRAPPABLE = frozenset({"BACKEND", "SPEC", "UNTIL"})  # on a narrow terminal these fold, so the name stays whole
+PS_COLUMNS = ("NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "GPU", "SPEC", "PREFIX CACHE", "UNTIL")
+# On a narrow terminal these fold, so the name stays whole.
+_WRAPPABLE = frozenset({"BACKEND", "SPEC", "PREFIX CACHE", "UNTIL"})
 
 
 def ps_table(models: Iterable[api.ProcessModel]) -> Table:
@@ -182,7 +183,7 @@ def ps_table(models: Iterable[api.ProcessModel]) -> Table:
     for row in models:
         table.add_row(row.name, row.digest[:12], human_size(row.size), row.backend, _slots_text(row),
                       str(row.context_length), row.kv_type, _gpu_text(row.gpu_layers), _speculation_text(row),
-                      "removed, unloading" if row.status == "removed" else
+                      _prefix_cache_text(row), "removed, unloading" if row.status == "removed" else
                       human_until(row.expires_at, busy=row.slots_busy > 0))
     return table
 
@@ -195,6 +196,14 @@ def _slots_text(row: api.ProcessModel) -> str:
 def _gpu_text(layers: int) -> str:
     # -1 asks the backend for every layer that fits; what it managed is the backend's to report.
     return {-1: "auto", 0: "CPU"}.get(layers, f"{layers} layers")
+
+
+def _prefix_cache_text(row: api.ProcessModel) -> str:
+    """RAM held/limit, and disk when it is on: prefixes saved beyond the slots."""
+    text = f"{human_size(row.cache_ram_bytes)}/{human_size(row.cache_ram_limit)} RAM" if row.cache_ram_limit else "off"
+    if row.cache_disk_limit:
+        text += f", {human_size(row.cache_disk_bytes)}/{human_size(row.cache_disk_limit)} disk"
+    return text
 
 
 def _speculation_text(row: api.ProcessModel) -> str:

@@ -95,7 +95,7 @@ class LocalClient:
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
             tokens = self._generate_tokens(loaded, model, request)
             stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate,
-                                                           _logprobs_wanted(request)))
+                                                           _logprobs_wanted(request), sampling.keep_prefix))
             first = loaded.engine.stats.requests == 0
             generated: list[int] = []
             for chunk in stream:
@@ -141,7 +141,7 @@ class LocalClient:
             text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None)
             tokens = self._tokenize(loaded, text)
             stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate,
-                                                           _logprobs_wanted(request)))
+                                                           _logprobs_wanted(request), sampling.keep_prefix))
             first = loaded.engine.stats.requests == 0
             if tools:
                 yield from self._chat_with_tools(request.model, stream, loaded, first, tools)
@@ -271,4 +271,7 @@ def _process_row(entry: Loaded) -> api.ProcessModel:
         gpu_layers=entry.options.num_gpu if entry.options.num_gpu is not None else -1,
         speculation=entry.speculation.kind if entry.speculation is not None else "none",
         draft_count=stats.draft_tokens, draft_accepted=stats.accepted_tokens,
-        status="removed" if entry.removed else None)
+        status="removed" if entry.removed else None, cache_ram_bytes=stats.cache_ram_bytes,
+        cache_ram_limit=stats.cache_ram_limit, cache_disk_bytes=stats.cache_disk_bytes,
+        cache_disk_limit=stats.cache_disk_limit, prefix_cache_hits=dict(stats.prefix_hits),
+        prefix_cache_tokens=dict(stats.prefix_tokens))

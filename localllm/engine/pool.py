@@ -21,6 +21,7 @@ from ..backends import choose_backend, get_backend
 from ..errors import InvalidInput, QueueFull
 from ..models.store import ResolvedModel, Store
 from ..backends.base import LoadedModel
+from .prefix_cache import make_prefix_cache
 from .runner import ModelEngine
 from .speculative.speculation import Speculation
 
@@ -152,11 +153,12 @@ class ModelPool:
         try:
             factory = self._speculation_factory
             speculation = factory(model, load, loaded) if factory is not None else None
+            prefix_cache = make_prefix_cache(loaded, model.digest)
         except BaseException:  # e.g. a draft model with another vocabulary: the error goes to the request
             loaded.close()
             raise
         engine = ModelEngine(loaded, max_queue=config.MAX_QUEUE.get(), load_seconds=seconds,
-                             speculation=speculation)
+                             speculation=speculation, prefix_cache=prefix_cache)
         log.info("loaded %s on %s in %.2fs: %d slots x %d tokens", model.name, backend_name, seconds,
                  loaded.n_seq, loaded.n_ctx)
         return Loaded(model=model, options=load, engine=engine, backend=backend_name, load_seconds=seconds,

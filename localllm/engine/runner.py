@@ -20,7 +20,8 @@ from typing import Iterator, Optional, Sequence, Union
 from ..api import SamplingOptions, Timings
 from ..backends.base import LoadedModel
 from ..errors import Cancelled, ContextOverflow, LocalLLMError, QueueFull
-from .scheduler import Request, Scheduler, Step
+from .prefix_cache import SAVE_MIN_TOKENS, CacheFileError, PrefixCache
+from .scheduler import Request, Restore, Save, Scheduler, Step
 from .speculative.speculation import Speculation
 from .text import TextStream
 
@@ -55,6 +56,7 @@ class GenerationParams:
     grammar: Optional[str] = None
     truncate: bool = False
     logprobs: Optional[int] = None  # None: none; n: the chosen token's and the n most likely alternatives
+    keep_prefix: bool = False  # pin the prompt and answer in the prefix cache when the request ends
 
 
 @dataclass
@@ -70,6 +72,13 @@ class EngineStats:
     accepted_tokens: int = 0
     draft_steps: int = 0  # verification steps that carried drafts: accepted_tokens / draft_steps is the mean run
     decode_seconds: float = 0.0
+    # The prefix cache, by tier ("slot", "ram", "disk"): requests that reused a prefix and the tokens they skipped.
+    prefix_hits: dict[str, int] = field(default_factory=lambda: {"slot": 0, "ram": 0, "disk": 0})
+    prefix_tokens: dict[str, int] = field(default_factory=lambda: {"slot": 0, "ram": 0, "disk": 0})
+    cache_ram_bytes: int = 0
+    cache_ram_limit: int = 0
+    cache_disk_bytes: int = 0
+    cache_disk_limit: int = 0
 
 
 class Stream:
@@ -145,7 +154,8 @@ def _top_indices(logits: np.ndarray, n: int) -> np.ndarray:
 
 class ModelEngine:
     def __init__(self, model: LoadedModel, *, max_queue: int, num_batch: Optional[int] = None,
-                 load_seconds: float = 0.0, speculation: Optional[Speculation] = None):
+                 load_seconds: float = 0.0, speculation: Optional[Speculation] = None,
+                 prefix_cache: Optional[PrefixCache] = None):
         self.model = model
         self.n_slots = model.n_seq
         self.n_ctx = model.n_ctx
@@ -154,13 +164,16 @@ class ModelEngine:
         # Builds each request's drafter, follows every decode, learns what a step costs (its draft windows weigh
         # that) and is freed with the model.
         self.speculation = speculation
+        # Prefixes evicted from the slots, in RAM and on disk (engine/prefix_cache.py); only this thread touches it.
+        self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         self._scheduler = Scheduler(n_slots=model.n_seq, n_ctx=model.n_ctx, n_batch=num_batch or model.n_batch,
-                                    max_queue=max_queue, kv_pad=model.kv_pad)
+                                    max_queue=max_queue, kv_pad=model.kv_pad, prefix_cache=self.prefix_cache)
         self._inbox: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
         self._outstanding = 0
         self._lock = threading.Lock()
         self._closed = False
         self.stats = EngineStats(slots_total=model.n_seq)
+        self._publish_cache_figures()
         self._thread = threading.Thread(target=self._run, name="localllm-engine", daemon=True)
         self._thread.start()
 
@@ -196,7 +209,7 @@ class ModelEngine:
         max_tokens = opts.num_predict if opts.num_predict > 0 else math.inf
         sink = _Output(queue.SimpleQueue(), TextStream(self.model.token_bytes, opts.stop), truncated=truncated,
                        logprobs=params.logprobs)
-        return Request(prompt=prompt, max_tokens=max_tokens, sink=sink), params
+        return Request(prompt=prompt, max_tokens=max_tokens, sink=sink, keep_prefix=params.keep_prefix), params
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         future: "Future[list[list[float]]]" = Future()
@@ -236,13 +249,14 @@ class ModelEngine:
                 self._propose_drafts()
                 step = self._scheduler.schedule()
                 self._report(step.finished)
-                if step.batch.tokens:
+                if step.batch.tokens or step.cache_ops:
                     self._run_step(step)
         except BaseException as exc:  # the thread must never die silently: fail everything in flight
             log.exception("engine thread failed")
             self._fail_all(exc if isinstance(exc, LocalLLMError) else LocalLLMError(f"engine failed: {exc}"))
         finally:
             self._fail_all(Cancelled("the model was unloaded"))
+            self._keep_prefixes_on_disk()
             if self.speculation is not None:
                 self.speculation.close()
             self.model.close()
@@ -312,6 +326,8 @@ class ModelEngine:
 
     def _run_step(self, step: Step) -> None:
         self._apply_cache_ops(step)
+        if not step.batch.tokens:
+            return
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             self.model.decode(step.batch)
@@ -332,6 +348,12 @@ class ModelEngine:
         self._emit(step, sampled)
 
     def _apply_cache_ops(self, step: Step) -> None:
+        for save in step.saves:
+            self._save(save)
+        for restore in step.restores:
+            self._restore(restore)
+        if step.saves or step.restores:
+            self._publish_cache_figures()
         for seq, keep in step.trims:
             self.model.remove(seq, keep)
         for src, dst, n in step.copies:
@@ -341,6 +363,55 @@ class ModelEngine:
             out: _Output = work.request.sink
             if not out.t_start:
                 out.t_start = now
+
+    def _save(self, save: Save) -> None:
+        assert self.prefix_cache is not None
+        data = self.model.save_seq(save.seq)
+        if data is not None:
+            self.prefix_cache.put(save.tokens, data, pinned=save.pinned)
+
+    def _restore(self, restore: Restore) -> None:
+        """Load a saved prefix into the request's slot; on any failure the request prefills its whole prompt."""
+        cache, entry = self.prefix_cache, restore.entry
+        assert cache is not None
+        try:
+            self.model.restore_seq(restore.seq, cache.load(entry))
+        except CacheFileError as exc:  # the cache has already dropped the file
+            log.warning("prefix cache: %s", exc)
+            self._scheduler.restored(restore.request, ok=False)
+            return
+        except LocalLLMError as exc:
+            log.warning("prefix cache: dropping an entry of %d tokens: %s", entry.n_tokens, exc)
+            cache.drop(entry)
+            self._scheduler.restored(restore.request, ok=False)
+            return
+        if restore.keep < entry.n_tokens:
+            self.model.remove(restore.seq, restore.keep)
+        cache.hit(entry)
+        self._scheduler.restored(restore.request, ok=True)
+
+    def _keep_prefixes_on_disk(self) -> None:
+        """On unload with a disk tier: save what the slots hold and write the RAM tier out, so a restarted server
+        finds every prefix again."""
+        cache = self.prefix_cache
+        if cache is None or cache.disk is None:
+            return
+        try:
+            for slot in self._scheduler.table.slots:
+                if len(slot.cached) >= SAVE_MIN_TOKENS and not cache.holds(slot.cached):
+                    self._save(Save(slot.seq, tuple(slot.cached)))
+            cache.flush()
+        except Exception:  # the prefixes are a convenience: an unload must finish whatever happens here
+            log.exception("could not write the prefix cache to disk")
+
+    def _publish_cache_figures(self) -> None:
+        """Copy the cache's sizes into the stats other threads read (ps, /metrics)."""
+        if self.prefix_cache is None:
+            return
+        figures = self.prefix_cache.figures()
+        s = self.stats
+        s.cache_ram_bytes, s.cache_ram_limit = figures.ram.bytes_held, figures.ram.limit
+        s.cache_disk_bytes, s.cache_disk_limit = figures.disk.bytes_held, figures.disk.limit
 
     def _sample(self, step: Step) -> dict[int, list[int]]:
         sampled: dict[int, list[int]] = {}
@@ -447,6 +518,9 @@ class ModelEngine:
         s.draft_tokens += req.n_drafted
         s.accepted_tokens += req.n_accepted
         s.draft_steps += req.n_draft_steps
+        if req.cache_tier is not None and req.n_cached:
+            s.prefix_hits[req.cache_tier] += 1
+            s.prefix_tokens[req.cache_tier] += req.n_cached
 
     def _timings(self, req: Request) -> Timings:
         out: _Output = req.sink
