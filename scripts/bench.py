@@ -74,6 +74,14 @@ def spec_section(path: Path, args: argparse.Namespace) -> list[Figure]:
                                    llama_server=args.llama_server)
 
 
+def prefix_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """More conversations than slots: returning turns, a restart, llama-server's --cache-ram (scripts/bench_prefix.py).
+    `python scripts/bench.py --models smollm2:135m gemma3:270m --only prefix --llama-server PATH`."""
+    import bench_prefix
+
+    return bench_prefix.prefix_figures(path, threads=args.threads, llama_server_binary=args.llama_server)
+
+
 def mlx_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return run_mlx_benchmarks(path)
 
@@ -82,6 +90,7 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "engine": ("Engine against raw llama.cpp", engine_section),
     "rest": ("REST path against raw llama.cpp", rest_section),
     "spec": ("Speculative decoding", spec_section),
+    "prefix": ("Prefix cache beyond the slots", prefix_section),
     "mlx": ("MLX against llama.cpp (informational)", mlx_section),
 }
 

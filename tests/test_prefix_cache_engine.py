@@ -1,0 +1,152 @@
+"""The prefix cache on the real llama.cpp engine: a conversation whose slot was taken comes back from RAM or disk
+with its prefix reused (the answer's prompt_cache_count says how much) and the same greedy answer as a full prefill;
+on gemma3 too, whose sliding-window layers make a saved state usable only from its end."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from localllm import config
+from localllm.api import LoadOptions, SamplingOptions
+from localllm.backends.llama_cpp import LlamaCppBackend
+from localllm.engine.prefix_cache import make_prefix_cache
+from localllm.engine.runner import GenerationParams, ModelEngine
+
+pytestmark = pytest.mark.models
+
+N_CTX = 1024
+GREEDY = SamplingOptions(temperature=0, num_predict=8, spec_type="none")
+# Long enough that gemma3's saved states pass its 512-token sliding window (so the window floor is exercised).
+SYSTEM = {
+    "x": "You are a ship's navigator in the year 1790. " + "You log winds, currents and stars in careful detail. " * 60,
+    "y": "You are a pastry chef in Lyon who explains recipes. " + "You weigh flour, butter and sugar exactly. " * 60,
+}
+
+
+@pytest.fixture(params=["smollm2", "gemma3"])
+def model_path(request):
+    return request.getfixturevalue(f"{request.param}_path")
+
+
+def _engine(path, *, slots: int = 1, digest: str = "sha256-test") -> ModelEngine:
+    opts = LoadOptions(num_thread=2, num_ctx=N_CTX, num_parallel=slots)
+    model = LlamaCppBackend().load(path, opts, n_seq=slots, n_ctx=N_CTX)
+    return ModelEngine(model, max_queue=8, prefix_cache=make_prefix_cache(model, digest))
+
+
+def _ask(engine: ModelEngine, prompt: list[int]) -> tuple[list[int], object]:
+    tokens, last = [], None
+    for chunk in engine.submit(GenerationParams(prompt, GREEDY)):
+        tokens.extend(chunk.tokens)
+        last = chunk
+    return tokens, last.timings
+
+
+def _first_turn(engine: ModelEngine, who: str) -> list[int]:
+    return engine.tokenize(f"{SYSTEM[who]}\nUser: Say something about your work.\nAssistant:")
+
+
+def _next_turn(engine: ModelEngine, prompt: list[int], answer: list[int]) -> list[int]:
+    # The conversation goes on as Ollama's `context` does: the previous prompt and answer as tokens, then more.
+    return prompt + answer + engine.tokenize("\nUser: And what else?\nAssistant:", add_special=False)
+
+
+def _conversation(engine: ModelEngine) -> tuple[list[int], list[int], object]:
+    """X's first turn, Y's first turn (which takes X's only slot), X's second turn: (X's first prompt and answer,
+    X's second answer, its timings)."""
+    x1 = _first_turn(engine, "x")
+    x_answer, _ = _ask(engine, x1)
+    _ask(engine, _first_turn(engine, "y"))
+    answer, timings = _ask(engine, _next_turn(engine, x1, x_answer))
+    return x1 + x_answer, answer, timings
+
+
+def test_an_evicted_conversation_comes_back_from_ram_with_the_same_answer(model_path, monkeypatch):
+    monkeypatch.setenv("LOCALLLM_CACHE_RAM", "0")
+    engine = _engine(model_path)
+    try:
+        _, reference, cold = _conversation(engine)
+    finally:
+        engine.close()
+    assert cold.prompt_cache_count == 0  # no cache beyond the one slot: the whole history is prefilled again
+
+    monkeypatch.setenv("LOCALLLM_CACHE_RAM", "256MiB")
+    engine = _engine(model_path)
+    try:
+        history, answer, warm = _conversation(engine)
+        stats = engine.snapshot()
+        shape = engine.model.cache_shape()
+    finally:
+        engine.close()
+    # Everything X's slot held (its prompt and answer but the answer's last token) came back from RAM.
+    assert warm.prompt_cache_count >= len(history) - 1
+    assert stats.prefix_hits["ram"] == 1 and stats.prefix_tokens["ram"] == warm.prompt_cache_count
+    assert 0 < stats.cache_ram_bytes <= stats.cache_ram_limit
+    assert answer == reference
+    if shape.window:  # gemma3: the restored state holds only the window's last cells, so it could not be cut
+        assert 0 < shape.window < len(history)
+
+
+def test_prefixes_survive_a_restart_on_disk_and_a_damaged_file_is_refused(smollm2_path, monkeypatch):
+    monkeypatch.setenv("LOCALLLM_CACHE_RAM", "0")
+    engine = _engine(smollm2_path)
+    try:
+        x1 = _first_turn(engine, "x")
+        x_answer, _ = _ask(engine, x1)
+        x2 = _next_turn(engine, x1, x_answer)
+        reference, _ = _ask(engine, x2)  # one slot, no cache tiers: the same conversation prefilled anew
+    finally:
+        engine.close()
+
+    monkeypatch.setenv("LOCALLLM_CACHE_DISK", "1GiB")
+    engine = _engine(smollm2_path)
+    try:
+        assert _ask(engine, x1)[0] == x_answer
+    finally:
+        engine.close()  # the slot's prefix goes to disk with the unload
+    assert len(list(config.prefix_cache_dir().rglob("*.kv"))) == 1
+
+    engine = _engine(smollm2_path)  # a new engine on the same home: a restarted server
+    try:
+        answer, timings = _ask(engine, x2)
+        assert engine.snapshot().prefix_hits["disk"] == 1
+    finally:
+        engine.close()
+    assert timings.prompt_cache_count >= len(x1) and answer == reference
+
+    # What the restarted engine left on disk (X's second turn) is damaged before the next start.
+    (path,) = config.prefix_cache_dir().rglob("*.kv")
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    engine = _engine(smollm2_path)
+    try:
+        answer, timings = _ask(engine, x2)
+    finally:
+        engine.close()
+    assert timings.prompt_cache_count == 0 and answer == reference  # refused, prefilled again, same answer
+    # Dropped: the file there now is the one this engine's unload wrote afresh.
+    assert not path.exists() or path.read_bytes() != bytes(raw)
+
+
+def test_a_file_from_another_model_is_refused(smollm2_path, gemma3_path, monkeypatch):
+    monkeypatch.setenv("LOCALLLM_CACHE_RAM", "0")
+    monkeypatch.setenv("LOCALLLM_CACHE_DISK", "1GiB")
+    engine = _engine(smollm2_path, digest="sha256-smollm2")
+    try:
+        _ask(engine, _first_turn(engine, "x"))
+    finally:
+        engine.close()
+    (ours,) = config.prefix_cache_dir().rglob("*.kv")
+    gemma = _engine(gemma3_path, digest="sha256-gemma3")
+    try:
+        folder = gemma.prefix_cache.disk.folder
+        folder.mkdir(parents=True, exist_ok=True)
+        planted = folder / ours.name
+        shutil.copy(ours, planted)
+        assert make_prefix_cache(gemma.model, "sha256-gemma3").entries == []
+        assert not planted.exists()
+    finally:
+        gemma.close()
