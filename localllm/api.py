@@ -372,6 +372,17 @@ class ProcessModel(_Model):
     prefix_cache_tokens: dict[str, int] = Field(default_factory=dict, description="prompt tokens reused, by tier")
 
 
+class PromptCacheSession(_Model):
+    """The conversation part of a prompt-cache file (`/save chat.kv` in `localllm run`); the cached state follows it
+    in the file."""
+
+    model: str
+    system: Optional[str] = None
+    options: dict[str, Any] = Field(default_factory=dict)
+    messages: list[Message] = Field(default_factory=list)
+    format: Format = None
+
+
 class ProcessResponse(_Model):
     models: list[ProcessModel]
 

@@ -152,6 +152,19 @@ class HttpClient:
     def embed(self, request: api.EmbedRequest) -> api.EmbedResponse:
         return self._post("/api/embed", _body(request), api.EmbedResponse)
 
+    def save_prompt_cache(self, request: api.ChatRequest) -> bytes:
+        body = request.model_dump(mode="json", exclude_none=True, by_alias=True)
+        return self._call("POST", "/api/prompt-cache/save", body).content
+
+    def load_prompt_cache(self, request: api.ChatRequest, data: bytes) -> int:
+        which = request.model_copy(update={"messages": []}).model_dump_json(exclude_none=True, by_alias=True)
+        with self._reaching_server():
+            response = self._http.post("/api/prompt-cache/load", params={"request": which}, content=data,
+                                       headers={"Content-Type": "application/octet-stream"})
+        if response.status_code >= 400:
+            raise error_for(response)
+        return int(response.json()["tokens"])
+
 
 def _body(request: BaseModel) -> dict:
     body = request.model_dump(mode="json", exclude_none=True, by_alias=True)

@@ -192,6 +192,19 @@ class LocalClient:
             tokens = tokens[:limit]
         return tokens
 
+    def save_prompt_cache(self, request: api.ChatRequest) -> bytes:
+        model = self.store.resolve(request.model)
+        load, _ = resolve_options(model, request.options)
+        with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
+            text = self._render(loaded, model, _messages_with_system(model, None, request.messages))
+            return loaded.engine.export_prefix(self._tokenize(loaded, text))
+
+    def load_prompt_cache(self, request: api.ChatRequest, data: bytes) -> int:
+        model = self.store.resolve(request.model)
+        load, _ = resolve_options(model, request.options)
+        with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
+            return loaded.engine.import_prefix(data)
+
     # ----------------------------------------------------------------------------------------------- helpers
 
     def _load_only(self, model: ResolvedModel, load: api.LoadOptions, keep_alive: Optional[float],

@@ -114,7 +114,7 @@ def make_prefix_cache(model: LoadedModel, digest: str) -> PrefixCache:
     disk = None
     if disk_limit > 0 and shape.fingerprint:
         disk = DiskTier.under(config.prefix_cache_dir(), limit=disk_limit, digest=digest, fingerprint=shape.fingerprint)
-    return PrefixCache(shape, ram_limit=ram_limit(), disk=disk)
+    return PrefixCache(shape, ram_limit=ram_limit(), disk=disk, digest=digest)
 
 
 def as_tokens(tokens: Sequence[int]) -> np.ndarray:
@@ -134,8 +134,9 @@ class PrefixCache:
     """The RAM tier and, when given, the disk tier below it. The index is read by the scheduler; everything that
     moves bytes runs on the engine thread."""
 
-    def __init__(self, shape: CacheShape, *, ram_limit: int, disk: Optional["DiskTier"] = None):
+    def __init__(self, shape: CacheShape, *, ram_limit: int, disk: Optional["DiskTier"] = None, digest: str = ""):
         self.shape = shape
+        self.digest = digest  # the model's, written into exported states (prompt-cache files)
         self.ram_limit = max(0, ram_limit)
         self.disk = disk
         self.entries: list[Entry] = disk.scan() if disk is not None else []
@@ -330,17 +331,14 @@ class DiskTier:
 
     def write(self, entry: Entry, data: bytes) -> Optional[Path]:
         tokens = entry.tokens.astype("<i4").tobytes()
-        header = json.dumps({"digest": self.digest, "fingerprint": self.fingerprint, "floor": entry.floor,
-                             "n_tokens": entry.n_tokens, "size": len(data), "pinned": entry.pinned,
-                             "checksum": _checksum(tokens, data)}).encode()
         path = self.folder / f"{hashlib.blake2b(tokens, digest_size=16).hexdigest()}.kv"
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as handle:
-                handle.write(MAGIC + _HEADER_LEN.pack(len(header)) + header)
-                handle.write(tokens)
-                handle.write(data)
+                for part in encode_state(self.digest, self.fingerprint, entry.tokens, entry.floor, data,
+                                         pinned=entry.pinned):
+                    handle.write(part)
             os.replace(tmp, path)
         except OSError as exc:  # a full or read-only disk costs the entry, never the request
             log.warning("could not write prefix-cache file %s: %s", path, exc)
@@ -354,17 +352,15 @@ class DiskTier:
             raw = entry.path.read_bytes()
         except OSError as exc:
             raise CacheFileError(f"prefix-cache file {entry.path.name} cannot be read: {exc}") from None
-        header, offset = self._header(raw, entry.path)
-        tokens = raw[offset: offset + 4 * header["n_tokens"]]
-        data = raw[offset + 4 * header["n_tokens"]:]
-        if len(data) != header["size"] or _checksum(tokens, data) != header["checksum"]:
+        try:
+            state = decode_state(raw, self.digest, self.fingerprint)
+        except CacheFileError as exc:
             _unlink(entry.path)
-            raise CacheFileError(f"prefix-cache file {entry.path.name} is corrupt (its checksum does not match)")
-        if np.frombuffer(tokens, dtype="<i4").shape != entry.tokens.shape or \
-                not np.array_equal(np.frombuffer(tokens, dtype="<i4"), entry.tokens):
+            raise CacheFileError(f"prefix-cache file {entry.path.name}: {exc}") from None
+        if not np.array_equal(state.tokens, entry.tokens):
             _unlink(entry.path)
             raise CacheFileError(f"prefix-cache file {entry.path.name} changed since it was indexed")
-        return data
+        return state.data
 
     def remove(self, entry: Entry) -> None:
         if entry.path is not None:
@@ -373,40 +369,69 @@ class DiskTier:
     def _index(self, path: Path) -> Entry:
         with open(path, "rb") as handle:
             head = handle.read(len(MAGIC) + _HEADER_LEN.size + _MAX_HEADER)
-            header, offset = self._header(head, path)
+            try:
+                header, offset = read_header(head, self.digest, self.fingerprint)
+            except CacheFileError as exc:
+                raise CacheFileError(f"{path.name}: {exc}") from None
             handle.seek(offset)
             tokens = np.frombuffer(handle.read(4 * header["n_tokens"]), dtype="<i4").astype(np.int32)
         expected = offset + 4 * header["n_tokens"] + header["size"]
         if tokens.shape[0] != header["n_tokens"] or path.stat().st_size != expected:
-            raise CacheFileError("truncated")
+            raise CacheFileError(f"{path.name}: truncated")
         return Entry(tokens=tokens, floor=int(header["floor"]), size=int(header["size"]), path=path,
                      pinned=bool(header.get("pinned")))
 
-    def _header(self, raw: bytes, path: Path) -> tuple[dict, int]:
-        if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + _HEADER_LEN.size:
-            self._refuse(path, "not a prefix-cache file")
-        (length,) = _HEADER_LEN.unpack_from(raw, len(MAGIC))
-        start = len(MAGIC) + _HEADER_LEN.size
-        if length > _MAX_HEADER or len(raw) < start + length:
-            self._refuse(path, "truncated header")
-        try:
-            header = json.loads(raw[start: start + length])
-            valid = isinstance(header, dict) and all(isinstance(header.get(k), int) and header[k] >= 0
-                                                     for k in ("floor", "n_tokens", "size"))
-        except ValueError:
-            valid = False
-        if not valid:
-            self._refuse(path, "unreadable header")
-        if header.get("digest") != self.digest:
-            self._refuse(path, f"written for another model ({header.get('digest')})")
-        if header.get("fingerprint") != self.fingerprint:
-            self._refuse(path, f"written for another load ({header.get('fingerprint')})")
-        return header, start + length
 
-    @staticmethod
-    def _refuse(path: Path, why: str) -> None:
-        _unlink(path)
-        raise CacheFileError(f"prefix-cache file {path.name}: {why}")
+@dataclass(frozen=True)
+class SavedState:
+    tokens: np.ndarray
+    floor: int
+    data: bytes
+
+
+def encode_state(digest: str, fingerprint: str, tokens: np.ndarray, floor: int, data: bytes, *,
+                 pinned: bool = False) -> tuple[bytes, bytes, bytes]:
+    """A saved state as the parts of a file (disk tier, prompt-cache files): header, tokens, state."""
+    raw_tokens = tokens.astype("<i4").tobytes()
+    header = json.dumps({"digest": digest, "fingerprint": fingerprint, "floor": int(floor),
+                         "n_tokens": int(tokens.shape[0]), "size": len(data), "pinned": pinned,
+                         "checksum": _checksum(raw_tokens, data)}).encode()
+    return MAGIC + _HEADER_LEN.pack(len(header)) + header, raw_tokens, data
+
+
+def decode_state(raw: bytes, digest: str, fingerprint: str) -> SavedState:
+    """Check and open what encode_state wrote; CacheFileError says why it cannot be used here."""
+    header, offset = read_header(raw, digest, fingerprint)
+    end = offset + 4 * header["n_tokens"]
+    tokens, data = raw[offset:end], raw[end:]
+    if len(tokens) != 4 * header["n_tokens"] or len(data) != header["size"]:
+        raise CacheFileError("truncated")
+    if _checksum(tokens, data) != header["checksum"]:
+        raise CacheFileError("corrupt (its checksum does not match)")
+    return SavedState(np.frombuffer(tokens, dtype="<i4").astype(np.int32), int(header["floor"]), data)
+
+
+def read_header(raw: bytes, digest: str, fingerprint: str) -> tuple[dict, int]:
+    """The header of a saved state and where its tokens start, checked against this model and load."""
+    if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + _HEADER_LEN.size:
+        raise CacheFileError("not a prefix-cache file")
+    (length,) = _HEADER_LEN.unpack_from(raw, len(MAGIC))
+    start = len(MAGIC) + _HEADER_LEN.size
+    if length > _MAX_HEADER or len(raw) < start + length:
+        raise CacheFileError("truncated header")
+    try:
+        header = json.loads(raw[start: start + length])
+        valid = isinstance(header, dict) and all(isinstance(header.get(k), int) and header[k] >= 0
+                                                 for k in ("floor", "n_tokens", "size"))
+    except ValueError:
+        valid = False
+    if not valid:
+        raise CacheFileError("unreadable header")
+    if header.get("digest") != digest:
+        raise CacheFileError(f"written for another model ({header.get('digest')})")
+    if header.get("fingerprint") != fingerprint:
+        raise CacheFileError(f"written for another load ({header.get('fingerprint')})")
+    return header, start + length
 
 
 def _checksum(tokens: bytes, data: bytes) -> str:

@@ -19,8 +19,9 @@ from typing import Iterator, Optional, Sequence, Union
 
 from ..api import SamplingOptions, Timings
 from ..backends.base import LoadedModel
-from ..errors import Cancelled, ContextOverflow, LocalLLMError, QueueFull
-from .prefix_cache import SAVE_MIN_TOKENS, CacheFileError, PrefixCache
+from ..errors import Cancelled, ContextOverflow, InvalidInput, LocalLLMError, QueueFull
+from .prefix_cache import SAVE_MIN_TOKENS, CacheFileError, PrefixCache, as_tokens, decode_state, encode_state, \
+    shared_length
 from .scheduler import Request, Restore, Save, Scheduler, Step
 from .speculative.speculation import Speculation
 from .text import TextStream
@@ -136,11 +137,23 @@ class _Embed:
 
 
 @dataclass(frozen=True)
+class _Export:
+    tokens: list[int]
+    future: "Future[bytes]"
+
+
+@dataclass(frozen=True)
+class _Import:
+    blob: bytes
+    future: "Future[int]"
+
+
+@dataclass(frozen=True)
 class _Close:
     pass
 
 
-_Command = Union[_Submit, _Embed, _Close]
+_Command = Union[_Submit, _Embed, _Export, _Import, _Close]
 
 
 def _top_indices(logits: np.ndarray, n: int) -> np.ndarray:
@@ -216,6 +229,19 @@ class ModelEngine:
         self._inbox.put(_Embed(list(map(list, inputs)), future))
         return future.result()
 
+    def export_prefix(self, tokens: Sequence[int]) -> bytes:
+        """The saved state of the longest cached prefix of `tokens` (a slot's or the prefix cache's), as a
+        prompt-cache file's bytes; InvalidInput when nothing of them is cached."""
+        future: "Future[bytes]" = Future()
+        self._inbox.put(_Export(list(tokens), future))
+        return future.result()
+
+    def import_prefix(self, blob: bytes) -> int:
+        """Put a state from export_prefix into the prefix cache, pinned; the number of tokens it holds."""
+        future: "Future[int]" = Future()
+        self._inbox.put(_Import(blob, future))
+        return future.result()
+
     def busy(self) -> bool:
         return self._outstanding > 0
 
@@ -277,6 +303,10 @@ class ModelEngine:
                         self._admit(request, params)
                 case _Embed(inputs, future):
                     self._embed(inputs, future)
+                case _Export(tokens, future):
+                    self._answer(future, self._export, tokens)
+                case _Import(blob, future):
+                    self._answer(future, self._import, blob)
 
     def _admit(self, request: _Job, params: GenerationParams) -> None:
         try:
@@ -298,6 +328,53 @@ class ModelEngine:
             future.set_result([self.model.embed(tokens) for tokens in inputs])
         except BaseException as exc:
             future.set_exception(exc)
+
+    @staticmethod
+    def _answer(future: Future, work, *args) -> None:
+        try:
+            future.set_result(work(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    def _export(self, tokens: list[int]) -> bytes:
+        cache = self._cache_for_files()
+        wanted = as_tokens(tokens)
+        table = self._scheduler.table
+        slot = max(table.slots, key=lambda s: table.usable(s, tokens, keep_last=False))
+        in_slot = table.usable(slot, tokens, keep_last=False)
+        entry = max(cache.entries, key=lambda e: shared_length(e.tokens, wanted), default=None)
+        in_entry = shared_length(entry.tokens, wanted) if entry is not None else 0
+        if max(in_slot, in_entry) == 0:
+            raise InvalidInput("nothing of this conversation is in the prompt cache", hint="send a message first")
+        if in_slot >= in_entry:
+            data = self.model.save_seq(slot.seq)
+            if data is None:
+                raise InvalidInput("this backend cannot save sequence states")
+            held = as_tokens(slot.cached)
+            return b"".join(encode_state(cache.digest, cache.shape.fingerprint, held,
+                                         cache.shape.saved_floor(len(slot.cached)), data))
+        assert entry is not None
+        return b"".join(encode_state(cache.digest, cache.shape.fingerprint, entry.tokens, entry.floor,
+                                     cache.load(entry)))
+
+    def _import(self, blob: bytes) -> int:
+        cache = self._cache_for_files()
+        try:
+            state = decode_state(blob, cache.digest, cache.shape.fingerprint)
+        except CacheFileError as exc:
+            raise InvalidInput(f"the prompt cache cannot be loaded: {exc}",
+                               hint="it was saved with another model, build or load options") from None
+        if cache.put(state.tokens, state.data, pinned=True) is None:
+            raise InvalidInput(f"the prompt cache ({len(state.data):,} bytes) does not fit in the prefix cache",
+                               hint="raise LOCALLLM_CACHE_RAM")
+        self._publish_cache_figures()
+        return int(state.tokens.shape[0])
+
+    def _cache_for_files(self) -> PrefixCache:
+        if self.prefix_cache is None or not self.prefix_cache.shape.fingerprint:
+            raise InvalidInput("prompt-cache files need the prefix cache, which is off for this model",
+                               hint="set LOCALLLM_CACHE_RAM above 0 (and use the llama.cpp backend)")
+        return self.prefix_cache
 
     def _propose_drafts(self) -> None:
         """Ask each generating request's drafter for this step's draft tokens (speculative decoding)."""
@@ -567,7 +644,7 @@ class ModelEngine:
                 case _Submit(admitted):
                     for request, _ in admitted:
                         self._close_request(request, exc)
-                case _Embed(_, future):
+                case _Embed(_, future) | _Export(_, future) | _Import(_, future):
                     future.set_exception(exc)
 
     def snapshot(self) -> EngineStats:
