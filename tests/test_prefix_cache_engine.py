@@ -150,3 +150,95 @@ def test_a_file_from_another_model_is_refused(smollm2_path, gemma3_path, monkeyp
         assert not planted.exists()
     finally:
         gemma.close()
+
+
+# ---------------------------------------------------------------------------------------------------------- for people
+
+LONG_SYSTEM = "You are a careful assistant for a lighthouse keeper. " + "Keep the lamp lit and log every ship. " * 15
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_keep_prefix_pins_a_conversation_against_eviction(models_home, monkeypatch, pinned):
+    from tests.server_harness import local_client
+
+    from localllm import api
+
+    # Room for two saved conversations (~23 kB of KV per token on smollm2: ~3.5 MB for X's, ~6 MB for the others').
+    monkeypatch.setenv("LOCALLLM_CACHE_RAM", "12MiB")
+    monkeypatch.setenv("LOCALLLM_NUM_PARALLEL", "1")
+    monkeypatch.setenv("LOCALLLM_CONTEXT_LENGTH", str(N_CTX))
+    client = local_client(models_home)
+    options = {"temperature": 0, "num_predict": 4, "spec_type": "none"}
+
+    def chat(system: str, question: str, **extra) -> api.ChatChunk:
+        messages = [api.Message(role="system", content=system), api.Message(role="user", content=question)]
+        *_, last = client.chat(api.ChatRequest(model="smollm2:135m", messages=messages,
+                                               options={**options, **extra}))
+        return last
+
+    try:
+        chat(LONG_SYSTEM, "Hello?", keep_prefix=pinned)
+        for i in range(3):  # three other conversations take the slot; each is saved in turn and evicts the oldest
+            chat(f"You are helper number {i}. " + "Answer briefly and kindly. " * 50, "Hi")
+        back = chat(LONG_SYSTEM, "Hello again?")
+        (row,) = client.ps().models
+    finally:
+        client.close()
+    assert row.cache_ram_bytes <= row.cache_ram_limit
+    if pinned:
+        assert back.prompt_cache_count > 100 and row.prefix_cache_hits["ram"] == 1
+    else:
+        assert back.prompt_cache_count == 0
+
+
+def test_a_chat_saved_with_its_prompt_cache_comes_back_in_a_new_server(models_home, tmp_path, monkeypatch):
+    from tests.server_harness import local_client, serve_in_thread
+
+    from localllm.cli.repl import Repl
+    from localllm.client.http import HttpClient
+    from localllm.conversation import Conversation
+    from localllm.errors import InvalidInput
+    from localllm.server.app import create_app
+
+    monkeypatch.setenv("LOCALLLM_NUM_PARALLEL", "1")
+    monkeypatch.setenv("LOCALLLM_CONTEXT_LENGTH", str(N_CTX))
+    saved = tmp_path / "chat.kv"
+
+    def repl_on(url: str, conversation: Conversation) -> Repl:
+        return Repl(HttpClient(url), conversation, read_line=lambda _: "")
+
+    def new_conversation() -> Conversation:
+        return Conversation(model="smollm2:135m", options={"temperature": 0, "num_predict": 6, "spec_type": "none"})
+
+    client = local_client(models_home)
+    try:
+        with serve_in_thread(create_app(client)) as url:
+            first = new_conversation()
+            first.system = LONG_SYSTEM
+            repl = repl_on(url, first)
+            repl.ask("Where is the lamp?")
+            repl._command(f"/save {saved}")
+    finally:
+        client.close()
+    assert saved.stat().st_size > 1_000_000  # the conversation and its KV state
+
+    client = local_client(models_home)  # a new server: nothing cached in its slots or RAM
+    try:
+        with serve_in_thread(create_app(client)) as url:
+            later = new_conversation()
+            repl = repl_on(url, later)
+            repl._command(f"/load {saved}")
+            assert later.system == LONG_SYSTEM and [m.role for m in later.messages] == ["user", "assistant"]
+            repl.ask("And the ships?")
+            assert later.figures.last.prompt_cache_count > 100  # the history was not evaluated again
+            (row,) = client.ps().models
+            assert row.prefix_cache_hits["ram"] == 1
+
+            damaged = tmp_path / "damaged.kv"
+            raw = bytearray(saved.read_bytes())
+            raw[-100] ^= 0xFF
+            damaged.write_bytes(bytes(raw))
+            with pytest.raises(InvalidInput, match="corrupt"):
+                repl._command(f"/load {damaged}")
+    finally:
+        client.close()

@@ -247,8 +247,6 @@ class PrefixCache:
             if not victims:
                 return False
             victim = min(victims, key=lambda e: e.priority)
-            if victim.priority > entry.priority and not entry.pinned:
-                return False  # everything held is worth more than the newcomer
             self._inflation = max(self._inflation, victim.priority)
             self._evict_from_ram(victim)
         return True
