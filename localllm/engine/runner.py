@@ -19,10 +19,10 @@ from typing import Iterator, Optional, Sequence, Union
 
 from ..api import SamplingOptions, Timings
 from ..backends.base import LoadedModel
-from ..errors import Cancelled, ContextOverflow, InvalidInput, LocalLLMError, QueueFull
-from .prefix_cache import SAVE_MIN_TOKENS, CacheFileError, PrefixCache, as_tokens, decode_state, encode_state, \
-    shared_length
-from .scheduler import Request, Restore, Save, Scheduler, Step
+from ..errors import Cancelled, ContextOverflow, LocalLLMError, QueueFull
+from .cache_keeper import CacheKeeper
+from .prefix_cache import PrefixCache
+from .scheduler import Request, Scheduler, Step
 from .speculative.speculation import Speculation
 from .text import TextStream
 
@@ -185,6 +185,7 @@ class ModelEngine:
         self._outstanding = 0
         self._lock = threading.Lock()
         self._closed = False
+        self._keeper = CacheKeeper(model, self.prefix_cache, self._scheduler)
         self.stats = EngineStats(slots_total=model.n_seq)
         self._publish_cache_figures()
         self._thread = threading.Thread(target=self._run, name="localllm-engine", daemon=True)
@@ -282,7 +283,7 @@ class ModelEngine:
             self._fail_all(exc if isinstance(exc, LocalLLMError) else LocalLLMError(f"engine failed: {exc}"))
         finally:
             self._fail_all(Cancelled("the model was unloaded"))
-            self._keep_prefixes_on_disk()
+            self._keeper.keep_on_disk()
             if self.speculation is not None:
                 self.speculation.close()
             self.model.close()
@@ -304,7 +305,7 @@ class ModelEngine:
                 case _Embed(inputs, future):
                     self._embed(inputs, future)
                 case _Export(tokens, future):
-                    self._answer(future, self._export, tokens)
+                    self._answer(future, self._keeper.export, tokens)
                 case _Import(blob, future):
                     self._answer(future, self._import, blob)
 
@@ -336,45 +337,10 @@ class ModelEngine:
         except BaseException as exc:
             future.set_exception(exc)
 
-    def _export(self, tokens: list[int]) -> bytes:
-        cache = self._cache_for_files()
-        wanted = as_tokens(tokens)
-        table = self._scheduler.table
-        slot = max(table.slots, key=lambda s: table.usable(s, tokens, keep_last=False))
-        in_slot = table.usable(slot, tokens, keep_last=False)
-        entry = max(cache.entries, key=lambda e: shared_length(e.tokens, wanted), default=None)
-        in_entry = shared_length(entry.tokens, wanted) if entry is not None else 0
-        if max(in_slot, in_entry) == 0:
-            raise InvalidInput("nothing of this conversation is in the prompt cache", hint="send a message first")
-        if in_slot >= in_entry:
-            data = self.model.save_seq(slot.seq)
-            if data is None:
-                raise InvalidInput("this backend cannot save sequence states")
-            held = as_tokens(slot.cached)
-            return b"".join(encode_state(cache.digest, cache.shape.fingerprint, held,
-                                         cache.shape.saved_floor(len(slot.cached)), data))
-        assert entry is not None
-        return b"".join(encode_state(cache.digest, cache.shape.fingerprint, entry.tokens, entry.floor,
-                                     cache.load(entry)))
-
     def _import(self, blob: bytes) -> int:
-        cache = self._cache_for_files()
-        try:
-            state = decode_state(blob, cache.digest, cache.shape.fingerprint)
-        except CacheFileError as exc:
-            raise InvalidInput(f"the prompt cache cannot be loaded: {exc}",
-                               hint="it was saved with another model, build or load options") from None
-        if cache.put(state.tokens, state.data, pinned=True) is None:
-            raise InvalidInput(f"the prompt cache ({len(state.data):,} bytes) does not fit in the prefix cache",
-                               hint="raise LOCALLLM_CACHE_RAM")
+        tokens = self._keeper.import_(blob)
         self._publish_cache_figures()
-        return int(state.tokens.shape[0])
-
-    def _cache_for_files(self) -> PrefixCache:
-        if self.prefix_cache is None or not self.prefix_cache.shape.fingerprint:
-            raise InvalidInput("prompt-cache files need the prefix cache, which is off for this model",
-                               hint="set LOCALLLM_CACHE_RAM above 0 (and use the llama.cpp backend)")
-        return self.prefix_cache
+        return tokens
 
     def _propose_drafts(self) -> None:
         """Ask each generating request's drafter for this step's draft tokens (speculative decoding)."""
@@ -425,11 +391,7 @@ class ModelEngine:
         self._emit(step, sampled)
 
     def _apply_cache_ops(self, step: Step) -> None:
-        for save in step.saves:
-            self._save(save)
-        for restore in step.restores:
-            self._restore(restore)
-        if step.saves or step.restores:
+        if self._keeper.apply(step):
             self._publish_cache_figures()
         for seq, keep in step.trims:
             self.model.remove(seq, keep)
@@ -440,46 +402,6 @@ class ModelEngine:
             out: _Output = work.request.sink
             if not out.t_start:
                 out.t_start = now
-
-    def _save(self, save: Save) -> None:
-        assert self.prefix_cache is not None
-        data = self.model.save_seq(save.seq)
-        if data is not None:
-            self.prefix_cache.put(save.tokens, data, pinned=save.pinned)
-
-    def _restore(self, restore: Restore) -> None:
-        """Load a saved prefix into the request's slot; on any failure the request prefills its whole prompt."""
-        cache, entry = self.prefix_cache, restore.entry
-        assert cache is not None
-        try:
-            self.model.restore_seq(restore.seq, cache.load(entry))
-        except CacheFileError as exc:  # the cache has already dropped the file
-            log.warning("prefix cache: %s", exc)
-            self._scheduler.restored(restore.request, ok=False)
-            return
-        except LocalLLMError as exc:
-            log.warning("prefix cache: dropping an entry of %d tokens: %s", entry.n_tokens, exc)
-            cache.drop(entry)
-            self._scheduler.restored(restore.request, ok=False)
-            return
-        if restore.keep < entry.n_tokens:
-            self.model.remove(restore.seq, restore.keep)
-        cache.hit(entry)
-        self._scheduler.restored(restore.request, ok=True)
-
-    def _keep_prefixes_on_disk(self) -> None:
-        """On unload with a disk tier: save what the slots hold and write the RAM tier out, so a restarted server
-        finds every prefix again."""
-        cache = self.prefix_cache
-        if cache is None or cache.disk is None:
-            return
-        try:
-            for slot in self._scheduler.table.slots:
-                if len(slot.cached) >= SAVE_MIN_TOKENS and not cache.holds(slot.cached):
-                    self._save(Save(slot.seq, tuple(slot.cached)))
-            cache.flush()
-        except Exception:  # the prefixes are a convenience: an unload must finish whatever happens here
-            log.exception("could not write the prefix cache to disk")
 
     def _publish_cache_figures(self) -> None:
         """Copy the cache's sizes into the stats other threads read (ps, /metrics)."""
