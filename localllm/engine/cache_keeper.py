@@ -23,12 +23,25 @@ class CacheKeeper:
         self._scheduler = scheduler
 
     def apply(self, step: Step) -> bool:
-        """Run the step's saves, then its restores (before its trims and copies); True when the cache changed."""
+        """Run the step's saves, then its restores (before its trims and copies); True when the cache changed.
+        The states to restore are read first: a save may evict the very entry a restore wants."""
+        states = [(restore, self._read(restore)) for restore in step.restores]
         for save in step.saves:
             self._save(save)
-        for restore in step.restores:
-            self._restore(restore)
+        for restore, data in states:
+            if data is not None:
+                self._restore(restore, data)
         return bool(step.saves or step.restores)
+
+    def _read(self, restore: Restore) -> Optional[bytes]:
+        assert self.cache is not None
+        try:
+            return self.cache.load(restore.entry)
+        except CacheFileError as exc:  # the cache has already dropped the file
+            log.warning("prefix cache: %s", exc)
+            self.model.remove(restore.seq, 0)  # the slot's old cache goes as planned: the prompt starts afresh
+            self._scheduler.restored(restore.request, ok=False)
+            return None
 
     def _save(self, save: Save) -> None:
         assert self.cache is not None
@@ -36,16 +49,12 @@ class CacheKeeper:
         if data is not None:
             self.cache.put(save.tokens, data, pinned=save.pinned)
 
-    def _restore(self, restore: Restore) -> None:
+    def _restore(self, restore: Restore, data: bytes) -> None:
         """Load a saved prefix into the request's slot; on any failure the request prefills its whole prompt."""
         cache, entry = self.cache, restore.entry
         assert cache is not None
         try:
-            self.model.restore_seq(restore.seq, cache.load(entry))
-        except CacheFileError as exc:  # the cache has already dropped the file
-            log.warning("prefix cache: %s", exc)
-            self._scheduler.restored(restore.request, ok=False)
-            return
+            self.model.restore_seq(restore.seq, data)
         except LocalLLMError as exc:
             log.warning("prefix cache: dropping an entry of %d tokens: %s", entry.n_tokens, exc)
             cache.drop(entry)

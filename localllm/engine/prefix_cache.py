@@ -203,7 +203,8 @@ class PrefixCache:
         """The entry's state; a disk file that fails its checks is deleted and raises CacheFileError."""
         if entry.data is not None:
             return entry.data
-        assert self.disk is not None and entry.path is not None
+        if self.disk is None or entry.path is None:
+            raise CacheFileError(f"the saved prefix of {entry.n_tokens} tokens was evicted before it was restored")
         try:
             return self.disk.read(entry)
         except CacheFileError:
