@@ -31,6 +31,9 @@ class CacheKeeper:
         for restore, data in states:
             if data is not None:
                 self._restore(restore, data)
+            else:  # the slot's old cache goes as planned, and the prompt starts afresh
+                self.model.remove(restore.seq, 0)
+                self._scheduler.restored(restore.request, ok=False)
         return bool(step.saves or step.restores)
 
     def _read(self, restore: Restore) -> Optional[bytes]:
@@ -39,8 +42,6 @@ class CacheKeeper:
             return self.cache.load(restore.entry)
         except CacheFileError as exc:  # the cache has already dropped the file
             log.warning("prefix cache: %s", exc)
-            self.model.remove(restore.seq, 0)  # the slot's old cache goes as planned: the prompt starts afresh
-            self._scheduler.restored(restore.request, ok=False)
             return None
 
     def _save(self, save: Save) -> None:
