@@ -190,14 +190,15 @@ class PrefixCache:
             entry.pinned |= old.pinned
             self._forget(old)
         entry.priority = self._priority(entry)
-        if self._make_room_in_ram(entry):
-            self.entries.append(entry)
-            return entry
-        entry.data = None
-        if self._spill(entry, data):
-            self.entries.append(entry)
-            return entry
-        return None
+        kept = self._make_room_in_ram(entry)
+        if not kept:
+            entry.data = None
+            kept = self._spill(entry, data)
+        if not kept:
+            return None
+        entry.priority = self._priority(entry)  # at the inflation its evictions reached: it is the newest
+        self.entries.append(entry)
+        return entry
 
     def load(self, entry: Entry) -> bytes:
         """The entry's state; a disk file that fails its checks is deleted and raises CacheFileError."""
