@@ -18,14 +18,11 @@ pytestmark = pytest.mark.models
 
 N_CTX = 1024
 GREEDY = SamplingOptions(temperature=0, num_predict=8, spec_type="none")
-# Long enough that gemma3's saved states pass its 512-token sliding window (so the window floor is exercised).
-SYSTEM = {
-    "x": "You are a ship's navigator in the year 1790. " + "You log winds, currents and stars in careful detail. " * 60,
-    "y": "You are a pastry chef in Lyon who explains recipes. " + "You weigh flour, butter and sugar exactly. " * 60,
-}
+NAVIGATOR = "You are a ship's navigator in the year 1790. " + "You log winds, currents and stars in careful detail. "
+OTHER = "Bake bread in Lyon and explain each step."  # another conversation, sharing nothing with the first
 
 
-@pytest.fixture(params=["smollm2", "gemma3"])
+@pytest.fixture(params=["smollm2", pytest.param("gemma3", marks=pytest.mark.slow)])
 def model_path(request):
     return request.getfixturevalue(f"{request.param}_path")
 
@@ -45,7 +42,14 @@ def _ask(engine: ModelEngine, prompt: list[int]) -> tuple[list[int], object]:
 
 
 def _first_turn(engine: ModelEngine, who: str) -> list[int]:
-    return engine.tokenize(f"{SYSTEM[who]}\nUser: Say something about your work.\nAssistant:")
+    if who == "y":
+        return engine.tokenize(f"{OTHER}\nUser: Hi.\nAssistant:")
+    # 200 tokens, or past a sliding window (gemma3's 512) so that a saved state holds only the window's last cells.
+    window = engine.model.cache_shape().window
+    system = NAVIGATOR
+    while len(engine.tokenize(system)) < (window + 40 if window else 200):
+        system += "You log winds, currents and stars in careful detail. "
+    return engine.tokenize(f"{system}\nUser: Say something about your work.\nAssistant:")
 
 
 def _next_turn(engine: ModelEngine, prompt: list[int], answer: list[int]) -> list[int]:
@@ -70,7 +74,7 @@ def test_an_evicted_conversation_comes_back_from_ram_with_the_same_answer(model_
         _, reference, cold = _conversation(engine)
     finally:
         engine.close()
-    assert cold.prompt_cache_count == 0  # no cache beyond the one slot: the whole history is prefilled again
+    assert cold.prompt_cache_count <= 1  # no cache beyond the one slot: the history is prefilled again (BOS aside)
 
     monkeypatch.setenv("LOCALLLM_CACHE_RAM", "256MiB")
     engine = _engine(model_path)
@@ -85,7 +89,7 @@ def test_an_evicted_conversation_comes_back_from_ram_with_the_same_answer(model_
     assert stats.prefix_hits["ram"] == 1 and stats.prefix_tokens["ram"] == warm.prompt_cache_count
     assert 0 < stats.cache_ram_bytes <= stats.cache_ram_limit
     assert answer == reference
-    if shape.window:  # gemma3: the restored state holds only the window's last cells, so it could not be cut
+    if shape.window:  # gemma3: the state was longer than the window, so it held only the window's last cells
         assert 0 < shape.window < len(history)
 
 
