@@ -191,8 +191,8 @@ def test_keep_prefix_pins_a_conversation_against_eviction(models_home, monkeypat
     assert row.cache_ram_bytes <= row.cache_ram_limit
     if pinned:
         assert back.prompt_cache_count > 100 and row.prefix_cache_hits["ram"] == 1
-    else:
-        assert back.prompt_cache_count == 0
+    else:  # evicted: only the chat template's opening is shared with the slot's last conversation
+        assert back.prompt_cache_count < 20 and row.prefix_cache_hits["ram"] == 0
 
 
 def test_a_chat_saved_with_its_prompt_cache_comes_back_in_a_new_server(models_home, tmp_path, monkeypatch):
