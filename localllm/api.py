@@ -69,6 +69,8 @@ class SamplingOptions(_Model):
     spec_type: SpecType = Field("auto", description="speculative decoding: auto, none, ngram, draft, mtp")
     spec_max_draft: int = Field(32, ge=0, le=64, description="most draft tokens verified per step (the draft window "
                                 "sizes each draft below this from its acceptance and cost)")
+    keep_prefix: bool = Field(False, description="pin this conversation's prompt and answer in the prefix cache, so "
+                              "it comes back without prefill even after other conversations took its slot")
 
 
 LOAD_OPTION_NAMES = frozenset(LoadOptions.model_fields)
@@ -410,6 +412,24 @@ class ProcessModel(_Model):
     draft_count: int = 0
     draft_accepted: int = 0
     status: Optional[str] = None  # "removed": its model was deleted; it unloads when its running requests end
+    cache_ram_bytes: int = Field(0, description="prefix cache: saved prompt prefixes held in host RAM")
+    cache_ram_limit: int = Field(0, description="LOCALLLM_CACHE_RAM for this model")
+    cache_disk_bytes: int = Field(0, description="prefix cache: saved prompt prefixes on disk")
+    cache_disk_limit: int = Field(0, description="LOCALLLM_CACHE_DISK for this model (0: off)")
+    prefix_cache_hits: dict[str, int] = Field(default_factory=dict, description="requests that reused a prefix, "
+                                              "by tier: slot, ram, disk")
+    prefix_cache_tokens: dict[str, int] = Field(default_factory=dict, description="prompt tokens reused, by tier")
+
+
+class PromptCacheSession(_Model):
+    """The conversation part of a prompt-cache file (`/save chat.kv` in `localllm run`); the cached state follows it
+    in the file."""
+
+    model: str
+    system: Optional[str] = None
+    options: dict[str, Any] = Field(default_factory=dict)
+    messages: list[Message] = Field(default_factory=list)
+    format: Format = None
 
 
 class ProcessResponse(_Model):

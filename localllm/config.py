@@ -80,6 +80,19 @@ def parse_host(raw: str) -> tuple[str, int]:
     return host, port
 
 
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)$", re.IGNORECASE)
+_SIZE_POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(raw: str) -> int:
+    """A size in bytes: 0, 1048576, "512MiB", "2GB", "8g" (k/m/g/t count in 1024s, as llama-server's --cache-ram
+    counts MiB)."""
+    match = _SIZE.match(raw.strip())
+    if not match:
+        raise ValueError('expected a size such as 0, 512MiB, 2GiB or a number of bytes')
+    return int(float(match.group(1)) * 1024 ** _SIZE_POWER[match.group(2).lower()])
+
+
 def parse_list(raw: str) -> list[str]:
     return [item.strip() for item in raw.split(",") if item.strip()]
 
@@ -132,9 +145,15 @@ MAX_BODY = Setting("LOCALLLM_MAX_BODY", "largest request body in bytes (413 abov
 LOG_LEVEL = Setting("LOCALLLM_LOG_LEVEL", "server log level: debug, info, warning, error",
                     lambda raw: _one_of(raw.lower(), ("debug", "info", "warning", "error")), lambda: "info")
 
+CACHE_RAM = Setting("LOCALLLM_CACHE_RAM", "host RAM per loaded model for prompt prefixes evicted from the slots "
+                    "(512MiB, 2GiB; 0 off; default an eighth of free memory, at most 8GiB)", parse_size,
+                    lambda: None)
+CACHE_DISK = Setting("LOCALLLM_CACHE_DISK", "disk per model (under LOCALLLM_HOME/cache) for prompt prefixes, kept "
+                     "across restarts (e.g. 4GiB; default 0: off)", parse_size, lambda: 0)
+
 ALL: tuple[Setting, ...] = (HOME, HOST, NUM_PARALLEL, MAX_QUEUE, KEEP_ALIVE, MAX_LOADED_MODELS, CONTEXT_LENGTH,
                             NUM_THREAD, KV_CACHE_TYPE, FLASH_ATTENTION, ORIGINS, ALLOWED_HOSTS, API_KEY, OFFLINE,
-                            MAX_BODY, LOG_LEVEL)
+                            MAX_BODY, LOG_LEVEL, CACHE_RAM, CACHE_DISK)
 
 
 def _one_of(raw: str, choices: tuple[str, ...]) -> str:
@@ -145,6 +164,10 @@ def _one_of(raw: str, choices: tuple[str, ...]) -> str:
 
 def models_dir() -> Path:
     return HOME.get() / "models"
+
+
+def prefix_cache_dir() -> Path:
+    return HOME.get() / "cache" / "prefix"
 
 
 def base_url() -> str:

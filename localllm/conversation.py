@@ -143,6 +143,17 @@ class Conversation:
     def clear(self) -> None:
         self.messages.clear()
 
+    def session(self) -> api.PromptCacheSession:
+        """What a prompt-cache file keeps of this chat besides its cache."""
+        return api.PromptCacheSession(model=self.model, system=self.system, options=dict(self.options),
+                                      messages=list(self.messages), format=self.format)
+
+    def resume(self, session: api.PromptCacheSession) -> None:
+        """Go on with a chat kept in a prompt-cache file: its model, system prompt, options and messages."""
+        self.model, self.system, self.format = session.model, session.system, session.format
+        self.options = dict(session.options)
+        self.messages = list(session.messages)
+
     def create_request(self, name: str) -> api.CreateRequest:
         """What `/save NAME` stores: this model with the session's system prompt, parameters and messages."""
         return api.CreateRequest(model=name, from_=self.model, system=self.system, parameters=dict(self.options),

@@ -83,6 +83,14 @@ def defaults_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return bench_threads.thread_figures(path, n=args.tokens, llama_server=args.llama_server)
 
 
+def prefix_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """More conversations than slots: returning turns, a restart, llama-server's --cache-ram (scripts/bench_prefix.py).
+    `python scripts/bench.py --models smollm2:135m gemma3:270m --only prefix --llama-server PATH`."""
+    import bench_prefix
+
+    return bench_prefix.prefix_figures(path, threads=args.threads, llama_server_binary=args.llama_server)
+
+
 def mlx_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return run_mlx_benchmarks(path)
 
@@ -92,6 +100,7 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "rest": ("REST path against raw llama.cpp", rest_section),
     "defaults": ("Defaults: threads tuned as the model runs", defaults_section),
     "spec": ("Speculative decoding", spec_section),
+    "prefix": ("Prefix cache beyond the slots", prefix_section),
     "mlx": ("MLX against llama.cpp (informational)", mlx_section),
 }
 
@@ -141,8 +150,8 @@ def section_block(model: str, title: str, figures: list[Figure]) -> str:
 
 
 def in_section_order(blocks: list[str]) -> list[str]:
-    """Sections in SECTIONS' order (engine, REST, defaults, speculation, MLX), whichever run measured them; models keep the
-    order they come in."""
+    """Sections in SECTIONS' order (engine, REST, defaults, prefix cache, speculation, MLX), whichever run measured
+    them; models keep the order they come in."""
     titles = [f"## {title} — " for title, _ in SECTIONS.values()]
     return sorted(blocks, key=lambda block: next(i for i, t in enumerate(titles) if block.startswith(t)))
 

@@ -47,3 +47,18 @@ def test_plan_command(models_home, monkeypatch):
     assert "180.0 MiB" in result.output and "2 slots x 4096 tokens" in result.output
     bad = CliRunner().invoke(app, ["plan", "smollm2:135m", "--kv-type", "q3"])
     assert bad.exit_code == 1 and "kv_type" in bad.output
+
+
+@pytest.mark.models
+def test_plan_shows_the_prefix_cache_limits(models_home, monkeypatch):
+    monkeypatch.setenv("LOCALLLM_HOME", str(models_home))
+    monkeypatch.setenv("LOCALLLM_CACHE_RAM", "512MiB")
+    monkeypatch.setenv("LOCALLLM_CACHE_DISK", "2GiB")
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["plan", "smollm2:135m"])
+    assert result.exit_code == 0, result.output
+    assert "prefix cache in RAM" in result.output and "512.0 MiB" in result.output
+    assert "prefix cache on disk" in result.output and "2,048.0 MiB" in result.output
+    monkeypatch.setenv("LOCALLLM_CACHE_RAM", "0")
+    monkeypatch.delenv("LOCALLLM_CACHE_DISK")
+    plain = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["plan", "smollm2:135m", "--json"])
+    assert '"cache_ram_limit": 0' in plain.output and '"cache_disk_limit": 0' in plain.output

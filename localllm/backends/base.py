@@ -61,6 +61,25 @@ class Batch:
         return len(self.tokens)
 
 
+@dataclass(frozen=True)
+class CacheShape:
+    """What a loaded model's sequence cache allows the prefix cache to do, and what its saved states depend on.
+
+    A cache with sliding-window layers keeps only the last `window` positions of those layers in a saved state, and a
+    recurrent state (Mamba, hybrids) holds every token it has read: such a state can be continued from its end but not
+    cut shorter (engine/slots.py turns this into each slot's and entry's `floor`)."""
+
+    window: int = 0  # span of the sliding-window layers; 0: every layer attends to the whole context
+    recurrent: bool = False  # recurrent layers: no cut is ever possible, only continuing from the end
+    fingerprint: str = ""  # the load's facts a saved state must match besides the weights (KV type, slots, build)
+
+    def saved_floor(self, n_tokens: int) -> int:
+        """The shortest prefix a state saved after `n_tokens` can be cut to and continued (0: any)."""
+        if self.recurrent or (self.window and n_tokens > self.window):
+            return n_tokens
+        return 0
+
+
 class Sampler(Protocol):
     """A per-request sampling chain (temperature, top-k/p, min-p, penalties, seed, logit bias, grammar)."""
 
@@ -141,6 +160,17 @@ class LoadedModel(Protocol):
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Make sequence `dst` hold the first `n` cached tokens of `src` (dst is cleared first)."""
+
+    def cache_shape(self) -> CacheShape:
+        """How this model's sequence states may be cut, saved and restored (engine/prefix_cache.py)."""
+
+    def save_seq(self, seq: int) -> Optional[bytes]:
+        """Sequence `seq`'s whole cached state as bytes, or None where the backend cannot save one (the engine then
+        re-prefills instead of restoring)."""
+
+    def restore_seq(self, seq: int, data: bytes) -> None:
+        """Replace sequence `seq`'s cache with a state from save_seq; raises LocalLLMError when it does not load
+        (the sequence is then left empty)."""
 
     def embed(self, tokens: Sequence[int]) -> list[float]:
         """A pooled, normalised embedding of `tokens`."""

@@ -19,7 +19,7 @@ import numpy as np
 from ..api import LoadOptions, SamplingOptions
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
 from ..machine import physical_cores
-from .base import Batch, GrammarProbe, ModelMeta, MtpHead
+from .base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead
 from .llama_cpp_spec import LlamaGrammarProbe, LlamaMtpHead
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,9 @@ def _context_params(options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings:
     params.n_threads = threads
     params.n_threads_batch = threads
     params.kv_unified = False
+    # Sliding-window layers get full-size caches that keep every position, so a slot cut anywhere stays exact; only a
+    # saved state drops the masked cells (CacheShape.saved_floor).
+    params.swa_full = True
     params.no_perf = True
     kv = _KV_TYPES[options.kv_type or config.KV_CACHE_TYPE.get()]
     params.type_k = kv
@@ -259,6 +262,29 @@ class LlamaCppModel:
         llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
         llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
         llama_cpp.llama_memory_seq_rm(self._mem, dst, n, -1)
+
+    def cache_shape(self) -> CacheShape:
+        params = _context_params(self.options, n_seq=self.n_seq, n_ctx=self.n_ctx)
+        # A state loads only into a context with the same streams (slots), cell count, KV types and V layout, written
+        # by the same llama.cpp.
+        fingerprint = (f"llama-cpp-python {llama_cpp.__version__}; slots {self.n_seq}; ctx {self.n_ctx}; "
+                       f"k {params.type_k}; v {params.type_v}; flash {params.flash_attn_type}")
+        model = self._model
+        recurrent = bool(llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
+        return CacheShape(window=max(0, llama_cpp.llama_model_n_swa(self._model)), recurrent=recurrent,
+                          fingerprint=fingerprint)
+
+    def save_seq(self, seq: int) -> Optional[bytes]:
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq)
+        return ctypes.string_at(buf, n) if n else None
+
+    def restore_seq(self, seq: int, data: bytes) -> None:
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq) == 0:
+            self.remove(seq, 0)
+            raise LocalLLMError(f"llama.cpp could not load a saved state of {len(data):,} bytes into slot {seq}")
 
     def embed(self, tokens: Sequence[int]) -> list[float]:
         ctx = self._embedding_context(len(tokens))

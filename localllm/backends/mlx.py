@@ -23,7 +23,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from ..api import LoadOptions, SamplingOptions
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
-from .base import Batch, ModelMeta
+from .base import Batch, CacheShape, ModelMeta
 
 log = logging.getLogger(__name__)
 
@@ -320,6 +320,15 @@ class MlxModel:
 
     def set_threads(self, n: int) -> None:
         pass
+
+    def cache_shape(self) -> CacheShape:
+        return CacheShape()  # every layer keeps a full cache here (see _new_cache): any cut is exact
+
+    def save_seq(self, seq: int) -> None:
+        return None  # no sequence states on MLX yet: an evicted prefix is prefilled again
+
+    def restore_seq(self, seq: int, data: bytes) -> None:
+        raise LocalLLMError("the MLX backend cannot restore a saved sequence state")
 
     def mtp_head(self) -> None:
         return None  # MLX runs no MTP layers: spec_type auto falls back to a draft model or n-gram

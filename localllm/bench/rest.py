@@ -16,42 +16,54 @@ from .raw import RawLoop, raw_batched_rate, raw_decode_rate
 
 
 @contextmanager
-def served_model(path: Path, *, slots: int, threads: Optional[int], n_ctx: int) -> Iterator[str]:
-    """`localllm serve` in a subprocess over a private home that holds `path` as model "bench:latest"."""
+def served_model(path: Path, *, slots: int, threads: Optional[int], n_ctx: int, home: Optional[Path] = None,
+                 env: Optional[dict[str, str]] = None) -> Iterator[str]:
+    """`localllm serve` in a subprocess over a home that holds `path` as model "bench:latest": a private one, or
+    `home` (kept, so a second server on it is a restart), with `env`'s settings on top."""
+    import tempfile
+
+    if home is None:
+        with tempfile.TemporaryDirectory(prefix="localllm-bench-") as private:
+            with served_model(path, slots=slots, threads=threads, n_ctx=n_ctx, home=Path(private), env=env) as base:
+                yield base
+        return
     import os
     import socket
     import subprocess
     import sys
-    import tempfile
 
     import httpx
 
-    with tempfile.TemporaryDirectory(prefix="localllm-bench-") as home:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        env = {**os.environ, "LOCALLLM_HOME": home, "LOCALLLM_HOST": f"127.0.0.1:{port}",
-               "LOCALLLM_NUM_PARALLEL": str(slots), "LOCALLLM_CONTEXT_LENGTH": str(n_ctx),
-               "LOCALLLM_LOG_LEVEL": "warning"}
-        if threads:
-            env["LOCALLLM_NUM_THREAD"] = str(threads)
-        proc = subprocess.Popen([sys.executable, "-m", "localllm", "serve"], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            _wait_until_up(base, proc)
-            from ..models.create import create_model
-            from ..api import CreateRequest
-            from ..models.store import Store
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    settings = {**os.environ, "LOCALLLM_HOME": str(home), "LOCALLLM_HOST": f"127.0.0.1:{port}",
+                "LOCALLLM_NUM_PARALLEL": str(slots), "LOCALLLM_CONTEXT_LENGTH": str(n_ctx),
+                "LOCALLLM_LOG_LEVEL": "warning", **(env or {})}
+    if threads:
+        settings["LOCALLLM_NUM_THREAD"] = str(threads)
+    proc = subprocess.Popen([sys.executable, "-m", "localllm", "serve"], env=settings,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_up(base, proc)
+        _create_bench_model(path, home)
+        httpx.post(f"{base}/api/generate", json={"model": "bench", "prompt": ""}, timeout=300)  # load it
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
-            weights = Path(home) / "bench.gguf"  # a blob has no .gguf name; a model name must say it is a file
-            weights.symlink_to(Path(path).resolve())
-            list(create_model(CreateRequest(model="bench", **{"from": str(weights)}), Store(Path(home) / "models")))
-            httpx.post(f"{base}/api/generate", json={"model": "bench", "prompt": ""}, timeout=300)  # load it
-            yield base
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+
+def _create_bench_model(path: Path, home: Path) -> None:
+    from ..api import CreateRequest
+    from ..models.create import create_model
+    from ..models.store import Store
+
+    weights = home / "bench.gguf"  # a blob has no .gguf name; a model name must say it is a file
+    if not weights.exists():
+        weights.symlink_to(Path(path).resolve())
+    list(create_model(CreateRequest(model="bench", **{"from": str(weights)}), Store(home / "models")))
 
 
 def _wait_until_up(base: str, proc) -> None:

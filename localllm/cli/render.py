@@ -176,18 +176,19 @@ def _rate_text(count: int, duration_ns: int) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- ps
 
-PS_COLUMNS = ("NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "GPU", "SPEC", "UNTIL")
+PS_COLUMNS = ("NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "GPU", "SPEC", "PREFIX CACHE", "UNTIL")
 # Below this width the ID goes (`localllm ps | cat` prints it) and the long headers shorten, so a row fits 80 columns.
 PS_WIDE = 100
-_NARROW_HEADERS = {"CTX/SLOT": "CTX"}
-_WRAPPABLE = frozenset({"BACKEND", "SPEC", "UNTIL"})  # on a narrow terminal these fold, so the name stays whole
+_NARROW_HEADERS = {"CTX/SLOT": "CTX", "PREFIX CACHE": "CACHE"}
+# On a narrow terminal these fold, so the name stays whole.
+_WRAPPABLE = frozenset({"BACKEND", "SPEC", "PREFIX CACHE", "UNTIL"})
 
 
 def ps_rows(models: Iterable[api.ProcessModel]) -> list[tuple[str, ...]]:
     """`localllm ps`: effective values, never totals to divide (context is per slot; BUSY is busy/total slots)."""
     return [(row.name, row.digest[:12], human_size(row.size), _backend_text(row), _slots_text(row),
              str(row.context_length), row.kv_type, _gpu_text(row.gpu_layers), _speculation_text(row),
-             _until_text(row)) for row in models]
+             _prefix_cache_text(row), _until_text(row)) for row in models]
 
 
 def _until_text(row: api.ProcessModel) -> str:
@@ -231,6 +232,14 @@ def _slots_text(row: api.ProcessModel) -> str:
 def _gpu_text(layers: int) -> str:
     # -1 asks the backend for every layer that fits; what it managed is the backend's to report.
     return {-1: "auto", 0: "CPU"}.get(layers, f"{layers} layers")
+
+
+def _prefix_cache_text(row: api.ProcessModel) -> str:
+    """RAM held/limit, and disk when it is on: prefixes saved beyond the slots."""
+    text = f"{human_size(row.cache_ram_bytes)}/{human_size(row.cache_ram_limit)} RAM" if row.cache_ram_limit else "off"
+    if row.cache_disk_limit:
+        text += f", {human_size(row.cache_disk_bytes)}/{human_size(row.cache_disk_limit)} disk"
+    return text
 
 
 def _speculation_text(row: api.ProcessModel) -> str:

@@ -21,6 +21,7 @@ from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
 from .interrupts import interrupt_handled, raise_noted_interrupt
 from .app import console, err_console, print_error
+from .prompt_cache_file import is_prompt_cache_file, read_prompt_cache, write_prompt_cache
 from .render import MarkdownStream, RawStream, print_model_facts, print_timings, render_pull, timing_rows
 
 PROMPT = ">>> "
@@ -47,6 +48,8 @@ HELP = f"""Available Commands:
   /show           Show model information
   /load <model>   Load a session or model
   /save <model>   Save your current session
+  /save <file.kv> Save this chat with its prompt cache to a file
+  /load <file.kv> Go on with a chat saved with its prompt cache
   /clear          Clear session context
   /stats          Show speed, prompt cache reuse and speculation figures
   /bye            Exit
@@ -468,6 +471,9 @@ class Repl:
         name = rest.strip()
         if not name:
             raise InvalidInput("/load needs a model name", hint="/load MODEL")
+        if is_prompt_cache_file(name):
+            self._load_prompt_cache(Path(name).expanduser())
+            return
         console.print(f"Loading model '{name}'", highlight=False)
         prepare_model(self.client, self.conversation.load_request().model_copy(update={"model": name}), to=console)
         self.conversation.switch_model(name)
@@ -476,9 +482,30 @@ class Repl:
         name = rest.strip()
         if not name:
             raise InvalidInput("/save needs a name for the new model", hint="/save NAME")
+        if is_prompt_cache_file(name):
+            self._save_prompt_cache(Path(name).expanduser())
+            return
         for _ in self.client.create(self.conversation.create_request(name)):
             pass
         console.print(f"Created new model '{name}'", highlight=False)
+
+    def _save_prompt_cache(self, path: Path) -> None:
+        if not self.conversation.messages:
+            raise InvalidInput("nothing to save yet", hint="send a message first")
+        state = self.client.save_prompt_cache(self.conversation.request())
+        write_prompt_cache(path, self.conversation.session(), state)
+        console.print(f"Saved this chat and its prompt cache to {path} ({len(state) / 2**20:.1f} MiB)",
+                      highlight=False, markup=False)
+
+    def _load_prompt_cache(self, path: Path) -> None:
+        session, state = read_prompt_cache(path)
+        request = api.ChatRequest(model=session.model, options=dict(session.options),
+                                  keep_alive=self.conversation.keep_alive)
+        prepare_model(self.client, request, to=console)
+        tokens = self.client.load_prompt_cache(request, state)
+        self.conversation.resume(session)
+        console.print(f"Loaded a chat of {len(session.messages)} message(s) with {session.model}; {tokens} tokens "
+                      "of its prompt cache are ready", highlight=False, markup=False)
 
     def _stats(self, rest: str) -> None:
         figures = self.conversation.figures

@@ -176,6 +176,19 @@ class HttpClient:
         for index, request in enumerate(requests):
             yield from ((index, chunk) for chunk in self.chat(request))
 
+    def save_prompt_cache(self, request: api.ChatRequest) -> bytes:
+        body = request.model_dump(mode="json", exclude_none=True, by_alias=True)
+        return self._call("POST", "/api/prompt-cache/save", body).content
+
+    def load_prompt_cache(self, request: api.ChatRequest, data: bytes) -> int:
+        which = request.model_copy(update={"messages": []}).model_dump_json(exclude_none=True, by_alias=True)
+        with self._reaching_server():
+            response = self._http.post("/api/prompt-cache/load", params={"request": which}, content=data,
+                                       headers={"Content-Type": "application/octet-stream"})
+        if response.status_code >= 400:
+            raise error_for(response)
+        return int(response.json()["tokens"])
+
 
 def _body(request: BaseModel) -> dict:
     body = request.model_dump(mode="json", exclude_none=True, by_alias=True)

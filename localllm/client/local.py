@@ -111,9 +111,10 @@ class LocalClient:
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
             ready = time.perf_counter()
             prompts = [self._generate_tokens(loaded, model, request) for request in requests]
-            params = [GenerationParams(tokens, _generate_sampling(loaded, model, r), grammar_for_format(r.format),
-                                       r.truncate, _logprobs_wanted(r), started=ready)
-                      for tokens, r in zip(prompts, requests)]
+            samplings = [_generate_sampling(loaded, model, r) for r in requests]
+            params = [GenerationParams(tokens, sampling, grammar_for_format(r.format), r.truncate, _logprobs_wanted(r),
+                                       started=ready, keep_prefix=sampling.keep_prefix)
+                      for tokens, sampling, r in zip(prompts, samplings, requests)]
             streams = loaded.engine.submit_all(params)
             try:
                 for index, (request, tokens, stream) in enumerate(zip(requests, prompts, streams)):
@@ -201,7 +202,8 @@ class LocalClient:
         if _template(loaded, model) is None:
             sampling = transcript_sampling(sampling)
         params = GenerationParams(self._tokenize(loaded, text), sampling, grammar, request.truncate,
-                                  _logprobs_wanted(request), started=ready)
+                                  _logprobs_wanted(request), started=ready,
+                                  keep_prefix=sampling.keep_prefix)
         return params, tools
 
     def _chat_with_tools(self, name: str, stream, loaded: Loaded, load_seconds: float,
@@ -280,6 +282,19 @@ class LocalClient:
                 raise ContextOverflow(prompt_tokens=len(tokens), num_ctx=limit)
             tokens = tokens[:limit]
         return tokens
+
+    def save_prompt_cache(self, request: api.ChatRequest) -> bytes:
+        model = self.store.resolve(request.model)
+        load, _ = resolve_options(model, request.options)
+        with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
+            text = self._render(loaded, model, _messages_with_system(model, None, request.messages))
+            return loaded.engine.export_prefix(self._tokenize(loaded, text))
+
+    def load_prompt_cache(self, request: api.ChatRequest, data: bytes) -> int:
+        model = self.store.resolve(request.model)
+        load, _ = resolve_options(model, request.options)
+        with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
+            return loaded.engine.import_prefix(data)
 
     # ----------------------------------------------------------------------------------------------- helpers
 
@@ -385,7 +400,10 @@ def _process_row(entry: Loaded) -> api.ProcessModel:
         speculation=entry.speculation.kind if entry.speculation is not None else "none",
         threads=stats.threads, threads_auto=entry.engine.threads is not None,
         draft_count=stats.draft_tokens, draft_accepted=stats.accepted_tokens,
-        status="removed" if entry.removed else None)
+        status="removed" if entry.removed else None, cache_ram_bytes=stats.cache_ram_bytes,
+        cache_ram_limit=stats.cache_ram_limit, cache_disk_bytes=stats.cache_disk_bytes,
+        cache_disk_limit=stats.cache_disk_limit, prefix_cache_hits=dict(stats.prefix_hits),
+        prefix_cache_tokens=dict(stats.prefix_tokens))
 
 
 def _generate_sampling(loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest) -> api.SamplingOptions:

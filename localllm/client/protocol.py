@@ -50,3 +50,11 @@ class Client(Protocol):
         """As generate_batch, for chats."""
 
     def embed(self, request: EmbedRequest) -> EmbedResponse: ...
+
+    def save_prompt_cache(self, request: ChatRequest) -> bytes:
+        """The cached state of the conversation in `request` (its longest cached prefix), as a prompt-cache file's
+        bytes (engine/prefix_cache.py's format)."""
+
+    def load_prompt_cache(self, request: ChatRequest, data: bytes) -> int:
+        """Pin a state from save_prompt_cache in the prefix cache of `request`'s model (loaded with its options);
+        the number of tokens the state holds."""

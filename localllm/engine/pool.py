@@ -22,6 +22,7 @@ from ..errors import InvalidInput, QueueFull
 from ..models.store import ResolvedModel, Store
 from ..backends.base import LoadedModel
 from .probe import LoadProbe
+from .prefix_cache import make_prefix_cache
 from .runner import ModelEngine
 from ..machine import physical_cores
 from .speculative.speculation import Speculation
@@ -157,12 +158,14 @@ class ModelPool:
         try:
             factory = self._speculation_factory
             speculation = factory(model, load, loaded) if factory is not None else None
+            prefix_cache = make_prefix_cache(loaded, model.digest)
         except BaseException:  # e.g. a draft model with another vocabulary: the error goes to the request
             loaded.close()
             raise
         tuner = ThreadTuner(physical_cores()) if load.num_thread is None and loaded.adjustable_threads else None
         engine = ModelEngine(loaded, max_queue=config.MAX_QUEUE.get(), load_seconds=seconds,
-                             speculation=speculation, threads=tuner, pinned_threads=load.num_thread or 0)
+                             speculation=speculation, threads=tuner, pinned_threads=load.num_thread or 0,
+                             prefix_cache=prefix_cache)
         log.info("loaded %s on %s in %.2fs: %d slots x %d tokens", model.name, backend_name, seconds,
                  loaded.n_seq, loaded.n_ctx)
         return Loaded(model=model, options=load, engine=engine, backend=backend_name, load_seconds=seconds,

@@ -20,6 +20,8 @@ from typing import Iterator, Optional, Sequence, Union
 from ..api import SamplingOptions, Timings
 from ..backends.base import LoadedModel
 from ..errors import Cancelled, ContextOverflow, LocalLLMError, QueueFull
+from .cache_keeper import CacheKeeper
+from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler, Step
 from .speculative.speculation import Speculation
 from .text import TextStream
@@ -57,6 +59,7 @@ class GenerationParams:
     truncate: bool = False
     logprobs: Optional[int] = None  # None: none; n: the chosen token's and the n most likely alternatives
     started: Optional[float] = None  # perf_counter when the request began (prompt_eval counts from here); None: now
+    keep_prefix: bool = False  # pin the prompt and answer in the prefix cache when the request ends
 
 
 @dataclass
@@ -73,6 +76,13 @@ class EngineStats:
     draft_steps: int = 0  # verification steps that carried drafts: accepted_tokens / draft_steps is the mean run
     decode_seconds: float = 0.0
     threads: int = 0  # CPU threads of the last decode-only step (0: the backend chooses)
+    # The prefix cache, by tier ("slot", "ram", "disk"): requests that reused a prefix and the tokens they skipped.
+    prefix_hits: dict[str, int] = field(default_factory=lambda: {"slot": 0, "ram": 0, "disk": 0})
+    prefix_tokens: dict[str, int] = field(default_factory=lambda: {"slot": 0, "ram": 0, "disk": 0})
+    cache_ram_bytes: int = 0
+    cache_ram_limit: int = 0
+    cache_disk_bytes: int = 0
+    cache_disk_limit: int = 0
 
 
 class Stream:
@@ -129,11 +139,23 @@ class _Embed:
 
 
 @dataclass(frozen=True)
+class _Export:
+    tokens: list[int]
+    future: "Future[bytes]"
+
+
+@dataclass(frozen=True)
+class _Import:
+    blob: bytes
+    future: "Future[int]"
+
+
+@dataclass(frozen=True)
 class _Close:
     pass
 
 
-_Command = Union[_Submit, _Embed, _Close]
+_Command = Union[_Submit, _Embed, _Export, _Import, _Close]
 
 
 def _top_indices(logits: np.ndarray, n: int) -> np.ndarray:
@@ -158,7 +180,8 @@ def _share_prefills(requests: list[Request]) -> None:
 class ModelEngine:
     def __init__(self, model: LoadedModel, *, max_queue: int, num_batch: Optional[int] = None,
                  load_seconds: float = 0.0, speculation: Optional[Speculation] = None,
-                 threads: Optional[ThreadTuner] = None, pinned_threads: int = 0):
+                 threads: Optional[ThreadTuner] = None, pinned_threads: int = 0,
+                 prefix_cache: Optional[PrefixCache] = None):
         self.model = model
         self.n_slots = model.n_seq
         self.n_ctx = model.n_ctx
@@ -169,13 +192,17 @@ class ModelEngine:
         self.speculation = speculation
         self.threads = threads  # None: the count is pinned (or the backend schedules its own threads)
         self._threads_now = 0
+        # Prefixes evicted from the slots, in RAM and on disk (engine/prefix_cache.py); only this thread touches it.
+        self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         self._scheduler = Scheduler(n_slots=model.n_seq, n_ctx=model.n_ctx, n_batch=num_batch or model.n_batch,
-                                    max_queue=max_queue, kv_pad=model.kv_pad)
+                                    max_queue=max_queue, kv_pad=model.kv_pad, prefix_cache=self.prefix_cache)
         self._inbox: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
         self._outstanding = 0
         self._lock = threading.Lock()
         self._closed = False
+        self._keeper = CacheKeeper(model, self.prefix_cache, self._scheduler)
         self.stats = EngineStats(slots_total=model.n_seq, threads=pinned_threads)
+        self._publish_cache_figures()
         self._thread = threading.Thread(target=self._run, name="localllm-engine", daemon=True)
         self._thread.start()
 
@@ -214,11 +241,24 @@ class ModelEngine:
                        logprobs=params.logprobs)
         if params.started is not None:
             sink.t_submit = params.started
-        return Request(prompt=prompt, max_tokens=max_tokens, sink=sink), params
+        return Request(prompt=prompt, max_tokens=max_tokens, sink=sink, keep_prefix=params.keep_prefix), params
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         future: "Future[list[list[float]]]" = Future()
         self._inbox.put(_Embed(list(map(list, inputs)), future))
+        return future.result()
+
+    def export_prefix(self, tokens: Sequence[int]) -> bytes:
+        """The saved state of the longest cached prefix of `tokens` (a slot's or the prefix cache's), as a
+        prompt-cache file's bytes; InvalidInput when nothing of them is cached."""
+        future: "Future[bytes]" = Future()
+        self._inbox.put(_Export(list(tokens), future))
+        return future.result()
+
+    def import_prefix(self, blob: bytes) -> int:
+        """Put a state from export_prefix into the prefix cache, pinned; the number of tokens it holds."""
+        future: "Future[int]" = Future()
+        self._inbox.put(_Import(blob, future))
         return future.result()
 
     def busy(self) -> bool:
@@ -254,13 +294,14 @@ class ModelEngine:
                 self._propose_drafts()
                 step = self._scheduler.schedule()
                 self._report(step.finished)
-                if step.batch.tokens:
+                if step.batch.tokens or step.cache_ops:
                     self._run_step(step)
         except BaseException as exc:  # the thread must never die silently: fail everything in flight
             log.exception("engine thread failed")
             self._fail_all(exc if isinstance(exc, LocalLLMError) else LocalLLMError(f"engine failed: {exc}"))
         finally:
             self._fail_all(Cancelled("the model was unloaded"))
+            self._keeper.keep_on_disk()
             if self.speculation is not None:
                 self.speculation.close()
             self.model.close()
@@ -281,6 +322,10 @@ class ModelEngine:
                         self._admit(request, params)
                 case _Embed(inputs, future):
                     self._embed(inputs, future)
+                case _Export(tokens, future):
+                    self._answer(future, self._keeper.export, tokens)
+                case _Import(blob, future):
+                    self._answer(future, self._import, blob)
 
     def _admit(self, request: _Job, params: GenerationParams) -> None:
         try:
@@ -302,6 +347,18 @@ class ModelEngine:
             future.set_result([self.model.embed(tokens) for tokens in inputs])
         except BaseException as exc:
             future.set_exception(exc)
+
+    @staticmethod
+    def _answer(future: Future, work, *args) -> None:
+        try:
+            future.set_result(work(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    def _import(self, blob: bytes) -> int:
+        tokens = self._keeper.import_(blob)
+        self._publish_cache_figures()
+        return tokens
 
     def _propose_drafts(self) -> None:
         """Ask each generating request's drafter for this step's draft tokens (speculative decoding)."""
@@ -330,6 +387,8 @@ class ModelEngine:
 
     def _run_step(self, step: Step) -> None:
         self._apply_cache_ops(step)
+        if not step.batch.tokens:
+            return
         kind: StepKind = "decode" if all(step.batch.logits) else "batch"
         threads = self._set_threads(kind)
         t0, cpu0 = time.perf_counter(), time.thread_time()
@@ -366,10 +425,21 @@ class ModelEngine:
         return threads
 
     def _apply_cache_ops(self, step: Step) -> None:
+        if self._keeper.apply(step):
+            self._publish_cache_figures()
         for seq, keep in step.trims:
             self.model.remove(seq, keep)
         for src, dst, n in step.copies:
             self.model.copy_prefix(src, dst, n)
+
+    def _publish_cache_figures(self) -> None:
+        """Copy the cache's sizes into the stats other threads read (ps, /metrics)."""
+        if self.prefix_cache is None:
+            return
+        figures = self.prefix_cache.figures()
+        s = self.stats
+        s.cache_ram_bytes, s.cache_ram_limit = figures.ram.bytes_held, figures.ram.limit
+        s.cache_disk_bytes, s.cache_disk_limit = figures.disk.bytes_held, figures.disk.limit
 
     def _sample(self, step: Step) -> dict[int, list[int]]:
         sampled: dict[int, list[int]] = {}
@@ -476,6 +546,9 @@ class ModelEngine:
         s.draft_tokens += req.n_drafted
         s.accepted_tokens += req.n_accepted
         s.draft_steps += req.n_draft_steps
+        if req.cache_tier is not None and req.n_cached:
+            s.prefix_hits[req.cache_tier] += 1
+            s.prefix_tokens[req.cache_tier] += req.n_cached
 
     def _timings(self, req: Request) -> Timings:
         out: _Output = req.sink
@@ -525,7 +598,7 @@ class ModelEngine:
                 case _Submit(admitted):
                     for request, _ in admitted:
                         self._close_request(request, exc)
-                case _Embed(_, future):
+                case _Embed(_, future) | _Export(_, future) | _Import(_, future):
                     future.set_exception(exc)
 
     def snapshot(self) -> EngineStats:

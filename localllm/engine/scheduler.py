@@ -7,6 +7,10 @@
     update(step, sampled)   record what the backend decoded and what was sampled; returns newly accepted tokens
     finish(request, why)    free its slot; its cache stays behind for prefix reuse
     cancel(request)         finish at the next schedule()
+    restored(request, ok)   the engine restored (or failed to restore) the saved prefix a step asked for
+
+With a prefix cache (engine/prefix_cache.py), a step also says which slots to save before they lose their prefix and
+which saved prefix to restore into a slot; the scheduler reads the cache's index, the engine moves the bytes.
 
 The engine thread runs schedule → backend.decode → sample → update in a loop (engine/runner.py)."""
 
@@ -19,6 +23,7 @@ from typing import Any, Generic, Optional, TypeVar
 
 from ..backends.base import Batch, Sampler
 from ..errors import QueueFull
+from .prefix_cache import SAVE_MIN_TOKENS, RESTORE_MIN_GAIN, Entry, Match, PrefixCache
 from .slots import Slot, SlotState, SlotTable
 from .speculative.drafters import Drafter
 
@@ -50,6 +55,9 @@ class Request(Generic[SinkT]):
     n_accepted: int = 0
     n_draft_steps: int = 0  # steps whose decode row carried drafts
     follows: Optional["Request"] = None  # a request with the same prompt whose prefill this one waits for and copies
+    keep_prefix: bool = False  # when it ends, save its slot as a pinned prefix (the API's keep_prefix)
+    cache_tier: Optional[str] = None  # where its reused prefix came from: "slot", "ram" or "disk"
+    restoring: bool = False  # waiting for the engine to restore a saved prefix into its slot
 
     @property
     def finished(self) -> bool:
@@ -66,16 +74,41 @@ class SlotWork:
     draft: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Save:
+    """Save sequence `seq`'s state, which holds `tokens`, into the prefix cache (before the slot loses them)."""
+
+    seq: int
+    tokens: tuple[int, ...]
+    pinned: bool = False
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Load `entry`'s state into `seq` and keep its first `keep` tokens, for `request`."""
+
+    seq: int
+    entry: Entry
+    keep: int
+    request: Request[Any]
+
+
 @dataclass
 class Step:
     batch: Batch = field(default_factory=Batch)
     work: list[SlotWork] = field(default_factory=list)
+    saves: list[Save] = field(default_factory=list)  # done first: before restores, trims and copies
+    restores: list[Restore] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src_seq, dst_seq, n_tokens)
     trims: list[tuple[int, int]] = field(default_factory=list)  # (seq, keep_first_n)
     finished: list[Request[Any]] = field(default_factory=list)  # cancelled or over-long requests to report
 
     def __bool__(self) -> bool:
         return bool(self.batch.tokens or self.finished)
+
+    @property
+    def cache_ops(self) -> bool:
+        return bool(self.saves or self.restores or self.trims or self.copies)
 
 
 def _prefilling(request: Optional[Request]) -> bool:
@@ -86,8 +119,12 @@ def _prefilling(request: Optional[Request]) -> bool:
 
 
 class Scheduler:
-    def __init__(self, *, n_slots: int, n_ctx: int, n_batch: int, max_queue: int, kv_pad: int = 1):
-        self.table: SlotTable[Request[Any]] = SlotTable(n_slots)
+    def __init__(self, *, n_slots: int, n_ctx: int, n_batch: int, max_queue: int, kv_pad: int = 1,
+                 prefix_cache: Optional[PrefixCache] = None):
+        recurrent = prefix_cache is not None and prefix_cache.shape.recurrent
+        self.table: SlotTable[Request[Any]] = SlotTable(n_slots, recurrent=recurrent)
+        self.cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
+        self._pinned_saves: list[Save] = []  # finished keep_prefix requests, saved at the next step
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.kv_pad = kv_pad  # the backend attends over its KV cache in spans of this many cells (see _chunk_end)
@@ -125,13 +162,15 @@ class Scheduler:
         self._steps += 1
         step = Step()
         self._drop_cancelled(step)
+        step.saves.extend(self._pinned_saves)
+        self._pinned_saves.clear()
         self._assign_waiting(step)
         budget = self.n_batch
         for slot, req in self.table.serving():
             if slot.state is SlotState.DECODE:
                 budget -= self._add_decode(step, slot, req, budget)
         for slot, req in self.table.serving():
-            if slot.state is SlotState.PREFILL and budget > 0:
+            if slot.state is SlotState.PREFILL and budget > 0 and not req.restoring:
                 budget -= self._add_prefill_chunk(step, slot, req, budget)
         return step
 
@@ -156,13 +195,49 @@ class Scheduler:
             slot = choice.slot
             # Keep at least the last prompt token to decode: its output is the first generated token.
             reuse = min(choice.reuse, len(req.prompt) - 1)
-            if choice.copy_from is not None and reuse > 0:
+            saved = self._saved_prefix(req.prompt, beats=reuse)
+            own = reuse if saved is None and choice.copy_from is None else 0
+            self._save_before_loss(step, slot, keeps=own)
+            if saved is not None:
+                reuse = saved.reuse
+                step.restores.append(Restore(slot.seq, saved.entry, reuse, req))
+                slot.floor, req.cache_tier, req.restoring = saved.entry.floor, saved.tier, True
+            elif choice.copy_from is not None and reuse > 0:
                 step.copies.append((choice.copy_from.seq, slot.seq, reuse))
+                slot.floor = choice.copy_from.floor
             elif len(slot.cached) > reuse:
                 step.trims.append((slot.seq, reuse))
+            if saved is None:
+                req.cache_tier = "slot" if reuse else None
+                slot.floor = slot.floor if reuse else 0
             slot.cached = req.prompt[:reuse]
             slot.state, slot.request, slot.last_used = SlotState.PREFILL, req, self._steps
             req.slot, req.n_cached, req.n_prefilled = slot, reuse, reuse
+
+    def _saved_prefix(self, prompt: list[int], *, beats: int) -> Optional[Match]:
+        """A saved prefix worth restoring: one that skips RESTORE_MIN_GAIN more tokens than the best slot."""
+        if self.cache is None:
+            return None
+        match = self.cache.lookup(prompt)
+        return match if match is not None and match.reuse >= beats + RESTORE_MIN_GAIN else None
+
+    def _save_before_loss(self, step: Step, slot: Slot[Request[Any]], *, keeps: int) -> None:
+        """Save the slot's state when it is about to lose SAVE_MIN_TOKENS or more that no saved entry holds."""
+        if self.cache is None or len(slot.cached) - keeps < SAVE_MIN_TOKENS or self.cache.holds(slot.cached):
+            return
+        if any(save.seq == slot.seq for save in step.saves):
+            return  # already saved this step (a keep_prefix request just ended there)
+        step.saves.append(Save(slot.seq, tuple(slot.cached)))
+
+    def restored(self, request: Request[Any], ok: bool) -> None:
+        """The engine ran a step's Restore for `request`; on failure its prompt is prefilled from the start."""
+        request.restoring = False
+        slot = request.slot
+        if ok or slot is None or slot.request is not request:
+            return
+        slot.cached, slot.floor = [], 0
+        request.n_cached = request.n_prefilled = 0
+        request.cache_tier = None
 
     def _add_decode(self, step: Step, slot: Slot[Request[Any]], req: Request[Any], budget: int) -> int:
         draft = req.draft[: max(0, min(self.draft_room(req), budget - 1))]
@@ -222,6 +297,8 @@ class Scheduler:
             if slot.state is SlotState.PREFILL:
                 slot.cached = list(request.prompt[: request.n_prefilled])
             slot.state, slot.request = SlotState.IDLE, None
+            if request.keep_prefix and self.cache is not None and slot.cached and reason != "error":
+                self._pinned_saves.append(Save(slot.seq, tuple(slot.cached), pinned=True))
 
     def draft_room(self, request: Request[Any]) -> int:
         """How many draft tokens a generating request could still use this step: the decode row yields one token,

@@ -26,6 +26,9 @@ class Slot(Generic[R]):
     cached: list[int] = field(default_factory=list)  # tokens whose KV this sequence holds, in position order
     request: Optional[R] = None  # the request being served
     last_used: int = 0  # step counter, to prefer evicting the coldest cache
+    # The shortest prefix this cache can be cut to and continued (0: any). Above 0 after restoring a state that holds
+    # only the last window of sliding-window layers (backends.base.CacheShape.saved_floor).
+    floor: int = 0
 
     @property
     def busy(self) -> bool:
@@ -51,9 +54,25 @@ class SlotChoice(Generic[R]):
     copy_from: Optional[Slot[R]] = None
 
 
+def usable_prefix(shared: int, held: int, floor: int, *, recurrent: bool = False) -> int:
+    """How many of `held` cached tokens a request sharing `shared` of them can keep: all it shares, unless that cut
+    falls below the cache's floor (or, for a recurrent state, anywhere but its end); then none."""
+    lowest = held if recurrent else floor
+    return shared if shared >= lowest else 0
+
+
 class SlotTable(Generic[R]):
-    def __init__(self, n_slots: int):
+    def __init__(self, n_slots: int, *, recurrent: bool = False):
         self.slots: list[Slot[R]] = [Slot(seq=i) for i in range(n_slots)]
+        self.recurrent = recurrent  # recurrent states (Mamba, hybrids) continue only from their end
+
+    def usable(self, slot: Slot[R], prompt: Sequence[int], *, keep_last: bool = True) -> int:
+        """How much of `slot`'s cache a request for `prompt` can reuse. keep_last: at least the prompt's last token is
+        decoded again, since its output is the first generated token."""
+        shared = common_prefix(slot.cached, prompt)
+        if keep_last:
+            shared = min(shared, len(prompt) - 1)
+        return usable_prefix(shared, len(slot.cached), slot.floor, recurrent=self.recurrent)
 
     def free(self) -> list[Slot[R]]:
         return [s for s in self.slots if not s.busy]
@@ -71,7 +90,7 @@ class SlotTable(Generic[R]):
         free = self.free()
         if not free:
             return None
-        scored = [(common_prefix(s.cached, prompt), -s.last_used, s) for s in free]
+        scored = [(self.usable(s, prompt), -s.last_used, s) for s in free]
         own, _, slot = max(scored, key=lambda t: (t[0], t[1]))
         if own == 0:
             # Nothing to reuse: take the coldest free cache, so warm prefixes survive for later requests.
@@ -86,7 +105,7 @@ class SlotTable(Generic[R]):
         for s in self.slots:
             if s is exclude:
                 continue
-            n = common_prefix(s.cached, prompt)
+            n = self.usable(s, prompt)
             if n > best_len:
                 best, best_len = s, n
         return best, best_len

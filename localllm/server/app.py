@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__, config
 from ..client.protocol import Client
-from . import ollama_routes, openai_routes
+from . import ollama_routes, openai_routes, prompt_cache_routes
 from .metrics import CONTENT_TYPE, AccessLog, ServerMetrics
 from .responses import install_error_handlers
 from .security import GuardMiddleware, GuardSettings
@@ -88,6 +88,7 @@ def create_app(client: Optional[Client] = None, *, bound_host: Optional[str] = N
     app.include_router(service)
     app.include_router(ollama_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(prompt_cache_routes.router)
     # add_middleware wraps, so the last added runs first: access log, CORS, guard, then the JSON relabelling.
     app.add_middleware(AssumeJson)
     app.add_middleware(GuardMiddleware, settings=GuardSettings.from_config(bound_host))

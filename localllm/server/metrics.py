@@ -12,7 +12,7 @@ import time
 from typing import Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -30,7 +30,7 @@ class _EngineCollector(Collector):
     def __init__(self, client: Client):
         self._client = client
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         gauges = {
             "queue_depth": GaugeMetricFamily("localllm_queue_depth", "requests waiting for a slot", labels=["model"]),
             "slots_busy": GaugeMetricFamily("localllm_slots_busy", "slots decoding a request", labels=["model"]),
@@ -44,7 +44,24 @@ class _EngineCollector(Collector):
                 family.add_metric([row.name], getattr(row, name))
         loaded = GaugeMetricFamily("localllm_models_loaded", "models loaded now")
         loaded.add_metric([], len(rows))
-        return [*gauges.values(), loaded]
+        return [*gauges.values(), loaded, *_prefix_cache_families(rows)]
+
+
+def _prefix_cache_families(rows: list[api.ProcessModel]) -> list[GaugeMetricFamily | CounterMetricFamily]:
+    """Prefix-cache figures by tier: requests that reused a prefix, the prompt tokens they skipped, bytes held."""
+    hits = CounterMetricFamily("localllm_prefix_cache_hits", "requests that reused a cached prompt prefix, by tier",
+                               labels=["model", "tier"])
+    tokens = CounterMetricFamily("localllm_prefix_cache_tokens_reused", "prompt tokens reused from the prefix cache, "
+                                 "by tier", labels=["model", "tier"])
+    held = GaugeMetricFamily("localllm_prefix_cache_bytes", "bytes of saved prefixes held, by tier",
+                             labels=["model", "tier"])
+    for row in rows:
+        for tier in ("slot", "ram", "disk"):
+            hits.add_metric([row.name, tier], row.prefix_cache_hits.get(tier, 0))
+            tokens.add_metric([row.name, tier], row.prefix_cache_tokens.get(tier, 0))
+        held.add_metric([row.name, "ram"], row.cache_ram_bytes)
+        held.add_metric([row.name, "disk"], row.cache_disk_bytes)
+    return [hits, tokens, held]
 
 
 class ServerMetrics:

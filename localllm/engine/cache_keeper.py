@@ -1,0 +1,124 @@
+"""The engine thread's hands on the prefix cache: it carries out the saves and restores a step asks for, writes the
+prefixes out when the model unloads, and exports and imports states for prompt-cache files. The scheduler decides;
+this moves bytes between the backend's sequences and the cache (engine/prefix_cache.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from ..backends.base import LoadedModel
+from ..errors import InvalidInput, LocalLLMError
+from .prefix_cache import SAVE_MIN_TOKENS, CacheFileError, PrefixCache, as_tokens, decode_state, encode_state, \
+    shared_length
+from .scheduler import Restore, Save, Scheduler, Step
+
+log = logging.getLogger(__name__)
+
+
+class CacheKeeper:
+    def __init__(self, model: LoadedModel, cache: Optional[PrefixCache], scheduler: Scheduler):
+        self.model = model
+        self.cache = cache
+        self._scheduler = scheduler
+
+    def apply(self, step: Step) -> bool:
+        """Run the step's saves, then its restores (before its trims and copies); True when the cache changed.
+        The states to restore are read first: a save may evict the very entry a restore wants."""
+        states = [(restore, self._read(restore)) for restore in step.restores]
+        for save in step.saves:
+            self._save(save)
+        for restore, data in states:
+            if data is not None:
+                self._restore(restore, data)
+            else:  # the slot's old cache goes as planned, and the prompt starts afresh
+                self.model.remove(restore.seq, 0)
+                self._scheduler.restored(restore.request, ok=False)
+        return bool(step.saves or step.restores)
+
+    def _read(self, restore: Restore) -> Optional[bytes]:
+        assert self.cache is not None
+        try:
+            return self.cache.load(restore.entry)
+        except CacheFileError as exc:  # the cache has already dropped the file
+            log.warning("prefix cache: %s", exc)
+            return None
+
+    def _save(self, save: Save) -> None:
+        assert self.cache is not None
+        data = self.model.save_seq(save.seq)
+        if data is not None:
+            self.cache.put(save.tokens, data, pinned=save.pinned)
+
+    def _restore(self, restore: Restore, data: bytes) -> None:
+        """Load a saved prefix into the request's slot; on any failure the request prefills its whole prompt."""
+        cache, entry = self.cache, restore.entry
+        assert cache is not None
+        try:
+            self.model.restore_seq(restore.seq, data)
+        except LocalLLMError as exc:
+            log.warning("prefix cache: dropping an entry of %d tokens: %s", entry.n_tokens, exc)
+            cache.drop(entry)
+            self._scheduler.restored(restore.request, ok=False)
+            return
+        if restore.keep < entry.n_tokens:
+            self.model.remove(restore.seq, restore.keep)
+        cache.hit(entry)
+        self._scheduler.restored(restore.request, ok=True)
+
+    def keep_on_disk(self) -> None:
+        """On unload with a disk tier: save what the slots hold and write the RAM tier out, so a restarted server
+        finds every prefix again."""
+        cache = self.cache
+        if cache is None or cache.disk is None:
+            return
+        try:
+            for slot in self._scheduler.table.slots:
+                if len(slot.cached) >= SAVE_MIN_TOKENS and not cache.holds(slot.cached):
+                    self._save(Save(slot.seq, tuple(slot.cached)))
+            cache.flush()
+        except Exception:  # the prefixes are a convenience: an unload must finish whatever happens here
+            log.exception("could not write the prefix cache to disk")
+
+    # ----------------------------------------------------------------------------------------------- files
+
+    def export(self, tokens: list[int]) -> bytes:
+        """The longest cached prefix of `tokens` (a slot's or a saved one) in the prefix cache's file format."""
+        cache = self._cache_for_files()
+        wanted = as_tokens(tokens)
+        table = self._scheduler.table
+        slot = max(table.slots, key=lambda s: table.usable(s, tokens, keep_last=False))
+        in_slot = table.usable(slot, tokens, keep_last=False)
+        entry = max(cache.entries, key=lambda e: shared_length(e.tokens, wanted), default=None)
+        in_entry = shared_length(entry.tokens, wanted) if entry is not None else 0
+        if max(in_slot, in_entry) == 0:
+            raise InvalidInput("nothing of this conversation is in the prompt cache", hint="send a message first")
+        if in_slot >= in_entry:
+            data = self.model.save_seq(slot.seq)
+            if data is None:
+                raise InvalidInput("this backend cannot save sequence states")
+            held = as_tokens(slot.cached)
+            return b"".join(encode_state(cache.digest, cache.shape.fingerprint, held,
+                                         cache.shape.saved_floor(len(slot.cached)), data))
+        assert entry is not None
+        return b"".join(encode_state(cache.digest, cache.shape.fingerprint, entry.tokens, entry.floor,
+                                     cache.load(entry)))
+
+    def import_(self, blob: bytes) -> int:
+        """Pin a state from export() in the cache; the number of tokens it holds."""
+        cache = self._cache_for_files()
+        try:
+            state = decode_state(blob, cache.digest, cache.shape.fingerprint)
+        except CacheFileError as exc:
+            raise InvalidInput(f"the prompt cache cannot be loaded: {exc}",
+                               hint="it was saved with another model, build or load options") from None
+        if cache.put(state.tokens, state.data, pinned=True) is None:
+            raise InvalidInput(f"the prompt cache ({len(state.data):,} bytes) does not fit in the prefix cache",
+                               hint="raise LOCALLLM_CACHE_RAM")
+        return int(state.tokens.shape[0])
+
+    def _cache_for_files(self) -> PrefixCache:
+        if self.cache is None or not self.cache.shape.fingerprint:
+            raise InvalidInput("prompt-cache files need the prefix cache, which is off for this model",
+                               hint="set LOCALLLM_CACHE_RAM above 0 (and use the llama.cpp backend)")
+        return self.cache

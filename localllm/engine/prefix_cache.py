@@ -1,0 +1,447 @@
+"""The prefix cache beyond the slots: sequence states saved when a slot is taken for another prefix, kept in host RAM
+(LOCALLLM_CACHE_RAM) and, optionally, spilled to disk (LOCALLLM_CACHE_DISK) so prefixes survive a restart.
+
+The slots are the first tier (engine/slots.py). When a slot is about to lose at least SAVE_MIN_TOKENS of its cache,
+the scheduler asks the engine to save the slot's state first; a new request then looks in the slots, then here, and a
+saved prefix that beats the best slot by RESTORE_MIN_GAIN tokens is restored into the slot before its prompt's rest
+is prefilled. The scheduler reads only the index (`lookup`, `holds`); the engine thread moves the bytes.
+
+Which entry to evict: GreedyDual-Size-Frequency (Cherkasova 1998). Each entry's priority is
+    H = L + (hits + 1) * tokens / bytes
+where L rises to the priority of each evicted entry, so an entry not hit for a while ages below newer ones; a prefix
+hit often (a system prompt shared by many conversations) or one that saves many prefill tokens per byte held stays.
+Pinned entries (a request's keep_prefix) are never evicted while they hold at most half the budget.
+
+A disk file is a small header (model digest, the load's CacheShape.fingerprint: slots, context, KV types, llama.cpp
+build), the tokens and the state, with a blake2b checksum over tokens and state; it is written to a temporary name and
+renamed, and checked before it is loaded. A file that is corrupt or belongs to another model or load is deleted,
+never loaded."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from .. import config
+from ..backends.base import CacheShape, LoadedModel
+from ..errors import LocalLLMError
+from ..models.plan import available_memory
+
+log = logging.getLogger(__name__)
+
+SAVE_MIN_TOKENS = 32  # a slot losing fewer cached tokens than this is not worth a save (a prefill that short is quick)
+RESTORE_MIN_GAIN = 32  # restore only when the saved prefix beats the best slot by at least this many tokens
+PIN_SHARE = 0.5  # pinned entries may hold at most this share of a tier's budget
+
+MAGIC = b"LLMKV01\n"
+_HEADER_LEN = struct.Struct("<I")
+_MAX_HEADER = 1 << 16
+
+
+class CacheFileError(LocalLLMError):
+    """A prefix-cache file that cannot be used: corrupt, truncated, or written for another model or load."""
+
+
+@dataclass(eq=False)
+class Entry:
+    """One saved prefix: its tokens, the shortest cut it allows, and where its bytes are."""
+
+    tokens: np.ndarray  # int32
+    floor: int
+    size: int  # bytes of the state
+    data: Optional[bytes] = None  # held in RAM
+    path: Optional[Path] = None  # written to disk
+    hits: int = 0
+    priority: float = 0.0
+    pinned: bool = False
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def tier(self) -> str:
+        return "ram" if self.data is not None else "disk"
+
+
+@dataclass(frozen=True)
+class Match:
+    """A saved prefix a request can use: restore `entry` and keep its first `reuse` tokens."""
+
+    entry: Entry
+    reuse: int
+
+    @property
+    def tier(self) -> str:
+        return self.entry.tier
+
+
+@dataclass
+class TierFigures:
+    bytes_held: int = 0
+    entries: int = 0
+    limit: int = 0
+
+
+@dataclass
+class CacheFigures:
+    ram: TierFigures = field(default_factory=TierFigures)
+    disk: TierFigures = field(default_factory=TierFigures)
+
+
+def ram_limit() -> int:
+    """LOCALLLM_CACHE_RAM, or by default an eighth of the memory available now and at most 8 GiB (llama-server's
+    --cache-ram default): room for dozens of conversations' prefixes, never more than the machine can spare."""
+    configured = config.CACHE_RAM.get()
+    if configured is not None:
+        return configured
+    return min(8 * 1024**3, (available_memory() or 0) // 8)
+
+
+def make_prefix_cache(model: LoadedModel, digest: str) -> PrefixCache:
+    """The tiers for one loaded model: RAM always (unless LOCALLLM_CACHE_RAM=0), disk when LOCALLLM_CACHE_DISK is set
+    and the backend can describe its states (a fingerprint)."""
+    shape = model.cache_shape()
+    disk_limit = config.CACHE_DISK.get()
+    disk = None
+    if disk_limit > 0 and shape.fingerprint:
+        disk = DiskTier.under(config.prefix_cache_dir(), limit=disk_limit, digest=digest, fingerprint=shape.fingerprint)
+    return PrefixCache(shape, ram_limit=ram_limit(), disk=disk, digest=digest)
+
+
+def as_tokens(tokens: Sequence[int]) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int32)
+
+
+def shared_length(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays."""
+    n = min(a.shape[0], b.shape[0])
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+class PrefixCache:
+    """The RAM tier and, when given, the disk tier below it. The index is read by the scheduler; everything that
+    moves bytes runs on the engine thread."""
+
+    def __init__(self, shape: CacheShape, *, ram_limit: int, disk: Optional["DiskTier"] = None, digest: str = ""):
+        self.shape = shape
+        self.digest = digest  # the model's, written into exported states (prompt-cache files)
+        self.ram_limit = max(0, ram_limit)
+        self.disk = disk
+        self.entries: list[Entry] = disk.scan() if disk is not None else []
+        self._inflation = 0.0  # GDSF's L
+        for entry in self.entries:
+            entry.priority = self._priority(entry)
+
+    @property
+    def enabled(self) -> bool:
+        return self.ram_limit > 0 or self.disk is not None
+
+    # ----------------------------------------------------------------------------------------------- index
+
+    def lookup(self, prompt: Sequence[int]) -> Optional[Match]:
+        """The saved prefix that lets `prompt` skip the most tokens (RAM before disk on ties); None if none does."""
+        if not self.entries or len(prompt) < 2:
+            return None
+        wanted = as_tokens(prompt)
+        best: Optional[Match] = None
+        for entry in self.entries:
+            # Keep the prompt's last token to decode: its output is the first generated token.
+            shared = min(shared_length(entry.tokens, wanted), len(prompt) - 1)
+            reuse = shared if shared >= (entry.n_tokens if self.shape.recurrent else entry.floor) else 0
+            if reuse and (best is None or (reuse, entry.tier == "ram") > (best.reuse, best.tier == "ram")):
+                best = Match(entry, reuse)
+        return best
+
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """Whether an entry already serves every request `tokens` would (saving them again would add nothing)."""
+        wanted = as_tokens(tokens)
+        floor = self.shape.saved_floor(len(tokens))
+        return any(self._covers(entry, wanted, floor) for entry in self.entries)
+
+    @staticmethod
+    def _covers(entry: Entry, tokens: np.ndarray, floor: int) -> bool:
+        n = tokens.shape[0]
+        return entry.n_tokens >= n and entry.floor <= floor and shared_length(entry.tokens, tokens) == n
+
+    # ----------------------------------------------------------------------------------------------- engine thread
+
+    def put(self, tokens: Sequence[int], data: bytes, *, pinned: bool = False) -> Optional[Entry]:
+        """Keep a state saved after `tokens`; entries it makes redundant go. None when no tier has room."""
+        arr = as_tokens(tokens)
+        entry = Entry(tokens=arr, floor=self.shape.saved_floor(len(tokens)), size=len(data), data=data, pinned=pinned)
+        covering = next((e for e in self.entries if self._covers(e, arr, entry.floor)), None)
+        if covering is not None:  # an entry already serves every prompt this one would
+            covering.pinned |= pinned
+            return covering
+        for old in [e for e in self.entries if self._covers(entry, e.tokens, e.floor)]:
+            entry.hits += old.hits
+            entry.pinned |= old.pinned
+            self._forget(old)
+        entry.priority = self._priority(entry)
+        kept = self._make_room_in_ram(entry)
+        if not kept:
+            entry.data = None
+            kept = self._spill(entry, data)
+        if not kept:
+            return None
+        entry.priority = self._priority(entry)  # at the inflation its evictions reached: it is the newest
+        self.entries.append(entry)
+        return entry
+
+    def load(self, entry: Entry) -> bytes:
+        """The entry's state; a disk file that fails its checks is deleted and raises CacheFileError."""
+        if entry.data is not None:
+            return entry.data
+        if self.disk is None or entry.path is None:
+            raise CacheFileError(f"the saved prefix of {entry.n_tokens} tokens was evicted before it was restored")
+        try:
+            return self.disk.read(entry)
+        except CacheFileError:
+            self._forget(entry)
+            raise
+
+    def hit(self, entry: Entry) -> None:
+        entry.hits += 1
+        entry.priority = self._priority(entry)
+
+    def drop(self, entry: Entry) -> None:
+        """Forget an entry whose state did not load."""
+        self._forget(entry)
+
+    def flush(self) -> None:
+        """Write every RAM entry the disk lacks (the model is being unloaded: prefixes survive a restart)."""
+        if self.disk is None:
+            return
+        for entry in sorted(self.entries, key=lambda e: e.priority, reverse=True):
+            if entry.data is not None and entry.path is None:
+                self._spill(entry, entry.data)
+
+    def figures(self) -> CacheFigures:
+        ram = [e for e in self.entries if e.data is not None]
+        disk = [e for e in self.entries if e.path is not None]
+        return CacheFigures(
+            ram=TierFigures(sum(e.size for e in ram), len(ram), self.ram_limit),
+            disk=TierFigures(sum(e.size for e in disk), len(disk), self.disk.limit if self.disk else 0))
+
+    # ----------------------------------------------------------------------------------------------- eviction
+
+    def _priority(self, entry: Entry) -> float:
+        return self._inflation + (entry.hits + 1) * entry.n_tokens / max(1, entry.size)
+
+    def _make_room_in_ram(self, entry: Entry) -> bool:
+        if entry.size > self.ram_limit:
+            return False
+        self._limit_pins([e for e in self.entries if e.data is not None] + [entry], self.ram_limit)
+        while self._ram_bytes() + entry.size > self.ram_limit:
+            victims = [e for e in self.entries if e.data is not None and not e.pinned]
+            if not victims:
+                return False
+            victim = min(victims, key=lambda e: e.priority)
+            self._inflation = max(self._inflation, victim.priority)
+            self._evict_from_ram(victim)
+        return True
+
+    def _evict_from_ram(self, victim: Entry) -> None:
+        data, victim.data = victim.data, None
+        if victim.path is not None or (data is not None and self._spill(victim, data)):
+            return  # it lives on, on disk
+        self.entries.remove(victim)
+
+    def _spill(self, entry: Entry, data: bytes) -> bool:
+        if self.disk is None or entry.size > self.disk.limit:
+            return False
+        on_disk = [e for e in self.entries if e.path is not None]
+        self._limit_pins(on_disk + [entry], self.disk.limit)
+        while sum(e.size for e in on_disk) + entry.size > self.disk.limit:
+            victims = [e for e in on_disk if not e.pinned]
+            if not victims:
+                return False
+            victim = min(victims, key=lambda e: e.priority)
+            on_disk.remove(victim)
+            self.disk.remove(victim)
+            victim.path = None
+            if victim.data is None:
+                self.entries.remove(victim)
+        entry.path = self.disk.write(entry, data)
+        return entry.path is not None
+
+    @staticmethod
+    def _limit_pins(entries: Iterable[Entry], limit: int) -> None:
+        """Unpin the oldest pins beyond PIN_SHARE of `limit`, so pins can never fill a tier."""
+        pinned = [e for e in entries if e.pinned]
+        total = sum(e.size for e in pinned)
+        for entry in pinned:
+            if total <= limit * PIN_SHARE:
+                return
+            entry.pinned = False
+            total -= entry.size
+
+    def _ram_bytes(self) -> int:
+        return sum(e.size for e in self.entries if e.data is not None)
+
+    def _forget(self, entry: Entry) -> None:
+        if entry in self.entries:
+            self.entries.remove(entry)
+        if entry.path is not None and self.disk is not None:
+            self.disk.remove(entry)
+        entry.data, entry.path = None, None
+
+
+class DiskTier:
+    """Prefix files of one model and one load's fingerprint, in a folder of their own, within `limit` bytes."""
+
+    def __init__(self, folder: Path, *, limit: int, digest: str, fingerprint: str):
+        self.folder = folder
+        self.limit = limit
+        self.digest = digest
+        self.fingerprint = fingerprint
+
+    @classmethod
+    def under(cls, root: Path, *, limit: int, digest: str, fingerprint: str) -> "DiskTier":
+        """The tier's folder: root/<model digest>/<hash of the fingerprint>."""
+        key = hashlib.blake2b(fingerprint.encode(), digest_size=8).hexdigest()
+        return cls(root / digest / key, limit=limit, digest=digest, fingerprint=fingerprint)
+
+    def scan(self) -> list[Entry]:
+        """Index the files already here (their headers only); a file that fails its header is deleted."""
+        if not self.folder.is_dir():
+            return []
+        for stale in self.folder.glob("*.tmp"):
+            _unlink(stale)  # a write that never finished
+        entries = []
+        for path in sorted(self.folder.glob("*.kv")):
+            try:
+                entries.append(self._index(path))
+            except (CacheFileError, OSError) as exc:
+                log.warning("dropping prefix-cache file %s: %s", path.name, exc)
+                _unlink(path)
+        return entries
+
+    def write(self, entry: Entry, data: bytes) -> Optional[Path]:
+        tokens = entry.tokens.astype("<i4").tobytes()
+        path = self.folder / f"{hashlib.blake2b(tokens, digest_size=16).hexdigest()}.kv"
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as handle:
+                for part in encode_state(self.digest, self.fingerprint, entry.tokens, entry.floor, data,
+                                         pinned=entry.pinned):
+                    handle.write(part)
+            os.replace(tmp, path)
+        except OSError as exc:  # a full or read-only disk costs the entry, never the request
+            log.warning("could not write prefix-cache file %s: %s", path, exc)
+            _unlink(tmp)
+            return None
+        return path
+
+    def read(self, entry: Entry) -> bytes:
+        assert entry.path is not None
+        try:
+            raw = entry.path.read_bytes()
+        except OSError as exc:
+            raise CacheFileError(f"prefix-cache file {entry.path.name} cannot be read: {exc}") from None
+        try:
+            state = decode_state(raw, self.digest, self.fingerprint)
+        except CacheFileError as exc:
+            _unlink(entry.path)
+            raise CacheFileError(f"prefix-cache file {entry.path.name}: {exc}") from None
+        if not np.array_equal(state.tokens, entry.tokens):
+            _unlink(entry.path)
+            raise CacheFileError(f"prefix-cache file {entry.path.name} changed since it was indexed")
+        return state.data
+
+    def remove(self, entry: Entry) -> None:
+        if entry.path is not None:
+            _unlink(entry.path)
+
+    def _index(self, path: Path) -> Entry:
+        with open(path, "rb") as handle:
+            head = handle.read(len(MAGIC) + _HEADER_LEN.size + _MAX_HEADER)
+            try:
+                header, offset = read_header(head, self.digest, self.fingerprint)
+            except CacheFileError as exc:
+                raise CacheFileError(f"{path.name}: {exc}") from None
+            handle.seek(offset)
+            tokens = np.frombuffer(handle.read(4 * header["n_tokens"]), dtype="<i4").astype(np.int32)
+        expected = offset + 4 * header["n_tokens"] + header["size"]
+        if tokens.shape[0] != header["n_tokens"] or path.stat().st_size != expected:
+            raise CacheFileError(f"{path.name}: truncated")
+        return Entry(tokens=tokens, floor=int(header["floor"]), size=int(header["size"]), path=path,
+                     pinned=bool(header.get("pinned")))
+
+
+@dataclass(frozen=True)
+class SavedState:
+    tokens: np.ndarray
+    floor: int
+    data: bytes
+
+
+def encode_state(digest: str, fingerprint: str, tokens: np.ndarray, floor: int, data: bytes, *,
+                 pinned: bool = False) -> tuple[bytes, bytes, bytes]:
+    """A saved state as the parts of a file (disk tier, prompt-cache files): header, tokens, state."""
+    raw_tokens = tokens.astype("<i4").tobytes()
+    header = json.dumps({"digest": digest, "fingerprint": fingerprint, "floor": int(floor),
+                         "n_tokens": int(tokens.shape[0]), "size": len(data), "pinned": pinned,
+                         "checksum": _checksum(raw_tokens, data)}).encode()
+    return MAGIC + _HEADER_LEN.pack(len(header)) + header, raw_tokens, data
+
+
+def decode_state(raw: bytes, digest: str, fingerprint: str) -> SavedState:
+    """Check and open what encode_state wrote; CacheFileError says why it cannot be used here."""
+    header, offset = read_header(raw, digest, fingerprint)
+    end = offset + 4 * header["n_tokens"]
+    tokens, data = raw[offset:end], raw[end:]
+    if len(tokens) != 4 * header["n_tokens"] or len(data) != header["size"]:
+        raise CacheFileError("truncated")
+    if _checksum(tokens, data) != header["checksum"]:
+        raise CacheFileError("corrupt (its checksum does not match)")
+    return SavedState(np.frombuffer(tokens, dtype="<i4").astype(np.int32), int(header["floor"]), data)
+
+
+def read_header(raw: bytes, digest: str, fingerprint: str) -> tuple[dict, int]:
+    """The header of a saved state and where its tokens start, checked against this model and load."""
+    if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + _HEADER_LEN.size:
+        raise CacheFileError("not a prefix-cache file")
+    (length,) = _HEADER_LEN.unpack_from(raw, len(MAGIC))
+    start = len(MAGIC) + _HEADER_LEN.size
+    if length > _MAX_HEADER or len(raw) < start + length:
+        raise CacheFileError("truncated header")
+    try:
+        header = json.loads(raw[start: start + length])
+        valid = isinstance(header, dict) and all(isinstance(header.get(k), int) and header[k] >= 0
+                                                 for k in ("floor", "n_tokens", "size"))
+    except ValueError:
+        valid = False
+    if not valid:
+        raise CacheFileError("unreadable header")
+    if header.get("digest") != digest:
+        raise CacheFileError(f"written for another model ({header.get('digest')})")
+    if header.get("fingerprint") != fingerprint:
+        raise CacheFileError(f"written for another load ({header.get('fingerprint')})")
+    return header, start + length
+
+
+def _checksum(tokens: bytes, data: bytes) -> str:
+    digest = hashlib.blake2b(tokens, digest_size=16)
+    digest.update(data)
+    return digest.hexdigest()
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
