@@ -133,10 +133,14 @@ MAX_BODY = Setting("LOCALLLM_MAX_BODY", "largest request body in bytes (413 abov
                    lambda: 32 * 1024 * 1024)
 LOG_LEVEL = Setting("LOCALLLM_LOG_LEVEL", "server log level: debug, info, warning, error",
                     lambda raw: _one_of(raw.lower(), ("debug", "info", "warning", "error")), lambda: "info")
+RESPONSES_MAX = Setting("LOCALLLM_RESPONSES_MAX", "stored /v1/responses kept for previous_response_id; the oldest "
+                        "go first", parse_positive_int, lambda: 1000)
+RESPONSES_MAX_AGE = Setting("LOCALLLM_RESPONSES_MAX_AGE", "how long a stored /v1/responses answer is kept (720h, 7d "
+                            "as 168h)", parse_duration, lambda: 30 * 24 * 3600.0)
 
 ALL: tuple[Setting, ...] = (HOME, HOST, NUM_PARALLEL, MAX_QUEUE, KEEP_ALIVE, MAX_LOADED_MODELS, CONTEXT_LENGTH,
                             NUM_THREAD, KV_CACHE_TYPE, FLASH_ATTENTION, ORIGINS, ALLOWED_HOSTS, API_KEY, OFFLINE,
-                            MAX_BODY, LOG_LEVEL)
+                            MAX_BODY, LOG_LEVEL, RESPONSES_MAX, RESPONSES_MAX_AGE)
 
 
 def _one_of(raw: str, choices: tuple[str, ...]) -> str:
@@ -147,6 +151,11 @@ def _one_of(raw: str, choices: tuple[str, ...]) -> str:
 
 def models_dir() -> Path:
     return HOME.get() / "models"
+
+
+def responses_dir() -> Path:
+    """Where stored /v1/responses answers live."""
+    return HOME.get() / "responses"
 
 
 def base_url() -> str:

@@ -152,6 +152,10 @@ class HttpClient:
     def embed(self, request: api.EmbedRequest) -> api.EmbedResponse:
         return self._post("/api/embed", _body(request), api.EmbedResponse)
 
+    def count_tokens(self, request: api.ChatRequest) -> int:
+        body = request.model_dump(mode="json", exclude_none=True, by_alias=True)
+        return int(self._call("POST", "/api/count_tokens", body).json()["input_tokens"])
+
 
 def _body(request: BaseModel) -> dict:
     body = request.model_dump(mode="json", exclude_none=True, by_alias=True)

@@ -21,6 +21,8 @@ from ..engine.speculative import load_speculation
 from ..models.store import ResolvedModel, Store
 from ..structured import grammar_for_format, parse_tool_calls, tool_choice_grammar
 from ..templates import render_chat
+from ..thinking import (Split, Think, ThinkingSplitter, check_thinking, opens_thinking, parse_think,
+                        supports_thinking, thinking_grammar)
 
 
 def _keep_alive(value: Any) -> Optional[float]:
@@ -92,10 +94,15 @@ class LocalClient:
             yield from self._load_only(model, load, keep_alive, request.model)
             return
         grammar = grammar_for_format(request.format)
+        think = parse_think(request.think)
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
-            tokens = self._generate_tokens(loaded, model, request)
-            stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate,
-                                                           _logprobs_wanted(request)))
+            template = request.template or self._template(loaded, model)
+            check_thinking(request.model, template, think)
+            text = self._generate_text(loaded, model, request, template, think)
+            answer = _Answer.start(loaded, template, text, think, sampling.stop)
+            tokens = list(request.context or []) + (self._tokenize(loaded, text) if text else [])
+            stream = loaded.engine.submit(GenerationParams(tokens, sampling, answer.grammar(grammar),
+                                                           request.truncate, _logprobs_wanted(request)))
             first = loaded.engine.stats.requests == 0
             generated: list[int] = []
             for chunk in stream:
@@ -104,25 +111,25 @@ class LocalClient:
                 # the prompt's tokens as sent to the engine and the answer's, so the next request finds them in the
                 # prefix cache (all but the answer's last token, which was never decoded).
                 context = tokens + generated if chunk.done and not request.raw else None
-                yield self._generate_chunk(request.model, chunk, loaded, first, context)
+                yield self._generate_chunk(request.model, chunk, loaded, first, context, answer)
 
-    def _generate_tokens(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest) -> list[int]:
+    def _generate_text(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest,
+                       template: Optional[str], think: Think) -> str:
         if request.raw:
-            text = request.prompt
-        else:
-            messages = _messages_with_system(model, request.system, [api.Message(role="user", content=request.prompt)])
-            text = self._render(loaded, model, messages, template=request.template)
-        tokens = list(request.context or []) + (self._tokenize(loaded, text) if text else [])
-        return tokens
+            return request.prompt
+        messages = _messages_with_system(model, request.system, [api.Message(role="user", content=request.prompt)])
+        return self._render(loaded, model, messages, template=template, extra=think.template_variables())
 
     @staticmethod
     def _generate_chunk(name: str, chunk: EngineChunk, loaded: Loaded, first: bool,
-                        context: Optional[list[int]]) -> api.GenerateChunk:
+                        context: Optional[list[int]], answer: "_Answer") -> api.GenerateChunk:
+        split = answer.feed(chunk)
         if not chunk.done:
-            return api.GenerateChunk(model=name, response=chunk.text, tokens=list(chunk.tokens),
-                                     logprobs=_logprobs(loaded, chunk))
-        return api.GenerateChunk(model=name, response=chunk.text, done=True, done_reason=chunk.done_reason,
-                                 context=context, **_timing_fields(chunk, loaded, first))
+            return api.GenerateChunk(model=name, response=split.content, thinking=split.thinking or None,
+                                     tokens=list(chunk.tokens), logprobs=_logprobs(loaded, chunk))
+        return api.GenerateChunk(model=name, response=split.content, thinking=split.thinking or None, done=True,
+                                 done_reason=chunk.done_reason, context=context, stop_sequence=answer.stop_sequence,
+                                 **_timing_fields(chunk, loaded, first))
 
     def chat(self, request: api.ChatRequest) -> Iterator[api.ChatChunk]:
         for message in request.messages:
@@ -136,38 +143,65 @@ class LocalClient:
             return
         grammar = grammar_for_format(request.format) or tool_choice_grammar(request.tools, request.tool_choice)
         tools = request.tools if request.tool_choice != "none" else None
+        think = parse_think(request.think)
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
-            messages = _messages_with_system(model, None, request.messages)
-            text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None)
-            tokens = self._tokenize(loaded, text)
-            stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate,
-                                                           _logprobs_wanted(request)))
+            tokens, answer = self._chat_prompt(loaded, model, request, tools, think, sampling.stop)
+            stream = loaded.engine.submit(GenerationParams(tokens, sampling, answer.grammar(grammar),
+                                                           request.truncate, _logprobs_wanted(request)))
             first = loaded.engine.stats.requests == 0
             if tools:
-                yield from self._chat_with_tools(request.model, stream, loaded, first, tools)
+                yield from self._chat_with_tools(request.model, stream, loaded, first, tools, answer)
             else:
                 for chunk in stream:
-                    yield self._chat_chunk(request.model, chunk, loaded, first)
+                    yield self._chat_chunk(request.model, chunk, loaded, first, answer)
 
-    def _chat_with_tools(self, name: str, stream, loaded: Loaded, first: bool, tools) -> Iterator[api.ChatChunk]:
+    def count_tokens(self, request: api.ChatRequest) -> int:
+        """The prompt tokens `request` would take (the model's template applied, tools included), loading the
+        model for its tokenizer."""
+        model = self.store.resolve(request.model)
+        load, _ = resolve_options(model, request.options)
+        tools = request.tools if request.tool_choice != "none" else None
+        with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
+            tokens, _ = self._chat_prompt(loaded, model, request, tools, parse_think(request.think), [])
+        return len(tokens)
+
+    def _chat_prompt(self, loaded: Loaded, model: ResolvedModel, request: api.ChatRequest, tools,
+                     think: Think, stops: list[str]) -> tuple[list[int], "_Answer"]:
+        template = self._template(loaded, model)
+        check_thinking(request.model, template, think)
+        messages = _messages_with_system(model, None, request.messages)
+        text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None,
+                            extra=think.template_variables())
+        tokens = self._tokenize(loaded, text)
+        return tokens, _Answer.start(loaded, template, text, think, stops, prompt_tokens=len(tokens))
+
+    def _chat_with_tools(self, name: str, stream, loaded: Loaded, first: bool, tools,
+                         answer: "_Answer") -> Iterator[api.ChatChunk]:
         # Tool calls can only be recognised once the whole answer is known, so the text is held until the end.
         parts: list[str] = []
+        thinking: list[str] = []
         for chunk in stream:
-            parts.append(chunk.text)
+            split = answer.feed(chunk)
+            parts.append(split.content)
+            thinking.append(split.thinking)
             if chunk.done:
                 content, calls = parse_tool_calls("".join(parts), tools)
-                message = api.Message(role="assistant", content=content, tool_calls=calls or None)
+                message = api.Message(role="assistant", content=content, thinking="".join(thinking) or None,
+                                      tool_calls=calls or None)
                 yield api.ChatChunk(model=name, message=message, done=True, done_reason=chunk.done_reason,
-                                    **_timing_fields(chunk, loaded, first))
+                                    stop_sequence=answer.stop_sequence, **_timing_fields(chunk, loaded, first))
 
     @staticmethod
-    def _chat_chunk(name: str, chunk: EngineChunk, loaded: Loaded, first: bool) -> api.ChatChunk:
-        message = api.Message(role="assistant", content=chunk.text)
+    def _chat_chunk(name: str, chunk: EngineChunk, loaded: Loaded, first: bool, answer: "_Answer") -> api.ChatChunk:
+        split = answer.feed(chunk)
+        message = api.Message(role="assistant", content=split.content, thinking=split.thinking or None)
         if not chunk.done:
+            # The first chunk also says how long the prompt is, for streams that announce it before the answer
+            # (Anthropic's message_start); Ollama's NDJSON leaves timing fields off all but the last chunk.
             return api.ChatChunk(model=name, message=message, tokens=list(chunk.tokens),
-                                 logprobs=_logprobs(loaded, chunk))
+                                 logprobs=_logprobs(loaded, chunk), prompt_eval_count=answer.announce())
         return api.ChatChunk(model=name, message=message, done=True, done_reason=chunk.done_reason,
-                             **_timing_fields(chunk, loaded, first))
+                             stop_sequence=answer.stop_sequence, **_timing_fields(chunk, loaded, first))
 
     def embed(self, request: api.EmbedRequest) -> api.EmbedResponse:
         model = self.store.resolve(request.model)
@@ -202,12 +236,18 @@ class LocalClient:
         yield api.GenerateChunk(model=name, done=True, done_reason=reason)
 
     @staticmethod
-    def _render(loaded: Loaded, model: ResolvedModel, messages: list[api.Message], *,
-                template: Optional[str] = None, tools: Optional[list] = None) -> str:
+    def _template(loaded: Loaded, model: ResolvedModel) -> Optional[str]:
+        """The chat template in force: the Modelfile's TEMPLATE, else the weights' own."""
+        return model.template or loaded.engine.model.meta.chat_template
+
+    def _render(self, loaded: Loaded, model: ResolvedModel, messages: list[api.Message], *,
+                template: Optional[str] = None, tools: Optional[list] = None,
+                extra: Optional[dict[str, Any]] = None) -> str:
         meta = loaded.engine.model.meta
-        source = template or model.template or meta.chat_template
+        source = template or self._template(loaded, model)
         return render_chat(source, [m.model_dump(exclude_none=True) for m in messages], tools=tools,
-                           bos_token=_token_text(loaded, meta.bos_token), eos_token=_token_text(loaded, meta.eos_token))
+                           bos_token=_token_text(loaded, meta.bos_token), eos_token=_token_text(loaded, meta.eos_token),
+                           extra=extra)
 
     @staticmethod
     def _tokenize(loaded: Loaded, text: str) -> list[int]:
@@ -216,6 +256,60 @@ class LocalClient:
         # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
         add_special = not (bos and text.startswith(bos))
         return loaded.engine.tokenize(text, add_special=add_special, parse_special=True)
+
+
+class _Answer:
+    """One answer on its way out: its thinking split from its content, and which stop string ended it."""
+
+    def __init__(self, loaded: Loaded, splitter: Optional[ThinkingSplitter], thinks: bool, stops: list[str],
+                 prompt_tokens: int = 0):
+        self._loaded = loaded
+        self._prompt_tokens = prompt_tokens
+        self._splitter = splitter
+        self._thinks = thinks
+        self._stops = sorted(s for s in stops if s)
+        self._text: list[str] = []
+        self._tokens: list[int] = []
+        self.stop_sequence: Optional[str] = None
+
+    @classmethod
+    def start(cls, loaded: Loaded, template: Optional[str], prompt: str, think: Think, stops: list[str], *,
+              prompt_tokens: int = 0) -> "_Answer":
+        # A reasoning model's tags are always split off, even when thinking was turned off and it thinks anyway.
+        capable = supports_thinking(template)
+        splitter = ThinkingSplitter(opened=opens_thinking(prompt)) if capable else None
+        return cls(loaded, splitter, capable and think.enabled is not False, stops, prompt_tokens)
+
+    def announce(self) -> int:
+        """The prompt's length the first time, 0 after."""
+        count, self._prompt_tokens = self._prompt_tokens, 0
+        return count
+
+    def grammar(self, grammar: Optional[str]) -> Optional[str]:
+        """Structured output on a thinking answer applies after the think block (as Ollama does)."""
+        if grammar is None or not self._thinks or self._splitter is None:
+            return grammar
+        return thinking_grammar(grammar, opened=self._splitter.thinking)
+
+    def feed(self, chunk: EngineChunk) -> Split:
+        self._text.append(chunk.text)
+        self._tokens.extend(chunk.tokens)
+        if self._splitter is None:
+            split = Split(content=chunk.text)
+        else:
+            split = self._splitter.feed(chunk.text)
+            if chunk.done:
+                tail = self._splitter.flush()
+                split = Split(split.thinking + tail.thinking, split.content + tail.content)
+        if chunk.done and chunk.done_reason == "stop" and self._stops:
+            self.stop_sequence = self._matched_stop()
+        return split
+
+    def _matched_stop(self) -> Optional[str]:
+        # The engine hides the stop string; what the answer's tokens spell beyond the text shown begins with it.
+        spelled = b"".join(self._loaded.engine.model.token_bytes(t) for t in self._tokens).decode("utf-8", "replace")
+        rest = spelled[len("".join(self._text)):]
+        return next((s for s in self._stops if rest.startswith(s)), None)
 
 
 def _logprobs_wanted(request: api.GenerateRequest | api.ChatRequest) -> Optional[int]:

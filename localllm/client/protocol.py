@@ -35,4 +35,7 @@ class Client(Protocol):
 
     def chat(self, request: ChatRequest) -> Iterator[ChatChunk]: ...
 
+    def count_tokens(self, request: ChatRequest) -> int:
+        """The prompt tokens `request` would take, the model's template applied (Anthropic's count_tokens)."""
+
     def embed(self, request: EmbedRequest) -> EmbedResponse: ...

@@ -31,7 +31,7 @@ def show_model(store: Store, name: str) -> api.ShowResponse:
         system=model.system or "",
         details=model.details,
         model_info=info.model_info() if info else {},
-        capabilities=_capabilities(template),
+        capabilities=capabilities(template),
         modified_at=model.modified_at,
         path=str(model.weights),
         draft=model.draft,
@@ -79,11 +79,16 @@ def _inspect(model: ResolvedModel):
     return inspect_gguf(model.weights)
 
 
-def _capabilities(template: str) -> list[str]:
-    capabilities = ["completion"]
+def capabilities(template: str) -> list[str]:
+    """Ollama's capability names for a model, read from its chat template."""
+    from ..thinking import supports_thinking
+
+    found = ["completion"]
     if "tools" in template:
-        capabilities.append("tools")
-    return capabilities
+        found.append("tools")
+    if supports_thinking(template):
+        found.append("thinking")
+    return found
 
 
 def _plain(value: Any) -> str:

@@ -111,6 +111,12 @@ async def chat(body: api.ChatRequest, state: State, http: Request) -> Response:
     return json_of(merge_chat(collected)) if collected else client_gone()
 
 
+@router.post("/api/count_tokens")
+def count_tokens(body: api.ChatRequest, state: State) -> JSONResponse:
+    """The prompt tokens a chat request would take (a localllm extension; HttpClient.count_tokens calls it)."""
+    return JSONResponse({"input_tokens": state.client.count_tokens(body)})
+
+
 async def unload(model: str, state: State, *, chat: bool = False) -> JSONResponse:
     await run_in_threadpool(state.client.stop, model)
     if chat:

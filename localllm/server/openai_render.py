@@ -92,6 +92,8 @@ class ChatEvents:
 
     def events(self, chunk: api.ChatChunk) -> list[dict[str, Any]]:
         out = []
+        if chunk.message.thinking:  # DeepSeek's field for the thinking, which OpenAI clients read
+            out.append(self._delta({"reasoning_content": chunk.message.thinking}, None, None))
         text = chunk.message.content
         if text or chunk.logprobs or not self.started:
             out.append(self._delta({"content": text}, None, chunk.logprobs))
