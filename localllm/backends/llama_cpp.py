@@ -8,6 +8,7 @@ logit biases) take a shortcut that picks the same token without copying the voca
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 from pathlib import Path
@@ -54,6 +55,11 @@ class LlamaCppBackend:
         return LlamaCppModel(path, model, ctx, options, n_seq=n_seq)
 
 
+@functools.lru_cache(maxsize=1)
+def _cpu_has_amx() -> bool:
+    return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
+
+
 def _load_weights(path: Path, options: LoadOptions):
     if not Path(path).is_file():
         raise ModelFormatError(f"weights file {path} does not exist")
@@ -64,6 +70,9 @@ def _load_weights(path: Path, options: LoadOptions):
     # Weights with MTP (nextn) layers bring their heads for speculative decoding (speculative.py); the trunk's own
     # context never runs them, and files without them are unaffected.
     params.load_mtp = True
+    # llama.cpp's extra CPU buffer types (AMX, repacked weights) segfault in the first decode on CPUs with AMX_INT8
+    # (raw llama_decode on smollm2 crashes with them and runs without); elsewhere they stay on for their speed.
+    params.use_extra_bufts = not _cpu_has_amx()
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise ModelFormatError(f"llama.cpp could not load {path}",
