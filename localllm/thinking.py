@@ -81,7 +81,7 @@ def check_thinking(model: str, template: Optional[str], think: Think) -> None:
     """Ollama's 400 for a request that asks a model without the capability to think."""
     if think.requested and not supports_thinking(template):
         raise InvalidInput(f'"{model}" does not support thinking',
-                           hint="pick a reasoning model (its `localllm show` capabilities list thinking)")
+                           hint="`localllm show MODEL` lists thinking among a reasoning model's capabilities")
 
 
 def opens_thinking(prompt: str) -> bool:
