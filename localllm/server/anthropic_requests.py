@@ -43,6 +43,9 @@ class MessagesRequest(_Wire):
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[dict[str, Any]] = None
     thinking: Optional[dict[str, Any]] = None
+    output_config: Optional[dict[str, Any]] = Field(None, description="format (a JSON schema) is honoured; effort "
+                                                    "is accepted and left to the model")
+    output_format: Optional[dict[str, Any]] = Field(None, description="the older name of output_config.format")
     metadata: Optional[dict[str, Any]] = None
     stream: bool = False
 
@@ -56,6 +59,8 @@ class CountTokensRequest(_Wire):
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[dict[str, Any]] = None
     thinking: Optional[dict[str, Any]] = None
+    output_config: Optional[dict[str, Any]] = None
+    output_format: Optional[dict[str, Any]] = None
 
 
 # ---------------------------------------------------------------------------------------------------------- request
@@ -72,7 +77,18 @@ def chat_request(body: Union[MessagesRequest, CountTokensRequest]) -> api.ChatRe
                    "top_k": body.top_k, "stop": body.stop_sequences}
     return api.ChatRequest(model=body.model, messages=messages, tools=tools, tool_choice=tool_choice(body.tool_choice),
                            think=think(body.thinking), stream=getattr(body, "stream", False),
+                           format=output_format(body.output_config, body.output_format),
                            options={name: value for name, value in options.items() if value is not None})
+
+
+def output_format(config: Optional[dict[str, Any]], legacy: Optional[dict[str, Any]]) -> api.Format:
+    """Structured outputs: {"type": "json_schema", "schema": {...}} as the schema our grammar takes."""
+    fmt = (config or {}).get("format") or legacy
+    if not fmt:
+        return None
+    if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise InvalidInput("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}")
+    return fmt["schema"]
 
 
 def system_text(system: Union[str, list[dict[str, Any]], None]) -> str:
