@@ -51,7 +51,8 @@ class ResponsesRequest(_Wire):
 
 def chat_request(body: ResponsesRequest, history: list[api.Message]) -> api.ChatRequest:
     """The chat request for one turn: the stored conversation (`history`), this turn's instructions, its input."""
-    messages = list(history) + input_messages(body.input)
+    calls = {call.id: call.function.name for m in history for call in m.tool_calls or [] if call.id}
+    messages = list(history) + input_messages(body.input, calls)
     if body.instructions:
         messages = [m for m in messages if m.role != "system"]
         messages.insert(0, api.Message(role="system", content=body.instructions))
@@ -98,11 +99,14 @@ def _tool(tool: ResponseTool, index: int) -> api.Tool:
 
 # ---------------------------------------------------------------------------------------------------------- input
 
-def input_messages(items: Union[str, list[dict[str, Any]]]) -> list[api.Message]:
+def input_messages(items: Union[str, list[dict[str, Any]]],
+                   earlier_calls: Optional[dict[str, str]] = None) -> list[api.Message]:
+    """The input as messages; a function_call_output names its tool, found by call_id here or in `earlier_calls`
+    (call_id → name, from the stored conversation)."""
     if isinstance(items, str):
         return [api.Message(role="user", content=items)]
     out: list[api.Message] = []
-    names: dict[str, str] = {}
+    names: dict[str, str] = dict(earlier_calls or {})
     thinking = ""
     for i, item in enumerate(items):
         kind = item.get("type", "message")
