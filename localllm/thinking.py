@@ -95,11 +95,12 @@ def opens_thinking(prompt: str) -> bool:
 
 def thinking_grammar(answer: str, *, opened: bool) -> str:
     """A grammar for a thinking model with structured output: a think block first, then `answer` (Ollama applies
-    `format` after the thinking too). The block's text cannot hold `<`, so a `<` can only begin the closing tag."""
+    `format` after the thinking too). The block's text cannot hold `<`, so a `<` can only begin the closing tag, and
+    it holds more than whitespace."""
     renamed = re.sub(r"(?m)^root(\s*::=)", r"answer-root\1", answer)
     head = '' if opened else '"<think>" '
     return (f'root ::= {head}think-text "</think>" think-gap answer-root\n'
-            'think-text ::= [^<]+\n'
+            'think-text ::= [ \\t\\n]* [^< \\t\\n] [^<]*\n'
             'think-gap ::= [ \\t\\n]*\n' + renamed)
 
 

@@ -121,7 +121,8 @@ def test_forced_tool_use(claude, choice):
 
 def test_forced_tool_use_streams_input_json(claude):
     with claude.messages.stream(model=MODEL, max_tokens=60, tools=[WEATHER], tool_choice={"type": "any"},
-                                messages=[{"role": "user", "content": "Weather in Rome?"}], extra_body=GREEDY) as stream:
+                                messages=[{"role": "user", "content": "Weather in Rome?"}],
+                                extra_body=GREEDY) as stream:
         partial = "".join(event.partial_json for event in stream if event.type == "input_json")
         final = stream.get_final_message()
     call = final.content[-1]
@@ -146,7 +147,8 @@ def test_count_tokens(claude):
 
 
 def test_stop_sequence_and_max_tokens(claude):
-    stopped = claude.messages.create(model=MODEL, max_tokens=40, messages=PARIS, extra_body=GREEDY, stop_sequences=["."])
+    stopped = claude.messages.create(model=MODEL, max_tokens=40, messages=PARIS, extra_body=GREEDY,
+                                     stop_sequences=["."])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "."
     assert "." not in stopped.content[0].text
     cut = claude.messages.create(model=MODEL, max_tokens=2, messages=PARIS, extra_body=GREEDY)
