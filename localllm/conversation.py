@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence, Union
 from . import api
 from .errors import InvalidInput, LocalLLMError
 from .models.names import parse_ref
+from .thinking import parse_think
 
 
 # ---------------------------------------------------------------------------------------------------------- options
@@ -96,6 +97,7 @@ class Conversation:
     messages: list[api.Message] = field(default_factory=list)
     format: api.Format = None
     keep_alive: Union[str, int, float, None] = None
+    think: Union[bool, str, None] = None  # Ollama's think: None leaves the model's default
     figures: AnswerFigures = field(default_factory=AnswerFigures)
 
     def ask(self, text: str) -> api.ChatRequest:
@@ -108,7 +110,7 @@ class Conversation:
         # the next answer without rewriting the past.
         system = [api.Message(role="system", content=self.system)] if self.system else []
         return api.ChatRequest(model=self.model, messages=system + self.messages, options=dict(self.options),
-                               format=self.format, keep_alive=self.keep_alive)
+                               format=self.format, keep_alive=self.keep_alive, think=self.think)
 
     def load_request(self) -> api.ChatRequest:
         """A request with no messages: it loads the model (with the load options set so far) and answers done."""
@@ -125,6 +127,10 @@ class Conversation:
         """Drop the last question when it got no answer at all (an error before the first token)."""
         if self.messages and self.messages[-1].role == "user":
             self.messages.pop()
+
+    def set_think(self, value: Union[bool, str, None]) -> None:
+        """Think (True or a level), not (False), or the model's default (None); a bad level is an InvalidInput."""
+        self.think = parse_think(value).level or parse_think(value).enabled
 
     def set_parameter(self, name: str, words: Sequence[str]) -> Any:
         value = parse_parameter(name, words)

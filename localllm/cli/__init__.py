@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+
 from .app import app
 from . import models, chat, serve, bench, plan  # noqa: E402,F401  (registration by import)
 
 
 def main() -> None:
+    sys.argv[1:] = bare_think(sys.argv[1:])
     app()
+
+
+def bare_think(argv: list[str]) -> list[str]:
+    """Ollama's `run --think` takes an optional level (`--think=high`); a click option needs a value, so a bare
+    `--think` is read as `--think=true`, as Ollama reads it."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    return ["--think=true" if arg == "--think" else arg for arg in argv[:end]] + argv[end:]

@@ -18,6 +18,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TaskID, TextColu
 from rich.segment import Segment
 from rich.spinner import Spinner
 from rich.table import Table
+from rich.text import Text
 
 from .. import api
 from ..conversation import rate
@@ -250,6 +251,9 @@ class MarkdownStream:
     """Markdown drawn while it streams in: finished blocks are printed once and stay; the block still being written
     is redrawn in place. A spinner shows until the first text arrives. Use as a context manager.
 
+    A reasoning model's thinking (`think`) is drawn dimmed while it comes, and printed above the answer once the
+    answer begins.
+
     The finished part is rendered as one document and only its new lines are printed, so spacing between blocks
     (lists, code, paragraphs) is what the whole answer would get."""
 
@@ -257,6 +261,7 @@ class MarkdownStream:
         self._console = console
         self._finished = ""
         self._pending = ""
+        self._thinking = ""
         self._printed_lines = 0
         self._live = Live(Spinner("dots", text=waiting, style="dim"), console=console, transient=True,
                           refresh_per_second=8)
@@ -268,9 +273,14 @@ class MarkdownStream:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    def think(self, text: str) -> None:
+        self._thinking += text
+        self._live.update(_Tail(Text(self._thinking.lstrip(), style="dim")))
+
     def write(self, text: str) -> None:
         if not text:
             return
+        self._print_thinking()
         finished, self._pending = split_finished(self._pending + text)
         if finished:
             self._print_finished(finished)
@@ -278,8 +288,15 @@ class MarkdownStream:
 
     def close(self) -> None:
         self._live.stop()
+        self._print_thinking()
         self._print_finished(self._pending)
         self._pending = ""
+
+    def _print_thinking(self) -> None:
+        if self._thinking.strip():
+            self._console.print(Text(self._thinking.strip(), style="dim"))
+            self._console.print()
+        self._thinking = ""
 
     def _print_finished(self, text: str) -> None:
         self._finished += text

@@ -45,6 +45,8 @@ HELP_SET = """Available Commands:
   /set system <string>        Set system message
   /set format json            Enable JSON mode
   /set noformat               Disable formatting
+  /set think [level]          Enable thinking (level: low, medium or high)
+  /set nothink                Disable thinking
   /set verbose                Show timings after each answer
   /set quiet                  Disable timings"""
 
@@ -124,12 +126,16 @@ def unquote(text: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- answers
 
-def stream_reply(stream: Iterator[api.ChatChunk], on_text: Callable[[str], None]) -> Optional[api.ChatChunk]:
-    """Feed each piece of an answer to `on_text` and return its last chunk (which carries the timings).
+def stream_reply(stream: Iterator[api.ChatChunk], on_text: Callable[[str], None],
+                 on_thinking: Optional[Callable[[str], None]] = None) -> Optional[api.ChatChunk]:
+    """Feed each piece of an answer to `on_text` (and of its thinking to `on_thinking`) and return its last chunk
+    (which carries the timings).
 
     The stream is closed on every way out, so Ctrl-C (KeyboardInterrupt) cancels the request, server-side too."""
     try:
         for chunk in stream:
+            if chunk.message.thinking and on_thinking is not None:
+                on_thinking(chunk.message.thinking)
             on_text(chunk.message.content)
             if chunk.done:
                 return chunk
@@ -158,11 +164,13 @@ def prepare_model(client: Client, load: api.ChatRequest, *, to: Console) -> None
 class Repl:
     """The chat loop. Each slash command is one small method, found through `_commands`."""
 
-    def __init__(self, client: Client, conversation: Conversation, *, read_line: ReadLine, verbose: bool = False):
+    def __init__(self, client: Client, conversation: Conversation, *, read_line: ReadLine, verbose: bool = False,
+                 hide_thinking: bool = False):
         self.client = client
         self.conversation = conversation
         self.read_line = read_line
         self.verbose = verbose
+        self.hide_thinking = hide_thinking
         self._commands: dict[str, Callable[[str], Optional[bool]]] = {
             "/set": self._set, "/show": self._show, "/load": self._load, "/save": self._save, "/clear": self._clear,
             "/stats": self._stats, "/help": self._help, "/?": self._help, "/bye": self._bye, "/exit": self._bye,
@@ -207,7 +215,7 @@ class Repl:
 
         try:
             with MarkdownStream(console) as view:
-                final = stream_reply(self.client.chat(request), show)
+                final = stream_reply(self.client.chat(request), show, None if self.hide_thinking else view.think)
         except KeyboardInterrupt:
             console.print("[dim](stopped)[/]", highlight=False)
         except LocalLLMError:
@@ -249,6 +257,7 @@ class Repl:
         setters: dict[str, Callable[[str], None]] = {
             "parameter": self._set_parameter, "system": self._set_system, "format": self._set_format,
             "noformat": self._set_noformat, "verbose": self._set_verbose, "quiet": self._set_quiet,
+            "think": self._set_think, "nothink": self._set_nothink,
         }
         setter = setters.get(what.lower())
         if setter is None:
@@ -277,6 +286,15 @@ class Repl:
     def _set_noformat(self, value: str) -> None:
         self.conversation.format = None
         console.print("Disabled format.")
+
+    def _set_think(self, value: str) -> None:
+        level = value.strip().lower()
+        self.conversation.set_think(level or True)
+        console.print(f"Set 'think' mode{f' to {level!r}' if level else ''}.", highlight=False)
+
+    def _set_nothink(self, value: str) -> None:
+        self.conversation.set_think(False)
+        console.print("Set 'nothink' mode.", highlight=False)
 
     def _set_verbose(self, value: str) -> None:
         self.verbose = True
