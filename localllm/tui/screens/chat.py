@@ -112,8 +112,10 @@ class ChatScreen(Screen):
                 started = started or time.perf_counter()
                 tokens += len(chunk.tokens or ()) or 1
                 parts.append(chunk.message.content)
+                if chunk.message.thinking:
+                    self.app.call_from_thread(self._show_thinking, reply, chunk.message.thinking)
                 self.app.call_from_thread(self._show_piece, markdown, chunk.message.content,
-                                          _live_rate(tokens, started))
+                                          _live_rate(tokens, started), reply)
                 if chunk.done:
                     final = chunk
         except LocalLLMError as exc:
@@ -121,9 +123,18 @@ class ChatScreen(Screen):
         finally:
             getattr(chunks, "close", lambda: None)()
             self.app.call_from_thread(markdown.stop)
+            if reply.thinking is not None:
+                self.app.call_from_thread(reply.thinking.finish)
         self.post_message(self.AnswerFinished("".join(parts), final, error, epoch))
 
-    async def _show_piece(self, markdown: "MarkdownStream", text: str, speed: Optional[float]) -> None:
+    def _show_thinking(self, reply: MessageView, text: str) -> None:
+        view = reply.thinking or self.query_one(MessageList).add_thinking(reply)
+        view.add(text)
+
+    async def _show_piece(self, markdown: "MarkdownStream", text: str, speed: Optional[float],
+                          reply: MessageView) -> None:
+        if text and reply.thinking is not None:
+            reply.thinking.finish()  # the answer has begun: the thinking folds away above it
         await markdown.write(text)
         panel = self.query_one(EnginePanel)
         panel.figures = replace(panel.figures, live_rate=speed)
