@@ -135,8 +135,8 @@ LOG_LEVEL = Setting("LOCALLLM_LOG_LEVEL", "server log level: debug, info, warnin
                     lambda raw: _one_of(raw.lower(), ("debug", "info", "warning", "error")), lambda: "info")
 RESPONSES_MAX = Setting("LOCALLLM_RESPONSES_MAX", "stored /v1/responses kept for previous_response_id; the oldest "
                         "go first", parse_positive_int, lambda: 1000)
-RESPONSES_MAX_AGE = Setting("LOCALLLM_RESPONSES_MAX_AGE", "how long a stored /v1/responses answer is kept (720h, 7d "
-                            "as 168h)", parse_duration, lambda: 30 * 24 * 3600.0)
+RESPONSES_MAX_AGE = Setting("LOCALLLM_RESPONSES_MAX_AGE", "how long a stored /v1/responses answer is kept (seconds, "
+                            "or 30m, 168h; -1 forever)", parse_duration, lambda: 30 * 24 * 3600.0)
 
 ALL: tuple[Setting, ...] = (HOME, HOST, NUM_PARALLEL, MAX_QUEUE, KEEP_ALIVE, MAX_LOADED_MODELS, CONTEXT_LENGTH,
                             NUM_THREAD, KV_CACHE_TYPE, FLASH_ATTENTION, ORIGINS, ALLOWED_HOSTS, API_KEY, OFFLINE,

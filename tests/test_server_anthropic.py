@@ -9,6 +9,8 @@ import httpx
 import jsonschema
 import pytest
 
+from localllm import api
+from localllm.client.http import HttpClient
 from localllm.server.app import create_app
 from server_harness import SYSTEM, env, local_client, serve_in_thread
 
@@ -138,10 +140,13 @@ def test_structured_output(claude):
     jsonschema.validate(json.loads(reply.content[0].text), schema)
 
 
-def test_count_tokens(claude):
+def test_count_tokens(claude, base_url):
     counted = claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=PARIS)
     reply = claude.messages.create(model=MODEL, max_tokens=4, system=SYSTEM, messages=PARIS, extra_body=GREEDY)
     assert counted.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
+    ours = [api.Message(role="system", content=SYSTEM), api.Message(**PARIS[0])]
+    with HttpClient(base_url) as http:  # the same count through the Client interface
+        assert http.count_tokens(api.ChatRequest(model=MODEL, messages=ours)) == counted.input_tokens
     with_tools = claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=PARIS, tools=[WEATHER])
     assert with_tools.input_tokens >= counted.input_tokens
 
