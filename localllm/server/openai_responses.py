@@ -16,7 +16,7 @@ from .. import api
 from . import openai_responses_render as render
 from . import response_store
 from .chunk_stream import ChunkStream, merge_chat
-from .openai_responses_requests import ResponsesRequest, chat_request
+from .openai_responses_requests import ResponsesRequest, chat_request, turn_instructions
 from .responses import StreamResponse, client_gone
 from .state import State
 
@@ -34,8 +34,8 @@ async def create_response(body: ResponsesRequest, state: State, http: Request) -
 
     def keep(response: dict[str, Any], items: list[dict[str, Any]]) -> None:
         if body.store:
-            response_store.save(api.StoredResponse(
-                response=response, messages=request.messages + [render.answer_message(items)]))
+            conversation = request.messages[len(turn_instructions(body)):] + [render.answer_message(items)]
+            response_store.save(api.StoredResponse(response=response, messages=conversation))
 
     if body.stream:
         events = render.ResponseEvents(frame)

@@ -50,12 +50,9 @@ class ResponsesRequest(_Wire):
 # ---------------------------------------------------------------------------------------------------------- request
 
 def chat_request(body: ResponsesRequest, history: list[api.Message]) -> api.ChatRequest:
-    """The chat request for one turn: the stored conversation (`history`), this turn's instructions, its input."""
+    """The chat request for one turn: this turn's instructions, the stored conversation (`history`), its input."""
     calls = {call.id: call.function.name for m in history for call in m.tool_calls or [] if call.id}
-    messages = list(history) + input_messages(body.input, calls)
-    if body.instructions:
-        messages = [m for m in messages if m.role != "system"]
-        messages.insert(0, api.Message(role="system", content=body.instructions))
+    messages = turn_instructions(body) + list(history) + input_messages(body.input, calls)
     options = {"num_predict": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p}
     tools = [_tool(t, i) for i, t in enumerate(body.tools or [])] or None
     return api.ChatRequest(
@@ -63,6 +60,12 @@ def chat_request(body: ResponsesRequest, history: list[api.Message]) -> api.Chat
         format=text_format(body.text), think=think_from_effort((body.reasoning or {}).get("effort"),
                                                                field_name="reasoning.effort"),
         options={name: value for name, value in options.items() if value is not None}, keep_alive=body.keep_alive)
+
+
+def turn_instructions(body: ResponsesRequest) -> list[api.Message]:
+    """`instructions` as the system message of this turn only: OpenAI does not carry them to the next turn, so the
+    stored conversation leaves them out."""
+    return [api.Message(role="system", content=body.instructions)] if body.instructions else []
 
 
 def tool_choice(choice: Union[str, dict[str, Any], None]) -> Union[str, dict[str, Any], None]:
