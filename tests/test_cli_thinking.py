@@ -13,7 +13,6 @@ import pexpect
 import pytest
 
 from localllm.cli import bare_think
-from reasoning_model import write_reasoning_gguf
 
 QUESTION = "What is the capital of France?"
 PROMPT = ">>> "
@@ -21,8 +20,8 @@ DIMMED_PARIS = re.compile(r"\x1b\[2m[^\x1b]*Paris")  # Paris in dimmed text
 
 
 @pytest.fixture(scope="module")
-def reasoner(smollm2_path, tmp_path_factory) -> str:
-    return str(write_reasoning_gguf(smollm2_path, tmp_path_factory.mktemp("reasoner") / "reasoner.gguf"))
+def reasoner(reasoner_path) -> str:
+    return str(reasoner_path)
 
 
 def child_env(home: Path) -> dict[str, str]:
@@ -44,6 +43,7 @@ def test_bare_think_reads_as_true():
 
 
 @pytest.mark.models
+@pytest.mark.slow
 def test_one_shot_thinking_goes_to_stderr_unless_hidden(reasoner, tmp_path):
     fixed = ["--think", QUESTION]
     shown = run(tmp_path, reasoner, *fixed)

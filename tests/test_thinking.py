@@ -20,7 +20,7 @@ from localllm.models.info import capabilities
 from localllm.server.app import create_app
 from localllm.thinking import (Think, ThinkingSplitter, parse_think, supports_thinking, think_from_effort,
                                thinking_grammar)
-from reasoning_model import REASONING_TEMPLATE, token_id, write_reasoning_gguf
+from reasoning_model import REASONING_TEMPLATE, token_id
 from server_harness import env, local_client, serve_in_thread
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -83,8 +83,8 @@ def test_thinking_grammar_parses():
 # ---------------------------------------------------------------------------------------------------------- routes
 
 @pytest.fixture(scope="module")
-def reasoner(smollm2_path, tmp_path_factory) -> str:
-    return str(write_reasoning_gguf(smollm2_path, tmp_path_factory.mktemp("reasoner") / "reasoner.gguf"))
+def reasoner(reasoner_path) -> str:
+    return str(reasoner_path)
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,13 @@ import pytest
 
 from localllm.tui.app import LocalLLMApp
 from localllm.tui.widgets.message_list import MessageList, ThinkingView
-from reasoning_model import write_reasoning_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.models]
 
 
 @pytest.fixture(scope="module")
-def reasoner(smollm2_path, tmp_path_factory) -> str:
-    return str(write_reasoning_gguf(smollm2_path, tmp_path_factory.mktemp("reasoner") / "reasoner.gguf"))
+def reasoner(reasoner_path) -> str:
+    return str(reasoner_path)
 
 
 @pytest.fixture(scope="module")
