@@ -46,7 +46,6 @@ def test_anthropic_blocks_become_our_messages():
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type 'sometimes'"),
     ({"tool_choice": {"type": "tool"}}, "needs the tool's name"),
     ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "budget_tokens 0"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools"),
     ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
 ])
 def test_anthropic_refusals_name_the_field(fields, message):
@@ -83,7 +82,7 @@ def test_responses_items_become_our_messages():
     ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
     ({"input": [{"role": "critic", "content": "x"}]}, "role 'critic'"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "not valid JSON"),
-    ({"tools": [{"type": "web_search"}]}, "only function tools"),
+    ({"tools": [{"type": "function"}]}, "needs a name"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type 'yaml'"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort 'extreme'"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
@@ -92,3 +91,15 @@ def test_responses_refusals_name_the_field(fields, message):
     body = responses.ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields})
     with pytest.raises(InvalidInput, match=message):
         responses.chat_request(body, [])
+
+
+def test_tools_that_cannot_run_here_are_left_out(caplog):
+    mine = {"name": "weather", "input_schema": {"type": "object"}}
+    body = messages_body(messages=[{"role": "user", "content": "hi"}],
+                         tools=[{"type": "web_search_20250305", "name": "web_search"}, mine])
+    assert [t.function.name for t in anthropic.chat_request(body).tools] == ["weather"]
+    codex = responses.ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": [
+        {"type": "web_search"}, {"type": "custom", "name": "apply_patch"},
+        {"type": "function", "name": "shell", "parameters": {"type": "object"}}]})
+    assert [t.function.name for t in responses.chat_request(codex, []).tools] == ["shell"]
+    assert "web_search" in caplog.text and "apply_patch" in caplog.text

@@ -3,16 +3,20 @@
 The wire types live here, as OpenAI's live in openai_requests: only these routes speak them. Content blocks become
 our messages: text joins into content, a `tool_use` becomes a tool call, a `tool_result` a tool message, a `thinking`
 block the assistant's thinking. `cache_control` is accepted anywhere and ignored: our prefix cache needs no marks.
-What cannot be expressed (images, documents, server tools) is a 400 naming the block."""
+What cannot be expressed (images, documents) is a 400 naming the block. Server tools (web search, code execution)
+cannot run here: they are left out with a warning in the log, so an agent that always sends them still works."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import api
 from ..errors import InvalidInput
+
+log = logging.getLogger(__name__)
 
 
 class _Wire(BaseModel):
@@ -70,7 +74,7 @@ def chat_request(body: Union[MessagesRequest, CountTokensRequest]) -> api.ChatRe
     system = system_text(body.system)
     if system:
         messages.insert(0, api.Message(role="system", content=system))
-    tools = [_tool(t, i) for i, t in enumerate(body.tools or [])] or None
+    tools = [_tool(t) for t in body.tools or [] if _runs_locally(t)] or None
     options: dict[str, Any] = {}
     if isinstance(body, MessagesRequest):
         options = {"num_predict": body.max_tokens, "temperature": body.temperature, "top_p": body.top_p,
@@ -130,10 +134,14 @@ def tool_choice(choice: Optional[dict[str, Any]]) -> Union[str, dict[str, Any], 
     raise InvalidInput(f"tool_choice.type {kind!r} is not valid", hint="use auto, any, tool or none")
 
 
-def _tool(tool: AnthropicTool, index: int) -> api.Tool:
-    if tool.type not in (None, "custom"):
-        raise InvalidInput(f"tools.{index}: server tools ({tool.type}) are not available on a local model",
-                           hint="declare the tool with name, description and input_schema")
+def _runs_locally(tool: AnthropicTool) -> bool:
+    if tool.type in (None, "custom"):
+        return True
+    log.warning("left out the server tool %s (%s): it cannot run on a local model", tool.name, tool.type)
+    return False
+
+
+def _tool(tool: AnthropicTool) -> api.Tool:
     return api.Tool(function=api.ToolFunction(name=tool.name, description=tool.description,
                                               parameters=tool.input_schema))
 

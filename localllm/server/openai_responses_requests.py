@@ -2,11 +2,14 @@
 
 `input` is a string or a list of items: messages (with input_text / output_text parts), `function_call` and
 `function_call_output`, and `reasoning` (its text becomes the next assistant turn's thinking). `instructions` is the
-system prompt of this turn only; `previous_response_id` puts the stored conversation before the new input."""
+system prompt of this turn only; `previous_response_id` puts the stored conversation before the new input. Tools
+other than functions (web search, a local shell, custom grammar tools) cannot run here: they are left out with a
+warning in the log, so an agent that always sends them still works."""
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import api
 from ..errors import InvalidInput
 from ..thinking import think_from_effort
+
+log = logging.getLogger(__name__)
 
 
 class _Wire(BaseModel):
@@ -54,7 +59,7 @@ def chat_request(body: ResponsesRequest, history: list[api.Message]) -> api.Chat
     calls = {call.id: call.function.name for m in history for call in m.tool_calls or [] if call.id}
     messages = turn_instructions(body) + list(history) + input_messages(body.input, calls)
     options = {"num_predict": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p}
-    tools = [_tool(t, i) for i, t in enumerate(body.tools or [])] or None
+    tools = [_tool(t) for t in body.tools or [] if _is_function(t)] or None
     return api.ChatRequest(
         model=body.model, messages=messages, tools=tools, tool_choice=tool_choice(body.tool_choice),
         format=text_format(body.text), think=think_from_effort((body.reasoning or {}).get("effort"),
@@ -93,9 +98,16 @@ def text_format(text: Optional[dict[str, Any]]) -> api.Format:
     raise InvalidInput(f"text.format.type {kind!r} is not valid", hint="use text, json_object or json_schema")
 
 
-def _tool(tool: ResponseTool, index: int) -> api.Tool:
-    if tool.type != "function" or not tool.name:
-        raise InvalidInput(f"tools.{index}: only function tools (with a name) run on a local model, not {tool.type!r}")
+def _is_function(tool: ResponseTool) -> bool:
+    if tool.type == "function":
+        if not tool.name:
+            raise InvalidInput("a function tool needs a name")
+        return True
+    log.warning("left out the %s tool %s: only function tools run on a local model", tool.type, tool.name or "")
+    return False
+
+
+def _tool(tool: ResponseTool) -> api.Tool:
     return api.Tool(function=api.ToolFunction(name=tool.name, description=tool.description or "",
                                               parameters=tool.parameters or {"type": "object"}))
 
