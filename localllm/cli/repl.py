@@ -207,15 +207,21 @@ class Repl:
         """Stream the answer to `text` as markdown; Ctrl-C stops it and keeps what was written."""
         request = self.conversation.ask(text)
         parts: list[str] = []
+        thoughts: list[str] = []
         final = None
 
         def show(piece: str) -> None:
             parts.append(piece)
             view.write(piece)
 
+        def think(piece: str) -> None:
+            thoughts.append(piece)
+            if not self.hide_thinking:
+                view.think(piece)
+
         try:
             with MarkdownStream(console) as view:
-                final = stream_reply(self.client.chat(request), show, None if self.hide_thinking else view.think)
+                final = stream_reply(self.client.chat(request), show, think)
         except KeyboardInterrupt:
             console.print("[dim](stopped)[/]", highlight=False)
         except LocalLLMError:
@@ -224,7 +230,7 @@ class Repl:
             else:
                 self.conversation.withdraw()
             raise
-        self.conversation.answered("".join(parts), final)
+        self.conversation.answered("".join(parts), final, thinking="".join(thoughts))
         if final is not None and self.verbose:
             print_timings(final, to=err_console)
 

@@ -52,6 +52,7 @@ class ChatScreen(Screen):
         timings: Optional[api.Timings]
         error: Optional[LocalLLMError]
         epoch: int  # the chat it belongs to: an answer stopped by /clear or a model switch is not recorded
+        thinking: str = ""
 
     def __init__(self, conversation: Conversation):
         super().__init__()
@@ -125,7 +126,8 @@ class ChatScreen(Screen):
             self.app.call_from_thread(markdown.stop)
             if reply.thinking is not None:
                 self.app.call_from_thread(reply.thinking.finish)
-        self.post_message(self.AnswerFinished("".join(parts), final, error, epoch))
+        thinking = reply.thinking.text if reply.thinking is not None else ""
+        self.post_message(self.AnswerFinished("".join(parts), final, error, epoch, thinking))
 
     def _show_thinking(self, reply: MessageView, text: str) -> None:
         view = reply.thinking or self.query_one(MessageList).add_thinking(reply)
@@ -147,7 +149,7 @@ class ChatScreen(Screen):
         if event.error is not None and not event.text:
             self.conversation.withdraw()
         else:
-            self.conversation.answered(event.text, event.timings)
+            self.conversation.answered(event.text, event.timings, thinking=event.thinking)
         if event.error is not None:
             self.app.report(event.error, title="Answer failed")  # type: ignore[attr-defined]
         self._show_answer_figures()
