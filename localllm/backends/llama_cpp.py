@@ -56,8 +56,10 @@ class LlamaCppBackend:
 
 
 @functools.lru_cache(maxsize=1)
-def _cpu_has_amx() -> bool:
-    return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
+def extra_buffers_safe() -> bool:
+    """Whether llama.cpp's extra CPU buffer types (AMX, repacked weights) may be used: on CPUs with AMX_INT8 the
+    first decode segfaults with them (raw llama_decode on smollm2 crashes with them and runs without)."""
+    return b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info()
 
 
 def _load_weights(path: Path, options: LoadOptions):
@@ -70,9 +72,7 @@ def _load_weights(path: Path, options: LoadOptions):
     # Weights with MTP (nextn) layers bring their heads for speculative decoding (speculative.py); the trunk's own
     # context never runs them, and files without them are unaffected.
     params.load_mtp = True
-    # llama.cpp's extra CPU buffer types (AMX, repacked weights) segfault in the first decode on CPUs with AMX_INT8
-    # (raw llama_decode on smollm2 crashes with them and runs without); elsewhere they stay on for their speed.
-    params.use_extra_bufts = not _cpu_has_amx()
+    params.use_extra_bufts = extra_buffers_safe()  # elsewhere they stay on for their speed
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise ModelFormatError(f"llama.cpp could not load {path}",

@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import llama_cpp
 
-from ..backends.llama_cpp import _init_backend
+from ..backends.llama_cpp import _init_backend, extra_buffers_safe
 
 
 class RawLoop:
@@ -19,6 +19,7 @@ class RawLoop:
                  ignore_eos: bool = False):
         _init_backend()
         mparams = llama_cpp.llama_model_default_params()
+        mparams.use_extra_bufts = extra_buffers_safe()  # as the backend loads it
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx, cparams.n_seq_max = n_ctx * n_seq, n_seq
