@@ -150,14 +150,15 @@ class ThinkingSplitter:
     def _step(self, out: Split) -> bool:
         """Consume what can be decided now; False when the rest must wait for more text."""
         if self._state in ("start", "think-start", "after"):
-            return self._skip_space(out)
+            return self._skip_space()
         if self._state == "think":
             return self._in_thinking(out)
         out.content += self._pending
         self._pending = ""
         return False
 
-    def _skip_space(self, out: Split) -> bool:
+    def _skip_space(self) -> bool:
+        """Whitespace before the block, at its start and after it is dropped; at the start, a tag opens the block."""
         stripped = self._pending.lstrip()
         if not stripped:
             self._pending = "" if self._state != "start" else self._pending
