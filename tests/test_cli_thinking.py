@@ -43,6 +43,15 @@ def test_bare_think_reads_as_true():
 
 
 @pytest.mark.models
+def test_show_lists_the_thinking_capability(reasoner, tmp_path):
+    shown = subprocess.run([sys.executable, "-m", "localllm", "show", reasoner], env=child_env(tmp_path),
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    capabilities = shown.stdout.split("Capabilities")[1].split("Template")[0].split()
+    assert capabilities == ["completion", "thinking"]
+
+
+@pytest.mark.models
 @pytest.mark.slow
 def test_one_shot_thinking_goes_to_stderr_unless_hidden(reasoner, tmp_path):
     fixed = ["--think", QUESTION]

@@ -99,10 +99,11 @@ def human_duration(nanoseconds: int) -> str:
 # ---------------------------------------------------------------------------------------------------------- show
 
 def print_show(info: api.ShowResponse, *, to: Optional[Console] = None) -> None:
-    """`localllm show MODEL` without flags: the model's facts, then template, system, parameters and license."""
+    """`localllm show MODEL` without flags: the model's facts, then capabilities, template, system, parameters and
+    license."""
     console = to or stdout_console
     print_model_facts(info, to=console)
-    for title, text in (("Template", info.template), ("System", info.system), ("Parameters", info.parameters),
+    for title, text in (("Capabilities", "\n".join(info.capabilities)), ("Template", info.template), ("System", info.system), ("Parameters", info.parameters),
                         ("License", _first_lines(info.license, 3))):
         if text:
             console.print(f"\n[bold]{title}[/]")
