@@ -198,7 +198,8 @@ class _InferenceRequest(_Model):
     options: dict[str, Any] = Field(default_factory=dict)
     stream: bool = True
     keep_alive: Union[str, int, float, None] = None
-    think: Union[bool, str, None] = None
+    think: Union[bool, str, None] = Field(None, description='thinking on a reasoning model: true, false, "low", '
+                                          '"medium" or "high"; unset leaves the model\'s default')
     truncate: bool = Field(False, description="drop the oldest prompt tokens on overflow instead of failing")
     logprobs: bool = Field(False, description="return each generated token's log-probability")
     top_logprobs: int = Field(0, ge=0, le=20, description="and this many most likely alternatives per token")
@@ -285,6 +286,7 @@ class GenerateChunk(Timings):
     context: Optional[list[int]] = None
     tokens: Optional[list[int]] = Field(None, description="token ids in this chunk (localllm extension)")
     logprobs: Optional[list[TokenLogprob]] = None
+    stop_sequence: Optional[str] = Field(None, description="the stop string that ended the answer (extension)")
 
 
 class ChatChunk(Timings):
@@ -298,6 +300,7 @@ class ChatChunk(Timings):
                                                             "message carries the whole call)")
     tokens: Optional[list[int]] = Field(None, description="token ids in this chunk (localllm extension)")
     logprobs: Optional[list[TokenLogprob]] = None
+    stop_sequence: Optional[str] = Field(None, description="the stop string that ended the answer (extension)")
 
 
 # ---------------------------------------------------------------------------------------------------------- models
@@ -450,3 +453,13 @@ class PruneReport(_Model):
     removed: list[str] = Field(default_factory=list)
     freed: int = 0
     dry_run: bool = False
+
+
+# ---------------------------------------------------------------------------------------------------------- agent APIs
+
+class StoredResponse(_Model):
+    """A /v1/responses answer kept for GET and previous_response_id: the response object as sent, and the whole
+    conversation it ended (earlier turns, this turn's input, the answer), from which the next turn continues."""
+
+    response: dict[str, Any]
+    messages: list[Message] = Field(default_factory=list)

@@ -144,6 +144,10 @@ MAX_BODY = Setting("LOCALLLM_MAX_BODY", "largest request body in bytes (413 abov
                    lambda: 32 * 1024 * 1024)
 LOG_LEVEL = Setting("LOCALLLM_LOG_LEVEL", "server log level: debug, info, warning, error",
                     lambda raw: _one_of(raw.lower(), ("debug", "info", "warning", "error")), lambda: "info")
+RESPONSES_MAX = Setting("LOCALLLM_RESPONSES_MAX", "stored /v1/responses kept for previous_response_id; the oldest "
+                        "go first", parse_positive_int, lambda: 1000)
+RESPONSES_MAX_AGE = Setting("LOCALLLM_RESPONSES_MAX_AGE", "how long a stored /v1/responses answer is kept (seconds, "
+                            "or 30m, 168h; -1 forever)", parse_duration, lambda: 30 * 24 * 3600.0)
 
 CACHE_RAM = Setting("LOCALLLM_CACHE_RAM", "host RAM per loaded model for prompt prefixes evicted from the slots "
                     "(512MiB, 2GiB; 0 off; default an eighth of free memory, at most 8GiB)", parse_size,
@@ -153,7 +157,8 @@ CACHE_DISK = Setting("LOCALLLM_CACHE_DISK", "disk per model (under LOCALLLM_HOME
 
 ALL: tuple[Setting, ...] = (HOME, HOST, NUM_PARALLEL, MAX_QUEUE, KEEP_ALIVE, MAX_LOADED_MODELS, CONTEXT_LENGTH,
                             NUM_THREAD, KV_CACHE_TYPE, FLASH_ATTENTION, ORIGINS, ALLOWED_HOSTS, API_KEY, OFFLINE,
-                            MAX_BODY, LOG_LEVEL, CACHE_RAM, CACHE_DISK)
+                            MAX_BODY, LOG_LEVEL, CACHE_RAM, CACHE_DISK, RESPONSES_MAX,
+                            RESPONSES_MAX_AGE)
 
 
 def _one_of(raw: str, choices: tuple[str, ...]) -> str:
@@ -168,6 +173,11 @@ def models_dir() -> Path:
 
 def prefix_cache_dir() -> Path:
     return HOME.get() / "cache" / "prefix"
+
+
+def responses_dir() -> Path:
+    """Where stored /v1/responses answers live."""
+    return HOME.get() / "responses"
 
 
 def base_url() -> str:

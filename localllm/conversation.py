@@ -11,6 +11,7 @@ from . import api
 from .errors import InvalidInput, LocalLLMError
 from .models.catalog import find_entry
 from .models.names import parse_ref
+from .thinking import parse_think
 
 
 # ---------------------------------------------------------------------------------------------------------- options
@@ -100,6 +101,7 @@ class Conversation:
     messages: list[api.Message] = field(default_factory=list)
     format: api.Format = None
     keep_alive: Union[str, int, float, None] = None
+    think: Union[bool, str, None] = None  # Ollama's think: None leaves the model's default
     figures: AnswerFigures = field(default_factory=AnswerFigures)
 
     def ask(self, text: str) -> api.ChatRequest:
@@ -112,16 +114,17 @@ class Conversation:
         # the next answer without rewriting the past.
         system = [api.Message(role="system", content=self.system)] if self.system else []
         return api.ChatRequest(model=self.model, messages=system + self.messages, options=dict(self.options),
-                               format=self.format, keep_alive=self.keep_alive)
+                               format=self.format, keep_alive=self.keep_alive, think=self.think)
 
     def load_request(self) -> api.ChatRequest:
         """A request with no messages: it loads the model (with the load options set so far) and answers done."""
         return api.ChatRequest(model=self.model, options=dict(self.options), keep_alive=self.keep_alive)
 
-    def answered(self, content: str, timings: Optional[api.Timings] = None) -> None:
-        """Record an answer; an interrupted one (no timings) is kept too, so the history still alternates."""
-        if content:
-            self.messages.append(api.Message(role="assistant", content=content))
+    def answered(self, content: str, timings: Optional[api.Timings] = None, *, thinking: str = "") -> None:
+        """Record an answer (and its thinking); an interrupted one (no timings) is kept too, so the history still
+        alternates."""
+        if content or thinking:
+            self.messages.append(api.Message(role="assistant", content=content, thinking=thinking or None))
         if timings is not None:
             self.figures.add(timings)
 
@@ -129,6 +132,10 @@ class Conversation:
         """Drop the last question when it got no answer at all (an error before the first token)."""
         if self.messages and self.messages[-1].role == "user":
             self.messages.pop()
+
+    def set_think(self, value: Union[bool, str, None]) -> None:
+        """Think (True or a level), not (False), or the model's default (None); a bad level is an InvalidInput."""
+        self.think = parse_think(value).level or parse_think(value).enabled
 
     def set_parameter(self, name: str, words: Sequence[str]) -> Any:
         value = parse_parameter(name, words)

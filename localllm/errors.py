@@ -44,6 +44,12 @@ class ModelNotFound(LocalLLMError):
     status_code = 404
 
 
+class ResponseNotFound(LocalLLMError):
+    """A stored /v1/responses answer that does not exist (never stored, deleted, or pruned)."""
+
+    status_code = 404
+
+
 class ModelFormatError(LocalLLMError):
     """A weights file that is truncated, malformed or of a kind we cannot run."""
 

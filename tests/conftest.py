@@ -53,3 +53,11 @@ def gemma3_path(models_home) -> Path:
     from localllm.models.store import Store
 
     return Store(models_home / "models").resolve("gemma3:270m").weights
+
+
+@pytest.fixture(scope="session")
+def reasoner_path(smollm2_path, tmp_path_factory) -> Path:
+    """smollm2 written again under a reasoning chat template (tests/reasoning_model.py), once per session."""
+    from reasoning_model import write_reasoning_gguf
+
+    return write_reasoning_gguf(smollm2_path, tmp_path_factory.mktemp("reasoner") / "reasoner.gguf")

@@ -75,11 +75,15 @@ def run(model: str = typer.Argument(..., help="model name (pulled first if missi
         keepalive: Optional[str] = typer.Option(None, "--keepalive", help="how long the model stays loaded after "
                                                                           "the last request (5m, 1h, -1 forever)"),
         format: Optional[str] = typer.Option(None, "--format", help="json: answer in JSON"),
+        think: Optional[str] = typer.Option(None, "--think", help="a reasoning model thinks first: --think, "
+                                                                  "--think=false, --think=low|medium|high"),
+        hidethinking: bool = typer.Option(False, "--hidethinking", help="do not show the thinking"),
         in_process: bool = typer.Option(False, "--in-process", help=IN_PROCESS_HELP)):
     """Chat with a model, or ask it once (prompt argument or stdin).
 
     A one-shot run prints the answer alone on stdout; progress and timings go to stderr."""
     conversation = Conversation(model, keep_alive=_keep_alive(keepalive), format=_format(format))
+    _set_think(conversation, think)
     text = _one_shot_prompt(prompt)
     if text is not None and not text.strip():
         raise InvalidInput("there was no prompt: " + ("stdin was empty" if not prompt else "the prompt is empty"),
@@ -89,9 +93,9 @@ def run(model: str = typer.Argument(..., help="model name (pulled first if missi
         prepare_model(client, conversation.load_request(), to=err_console)
         if text is None:
             reader = make_line_reader(config.HOME.get() / "history")
-            Repl(client, conversation, reader=reader, verbose=verbose).run()
+            Repl(client, conversation, reader=reader, verbose=verbose, hide_thinking=hidethinking).run()
         else:
-            _answer_once(client, conversation, text, verbose=verbose)
+            _answer_once(client, conversation, text, verbose=verbose, hide_thinking=hidethinking)
 
 
 def _one_shot_prompt(words: Optional[List[str]]) -> Optional[str]:
@@ -102,13 +106,17 @@ def _one_shot_prompt(words: Optional[List[str]]) -> Optional[str]:
     return "\n\n".join(part.strip() for part in (piped, " ".join(words or [])) if part and part.strip())
 
 
-def _answer_once(client: Client, conversation: Conversation, text: str, *, verbose: bool) -> None:
-    """Stream the answer to stdout as plain text (a script reads it as it comes)."""
+def _answer_once(client: Client, conversation: Conversation, text: str, *, verbose: bool,
+                 hide_thinking: bool = False) -> None:
+    """Stream the answer to stdout as plain text (a script reads it as it comes); thinking goes to stderr, dimmed."""
     def write(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    final = stream_reply(client.chat(conversation.ask(text)), write)
+    def think(piece: str) -> None:
+        err_console.print(piece, style="dim", end="", highlight=False, markup=False)
+
+    final = stream_reply(client.chat(conversation.ask(text)), write, None if hide_thinking else think)
     sys.stdout.write("\n")
     sys.stdout.flush()
     if verbose and final is not None:
@@ -123,6 +131,14 @@ def _keep_alive(value: Optional[str]) -> Optional[str]:
     except ValueError as exc:
         raise InvalidInput(f"--keepalive {value!r} is not valid: {exc}") from None
     return value
+
+
+def _set_think(conversation: Conversation, value: Optional[str]) -> None:
+    try:
+        conversation.set_think(value)
+    except InvalidInput:
+        raise InvalidInput(f"--think={value} is not valid", hint="use --think, --think=false or "
+                                                               "--think=low|medium|high") from None
 
 
 def _format(value: Optional[str]) -> Optional[str]:

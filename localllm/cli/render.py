@@ -18,6 +18,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TaskID, TextColu
 from rich.segment import Segment
 from rich.spinner import Spinner
 from rich.table import Table
+from rich.text import Text
 
 from .. import api
 from ..conversation import rate
@@ -100,10 +101,12 @@ def human_duration(nanoseconds: int) -> str:
 # ---------------------------------------------------------------------------------------------------------- show
 
 def print_show(info: api.ShowResponse, *, to: Optional[Console] = None) -> None:
-    """`localllm show MODEL` without flags: the model's facts, then template, system, parameters and license."""
+    """`localllm show MODEL` without flags: the model's facts, then capabilities, template, system, parameters and
+    license."""
     console = to or stdout_console
     print_model_facts(info, to=console)
-    for title, text in (("Template", info.template), ("System", info.system), ("Parameters", info.parameters),
+    for title, text in (("Capabilities", "\n".join(info.capabilities)), ("Template", info.template),
+                        ("System", info.system), ("Parameters", info.parameters),
                         ("License", _first_lines(info.license, 3))):
         if text:
             console.print(f"\n[bold]{title}[/]")
@@ -296,6 +299,9 @@ class MarkdownStream:
     """Markdown drawn while it streams in: finished blocks are printed once and stay; the block still being written
     is redrawn in place. A spinner shows until the first text arrives. Use as a context manager.
 
+    A reasoning model's thinking (`think`) is drawn dimmed while it comes, and printed above the answer once the
+    answer begins.
+
     The finished part is rendered as one document and only its new lines are printed, so spacing between blocks
     (lists, code, paragraphs) is what the whole answer would get."""
 
@@ -303,6 +309,7 @@ class MarkdownStream:
         self._console = console
         self._finished = ""
         self._pending = ""
+        self._thinking = ""
         self._printed_lines = 0
         self._live = Live(Spinner("dots", text=waiting, style="dim"), console=console, transient=True,
                           refresh_per_second=8)
@@ -314,9 +321,14 @@ class MarkdownStream:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    def think(self, text: str) -> None:
+        self._thinking += text
+        self._live.update(_Tail(Text(self._thinking.lstrip(), style="dim")))
+
     def write(self, text: str) -> None:
         if not text:
             return
+        self._print_thinking()
         finished, self._pending = split_finished(self._pending + text)
         if finished:
             self._print_finished(finished)
@@ -324,8 +336,15 @@ class MarkdownStream:
 
     def close(self) -> None:
         self._live.stop()
+        self._print_thinking()
         self._print_finished(self._pending)
         self._pending = ""
+
+    def _print_thinking(self) -> None:
+        if self._thinking.strip():
+            self._console.print(Text(self._thinking.strip(), style="dim"))
+            self._console.print()
+        self._thinking = ""
 
     def _print_finished(self, text: str) -> None:
         self._finished += text
@@ -338,7 +357,7 @@ class MarkdownStream:
 
 class RawStream:
     """An answer printed as it comes, unrendered and unwrapped (`/set nowordwrap`): the terminal wraps the lines.
-    The same context manager and `write` as MarkdownStream."""
+    The same context manager, `think` and `write` as MarkdownStream."""
 
     def __init__(self, console: Console):
         self._console = console
@@ -351,6 +370,12 @@ class RawStream:
         if not self._ended_line:
             self._console.file.write("\n")
         self._console.file.flush()
+
+    def think(self, text: str) -> None:
+        """Thinking, dimmed, as it comes (above the answer, which follows it)."""
+        if text:
+            self._console.print(Text(text, style="dim"), end="")
+            self._ended_line = text.endswith("\n")
 
     def write(self, text: str) -> None:
         if text:

@@ -63,6 +63,8 @@ HELP_SET = """Available Commands:
   /set system <string>        Set system message
   /set format json            Enable JSON mode
   /set noformat               Disable formatting
+  /set think [level]          Enable thinking (level: low, medium or high)
+  /set nothink                Disable thinking
   /set verbose                Show timings after each answer
   /set quiet                  Disable timings
   /set history                Save the messages you type to the history file
@@ -250,13 +252,17 @@ def unquote(text: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- answers
 
-def stream_reply(stream: Iterator[api.ChatChunk], on_text: Callable[[str], None]) -> Optional[api.ChatChunk]:
-    """Feed each piece of an answer to `on_text` and return its last chunk (which carries the timings).
+def stream_reply(stream: Iterator[api.ChatChunk], on_text: Callable[[str], None],
+                 on_thinking: Optional[Callable[[str], None]] = None) -> Optional[api.ChatChunk]:
+    """Feed each piece of an answer to `on_text` (and of its thinking to `on_thinking`) and return its last chunk
+    (which carries the timings).
 
     The stream is closed on every way out, so Ctrl-C (KeyboardInterrupt) cancels the request, server-side too."""
     try:
         for chunk in stream:
             raise_noted_interrupt()
+            if chunk.message.thinking and on_thinking is not None:
+                on_thinking(chunk.message.thinking)
             on_text(chunk.message.content)
             if chunk.done:
                 return chunk
@@ -286,12 +292,14 @@ def prepare_model(client: Client, load: api.ChatRequest, *, to: Console) -> None
 class Repl:
     """The chat loop. Each slash command is one small method, found through `_commands`."""
 
-    def __init__(self, client: Client, conversation: Conversation, *, reader: LineInput, verbose: bool = False):
+    def __init__(self, client: Client, conversation: Conversation, *, reader: LineInput, verbose: bool = False,
+                 hide_thinking: bool = False):
         self.client = client
         self.conversation = conversation
         self.reader = reader
         self.verbose = verbose
         self.wordwrap = True
+        self.hide_thinking = hide_thinking
         self._commands: dict[str, Callable[[str], Optional[bool]]] = {
             "/set": self._set, "/show": self._show, "/load": self._load, "/save": self._save, "/clear": self._clear,
             "/stats": self._stats, "/help": self._help, "/?": self._help, "/bye": self._bye, "/exit": self._bye,
@@ -330,17 +338,23 @@ class Repl:
         """Stream the answer to `text` as markdown; Ctrl-C stops it and keeps what was written."""
         request = self.conversation.ask(text)
         parts: list[str] = []
+        thoughts: list[str] = []
         final = None
 
         def show(piece: str) -> None:
             parts.append(piece)
             view.write(piece)
 
+        def think(piece: str) -> None:
+            thoughts.append(piece)
+            if not self.hide_thinking:
+                view.think(piece)
+
         try:
             if self.reader.take_interrupt():
                 raise KeyboardInterrupt
             with keys_not_echoed(), (MarkdownStream(console) if self.wordwrap else RawStream(console)) as view:
-                final = stream_reply(self.client.chat(request), show)
+                final = stream_reply(self.client.chat(request), show, think)
         except KeyboardInterrupt:
             interrupt_handled()
             console.print("[dim](stopped)[/]", highlight=False)
@@ -353,7 +367,7 @@ class Repl:
             else:
                 self.conversation.withdraw()
             raise
-        self.conversation.answered("".join(parts), final)
+        self.conversation.answered("".join(parts), final, thinking="".join(thoughts))
         if final is not None and self.verbose:
             print_timings(final, to=err_console)
 
@@ -388,6 +402,7 @@ class Repl:
             "noformat": self._set_noformat, "verbose": self._set_verbose, "quiet": self._set_quiet,
             "history": self._set_history, "nohistory": self._set_nohistory, "wordwrap": self._set_wordwrap,
             "nowordwrap": self._set_nowordwrap,
+            "think": self._set_think, "nothink": self._set_nothink,
         }
         setter = setters.get(what.lower())
         if setter is None:
@@ -416,6 +431,15 @@ class Repl:
     def _set_noformat(self, value: str) -> None:
         self.conversation.format = None
         console.print("Disabled format.")
+
+    def _set_think(self, value: str) -> None:
+        level = value.strip().lower()
+        self.conversation.set_think(level or True)
+        console.print(f"Set 'think' mode{f' to {level!r}' if level else ''}.", highlight=False)
+
+    def _set_nothink(self, value: str) -> None:
+        self.conversation.set_think(False)
+        console.print("Set 'nothink' mode.", highlight=False)
 
     def _set_verbose(self, value: str) -> None:
         self.verbose = True

@@ -189,6 +189,10 @@ class HttpClient:
             raise error_for(response)
         return int(response.json()["tokens"])
 
+    def count_tokens(self, request: api.ChatRequest) -> int:
+        body = request.model_dump(mode="json", exclude_none=True, by_alias=True)
+        return int(self._call("POST", "/api/count_tokens", body).json()["input_tokens"])
+
 
 def _body(request: BaseModel) -> dict:
     body = request.model_dump(mode="json", exclude_none=True, by_alias=True)

@@ -22,6 +22,8 @@ from ..engine.speculative.speculation import load_speculation
 from ..models.store import ResolvedModel, Store
 from ..structured import ForcedCallStream, grammar_for_format, parse_tool_calls, tool_choice_grammar
 from ..templates import render_chat, transcript_sampling
+from ..thinking import (Split, Think, ThinkingSplitter, check_thinking, opens_thinking, parse_think,
+                        supports_thinking, thinking_grammar)
 
 
 def _keep_alive(value: Any) -> Optional[float]:
@@ -110,22 +112,19 @@ class LocalClient:
         model, load, keep_alive = self._batch_model(requests)
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
             ready = time.perf_counter()
-            prompts = [self._generate_tokens(loaded, model, request) for request in requests]
-            samplings = [_generate_sampling(loaded, model, r) for r in requests]
-            params = [GenerationParams(tokens, sampling, grammar_for_format(r.format), r.truncate, _logprobs_wanted(r),
-                                       started=ready, keep_prefix=sampling.keep_prefix)
-                      for tokens, sampling, r in zip(prompts, samplings, requests)]
-            streams = loaded.engine.submit_all(params)
+            prepared = [self._prepare_generate(loaded, model, request, ready) for request in requests]
+            streams = loaded.engine.submit_all([params for params, _ in prepared])
             try:
-                for index, (request, tokens, stream) in enumerate(zip(requests, prompts, streams)):
+                for index, (request, (params, answer), stream) in enumerate(zip(requests, prepared, streams)):
                     generated: list[int] = []
                     for chunk in stream:
                         generated.extend(chunk.tokens)
                         # Ollama's `context`: the conversation so far as tokens, to send back with the next prompt.
                         # Ours is the prompt's tokens as sent to the engine and the answer's, so the next request
                         # finds them in the prefix cache (all but the answer's last token, never decoded).
-                        context = tokens + generated if chunk.done and not request.raw else None
-                        yield index, self._generate_chunk(request.model, chunk, loaded, ready - started, context)
+                        context = params.prompt + generated if chunk.done and not request.raw else None
+                        yield index, self._generate_chunk(request.model, chunk, loaded, ready - started, context,
+                                                          answer)
             finally:
                 for stream in streams:  # a client that left early cancels every answer still running
                     stream.cancel()
@@ -138,23 +137,38 @@ class LocalClient:
         load, _ = resolve_options(model, requests[0].options)
         return model, load, _keep_alive(requests[0].keep_alive)
 
-    def _generate_tokens(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest) -> list[int]:
-        if request.raw:
-            text = request.prompt
-        else:
-            messages = _messages_with_system(model, request.system, [api.Message(role="user", content=request.prompt)])
-            text = self._render(loaded, model, messages, template=request.template)
+    def _prepare_generate(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest,
+                          ready: float) -> tuple[GenerationParams, "_Answer"]:
+        sampling = _generate_sampling(loaded, model, request)
+        think = parse_think(request.think)
+        template = _template(loaded, model, request.template)
+        check_thinking(request.model, template, think)
+        text = self._generate_text(loaded, model, request, template, think)
+        answer = _Answer.start(loaded, template, text, think, sampling.stop)
         context = _checked_tokens(loaded, request.context or [], "context")
-        return context + (self._tokenize(loaded, text) if text else [])
+        tokens = context + (self._tokenize(loaded, text) if text else [])
+        params = GenerationParams(tokens, sampling, answer.grammar(grammar_for_format(request.format)),
+                                  request.truncate, _logprobs_wanted(request), started=ready,
+                                  keep_prefix=sampling.keep_prefix)
+        return params, answer
+
+    def _generate_text(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest,
+                       template: Optional[str], think: Think) -> str:
+        if request.raw:
+            return request.prompt
+        messages = _messages_with_system(model, request.system, [api.Message(role="user", content=request.prompt)])
+        return self._render(loaded, model, messages, template=template, extra=think.template_variables())
 
     @staticmethod
     def _generate_chunk(name: str, chunk: EngineChunk, loaded: Loaded, load_seconds: float,
-                        context: Optional[list[int]]) -> api.GenerateChunk:
+                        context: Optional[list[int]], answer: "_Answer") -> api.GenerateChunk:
+        split = answer.feed(chunk)
         if not chunk.done:
-            return api.GenerateChunk(model=name, response=chunk.text, tokens=list(chunk.tokens),
-                                     logprobs=_logprobs(loaded, chunk))
-        return api.GenerateChunk(model=name, response=chunk.text, done=True, done_reason=chunk.done_reason,
-                                 context=context, **_timing_fields(chunk, load_seconds))
+            return api.GenerateChunk(model=name, response=split.content, thinking=split.thinking or None,
+                                     tokens=list(chunk.tokens), logprobs=_logprobs(loaded, chunk))
+        return api.GenerateChunk(model=name, response=split.content, thinking=split.thinking or None, done=True,
+                                 done_reason=chunk.done_reason, context=context, stop_sequence=answer.stop_sequence,
+                                 **_timing_fields(chunk, load_seconds))
 
     def chat(self, request: api.ChatRequest) -> Iterator[api.ChatChunk]:
         if not request.messages:
@@ -177,15 +191,16 @@ class LocalClient:
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
             ready = time.perf_counter()
             prepared = [self._prepare_chat(loaded, model, request, ready) for request in requests]
-            streams = loaded.engine.submit_all([params for params, _ in prepared])
+            streams = loaded.engine.submit_all([params for params, _, _ in prepared])
             try:
-                for index, (request, (_, tools), stream) in enumerate(zip(requests, prepared, streams)):
+                for index, (request, (_, tools, answer), stream) in enumerate(zip(requests, prepared, streams)):
+                    waited = ready - started
                     if tools and request.tool_choice not in (None, "auto"):
-                        chunks = self._chat_forced_call(request.model, stream, loaded, ready - started)
+                        chunks = self._chat_forced_call(request.model, stream, loaded, waited, answer)
                     elif tools:
-                        chunks = self._chat_with_tools(request.model, stream, loaded, ready - started, tools)
+                        chunks = self._chat_with_tools(request.model, stream, loaded, waited, tools, answer)
                     else:
-                        chunks = (self._chat_chunk(request.model, c, loaded, ready - started) for c in stream)
+                        chunks = (self._chat_chunk(request.model, c, loaded, waited, answer) for c in stream)
                     for chunk in chunks:
                         yield index, chunk
             finally:
@@ -193,56 +208,89 @@ class LocalClient:
                     stream.cancel()
 
     def _prepare_chat(self, loaded: Loaded, model: ResolvedModel, request: api.ChatRequest,
-                      ready: float) -> tuple[GenerationParams, Optional[list[api.Tool]]]:
+                      ready: float) -> tuple[GenerationParams, Optional[list[api.Tool]], "_Answer"]:
         _, sampling = resolve_options(model, request.options)
         grammar = grammar_for_format(request.format) or tool_choice_grammar(request.tools, request.tool_choice)
         tools = request.tools if request.tool_choice != "none" else None
-        messages = _messages_with_system(model, None, request.messages)
-        text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None)
         if _template(loaded, model) is None:
             sampling = transcript_sampling(sampling)
-        params = GenerationParams(self._tokenize(loaded, text), sampling, grammar, request.truncate,
-                                  _logprobs_wanted(request), started=ready,
-                                  keep_prefix=sampling.keep_prefix)
-        return params, tools
+        tokens, answer = self._chat_prompt(loaded, model, request, tools, parse_think(request.think), sampling.stop)
+        params = GenerationParams(tokens, sampling, answer.grammar(grammar), request.truncate,
+                                  _logprobs_wanted(request), started=ready, keep_prefix=sampling.keep_prefix)
+        return params, tools, answer
 
-    def _chat_with_tools(self, name: str, stream, loaded: Loaded, load_seconds: float,
-                         tools) -> Iterator[api.ChatChunk]:
-        # The model may answer in text or call tools; that is known only once the whole answer is, so the text is
-        # held until the end.
+    def count_tokens(self, request: api.ChatRequest) -> int:
+        """The prompt tokens `request` would take (the model's template applied, tools included), loading the
+        model for its tokenizer."""
+        model = self.store.resolve(request.model)
+        load, _ = resolve_options(model, request.options)
+        tools = request.tools if request.tool_choice != "none" else None
+        with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
+            tokens, _ = self._chat_prompt(loaded, model, request, tools, parse_think(request.think), [])
+        return len(tokens)
+
+    def _chat_prompt(self, loaded: Loaded, model: ResolvedModel, request: api.ChatRequest, tools,
+                     think: Think, stops: list[str]) -> tuple[list[int], "_Answer"]:
+        template = _template(loaded, model)
+        check_thinking(request.model, template, think)
+        messages = _messages_with_system(model, None, request.messages)
+        text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None,
+                            extra=think.template_variables())
+        tokens = self._tokenize(loaded, text)
+        return tokens, _Answer.start(loaded, template, text, think, stops, prompt_tokens=len(tokens))
+
+    def _chat_with_tools(self, name: str, stream, loaded: Loaded, load_seconds: float, tools,
+                         answer: "_Answer") -> Iterator[api.ChatChunk]:
+        # Tool calls can only be recognised once the whole answer is known, so the text is held until the end.
         parts: list[str] = []
+        thinking: list[str] = []
         for chunk in stream:
-            parts.append(chunk.text)
+            split = answer.feed(chunk)
+            parts.append(split.content)
+            thinking.append(split.thinking)
             if chunk.done:
                 content, calls = parse_tool_calls("".join(parts), tools)
-                message = api.Message(role="assistant", content=content, tool_calls=calls or None)
+                message = api.Message(role="assistant", content=content, thinking="".join(thinking) or None,
+                                      tool_calls=calls or None)
                 yield api.ChatChunk(model=name, message=message, done=True, done_reason=chunk.done_reason,
-                                    **_timing_fields(chunk, load_seconds))
+                                    stop_sequence=answer.stop_sequence, **_timing_fields(chunk, load_seconds))
 
-    def _chat_forced_call(self, name: str, stream, loaded: Loaded, load_seconds: float) -> Iterator[api.ChatChunk]:
+    def _chat_forced_call(self, name: str, stream, loaded: Loaded, load_seconds: float,
+                          answer: "_Answer") -> Iterator[api.ChatChunk]:
         """A call the grammar forces ({"name": ..., "arguments": {...}}) streams as it is generated: its id and name
-        first, then pieces of its arguments' JSON; one cut off by num_predict ends with its partial arguments."""
+        first, then pieces of its arguments' JSON; one cut off by num_predict ends with its partial arguments. A
+        thinking model's thinking comes first, apart."""
         call = ForcedCallStream()
+        thinking: list[str] = []
         for chunk in stream:
-            deltas = call.feed(chunk.text)
+            split = answer.feed(chunk)
+            thinking.append(split.thinking)
+            deltas = call.feed(split.content)
             if not chunk.done:
-                if deltas:
-                    yield api.ChatChunk(model=name, tool_call_deltas=deltas, tokens=list(chunk.tokens))
+                if deltas or split.thinking:
+                    message = api.Message(role="assistant", thinking=split.thinking or None)
+                    yield api.ChatChunk(model=name, message=message, tool_call_deltas=deltas or None,
+                                        tokens=list(chunk.tokens))
                 continue
             deltas += call.finish()
             complete = call.complete()
-            message = api.Message(role="assistant", tool_calls=[complete] if complete else None)
+            message = api.Message(role="assistant", thinking="".join(thinking) or None,
+                                  tool_calls=[complete] if complete else None)
             yield api.ChatChunk(model=name, message=message, tool_call_deltas=deltas or None, done=True,
                                 done_reason=chunk.done_reason, **_timing_fields(chunk, load_seconds))
 
     @staticmethod
-    def _chat_chunk(name: str, chunk: EngineChunk, loaded: Loaded, load_seconds: float) -> api.ChatChunk:
-        message = api.Message(role="assistant", content=chunk.text)
+    def _chat_chunk(name: str, chunk: EngineChunk, loaded: Loaded, load_seconds: float,
+                    answer: "_Answer") -> api.ChatChunk:
+        split = answer.feed(chunk)
+        message = api.Message(role="assistant", content=split.content, thinking=split.thinking or None)
         if not chunk.done:
+            # The first chunk also says how long the prompt is, for streams that announce it before the answer
+            # (Anthropic's message_start); Ollama's NDJSON leaves timing fields off all but the last chunk.
             return api.ChatChunk(model=name, message=message, tokens=list(chunk.tokens),
-                                 logprobs=_logprobs(loaded, chunk))
+                                 logprobs=_logprobs(loaded, chunk), prompt_eval_count=answer.announce())
         return api.ChatChunk(model=name, message=message, done=True, done_reason=chunk.done_reason,
-                             **_timing_fields(chunk, load_seconds))
+                             stop_sequence=answer.stop_sequence, **_timing_fields(chunk, load_seconds))
 
     def embed(self, request: api.EmbedRequest) -> api.EmbedResponse:
         model = self.store.resolve(request.model)
@@ -305,13 +353,13 @@ class LocalClient:
         reason = "unload" if keep_alive is not None and keep_alive <= 0 else "load"
         yield api.GenerateChunk(model=name, done=True, done_reason=reason)
 
-    @staticmethod
-    def _render(loaded: Loaded, model: ResolvedModel, messages: list[api.Message], *,
-                template: Optional[str] = None, tools: Optional[list] = None) -> str:
+    def _render(self, loaded: Loaded, model: ResolvedModel, messages: list[api.Message], *,
+                template: Optional[str] = None, tools: Optional[list] = None,
+                extra: Optional[dict[str, Any]] = None) -> str:
         meta = loaded.engine.model.meta
         return render_chat(_template(loaded, model, template), [m.model_dump(exclude_none=True) for m in messages],
                            tools=tools, bos_token=_token_text(loaded, meta.bos_token),
-                           eos_token=_token_text(loaded, meta.eos_token))
+                           eos_token=_token_text(loaded, meta.eos_token), extra=extra)
 
     @staticmethod
     def _tokenize(loaded: Loaded, text: str) -> list[int]:
@@ -325,6 +373,60 @@ class LocalClient:
 def _template(loaded: Loaded, model: ResolvedModel, override: Optional[str] = None) -> Optional[str]:
     """The chat template a prompt is rendered with; None means the plain transcript (a base model)."""
     return override or model.template or loaded.engine.model.meta.chat_template
+
+
+class _Answer:
+    """One answer on its way out: its thinking split from its content, and which stop string ended it."""
+
+    def __init__(self, loaded: Loaded, splitter: Optional[ThinkingSplitter], thinks: bool, stops: list[str],
+                 prompt_tokens: int = 0):
+        self._loaded = loaded
+        self._prompt_tokens = prompt_tokens
+        self._splitter = splitter
+        self._thinks = thinks
+        self._stops = sorted(s for s in stops if s)
+        self._text: list[str] = []
+        self._tokens: list[int] = []
+        self.stop_sequence: Optional[str] = None
+
+    @classmethod
+    def start(cls, loaded: Loaded, template: Optional[str], prompt: str, think: Think, stops: list[str], *,
+              prompt_tokens: int = 0) -> "_Answer":
+        # A reasoning model's tags are always split off, even when thinking was turned off and it thinks anyway.
+        capable = supports_thinking(template)
+        splitter = ThinkingSplitter(opened=opens_thinking(prompt)) if capable else None
+        return cls(loaded, splitter, capable and think.enabled is not False, stops, prompt_tokens)
+
+    def announce(self) -> int:
+        """The prompt's length the first time, 0 after."""
+        count, self._prompt_tokens = self._prompt_tokens, 0
+        return count
+
+    def grammar(self, grammar: Optional[str]) -> Optional[str]:
+        """Structured output on a thinking answer applies after the think block (as Ollama does)."""
+        if grammar is None or not self._thinks or self._splitter is None:
+            return grammar
+        return thinking_grammar(grammar, opened=self._splitter.thinking)
+
+    def feed(self, chunk: EngineChunk) -> Split:
+        self._text.append(chunk.text)
+        self._tokens.extend(chunk.tokens)
+        if self._splitter is None:
+            split = Split(content=chunk.text)
+        else:
+            split = self._splitter.feed(chunk.text)
+            if chunk.done:
+                tail = self._splitter.flush()
+                split = Split(split.thinking + tail.thinking, split.content + tail.content)
+        if chunk.done and chunk.done_reason == "stop" and self._stops:
+            self.stop_sequence = self._matched_stop()
+        return split
+
+    def _matched_stop(self) -> Optional[str]:
+        # The engine hides the stop string; what the answer's tokens spell beyond the text shown begins with it.
+        spelled = b"".join(self._loaded.engine.model.token_bytes(t) for t in self._tokens).decode("utf-8", "replace")
+        rest = spelled[len("".join(self._text)):]
+        return next((s for s in self._stops if rest.startswith(s)), None)
 
 
 def _logprobs_wanted(request: api.GenerateRequest | api.ChatRequest) -> Optional[int]:

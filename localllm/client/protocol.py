@@ -49,6 +49,9 @@ class Client(Protocol):
     def chat_batch(self, requests: list[ChatRequest]) -> Iterator[tuple[int, ChatChunk]]:
         """As generate_batch, for chats."""
 
+    def count_tokens(self, request: ChatRequest) -> int:
+        """The prompt tokens `request` would take, the model's template applied (Anthropic's count_tokens)."""
+
     def embed(self, request: EmbedRequest) -> EmbedResponse: ...
 
     def save_prompt_cache(self, request: ChatRequest) -> bytes:

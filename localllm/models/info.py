@@ -6,10 +6,11 @@ system, parameters, license) overrides what the weights carry."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from .. import api
 from ..errors import InvalidInput
+from ..thinking import supports_thinking
 from .store import ResolvedModel, Store
 
 
@@ -36,7 +37,7 @@ def show_model(store: Store, name: str, *, verbose: bool = False) -> api.ShowRes
         system=model.system or "",
         details=model.details,
         model_info=model_info,
-        capabilities=template_capabilities(template),
+        capabilities=capabilities(template),
         modified_at=model.modified_at,
         path=str(model.weights),
         draft=model.draft,
@@ -87,35 +88,24 @@ def _inspect(model: ResolvedModel):
 # What `show --verbose` (Ollama's /api/show with verbose) adds: the token tables summarised as null otherwise.
 VERBOSE_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"})
 
-# A chat template that reads these can put tools / a thinking switch into the prompt (Jinja from GGUF metadata, or
-# an Ollama Go template).
+# A chat template that reads these can put tools into the prompt (Jinja from GGUF metadata, or an Ollama Go template).
 _TOOL_MARKERS = ("tools", ".Tools")
-_THINKING_MARKERS = ("enable_thinking", "reasoning_content", ".Thinking", ".Think")
 
 
-def template_capabilities(template: str) -> list[str]:
-    """What a model can do, decided from its chat template as Ollama decides it. The one place that decides: /api/show
-    lists these, and require_capabilities refuses requests that need one the model lacks."""
-    capabilities = ["completion"]
+def capabilities(template: str) -> list[str]:
+    """What a model can do, decided from its chat template as Ollama decides it. The one place that decides:
+    /api/show lists these; require_tools and thinking.check_thinking refuse requests that need one it lacks."""
+    found = ["completion"]
     if any(marker in template for marker in _TOOL_MARKERS):
-        capabilities.append("tools")
-    if any(marker in template for marker in _THINKING_MARKERS):
-        capabilities.append("thinking")
-    return capabilities
+        found.append("tools")
+    if supports_thinking(template):
+        found.append("thinking")
+    return found
 
 
-def wants_thinking(think: Union[bool, str, None]) -> bool:
-    """Ollama's `think`: true or a level ("high", "medium", "low") asks for thinking; false or absent does not."""
-    return think is not None and think is not False and think != ""
-
-
-def require_capabilities(name: str, capabilities: list[str], *, tools: bool = False,
-                         think: Union[bool, str, None] = None) -> None:
-    """Refuse, with Ollama's wording (clients match on it), a request for tools or thinking the model cannot do."""
-    if wants_thinking(think) and "thinking" not in capabilities:
-        raise InvalidInput(f"{json.dumps(name)} does not support thinking",
-                           hint="leave `think` out for this model")
-    if tools and "tools" not in capabilities:
+def require_tools(name: str, capabilities: list[str]) -> None:
+    """Refuse, with Ollama's wording (clients match on it), tools the model's template cannot show it."""
+    if "tools" not in capabilities:
         raise InvalidInput(f"{name} does not support tools",
                            hint="its chat template cannot show tools to the model; create a model with a TEMPLATE "
                                 "that renders .Tools / tools")

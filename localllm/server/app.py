@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__, config
 from ..client.protocol import Client
-from . import ollama_routes, openai_routes, prompt_cache_routes
+from . import anthropic_routes, ollama_routes, openai_responses, openai_routes, prompt_cache_routes
 from .metrics import CONTENT_TYPE, AccessLog, ServerMetrics
 from .responses import install_error_handlers
 from .security import GuardMiddleware, GuardSettings
@@ -89,6 +89,8 @@ def create_app(client: Optional[Client] = None, *, bound_host: Optional[str] = N
     app.include_router(ollama_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(prompt_cache_routes.router)
+    app.include_router(anthropic_routes.router)
+    app.include_router(openai_responses.router)
     # add_middleware wraps, so the last added runs first: access log, CORS, guard, then the JSON relabelling.
     app.add_middleware(AssumeJson)
     app.add_middleware(GuardMiddleware, settings=GuardSettings.from_config(bound_host))

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from .. import api, config
-from ..models.info import require_capabilities, wants_thinking
+from ..models.info import require_tools
 from .chunk_stream import ChunkStream
 from .responses import client_gone, merge_chat, merge_generate, ndjson_response
 from .state import State
@@ -112,11 +112,12 @@ async def upload_blob(digest: str, state: State, http: Request) -> Response:
 
 # ---------------------------------------------------------------------------------------------------------- inference
 
-async def check_capabilities(state: State, model: str, *, tools: bool, think: Any) -> None:
-    """Ollama's 400 for tools or thinking the model cannot do (its wording, which clients match on)."""
-    if tools or wants_thinking(think):
+async def check_tools(state: State, model: str, tools: bool) -> None:
+    """Ollama's 400 for tools the model cannot be shown (its wording, which clients match on). Thinking a model
+    cannot do is refused by the client, on every route (thinking.check_thinking)."""
+    if tools:
         shown = await run_in_threadpool(state.client.show, model)
-        require_capabilities(model, shown.capabilities, tools=tools, think=think)
+        require_tools(model, shown.capabilities)
 
 
 @router.post("/api/generate")
@@ -124,7 +125,6 @@ async def generate(body: api.GenerateRequest, state: State, http: Request) -> Re
     body.options = api.request_options(body.options)
     if not body.prompt and not body.context and asks_unload(body.keep_alive):
         return await unload(body.model, state)
-    await check_capabilities(state, body.model, tools=False, think=body.think)
     chunks = await ChunkStream.open(lambda: state.client.generate(body), observe=state.metrics.observe_chunk)
     if body.stream:
         return ndjson_response(chunks)
@@ -137,12 +137,18 @@ async def chat(body: api.ChatRequest, state: State, http: Request) -> Response:
     body.options = api.request_options(body.options)
     if not body.messages and asks_unload(body.keep_alive):
         return await unload(body.model, state, chat=True)
-    await check_capabilities(state, body.model, tools=bool(body.tools), think=body.think)
+    await check_tools(state, body.model, bool(body.tools))
     chunks = await ChunkStream.open(lambda: state.client.chat(body), observe=state.metrics.observe_chunk)
     if body.stream:
         return ndjson_response(chunks)
     collected = await chunks.collect(disconnected=http.is_disconnected)
     return json_of(merge_chat(collected)) if collected else client_gone()
+
+
+@router.post("/api/count_tokens")
+def count_tokens(body: api.ChatRequest, state: State) -> JSONResponse:
+    """The prompt tokens a chat request would take (a localllm extension; HttpClient.count_tokens calls it)."""
+    return JSONResponse({"input_tokens": state.client.count_tokens(body)})
 
 
 async def unload(model: str, state: State, *, chat: bool = False) -> JSONResponse:

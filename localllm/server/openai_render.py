@@ -138,6 +138,8 @@ class ChatEvents:
         if index not in self.started:
             self.started.add(index)
             out.append(self._delta(index, {"role": "assistant", "content": ""}))
+        if chunk.message.thinking:  # DeepSeek's field for the thinking, which OpenAI clients read
+            out.append(self._delta(index, {"reasoning_content": chunk.message.thinking}))
         if chunk.message.content or chunk.logprobs:
             out.append(self._delta(index, {"content": chunk.message.content}, logprobs=chunk.logprobs))
         deltas = list(chunk.tool_call_deltas or [])

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .. import api
 from ..errors import InvalidInput
+from ..thinking import think_from_effort
 
 
 class _Wire(BaseModel):
@@ -63,6 +64,14 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Union[str, dict[str, Any], None] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    reasoning_effort: Optional[str] = Field(None, description="none, minimal, low, medium or high")
+    reasoning: Optional[dict[str, Any]] = Field(None, description="{\"effort\": ...}, as some clients send it")
+
+    @property
+    def think(self) -> Union[bool, str, None]:
+        if self.reasoning_effort is not None:
+            return think_from_effort(self.reasoning_effort)
+        return think_from_effort((self.reasoning or {}).get("effort"), field_name="reasoning.effort")
 
 
 class CompletionRequest(_Sampling):
@@ -126,7 +135,7 @@ def chat_requests(body: ChatCompletionRequest) -> list[api.ChatRequest]:
         model=body.model, messages=chat_messages(body.messages), stream=body.stream,
         options=sampling_options(body, max_tokens), format=response_format(body.response_format),
         tools=body.tools, tool_choice=body.tool_choice, keep_alive=body.keep_alive,
-        logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)
+        logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, think=body.think)
     return [_choice(request, body.seed, i) for i in range(body.n)]
 
 

@@ -1,7 +1,8 @@
 """Responses: the one place where errors become HTTP statuses, and the streaming response that closes its stream.
 
-Every error body is `{"error": ...}`: a string under Ollama's routes, OpenAI's object under /v1. Status codes come
-from the `status_code` of the errors.* class; a QueueFull adds Retry-After, an Unauthorized adds WWW-Authenticate."""
+Every error body is `{"error": ...}`: a string under Ollama's routes, OpenAI's object under /v1, Anthropic's
+`{"type": "error", "error": {...}}` under /v1/messages. Status codes come from the `status_code` of the errors.*
+class; a QueueFull adds Retry-After, an Unauthorized adds WWW-Authenticate."""
 
 from __future__ import annotations
 
@@ -55,13 +56,25 @@ def openai_code(exc: Exception | None, status: int) -> str:
     return _OPENAI_STATUS_CODES.get(status, "server_error")
 
 
+# Anthropic's error type for each status (its API reference, "Errors").
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_error(message: str, status: int) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
 def error_json(message: str, status: int, path: str, headers: dict[str, str] | None = None,
                exc: Exception | None = None) -> JSONResponse:
     """Ollama's `{"error": "..."}`; under /v1 OpenAI's `{"error": {"message", "type", "param", "code"}}`, which
-    its client libraries read."""
-    if path.startswith("/v1/"):
-        body: dict[str, Any] = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"),
-                                          "param": None, "code": openai_code(exc, status)}}
+    its client libraries read; under /v1/messages Anthropic's."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        body: dict[str, Any] = anthropic_error(message, status)
+    elif path.startswith("/v1/"):
+        body = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"), "param": None,
+                          "code": openai_code(exc, status)}}
     else:
         body = {"error": message}
     return JSONResponse(body, status_code=status, headers=headers)

@@ -64,7 +64,11 @@ def host_allowed(header: str | None, settings: GuardSettings) -> bool:
     return name in settings.allowed_hosts or name.endswith(".localhost")
 
 
-def key_matches(authorization: str | None, api_key: str) -> bool:
+def key_matches(authorization: str | None, api_key: str, x_api_key: str | None = None) -> bool:
+    """`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY` (what Claude Code and the anthropic package
+    send)."""
+    if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), api_key.encode()):
+        return True
     scheme, _, token = (authorization or "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
@@ -91,8 +95,10 @@ class GuardMiddleware:
         if not host_allowed(headers.get("host"), self.settings):
             raise Forbidden(f"Host {headers.get('host')!r} is not allowed",
                             hint="call the server by 127.0.0.1 or localhost, or add the name to LOCALLLM_ALLOWED_HOSTS")
-        if self._needs_key(scope) and not key_matches(headers.get("authorization"), self.settings.api_key):
-            raise Unauthorized("missing or wrong API key", hint="send `Authorization: Bearer <LOCALLLM_API_KEY>`")
+        if self._needs_key(scope) and not key_matches(headers.get("authorization"), self.settings.api_key,
+                                                      headers.get("x-api-key")):
+            raise Unauthorized("missing or wrong API key",
+                               hint="send `Authorization: Bearer <key>` or `x-api-key: <key>` with LOCALLLM_API_KEY")
         length = headers.get("content-length")
         if scope["path"].startswith(UNLIMITED_BODY_PREFIX):
             return

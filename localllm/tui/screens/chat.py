@@ -54,6 +54,7 @@ class ChatScreen(Screen):
         timings: Optional[api.Timings]
         error: Optional[LocalLLMError]
         epoch: int  # the chat it belongs to: an answer stopped by /clear or a model switch is not recorded
+        thinking: str = ""
 
     def __init__(self, client: Client, conversation: Conversation):
         super().__init__()
@@ -110,8 +111,10 @@ class ChatScreen(Screen):
                 started = started or time.perf_counter()
                 tokens += len(chunk.tokens or ()) or 1
                 parts.append(chunk.message.content)
+                if chunk.message.thinking:
+                    self.app.call_from_thread(self._show_thinking, reply, chunk.message.thinking)
                 self.app.call_from_thread(self._show_piece, markdown, chunk.message.content,
-                                          _live_rate(tokens, started))
+                                          _live_rate(tokens, started), reply)
                 if chunk.done:
                     final = chunk
         except LocalLLMError as exc:
@@ -119,11 +122,21 @@ class ChatScreen(Screen):
         finally:
             getattr(chunks, "close", lambda: None)()
             self.app.call_from_thread(markdown.stop)
+            if reply.thinking is not None:
+                self.app.call_from_thread(reply.thinking.finish)
         if final is None and error is None:  # stopped (Escape): said on the answer, as the terminal chat does
             self.app.call_from_thread(reply.append, STOPPED_MARK)
-        self.post_message(self.AnswerFinished("".join(parts), final, error, epoch))
+        thinking = reply.thinking.text if reply.thinking is not None else ""
+        self.post_message(self.AnswerFinished("".join(parts), final, error, epoch, thinking))
 
-    async def _show_piece(self, markdown: "MarkdownStream", text: str, speed: Optional[float]) -> None:
+    def _show_thinking(self, reply: MessageView, text: str) -> None:
+        view = reply.thinking or self.query_one(MessageList).add_thinking(reply)
+        view.add(text)
+
+    async def _show_piece(self, markdown: "MarkdownStream", text: str, speed: Optional[float],
+                          reply: MessageView) -> None:
+        if text and reply.thinking is not None:
+            reply.thinking.finish()  # the answer has begun: the thinking folds away above it
         await markdown.write(text)
         panel = self.query_one(EnginePanel)
         panel.figures = replace(panel.figures, live_rate=speed)
@@ -136,7 +149,7 @@ class ChatScreen(Screen):
         if event.error is not None and not event.text:
             self.conversation.withdraw()
         else:
-            self.conversation.answered(event.text, event.timings)
+            self.conversation.answered(event.text, event.timings, thinking=event.thinking)
         if event.error is not None:
             self.post_message(ErrorReported(event.error, title="Answer failed"))
         self._show_answer_figures()

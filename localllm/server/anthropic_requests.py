@@ -1,0 +1,225 @@
+"""Anthropic's Messages request body and its translation into our api.ChatRequest.
+
+The wire types live here, as OpenAI's live in openai_requests: only these routes speak them. Content blocks become
+our messages: text joins into content, a `tool_use` becomes a tool call, a `tool_result` a tool message, a `thinking`
+block the assistant's thinking. `cache_control` is accepted anywhere and ignored: our prefix cache needs no marks.
+What cannot be expressed (images, documents) is a 400 naming the block. Server tools (web search, code execution)
+cannot run here: they are left out with a warning in the log, so an agent that always sends them still works."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .. import api
+from ..errors import InvalidInput
+
+log = logging.getLogger(__name__)
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class AnthropicMessage(_Wire):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[dict[str, Any]]]
+
+
+class AnthropicTool(_Wire):
+    name: str = Field(min_length=1, max_length=128)
+    description: str = ""
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    type: Optional[str] = None
+
+
+class MessagesRequest(_Wire):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: Union[str, list[dict[str, Any]], None] = None
+    temperature: Optional[float] = Field(None, ge=0, le=1)
+    top_p: Optional[float] = Field(None, ge=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    stop_sequences: Optional[list[str]] = Field(None, max_length=64)
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[dict[str, Any]] = None
+    thinking: Optional[dict[str, Any]] = None
+    output_config: Optional[dict[str, Any]] = Field(None, description="format (a JSON schema) is honoured; effort "
+                                                    "is accepted and left to the model")
+    output_format: Optional[dict[str, Any]] = Field(None, description="the older name of output_config.format")
+    metadata: Optional[dict[str, Any]] = None
+    stream: bool = False
+
+
+class CountTokensRequest(_Wire):
+    """count_tokens takes the same body less max_tokens and the sampling fields."""
+
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Union[str, list[dict[str, Any]], None] = None
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[dict[str, Any]] = None
+    thinking: Optional[dict[str, Any]] = None
+    output_config: Optional[dict[str, Any]] = None
+    output_format: Optional[dict[str, Any]] = None
+
+
+# ---------------------------------------------------------------------------------------------------------- request
+
+def chat_request(body: Union[MessagesRequest, CountTokensRequest]) -> api.ChatRequest:
+    messages = chat_messages(body.messages)
+    system = system_text(body.system)
+    if system:
+        messages.insert(0, api.Message(role="system", content=system))
+    tools = [_tool(t) for t in body.tools or [] if _runs_locally(t)] or None
+    options: dict[str, Any] = {}
+    if isinstance(body, MessagesRequest):
+        options = {"num_predict": body.max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+                   "top_k": body.top_k, "stop": body.stop_sequences}
+    return api.ChatRequest(model=body.model, messages=messages, tools=tools, tool_choice=tool_choice(body.tool_choice),
+                           think=think(body.thinking), stream=getattr(body, "stream", False),
+                           format=output_format(body.output_config, body.output_format),
+                           options={name: value for name, value in options.items() if value is not None})
+
+
+def output_format(config: Optional[dict[str, Any]], legacy: Optional[dict[str, Any]]) -> api.Format:
+    """Structured outputs: {"type": "json_schema", "schema": {...}} as the schema our grammar takes."""
+    fmt = (config or {}).get("format") or legacy
+    if not fmt:
+        return None
+    if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise InvalidInput("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}")
+    return fmt["schema"]
+
+
+def system_text(system: Union[str, list[dict[str, Any]], None]) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    return "\n\n".join(_text_block(block, f"system.{i}") for i, block in enumerate(system))
+
+
+def think(thinking: Optional[dict[str, Any]]) -> Optional[bool]:
+    """{"type": "enabled", "budget_tokens": N} turns thinking on, {"type": "disabled"} off. The budget is checked
+    but not enforced: the answer as a whole is bounded by max_tokens."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind == "disabled":
+        return False
+    if kind in ("enabled", "adaptive"):
+        budget = thinking.get("budget_tokens")
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
+            raise InvalidInput(f"thinking.budget_tokens {budget!r} must be a whole number of at least 1")
+        return True
+    raise InvalidInput(f"thinking.type {kind!r} is not valid", hint="use enabled or disabled")
+
+
+def tool_choice(choice: Optional[dict[str, Any]]) -> Union[str, dict[str, Any], None]:
+    """Anthropic's choices as OpenAI's, whose forced forms (any, tool) take the tool-call grammar."""
+    if choice is None:
+        return None
+    kind = choice.get("type")
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        name = choice.get("name")
+        if not name:
+            raise InvalidInput('tool_choice {"type": "tool"} needs the tool\'s name')
+        return {"type": "function", "function": {"name": name}}
+    raise InvalidInput(f"tool_choice.type {kind!r} is not valid", hint="use auto, any, tool or none")
+
+
+def _runs_locally(tool: AnthropicTool) -> bool:
+    if tool.type in (None, "custom"):
+        return True
+    log.warning("left out the server tool %s (%s): it cannot run on a local model", tool.name, tool.type)
+    return False
+
+
+def _tool(tool: AnthropicTool) -> api.Tool:
+    return api.Tool(function=api.ToolFunction(name=tool.name, description=tool.description,
+                                              parameters=tool.input_schema))
+
+
+# ---------------------------------------------------------------------------------------------------------- messages
+
+def chat_messages(messages: list[AnthropicMessage]) -> list[api.Message]:
+    """Anthropic messages as ours. A tool_result names its call by id; we name the tool, found from that id."""
+    tool_names: dict[str, str] = {}
+    out: list[api.Message] = []
+    for i, message in enumerate(messages):
+        blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
+        if message.role == "assistant":
+            out.append(_assistant(blocks, f"messages.{i}.content", tool_names))
+        else:
+            out.extend(_user(blocks, f"messages.{i}.content", tool_names))
+    return out
+
+
+def _assistant(blocks: list[dict[str, Any]], where: str, tool_names: dict[str, str]) -> api.Message:
+    texts, thinking, calls = [], [], []
+    for j, block in enumerate(blocks):
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_text_block(block, f"{where}.{j}"))
+        elif kind == "thinking":
+            thinking.append(str(block.get("thinking", "")))
+        elif kind == "redacted_thinking":
+            continue  # opaque by design; nothing a local model can read
+        elif kind == "tool_use":
+            call = api.ToolCall(id=block.get("id"), function=api.ToolCallFunction(
+                name=str(block.get("name", "")), arguments=_tool_input(block.get("input"), f"{where}.{j}.input")))
+            tool_names[call.id or ""] = call.function.name
+            calls.append(call)
+        else:
+            raise _unsupported(kind, f"{where}.{j}")
+    return api.Message(role="assistant", content="".join(texts), thinking="".join(thinking) or None,
+                       tool_calls=calls or None)
+
+
+def _user(blocks: list[dict[str, Any]], where: str, tool_names: dict[str, str]) -> list[api.Message]:
+    """Tool results first (they answer the previous turn's calls), then the user's own text."""
+    results, texts = [], []
+    for j, block in enumerate(blocks):
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_text_block(block, f"{where}.{j}"))
+        elif kind == "tool_result":
+            results.append(api.Message(role="tool", content=_result_text(block, f"{where}.{j}"),
+                                       tool_name=tool_names.get(str(block.get("tool_use_id", "")))))
+        else:
+            raise _unsupported(kind, f"{where}.{j}")
+    return results + ([api.Message(role="user", content="".join(texts))] if texts or not results else [])
+
+
+def _result_text(block: dict[str, Any], where: str) -> str:
+    content = block.get("content", "")
+    if isinstance(content, str):
+        text = content
+    else:
+        text = "".join(_text_block(part, f"{where}.content.{k}") for k, part in enumerate(content or []))
+    return f"Error: {text}" if block.get("is_error") else text
+
+
+def _text_block(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or block.get("type") != "text":
+        raise _unsupported(block.get("type") if isinstance(block, dict) else type(block).__name__, where)
+    return str(block.get("text", ""))
+
+
+def _tool_input(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{where} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _unsupported(kind: Any, where: str) -> InvalidInput:
+    return InvalidInput(f"{where}: content blocks of type {kind!r} are not supported",
+                        hint="send text, tool_use, tool_result and thinking blocks; no vision model backend exists")
