@@ -122,8 +122,8 @@ KV_CACHE_TYPE = Setting("LOCALLLM_KV_CACHE_TYPE", "KV cache type: f16, q8_0 or q
                         lambda raw: _one_of(raw, ("f16", "q8_0", "q4_0")), lambda: "f16")
 FLASH_ATTENTION = Setting("LOCALLLM_FLASH_ATTENTION", "flash attention on/off (default: the backend decides)",
                           parse_bool, lambda: None)
-ORIGINS = Setting("LOCALLLM_ORIGINS", "comma-separated origins allowed by CORS (none by default)", parse_list,
-                  lambda: [])
+ORIGINS = Setting("LOCALLLM_ORIGINS", "comma-separated web origins (globs like chrome-extension://*) allowed to call "
+                  "the server and by CORS; loopback pages always may call", parse_list, lambda: [])
 ALLOWED_HOSTS = Setting("LOCALLLM_ALLOWED_HOSTS", "extra Host header names accepted besides loopback", parse_list,
                         lambda: [])
 API_KEY = Setting("LOCALLLM_API_KEY", "bearer token required on every route but / and /health", str, lambda: "")

@@ -37,7 +37,8 @@ def error_headers(exc: Exception) -> dict[str, str]:
 
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                 404: "invalid_request_error", 413: "invalid_request_error", 503: "server_overloaded"}
+                 404: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                 503: "server_overloaded"}
 
 
 def error_json(message: str, status: int, path: str, headers: dict[str, str] | None = None) -> JSONResponse:
