@@ -53,18 +53,28 @@ _DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ms|s|m|h)?$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
+# A keep_alive longer than this is forever: an expiry that far off would not fit a datetime, and nobody means it.
+MAX_DURATION = 100 * 365 * 86400.0
+
+
 def parse_duration(raw: str | int | float) -> float:
-    """Ollama's keep_alive grammar: seconds as a number, or "10m", "1h", "30s"; negative means forever (inf).
+    """Ollama's keep_alive grammar: seconds as a number, or "10m", "1h", "30s"; negative means forever (inf), and so
+    does anything longer than a hundred years.
 
     Returns seconds; 0 means unload as soon as the request finishes."""
     if isinstance(raw, (int, float)):
-        seconds = float(raw)
+        try:
+            seconds = float(raw)
+        except OverflowError:  # an integer too large for a float
+            seconds = math.inf
     else:
         match = _DURATION.match(raw.strip())
         if not match:
             raise ValueError('expected a duration such as 300, "5m", "1h" or -1 for forever')
         seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-    return math.inf if seconds < 0 else seconds
+    if math.isnan(seconds):
+        raise ValueError("expected a number of seconds, not NaN")
+    return math.inf if seconds < 0 or seconds > MAX_DURATION else seconds
 
 
 def parse_host(raw: str) -> tuple[str, int]:

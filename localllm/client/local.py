@@ -16,6 +16,7 @@ from ..engine.pool import Loaded, ModelPool, resolve_options
 from ..engine.runner import EngineChunk, GenerationParams
 from ..errors import InvalidInput
 from ..models.info import show_model
+from ..models.options import bound_sampling
 from ..models.pull import pull_model
 from ..engine.speculative import load_speculation
 from ..models.store import ResolvedModel, Store
@@ -93,6 +94,7 @@ class LocalClient:
             return
         grammar = grammar_for_format(request.format)
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
+            sampling = _bound_sampling(loaded, sampling)
             tokens = self._generate_tokens(loaded, model, request)
             stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate,
                                                            _logprobs_wanted(request)))
@@ -112,7 +114,7 @@ class LocalClient:
         else:
             messages = _messages_with_system(model, request.system, [api.Message(role="user", content=request.prompt)])
             text = self._render(loaded, model, messages, template=request.template)
-        tokens = list(request.context or []) + (self._tokenize(loaded, text) if text else [])
+        tokens = _checked_context(loaded, request.context) + (self._tokenize(loaded, text) if text else [])
         return tokens
 
     @staticmethod
@@ -137,6 +139,7 @@ class LocalClient:
         grammar = grammar_for_format(request.format) or tool_choice_grammar(request.tools, request.tool_choice)
         tools = request.tools if request.tool_choice != "none" else None
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
+            sampling = _bound_sampling(loaded, sampling)
             messages = _messages_with_system(model, None, request.messages)
             text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None)
             tokens = self._tokenize(loaded, text)
@@ -183,6 +186,8 @@ class LocalClient:
 
     def _embed_tokens(self, loaded: Loaded, text: str, truncate: bool) -> list[int]:
         tokens = self._tokenize(loaded, text)
+        if not tokens:
+            raise InvalidInput("an input to embed is empty", hint="send some text in every input")
         limit = loaded.engine.n_ctx
         if len(tokens) > limit:
             if not truncate:
@@ -216,6 +221,20 @@ class LocalClient:
         # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
         add_special = not (bos and text.startswith(bos))
         return loaded.engine.tokenize(text, add_special=add_special, parse_special=True)
+
+
+def _bound_sampling(loaded: Loaded, sampling: api.SamplingOptions) -> api.SamplingOptions:
+    return bound_sampling(sampling, n_ctx=loaded.engine.n_ctx, n_vocab=loaded.engine.model.meta.n_vocab)
+
+
+def _checked_context(loaded: Loaded, context: Optional[list[int]]) -> list[int]:
+    """Ollama's `context` goes to llama_decode as token ids: each must be one of the model's."""
+    n_vocab = loaded.engine.model.meta.n_vocab
+    bad = next((t for t in context or [] if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise InvalidInput(f"context holds token id {bad}; this model's ids are 0 to {n_vocab - 1}",
+                           hint="send back the context of an earlier answer from the same model, unchanged")
+    return list(context or [])
 
 
 def _logprobs_wanted(request: api.GenerateRequest | api.ChatRequest) -> Optional[int]:

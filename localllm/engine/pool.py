@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from .. import api, config
 from ..backends import choose_backend, get_backend
 from ..errors import InvalidInput, QueueFull
+from ..models.options import bound_load, check_memory, model_facts
 from ..models.store import ResolvedModel, Store
 from .runner import ModelEngine
 
@@ -92,8 +93,10 @@ class ModelPool:
     @contextmanager
     def acquire(self, model: ResolvedModel, load: api.LoadOptions, *,
                 keep_alive: Optional[float] = None) -> Iterator[Loaded]:
-        """Hold a loaded model for one request; keep_alive (seconds, inf forever) starts counting on release."""
-        entry = self._get_or_load(model, effective_load(load), keep_alive)
+        """Hold a loaded model for one request; keep_alive (seconds, inf forever) starts counting on release.
+        The options are checked against the model and the machine first (models/options.py)."""
+        facts = model_facts(model.weights, model.format)
+        entry = self._get_or_load(model, bound_load(effective_load(load), load.model_fields_set, facts), keep_alive)
         try:
             yield entry
         finally:
@@ -137,6 +140,7 @@ class ModelPool:
 
     def _load(self, model: ResolvedModel, load: api.LoadOptions, keep_alive: Optional[float]) -> Loaded:
         backend_name = choose_backend(load.backend, model.weights)
+        check_memory(load, model_facts(model.weights, model.format), model.name)
         t0 = time.perf_counter()
         loaded = get_backend(backend_name).load(model.weights, load, n_seq=load.num_parallel or 1,
                                                 n_ctx=load.num_ctx or config.CONTEXT_LENGTH.get())
@@ -166,7 +170,10 @@ class ModelPool:
     @staticmethod
     def _set_expiry(entry: Loaded) -> None:
         ka = entry.keep_alive
-        entry.expires_at = None if ka == float("inf") else datetime.now(timezone.utc) + timedelta(seconds=ka)
+        try:
+            entry.expires_at = None if ka == float("inf") else datetime.now(timezone.utc) + timedelta(seconds=ka)
+        except OverflowError:  # past the last datetime: forever (config.parse_duration already caps durations)
+            entry.expires_at = None
 
     def _unload(self, entry: Loaded) -> None:
         with self._lock:

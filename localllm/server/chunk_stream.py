@@ -127,16 +127,20 @@ class ChunkStream(Generic[T]):
 
     async def collect(self, *, disconnected: Optional[Callable[[], Awaitable[bool]]] = None) -> Optional[list[T]]:
         """All chunks, for a non-streamed answer. With `disconnected` (Request.is_disconnected), a client that
-        leaves while it waits cancels the request too; then the result is None."""
+        leaves while it waits cancels the request too; then the result is None. An error from the stream is raised
+        as itself (a task group would wrap it, and its status would be lost)."""
         if disconnected is None:
             return [chunk async for chunk in self]
         chunks: list[T] = []
-        async with anyio.create_task_group() as group:
-            group.start_soon(self._cancel_when_gone, disconnected, group.cancel_scope)
-            async for chunk in self:
-                chunks.append(chunk)
-            group.cancel_scope.cancel()
-            return chunks
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._cancel_when_gone, disconnected, group.cancel_scope)
+                async for chunk in self:
+                    chunks.append(chunk)
+                group.cancel_scope.cancel()
+                return chunks
+        except BaseExceptionGroup as errors:
+            raise _first_error(errors) from None
         return None  # cancelled because the client went away
 
     @staticmethod
@@ -144,6 +148,14 @@ class ChunkStream(Generic[T]):
         while not await disconnected():
             await anyio.sleep(0.25)
         scope.cancel()
+
+
+def _first_error(errors: BaseExceptionGroup) -> BaseException:
+    """The error inside a task group's (possibly nested) group: the stream's own error is its only one."""
+    first: BaseException = errors
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first
 
 
 # ---------------------------------------------------------------------------------------------------------- merging

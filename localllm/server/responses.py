@@ -55,6 +55,8 @@ def error_json(message: str, status: int, path: str, headers: dict[str, str] | N
 def error_response(exc: Exception, path: str = "") -> JSONResponse:
     """The JSON error for any exception: errors.* by their status, anything else a logged 500."""
     if isinstance(exc, LocalLLMError):
+        if exc.status_code == 500:  # a fault of ours, not of the input: worth a line in the log
+            log.error("%s answered %d: %s", path or "request", exc.status_code, exc)
         return error_json(str(exc), exc.status_code, path, error_headers(exc))
     log.error("unexpected error", exc_info=exc)
     return error_json(f"internal error: {exc}", 500, path)
@@ -97,6 +99,8 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
     """What a stream sends when it fails after output has started (the status line is already gone)."""
     if not isinstance(exc, LocalLLMError):
         log.error("stream failed", exc_info=exc)
+    elif exc.status_code == 500:
+        log.error("stream failed: %s", exc)
     return {"error": str(exc) if isinstance(exc, LocalLLMError) else f"internal error: {exc}"}
 
 
