@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import socket
+import time
 
 import httpx
 import pytest
@@ -132,4 +135,81 @@ def test_bad_input_is_400_with_its_own_message(base_url, body, words):
     refused = generate(base_url, **body)
     assert refused.status_code == 400, refused.text
     assert words in error_of(refused)
+    assert_still_answers(base_url)
+
+
+# ---------------------------------------------------------------------------------------------------------- queue
+
+def open_request(url: str, body: dict) -> socket.socket:
+    """Send a request on a raw socket and leave it waiting, so the test decides when the client goes away."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def queue_depth(url: str) -> int:
+    return sum(m["queue_depth"] for m in httpx.get(url + "/api/ps").json()["models"])
+
+
+def wait_for(condition, seconds: float = 60) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def status_line(sock: socket.socket) -> bytes:
+    sock.settimeout(120)
+    return sock.makefile("rb").readline()
+
+
+def test_queued_clients_that_leave_give_their_places_back(home):
+    long = {"model": MODEL, "prompt": "Count to a million", "stream": True,
+            "options": {"temperature": 0, "num_predict": 4000, "ignore_eos": True}}
+    with env(LOCALLLM_NUM_PARALLEL="2", LOCALLLM_MAX_QUEUE="4", LOCALLLM_CONTEXT_LENGTH="4096",
+             LOCALLLM_HOME=str(home)):
+        client = local_client(home)
+        try:
+            with serve_in_thread(create_app(client)) as url:
+                holders = [open_request(url, long) for _ in range(2)]
+                assert all(status_line(s).startswith(b"HTTP/1.1 200") for s in holders)  # both slots busy
+                queued = [open_request(url, {**long, "stream": False}) for _ in range(4)]
+                assert wait_for(lambda: queue_depth(url) == 4)
+                for sock in queued:  # the four clients give up
+                    sock.close()
+                assert wait_for(lambda: queue_depth(url) == 0), "clients that left are still queued"
+                fresh = open_request(url, {"model": MODEL, "prompt": "Say hi", "stream": False, "options": QUICK})
+                assert wait_for(lambda: queue_depth(url) == 1 or select.select([fresh], [], [], 0)[0])
+                for sock in holders:
+                    sock.close()
+                assert status_line(fresh).startswith(b"HTTP/1.1 200")
+                fresh.close()
+        finally:
+            client.close()
+
+
+# ---------------------------------------------------------------------------------------------------------- templates
+
+BOMBS = ["{{ 'a' * 400000000 }}", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"]
+
+
+@pytest.mark.parametrize("bomb", BOMBS)
+def test_costly_request_template_is_a_fast_400(base_url, bomb):
+    refused = generate(base_url, template=bomb)
+    assert refused.status_code == 400 and "the chat template was stopped" in error_of(refused)
+    assert_still_answers(base_url)
+
+
+def test_costly_modelfile_template_is_a_400_at_use(base_url):
+    created = httpx.post(base_url + "/api/create", json={"model": "bomb", "from": MODEL, "template": BOMBS[1],
+                                                         "stream": False}, timeout=120)
+    assert created.status_code == 200, created.text
+    refused = httpx.post(base_url + "/api/chat", json={"model": "bomb", "stream": False, "options": QUICK,
+                                                       "messages": [{"role": "user", "content": "hi"}]}, timeout=120)
+    assert refused.status_code == 400 and "steps" in error_of(refused)
     assert_still_answers(base_url)

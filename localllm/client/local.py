@@ -6,9 +6,10 @@ model's chat template), then tokens, then an engine submission; engine chunks be
 
 from __future__ import annotations
 
+import threading
 import time
 from functools import partial
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Generic, Iterator, Optional, TypeVar
 
 from .. import __version__, api, config
 from ..models.create import create_model
@@ -22,6 +23,53 @@ from ..engine.speculative import load_speculation
 from ..models.store import ResolvedModel, Store
 from ..structured import grammar_for_format, parse_tool_calls, tool_choice_grammar
 from ..templates import render_chat
+
+
+T = TypeVar("T")
+
+
+class CancelToken:
+    """Set from any thread; the hooks registered on it (the engine request's cancel) run once, when it is set."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hooks: list[Callable[[], None]] = []
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled, hooks, self._hooks = True, self._hooks, []
+        for hook in hooks:
+            hook()
+
+    def on_cancel(self, hook: Callable[[], None]) -> None:
+        with self._lock:
+            if not self.cancelled:
+                self._hooks.append(hook)
+                return
+        hook()
+
+
+class RequestStream(Generic[T]):
+    """A request's chunks (client/protocol.Cancellable): iterate it on one thread, cancel it from any other."""
+
+    def __init__(self, run: Callable[[CancelToken], Iterator[T]]):
+        self._token = CancelToken()
+        self._chunks = run(self._token)
+
+    def __iter__(self) -> "RequestStream[T]":
+        return self
+
+    def __next__(self) -> T:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
+
+    def cancel(self) -> None:
+        self._token.cancel()
 
 
 def _keep_alive(value: Any) -> Optional[float]:
@@ -84,6 +132,9 @@ class LocalClient:
     # ----------------------------------------------------------------------------------------------- inference
 
     def generate(self, request: api.GenerateRequest) -> Iterator[api.GenerateChunk]:
+        return RequestStream(lambda token: self._generate(request, token))
+
+    def _generate(self, request: api.GenerateRequest, token: CancelToken) -> Iterator[api.GenerateChunk]:
         _refuse_images(request.images)
         model = self.store.resolve(request.model)
         load, sampling = resolve_options(model, request.options)
@@ -95,9 +146,10 @@ class LocalClient:
         grammar = grammar_for_format(request.format)
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
             sampling = _bound_sampling(loaded, sampling)
-            tokens = self._generate_tokens(loaded, model, request)
+            tokens = self._generate_tokens(loaded, model, request, token)
             stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate,
                                                            _logprobs_wanted(request)))
+            token.on_cancel(stream.cancel)
             first = loaded.engine.stats.requests == 0
             generated: list[int] = []
             for chunk in stream:
@@ -108,12 +160,13 @@ class LocalClient:
                 context = tokens + generated if chunk.done and not request.raw else None
                 yield self._generate_chunk(request.model, chunk, loaded, first, context)
 
-    def _generate_tokens(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest) -> list[int]:
+    def _generate_tokens(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest,
+                         token: CancelToken) -> list[int]:
         if request.raw:
             text = request.prompt
         else:
             messages = _messages_with_system(model, request.system, [api.Message(role="user", content=request.prompt)])
-            text = self._render(loaded, model, messages, template=request.template)
+            text = self._render(loaded, model, messages, template=request.template, token=token)
         tokens = _checked_context(loaded, request.context) + (self._tokenize(loaded, text) if text else [])
         return tokens
 
@@ -127,6 +180,9 @@ class LocalClient:
                                  context=context, **_timing_fields(chunk, loaded, first))
 
     def chat(self, request: api.ChatRequest) -> Iterator[api.ChatChunk]:
+        return RequestStream(lambda token: self._chat(request, token))
+
+    def _chat(self, request: api.ChatRequest, token: CancelToken) -> Iterator[api.ChatChunk]:
         for message in request.messages:
             _refuse_images(message.images)
         model = self.store.resolve(request.model)
@@ -141,10 +197,12 @@ class LocalClient:
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
             sampling = _bound_sampling(loaded, sampling)
             messages = _messages_with_system(model, None, request.messages)
-            text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None)
+            text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None,
+                                token=token)
             tokens = self._tokenize(loaded, text)
             stream = loaded.engine.submit(GenerationParams(tokens, sampling, grammar, request.truncate,
                                                            _logprobs_wanted(request)))
+            token.on_cancel(stream.cancel)
             first = loaded.engine.stats.requests == 0
             if tools:
                 yield from self._chat_with_tools(request.model, stream, loaded, first, tools)
@@ -207,12 +265,13 @@ class LocalClient:
         yield api.GenerateChunk(model=name, done=True, done_reason=reason)
 
     @staticmethod
-    def _render(loaded: Loaded, model: ResolvedModel, messages: list[api.Message], *,
+    def _render(loaded: Loaded, model: ResolvedModel, messages: list[api.Message], *, token: CancelToken,
                 template: Optional[str] = None, tools: Optional[list] = None) -> str:
         meta = loaded.engine.model.meta
         source = template or model.template or meta.chat_template
         return render_chat(source, [m.model_dump(exclude_none=True) for m in messages], tools=tools,
-                           bos_token=_token_text(loaded, meta.bos_token), eos_token=_token_text(loaded, meta.eos_token))
+                           bos_token=_token_text(loaded, meta.bos_token), eos_token=_token_text(loaded, meta.eos_token),
+                           cancelled=lambda: token.cancelled)
 
     @staticmethod
     def _tokenize(loaded: Loaded, text: str) -> list[int]:

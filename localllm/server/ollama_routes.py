@@ -93,7 +93,8 @@ async def create(body: api.CreateRequest, state: State) -> Response:
 async def generate(body: api.GenerateRequest, state: State, http: Request) -> Response:
     if not body.prompt and not body.context and asks_unload(body.keep_alive):
         return await unload(body.model, state)
-    chunks = await ChunkStream.open(lambda: state.client.generate(body), observe=state.metrics.observe_chunk)
+    chunks = await ChunkStream.open(lambda: state.client.generate(body), observe=state.metrics.observe_chunk,
+                                    disconnected=http.is_disconnected)
     if body.stream:
         return ndjson_response(chunks)
     collected = await chunks.collect(disconnected=http.is_disconnected)
@@ -104,7 +105,8 @@ async def generate(body: api.GenerateRequest, state: State, http: Request) -> Re
 async def chat(body: api.ChatRequest, state: State, http: Request) -> Response:
     if not body.messages and asks_unload(body.keep_alive):
         return await unload(body.model, state, chat=True)
-    chunks = await ChunkStream.open(lambda: state.client.chat(body), observe=state.metrics.observe_chunk)
+    chunks = await ChunkStream.open(lambda: state.client.chat(body), observe=state.metrics.observe_chunk,
+                                    disconnected=http.is_disconnected)
     if body.stream:
         return ndjson_response(chunks)
     collected = await chunks.collect(disconnected=http.is_disconnected)

@@ -20,7 +20,8 @@ router = APIRouter(prefix="/v1")
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, state: State, http: Request) -> Response:
     request = chat_request(body)
-    chunks = await ChunkStream.open(lambda: state.client.chat(request), observe=state.metrics.observe_chunk)
+    chunks = await ChunkStream.open(lambda: state.client.chat(request), observe=state.metrics.observe_chunk,
+                                    disconnected=http.is_disconnected)
     envelope = render.Envelope(model=body.model, prefix="chatcmpl")
     if body.stream:
         events = render.ChatEvents(envelope, include_usage=body.include_usage)
@@ -32,7 +33,8 @@ async def chat_completions(body: ChatCompletionRequest, state: State, http: Requ
 @router.post("/completions")
 async def completions(body: CompletionRequest, state: State, http: Request) -> Response:
     request = completion_request(body)
-    chunks = await ChunkStream.open(lambda: state.client.generate(request), observe=state.metrics.observe_chunk)
+    chunks = await ChunkStream.open(lambda: state.client.generate(request), observe=state.metrics.observe_chunk,
+                                    disconnected=http.is_disconnected)
     envelope = render.Envelope(model=body.model, prefix="cmpl")
     if body.stream:
         events = render.CompletionEvents(envelope, include_usage=body.include_usage)
