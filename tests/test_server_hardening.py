@@ -145,7 +145,8 @@ def open_request(url: str, body: dict) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
     data = json.dumps(body).encode()
-    sock.sendall(b"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                 b"Content-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
     return sock
 
@@ -212,4 +213,62 @@ def test_costly_modelfile_template_is_a_400_at_use(base_url):
     refused = httpx.post(base_url + "/api/chat", json={"model": "bomb", "stream": False, "options": QUICK,
                                                        "messages": [{"role": "user", "content": "hi"}]}, timeout=120)
     assert refused.status_code == 400 and "steps" in error_of(refused)
+    assert_still_answers(base_url)
+
+
+# ---------------------------------------------------------------------------------------------------------- names
+
+def read_stream_end(sock: socket.socket) -> dict:
+    """Read an NDJSON stream (after its status line) to its last line; chunked framing lines are skipped."""
+    last: dict = {}
+    for line in sock.makefile("rb"):
+        if line.startswith(b"{"):
+            last = json.loads(line)
+            if last.get("done") or "error" in last:
+                return last
+    return last
+
+
+def loaded_names(url: str) -> list[str]:
+    return [m["name"] for m in httpx.get(url + "/api/ps").json()["models"]]
+
+
+RUNNING = {"temperature": 0, "num_predict": 150, "ignore_eos": True}
+
+
+def test_deleting_an_alias_never_cuts_off_the_original(base_url):
+    assert httpx.post(base_url + "/api/copy", json={"source": MODEL, "destination": "alias:1"}).status_code == 200
+    sock = open_request(base_url, {"model": MODEL, "prompt": "Count", "options": RUNNING})
+    assert status_line(sock).startswith(b"HTTP/1.1 200")
+    deleted = httpx.request("DELETE", base_url + "/api/delete", json={"model": "alias:1"})
+    assert deleted.status_code == 200
+    end = read_stream_end(sock)
+    sock.close()
+    assert end.get("done_reason") == "length" and end.get("eval_count") == 150, end
+    assert any(name.startswith("smollm2") for name in loaded_names(base_url))
+    assert_still_answers(base_url)
+
+
+def test_deleting_the_last_name_unloads_after_its_requests_end(base_url):
+    created = httpx.post(base_url + "/api/create", json={"model": "solo", "from": MODEL, "system": "Be brief.",
+                                                         "stream": False}, timeout=120)
+    assert created.status_code == 200, created.text
+    sock = open_request(base_url, {"model": "solo", "prompt": "Count", "options": RUNNING})
+    assert status_line(sock).startswith(b"HTTP/1.1 200")
+    assert httpx.request("DELETE", base_url + "/api/delete", json={"model": "solo"}).status_code == 200
+    end = read_stream_end(sock)
+    sock.close()
+    assert end.get("done_reason") == "length", end
+    assert wait_for(lambda: not any(name.startswith("solo") for name in loaded_names(base_url)))
+    assert_still_answers(base_url)
+
+
+def test_unloading_under_a_non_streamed_request_is_499_not_500(base_url):
+    sock = open_request(base_url, {"model": MODEL, "prompt": "Count", "stream": False, "options": RUNNING})
+    assert wait_for(lambda: sum(m["slots_busy"] for m in httpx.get(base_url + "/api/ps").json()["models"]) > 0)
+    unloaded = generate(base_url, prompt="", keep_alive=0)
+    assert unloaded.status_code == 200 and unloaded.json()["done_reason"] == "unload"
+    reply = sock.makefile("rb").read().decode()
+    sock.close()
+    assert reply.startswith("HTTP/1.1 499") and "unloaded" in reply, reply[:300]
     assert_still_answers(base_url)

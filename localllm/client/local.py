@@ -115,9 +115,12 @@ class LocalClient:
         self.store.copy(source, destination)
 
     def delete(self, model: str) -> None:
+        """Remove the name; the loaded model goes only when no name points at it, after its running requests."""
         resolved = self.store.resolve(model)
-        self.pool.unload(resolved.digest)
         self.store.delete(model)
+        digest = resolved.digest.removeprefix("sha256-")
+        if not any(row.digest == digest for row in self.store.list()):
+            self.pool.retire(resolved.digest)
 
     def ps(self) -> api.ProcessResponse:
         return api.ProcessResponse(models=[_process_row(e) for e in self.pool.entries()])

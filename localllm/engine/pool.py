@@ -73,6 +73,7 @@ class Loaded:
     last_used: float = field(default_factory=time.monotonic)
     expires_at: Optional[datetime] = None
     drafters: Any = None  # what the drafter factory built for this load (speculative.Speculation), if any
+    retired: bool = False  # no name points at it any more: unload when its last request ends
 
     @property
     def key(self) -> str:
@@ -109,6 +110,7 @@ class ModelPool:
                 if entry is not None and not self._needs_reload(entry, load):
                     entry.users += 1
                     entry.expires_at = None
+                    entry.retired = False  # a name points at it again
                     return entry
                 if entry is not None:
                     self._unload_when_idle(entry, reason="load options changed")
@@ -164,7 +166,7 @@ class ModelPool:
                 entry.keep_alive = keep_alive
             if entry.users == 0:
                 self._set_expiry(entry)
-                if entry.keep_alive <= 0:
+                if entry.keep_alive <= 0 or entry.retired:
                     self._unload(entry)
 
     @staticmethod
@@ -189,6 +191,18 @@ class ModelPool:
         for entry in matches:
             self._unload(entry)
         return bool(matches)
+
+    def retire(self, digest: str) -> None:
+        """The last name of model `digest` is gone: unload it now if idle, else when its running requests end
+        (deleting a name never cuts off requests made under it or another name)."""
+        with self._lock:
+            entry = self._loaded.get(digest)
+            if entry is None:
+                return
+            if entry.users > 0:
+                entry.retired = True
+                return
+        self._unload(entry)
 
     def entries(self) -> list[Loaded]:
         with self._lock:
