@@ -7,10 +7,11 @@ flat `options` object into the two."""
 from __future__ import annotations
 
 import difflib
+import math
 from datetime import datetime, timezone
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import InvalidInput
 
@@ -49,23 +50,29 @@ class LoadOptions(_Model):
 
 
 class SamplingOptions(_Model):
-    """Options that apply to one request."""
+    """Options that apply to one request. NaN or infinity would reach the C sampler chain (a -inf logit bias is a
+    ban, and stays allowed)."""
 
-    model_config = ConfigDict(allow_inf_nan=False)  # NaN or inf would reach the C sampler chain
-
-    temperature: float = Field(0.8, ge=0.0, description="0 is greedy")
+    temperature: float = Field(0.8, ge=0.0, allow_inf_nan=False, description="0 is greedy")
     top_k: int = Field(40, ge=0, le=INT32_MAX)
-    top_p: float = Field(0.9, ge=0.0, le=1.0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    typical_p: float = Field(1.0, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(1.0, ge=0.0)
+    top_p: float = Field(0.9, ge=0.0, le=1.0, allow_inf_nan=False)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    typical_p: float = Field(1.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repeat_penalty: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     repeat_last_n: int = Field(64, ge=-1, le=INT32_MAX)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     seed: Optional[int] = None
     stop: list[str] = Field(default_factory=list)
     num_predict: int = Field(-1, ge=-2, le=INT32_MAX, description="most tokens to generate; -1 until the context is full")
     logit_bias: dict[int, float] = Field(default_factory=dict)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_nan_bias(cls, biases: dict[int, float]) -> dict[int, float]:
+        if any(math.isnan(bias) for bias in biases.values()):
+            raise ValueError("a logit bias is NaN")
+        return biases
     ignore_eos: bool = False
     spec_type: SpecType = Field("auto", description="speculative decoding: auto, none, ngram, draft, mtp")
     spec_max_draft: int = Field(32, ge=0, le=64, description="most draft tokens verified per step (the draft window "
