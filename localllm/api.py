@@ -36,10 +36,12 @@ INT32_MAX = 2**31 - 1
 class LoadOptions(_Model):
     """Options fixed when a model is loaded; changing any of them reloads the model."""
 
-    num_ctx: Optional[int] = Field(None, ge=16, le=INT32_MAX, description="context per slot, in tokens (never divided across slots)")
+    num_ctx: Optional[int] = Field(None, ge=16, le=INT32_MAX,
+                                   description="context per slot, in tokens (never divided across slots)")
     num_parallel: Optional[int] = Field(None, ge=1, le=256, description="slots: requests decoded at once")
     num_batch: int = Field(512, ge=1, le=INT32_MAX, description="most tokens decoded in one step")
-    num_gpu: Optional[int] = Field(None, ge=-1, le=INT32_MAX, description="layers offloaded to the GPU; default all that fit")
+    num_gpu: Optional[int] = Field(None, ge=-1, le=INT32_MAX,
+                                   description="layers offloaded to the GPU; default all that fit")
     num_thread: Optional[int] = Field(None, ge=1, le=INT32_MAX, description="CPU threads for decoding")
     flash_attn: Optional[bool] = Field(None, description="flash attention where the backend has it")
     kv_type: Optional[KVType] = Field(None, description="KV cache element type")
@@ -64,7 +66,8 @@ class SamplingOptions(_Model):
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     seed: Optional[int] = None
     stop: list[str] = Field(default_factory=list)
-    num_predict: int = Field(-1, ge=-2, le=INT32_MAX, description="most tokens to generate; -1 until the context is full")
+    num_predict: int = Field(-1, ge=-2, le=INT32_MAX,
+                             description="most tokens to generate; -1 until the context is full")
     logit_bias: dict[int, float] = Field(default_factory=dict)
 
     @field_validator("logit_bias")

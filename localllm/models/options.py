@@ -100,8 +100,8 @@ def check_memory(load: LoadOptions, facts: ModelFacts, name: str) -> None:
         return
     raise InvalidInput(
         f"{name} with num_ctx {plan.num_ctx} x num_parallel {plan.num_parallel} needs {needed / GIB:.1f} GiB "
-        f"(KV cache {plan.kv_total / GIB:.1f} GiB, compute {plan.compute / GIB:.1f} GiB) but {plan.available / GIB:.1f} "
-        "GiB of memory is available",
+        f"(KV cache {plan.kv_total / GIB:.1f} GiB, compute {plan.compute / GIB:.1f} GiB) "
+        f"but {plan.available / GIB:.1f} GiB of memory is available",
         hint=f"lower num_ctx or num_parallel, or use kv_type q8_0; `localllm plan {name}` shows the plan")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Iterator, Optional, TypeVar
 
@@ -21,6 +22,9 @@ from anyio.lowlevel import RunVar
 from .. import api
 from ..client.protocol import Cancellable
 from ..errors import Cancelled
+
+if sys.version_info < (3, 11):  # anyio raises the backport's group there
+    from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger(__name__)
 
