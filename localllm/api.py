@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 from datetime import datetime, timezone
 from typing import Any, Literal, Optional, Union
 
@@ -31,16 +32,21 @@ class _Model(BaseModel):
 SpecType = Literal["auto", "none", "ngram", "draft", "mtp"]
 BackendName = Literal["auto", "llama.cpp", "mlx"]
 KVType = Literal["f16", "q8_0", "q4_0"]
+# Every count below reaches a 32-bit C field; the model and the machine bound them further (models/options.py).
+INT32_MAX = 2**31 - 1
 
 
 class LoadOptions(_Model):
     """Options fixed when a model is loaded; changing any of them reloads the model."""
 
-    num_ctx: Optional[int] = Field(None, ge=16, description="context per slot, in tokens (never divided across slots)")
+    num_ctx: Optional[int] = Field(None, ge=16, le=INT32_MAX,
+                                   description="context per slot, in tokens (never divided across slots)")
     num_parallel: Optional[int] = Field(None, ge=1, le=256, description="slots: requests decoded at once")
-    num_batch: int = Field(512, ge=1, description="most tokens decoded in one step")
-    num_gpu: Optional[int] = Field(None, ge=-1, description="layers offloaded to the GPU; default all that fit")
-    num_thread: Optional[int] = Field(None, ge=1, description="CPU threads for decoding (unset: chosen as it runs)")
+    num_batch: int = Field(512, ge=1, le=INT32_MAX, description="most tokens decoded in one step")
+    num_gpu: Optional[int] = Field(None, ge=-1, le=INT32_MAX,
+                                   description="layers offloaded to the GPU; default all that fit")
+    num_thread: Optional[int] = Field(None, ge=1, le=INT32_MAX,
+                                      description="CPU threads for decoding (unset: chosen as it runs)")
     flash_attn: Optional[bool] = Field(None, description="flash attention where the backend has it")
     kv_type: Optional[KVType] = Field(None, description="KV cache element type")
     use_mmap: bool = Field(True, description="map the weights file instead of reading it")
@@ -50,21 +56,30 @@ class LoadOptions(_Model):
 
 
 class SamplingOptions(_Model):
-    """Options that apply to one request."""
+    """Options that apply to one request. NaN or infinity would reach the C sampler chain (a -inf logit bias is a
+    ban, and stays allowed)."""
 
-    temperature: float = Field(0.8, ge=0.0, description="0 is greedy")
-    top_k: int = Field(40, ge=0)
-    top_p: float = Field(0.9, ge=0.0, le=1.0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    typical_p: float = Field(1.0, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(1.0, ge=0.0)
-    repeat_last_n: int = Field(64, ge=-1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    temperature: float = Field(0.8, ge=0.0, allow_inf_nan=False, description="0 is greedy")
+    top_k: int = Field(40, ge=0, le=INT32_MAX)
+    top_p: float = Field(0.9, ge=0.0, le=1.0, allow_inf_nan=False)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    typical_p: float = Field(1.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repeat_penalty: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    repeat_last_n: int = Field(64, ge=-1, le=INT32_MAX)
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     seed: Optional[int] = None
     stop: list[str] = Field(default_factory=list)
-    num_predict: int = Field(-1, ge=-2, description="most tokens to generate; -1 until the context is full")
+    num_predict: int = Field(-1, ge=-2, le=INT32_MAX,
+                             description="most tokens to generate; -1 until the context is full")
     logit_bias: dict[int, float] = Field(default_factory=dict)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_nan_bias(cls, biases: dict[int, float]) -> dict[int, float]:
+        if any(math.isnan(bias) for bias in biases.values()):
+            raise ValueError("a logit bias is NaN")
+        return biases
     ignore_eos: bool = False
     spec_type: SpecType = Field("auto", description="speculative decoding: auto, none, ngram, draft, mtp")
     spec_max_draft: int = Field(32, ge=0, le=64, description="most draft tokens verified per step (the draft window "

@@ -53,18 +53,28 @@ _DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ms|s|m|h)?$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
+# A keep_alive longer than this is forever: an expiry that far off would not fit a datetime, and nobody means it.
+MAX_DURATION = 100 * 365 * 86400.0
+
+
 def parse_duration(raw: str | int | float) -> float:
-    """Ollama's keep_alive grammar: seconds as a number, or "10m", "1h", "30s"; negative means forever (inf).
+    """Ollama's keep_alive grammar: seconds as a number, or "10m", "1h", "30s"; negative means forever (inf), and so
+    does anything longer than a hundred years.
 
     Returns seconds; 0 means unload as soon as the request finishes."""
     if isinstance(raw, (int, float)):
-        seconds = float(raw)
+        try:
+            seconds = float(raw)
+        except OverflowError:  # an integer too large for a float
+            seconds = math.inf
     else:
         match = _DURATION.match(raw.strip())
         if not match:
             raise ValueError('expected a duration such as 300, "5m", "1h" or -1 for forever')
         seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-    return math.inf if seconds < 0 else seconds
+    if math.isnan(seconds):
+        raise ValueError("expected a number of seconds, not NaN")
+    return math.inf if seconds < 0 or seconds > MAX_DURATION else seconds
 
 
 def parse_host(raw: str) -> tuple[str, int]:
@@ -133,8 +143,8 @@ KV_CACHE_TYPE = Setting("LOCALLLM_KV_CACHE_TYPE", "KV cache type: f16, q8_0 or q
                         lambda raw: _one_of(raw, ("f16", "q8_0", "q4_0")), lambda: "f16")
 FLASH_ATTENTION = Setting("LOCALLLM_FLASH_ATTENTION", "flash attention on/off (default: the backend decides)",
                           parse_bool, lambda: None)
-ORIGINS = Setting("LOCALLLM_ORIGINS", "comma-separated origins allowed by CORS (none by default)", parse_list,
-                  lambda: [])
+ORIGINS = Setting("LOCALLLM_ORIGINS", "comma-separated web origins (globs like chrome-extension://*) allowed to call "
+                  "the server and by CORS; loopback pages always may call", parse_list, lambda: [])
 ALLOWED_HOSTS = Setting("LOCALLLM_ALLOWED_HOSTS", "extra Host header names accepted besides loopback", parse_list,
                         lambda: [])
 API_KEY = Setting("LOCALLLM_API_KEY", "bearer token required on every route but / and /health", str, lambda: "")

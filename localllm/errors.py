@@ -118,6 +118,12 @@ class Forbidden(LocalLLMError):
     status_code = 403
 
 
+class UnsupportedMediaType(InvalidInput):
+    """A request body in a type the route does not read (JSON routes take JSON)."""
+
+    status_code = 415
+
+
 class ServerUnreachable(LocalLLMError):
     """The HTTP client found no localllm server at the configured address."""
 

@@ -22,9 +22,10 @@ from functools import lru_cache
 from typing import Any, Optional, Sequence
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
 
 from .errors import InvalidInput
+from .template_sandbox import RenderBudget, new_environment, render_bounded
 
 _ACTION = re.compile(r"\{\{(-[ \t\r\n])?(.*?)([ \t\r\n]-)?\}\}", re.S)
 _TOKEN = re.compile(r"""
@@ -447,8 +448,7 @@ def _message(message: dict[str, Any]) -> GoMap:
 def compile_go(source: str):
     """The Jinja template for a Go template; InvalidInput naming what cannot be translated."""
     jinja = _Translator(source).run()
-    env = ImmutableSandboxedEnvironment(keep_trailing_newline=True, autoescape=False,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = new_environment(keep_trailing_newline=True, autoescape=False, extensions=["jinja2.ext.loopcontrols"])
     env.globals.update(_pairs=_pairs, _and=_and, _or=_or, _json=_json, _printf=_printf,
                        _currentDate=lambda: date.today().isoformat(),
                        _yesterdayDate=lambda: (date.today() - timedelta(days=1)).isoformat())
@@ -458,30 +458,27 @@ def compile_go(source: str):
         raise InvalidInput(f"the Go template does not translate to a valid template: {exc}", hint=_HINT) from None
 
 
-def render_go(source: str, messages: Sequence[dict[str, Any]], *, tools: Optional[list] = None) -> str:
+def render_go(source: str, messages: Sequence[dict[str, Any]], *, tools: Optional[list] = None,
+              budget: RenderBudget) -> str:
     """Render as Ollama does: a template that reads .Messages gets the whole conversation at once; an older one
-    (.System/.Prompt/.Response) is run once per turn, and the last turn stops at its {{ .Response }}."""
+    (.System/.Prompt/.Response) is run once per turn, and the last turn stops at its {{ .Response }}. Every turn is
+    charged to the one `budget`."""
     template = compile_go(source)
     system, merged = collate(messages)
-    try:
-        if ".Messages" in source:
-            data = {"System": system, "Messages": GoList(_message(m) for m in merged),
-                    "Tools": go_value(list(tools)) if tools else GoList(), "Prompt": "", "Response": "", "_cut": ""}
-            return template.render(_root=GoMap(data), **data)
-        return _render_turns(template, merged)
-    except SecurityError as exc:
-        raise InvalidInput(f"the chat template tried an unsafe operation and was stopped: {exc}") from None
-    except TemplateError as exc:
-        raise InvalidInput(f"the chat template failed: {exc}") from None
+    if ".Messages" in source:
+        data = {"System": system, "Messages": GoList(_message(m) for m in merged),
+                "Tools": go_value(list(tools)) if tools else GoList(), "Prompt": "", "Response": "", "_cut": ""}
+        return render_bounded(template, {"_root": GoMap(data), **data}, budget)
+    return _render_turns(template, merged, budget)
 
 
-def _render_turns(template: Any, messages: list[dict[str, Any]]) -> str:
+def _render_turns(template: Any, messages: list[dict[str, Any]], budget: RenderBudget) -> str:
     parts: list[str] = []
     turn = {"System": "", "Prompt": "", "Response": ""}
 
     def run(last: bool) -> None:
         data = {**turn, "_cut": _CUT if last else ""}
-        parts.append(template.render(_root=GoMap(data), **data))
+        parts.append(render_bounded(template, {"_root": GoMap(data), **data}, budget))
         turn.update(System="", Prompt="", Response="")
 
     for message in messages:

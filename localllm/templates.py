@@ -1,23 +1,24 @@
 """Chat templates: render a conversation into the prompt text a model was trained on.
 
 The template is the model's own Jinja chat template from GGUF metadata (or a Modelfile TEMPLATE, which overrides it),
-rendered in jinja2's ImmutableSandboxedEnvironment: a template is data from a downloaded file, so it must not reach
-Python internals or mutate what it is given. A model without any template (a base model) gets a plain transcript.
-A TEMPLATE in Ollama's Go syntax is translated into the same sandboxed Jinja (go_templates.py)."""
+rendered in a bounded jinja2 sandbox (template_sandbox.py): a template is data from a downloaded file or a request, so
+it must not reach Python internals, mutate what it is given, or run without end. A model without any template (a base
+model) gets a plain transcript. A TEMPLATE in Ollama's Go syntax is translated into the same sandbox
+(go_templates.py)."""
 
 from __future__ import annotations
 
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from . import api
 from .errors import InvalidInput
 from .go_templates import compile_go, is_go_template, render_go
+from .template_sandbox import new_budget, new_environment, render_bounded
 
 # For models that ship no chat template (base models): a transcript the model can continue.
 PLAIN_TEMPLATE = (
@@ -55,13 +56,14 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _tojson(value: Any, indent: Optional[int] = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    if indent is not None and not 0 <= indent <= 16:  # every line of the output pays it
+        raise InvalidInput(f"tojson indent {indent} is outside 0..16")
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
 @lru_cache(maxsize=32)
 def _compile(source: str):
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = _tojson
+    env = new_environment(filters={"tojson": _tojson}, trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
@@ -81,18 +83,17 @@ def validate_template(source: str) -> None:
 
 def render_chat(template: Optional[str], messages: Sequence[dict[str, Any]], *, tools: Optional[list] = None,
                 add_generation_prompt: bool = True, bos_token: str = "", eos_token: str = "",
-                extra: Optional[dict[str, Any]] = None) -> str:
-    """Render `messages` (dicts with role/content/...) with `template` (None: the plain transcript)."""
+                extra: Optional[dict[str, Any]] = None, cancelled: Optional[Callable[[], bool]] = None) -> str:
+    """Render `messages` (dicts with role/content/...) with `template` (None: the plain transcript).
+
+    Raises InvalidInput when the template fails or goes past a bound (TemplateTooCostly), Cancelled when
+    `cancelled()` turns true while it renders (the client left)."""
+    budget = new_budget(len(messages) + len(tools or ()), cancelled)
     if template and is_go_template(template):
-        return render_go(template, messages, tools=tools)
+        return render_go(template, messages, tools=tools, budget=budget)
     compiled = _compile(template or PLAIN_TEMPLATE)
     context = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt,
                "bos_token": bos_token, "eos_token": eos_token, **(extra or {})}
     if tools:
         context["tools"] = tools
-    try:
-        return compiled.render(**context)
-    except SecurityError as exc:
-        raise InvalidInput(f"the chat template tried an unsafe operation and was stopped: {exc}") from None
-    except TemplateError as exc:
-        raise InvalidInput(f"the chat template failed: {exc}") from None
+    return render_bounded(compiled, context, budget)

@@ -52,3 +52,48 @@ def test_broken_template_is_a_clear_error():
 def test_ollama_go_template_is_translated():
     out = render_chat("{{ if .System }}{{ .System }}\n{{ end }}{{ .Prompt }}", [{"role": "user", "content": "Hi"}])
     assert out == "Hi"
+
+
+@pytest.mark.parametrize("costly, words", [
+    ("{{ 'a' * 400000000 }}", "repetition"),  # grew the server to 8 GB before
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "steps"),
+    ("{% for i in range(100000) %}{{ range(100000) | map('string') | join | length }}{% endfor %}", "stopped"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "stopped"),
+    ("{{ '%0999999999d' % 1 }}", "format width"),
+    ("{{ '{:999999999}'.format(1) }}", "format width"),
+    ("{{ 'x' | center(999999999) }}", "999999999"),
+    ("{{ ('\n' * 1000000) | indent(1000000) }}", "indent"),
+    ("{{ range(100000) | map('string') | join('x' * 1000000) }}", "join"),
+    ("{{ 2 ** 10000000 }}", "power"),
+    ("{% macro f(n) %}{{ f(n) ~ f(n) }}{% endmacro %}{{ f(1) }}", "recursion"),
+    ("{% for i in range(1000000) %}{% endfor %}", "Range too big"),
+    ("{{ 1 / 0 }}", "division by zero"),
+])
+def test_costly_or_failing_templates_are_invalid_input(costly, words):
+    with pytest.raises(InvalidInput, match=words):
+        render_chat(costly, [{"role": "user", "content": "Hi"}])
+
+
+def test_a_render_stops_when_its_request_is_cancelled():
+    from localllm.errors import Cancelled
+
+    nested = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with pytest.raises(Cancelled):
+        render_chat(nested, [], cancelled=lambda: True)
+
+
+def test_real_templates_render_within_the_bounds():
+    long_chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hello " * 50} for i in range(400)]
+    out = render_chat(CHATML, long_chat)
+    assert out.count("<|im_start|>") == 401
+    assert render_chat("{{ messages | tojson(indent=2) }}{{ [1, 2] | join(',') }}{{ '%5.2f' | format(1.5) }}",
+                       [{"role": "user", "content": "Hi"}]).endswith("1,2 1.50")
+
+
+def test_go_templates_render_in_the_same_bounded_sandbox():
+    from localllm.errors import Cancelled
+
+    go = "{{ range .Messages }}{{ .Role }}: {{ .Content }}\n{{ end }}"
+    assert render_chat(go, [{"role": "user", "content": "Hi"}]) == "user: Hi\n"
+    with pytest.raises(Cancelled):  # its lines are counted and checked like a Jinja template's
+        render_chat(go, [{"role": "user", "content": "Hi"}], cancelled=lambda: True)

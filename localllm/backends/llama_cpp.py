@@ -112,7 +112,8 @@ def _new_context(model, options: LoadOptions, *, n_seq: int, n_ctx: int, embeddi
     params = _context_params(options, n_seq=n_seq, n_ctx=n_ctx, embeddings=embeddings)
     ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
-        raise LocalLLMError(f"llama.cpp could not create a context of {n_seq} x {n_ctx} tokens",
+        # Almost always memory (models/options.check_memory catches most cases before this): the request's fault.
+        raise InvalidInput(f"llama.cpp could not create a context of {n_seq} x {n_ctx} tokens",
                             hint="lower num_ctx or num_parallel; `localllm plan` shows the memory needed")
     return ctx
 

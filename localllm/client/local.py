@@ -7,9 +7,10 @@ model's chat template), then tokens, then an engine submission; engine chunks be
 from __future__ import annotations
 
 import math
+import threading
 import time
 from functools import partial
-from typing import Any, BinaryIO, Iterator, Optional
+from typing import Any, BinaryIO, Callable, Generic, Iterator, Optional, TypeVar
 
 from .. import __version__, api, config
 from ..models.create import create_model
@@ -17,6 +18,7 @@ from ..engine.pool import Loaded, ModelPool, resolve_options
 from ..engine.runner import EngineChunk, GenerationParams
 from ..errors import ContextOverflow, InvalidInput
 from ..models.info import show_model
+from ..models.options import bound_sampling
 from ..models.pull import pull_model
 from ..engine.speculative.speculation import load_speculation
 from ..models.store import ResolvedModel, Store
@@ -24,6 +26,53 @@ from ..structured import ForcedCallStream, grammar_for_format, parse_tool_calls,
 from ..templates import render_chat, transcript_sampling
 from ..thinking import (Split, Think, ThinkingSplitter, check_thinking, opens_thinking, parse_think,
                         supports_thinking, thinking_grammar)
+
+
+T = TypeVar("T")
+
+
+class CancelToken:
+    """Set from any thread; the hooks registered on it (the engine request's cancel) run once, when it is set."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hooks: list[Callable[[], None]] = []
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled, hooks, self._hooks = True, self._hooks, []
+        for hook in hooks:
+            hook()
+
+    def on_cancel(self, hook: Callable[[], None]) -> None:
+        with self._lock:
+            if not self.cancelled:
+                self._hooks.append(hook)
+                return
+        hook()
+
+
+class RequestStream(Generic[T]):
+    """A request's chunks (client/protocol.Cancellable): iterate it on one thread, cancel it from any other."""
+
+    def __init__(self, run: Callable[[CancelToken], Iterator[T]]):
+        self._token = CancelToken()
+        self._chunks = run(self._token)
+
+    def __iter__(self) -> "RequestStream[T]":
+        return self
+
+    def __next__(self) -> T:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
+
+    def cancel(self) -> None:
+        self._token.cancel()
 
 
 def _keep_alive(value: Any) -> Optional[float]:
@@ -77,9 +126,12 @@ class LocalClient:
         self.store.copy(source, destination)
 
     def delete(self, model: str) -> None:
+        """Remove the name; the loaded model goes only when no name points at it, after its running requests."""
         resolved = self.store.resolve(model)
-        self.pool.unload(resolved.digest)
         self.store.delete(model)
+        digest = resolved.digest.removeprefix("sha256-")
+        if not any(row.digest == digest for row in self.store.list()):
+            self.pool.retire(resolved.digest)
 
     def ps(self) -> api.ProcessResponse:
         return api.ProcessResponse(models=[_process_row(e) for e in self.pool.entries()])
@@ -94,26 +146,35 @@ class LocalClient:
     # ----------------------------------------------------------------------------------------------- inference
 
     def generate(self, request: api.GenerateRequest) -> Iterator[api.GenerateChunk]:
+        return RequestStream(lambda token: self._generate(request, token))
+
+    def _generate(self, request: api.GenerateRequest, token: CancelToken) -> Iterator[api.GenerateChunk]:
         if not request.prompt and not request.context:
             # Ollama: an empty prompt loads the model (or unloads it with keep_alive 0) and answers done.
             model = self.store.resolve(request.model)
             load, _ = resolve_options(model, request.options)
             yield from self._load_only(model, load, _keep_alive(request.keep_alive), request.model)
             return
-        yield from (chunk for _, chunk in self.generate_batch([request]))
+        yield from (chunk for _, chunk in self._generate_batch([request], token))
 
     def generate_batch(self, requests: list[api.GenerateRequest]) -> Iterator[tuple[int, api.GenerateChunk]]:
         """Several generations with one model, admitted together (all or none): OpenAI's `n` and prompt lists.
         Answers come one request after the other, each chunk tagged with its request's index; requests with the
         same prompt prefill it once."""
+        return RequestStream(lambda token: self._generate_batch(requests, token))
+
+    def _generate_batch(self, requests: list[api.GenerateRequest],
+                        token: CancelToken) -> Iterator[tuple[int, api.GenerateChunk]]:
         for request in requests:
             _refuse_images(request.images)
         started = time.perf_counter()
         model, load, keep_alive = self._batch_model(requests)
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
             ready = time.perf_counter()
-            prepared = [self._prepare_generate(loaded, model, request, ready) for request in requests]
+            prepared = [self._prepare_generate(loaded, model, request, ready, token) for request in requests]
             streams = loaded.engine.submit_all([params for params, _ in prepared])
+            for stream in streams:  # a client that leaves while its request waits in the queue frees its place
+                token.on_cancel(stream.cancel)
             try:
                 for index, (request, (params, answer), stream) in enumerate(zip(requests, prepared, streams)):
                     generated: list[int] = []
@@ -138,12 +199,12 @@ class LocalClient:
         return model, load, _keep_alive(requests[0].keep_alive)
 
     def _prepare_generate(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest,
-                          ready: float) -> tuple[GenerationParams, "_Answer"]:
-        sampling = _generate_sampling(loaded, model, request)
+                          ready: float, token: CancelToken) -> tuple[GenerationParams, "_Answer"]:
+        sampling = _bound_sampling(loaded, _generate_sampling(loaded, model, request))
         think = parse_think(request.think)
         template = _template(loaded, model, request.template)
         check_thinking(request.model, template, think)
-        text = self._generate_text(loaded, model, request, template, think)
+        text = self._generate_text(loaded, model, request, template, think, token)
         answer = _Answer.start(loaded, template, text, think, sampling.stop)
         context = _checked_tokens(loaded, request.context or [], "context")
         tokens = context + (self._tokenize(loaded, text) if text else [])
@@ -153,11 +214,11 @@ class LocalClient:
         return params, answer
 
     def _generate_text(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest,
-                       template: Optional[str], think: Think) -> str:
+                       template: Optional[str], think: Think, token: CancelToken) -> str:
         if request.raw:
             return request.prompt
         messages = _messages_with_system(model, request.system, [api.Message(role="user", content=request.prompt)])
-        return self._render(loaded, model, messages, template=template, extra=think.template_variables())
+        return self._render(loaded, model, messages, template=template, extra=think.template_variables(), token=token)
 
     @staticmethod
     def _generate_chunk(name: str, chunk: EngineChunk, loaded: Loaded, load_seconds: float,
@@ -171,16 +232,22 @@ class LocalClient:
                                  **_timing_fields(chunk, load_seconds))
 
     def chat(self, request: api.ChatRequest) -> Iterator[api.ChatChunk]:
+        return RequestStream(lambda token: self._chat(request, token))
+
+    def _chat(self, request: api.ChatRequest, token: CancelToken) -> Iterator[api.ChatChunk]:
         if not request.messages:
             model = self.store.resolve(request.model)
             load, _ = resolve_options(model, request.options)
             yield from (api.ChatChunk(model=c.model, done=True, done_reason=c.done_reason)
                         for c in self._load_only(model, load, _keep_alive(request.keep_alive), request.model))
             return
-        yield from (chunk for _, chunk in self.chat_batch([request]))
+        yield from (chunk for _, chunk in self._chat_batch([request], token))
 
     def chat_batch(self, requests: list[api.ChatRequest]) -> Iterator[tuple[int, api.ChatChunk]]:
         """As generate_batch, for chats (OpenAI's `n`)."""
+        return RequestStream(lambda token: self._chat_batch(requests, token))
+
+    def _chat_batch(self, requests: list[api.ChatRequest], token: CancelToken) -> Iterator[tuple[int, api.ChatChunk]]:
         for request in requests:
             if not request.messages:
                 raise InvalidInput("messages is empty", hint="send at least one message")
@@ -190,8 +257,10 @@ class LocalClient:
         model, load, keep_alive = self._batch_model(requests)
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
             ready = time.perf_counter()
-            prepared = [self._prepare_chat(loaded, model, request, ready) for request in requests]
+            prepared = [self._prepare_chat(loaded, model, request, ready, token) for request in requests]
             streams = loaded.engine.submit_all([params for params, _, _ in prepared])
+            for stream in streams:  # a client that leaves while its request waits in the queue frees its place
+                token.on_cancel(stream.cancel)
             try:
                 for index, (request, (_, tools, answer), stream) in enumerate(zip(requests, prepared, streams)):
                     waited = ready - started
@@ -207,14 +276,16 @@ class LocalClient:
                 for stream in streams:  # a client that left early cancels every answer still running
                     stream.cancel()
 
-    def _prepare_chat(self, loaded: Loaded, model: ResolvedModel, request: api.ChatRequest,
-                      ready: float) -> tuple[GenerationParams, Optional[list[api.Tool]], "_Answer"]:
+    def _prepare_chat(self, loaded: Loaded, model: ResolvedModel, request: api.ChatRequest, ready: float,
+                      token: CancelToken) -> tuple[GenerationParams, Optional[list[api.Tool]], "_Answer"]:
         _, sampling = resolve_options(model, request.options)
         grammar = grammar_for_format(request.format) or tool_choice_grammar(request.tools, request.tool_choice)
         tools = request.tools if request.tool_choice != "none" else None
         if _template(loaded, model) is None:
             sampling = transcript_sampling(sampling)
-        tokens, answer = self._chat_prompt(loaded, model, request, tools, parse_think(request.think), sampling.stop)
+        sampling = _bound_sampling(loaded, sampling)
+        tokens, answer = self._chat_prompt(loaded, model, request, tools, parse_think(request.think), sampling.stop,
+                                           token)
         params = GenerationParams(tokens, sampling, answer.grammar(grammar), request.truncate,
                                   _logprobs_wanted(request), started=ready, keep_prefix=sampling.keep_prefix)
         return params, tools, answer
@@ -230,12 +301,13 @@ class LocalClient:
         return len(tokens)
 
     def _chat_prompt(self, loaded: Loaded, model: ResolvedModel, request: api.ChatRequest, tools,
-                     think: Think, stops: list[str]) -> tuple[list[int], "_Answer"]:
+                     think: Think, stops: list[str],
+                     token: Optional[CancelToken] = None) -> tuple[list[int], "_Answer"]:
         template = _template(loaded, model)
         check_thinking(request.model, template, think)
         messages = _messages_with_system(model, None, request.messages)
         text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None,
-                            extra=think.template_variables())
+                            extra=think.template_variables(), token=token)
         tokens = self._tokenize(loaded, text)
         return tokens, _Answer.start(loaded, template, text, think, stops, prompt_tokens=len(tokens))
 
@@ -355,11 +427,12 @@ class LocalClient:
 
     def _render(self, loaded: Loaded, model: ResolvedModel, messages: list[api.Message], *,
                 template: Optional[str] = None, tools: Optional[list] = None,
-                extra: Optional[dict[str, Any]] = None) -> str:
+                extra: Optional[dict[str, Any]] = None, token: Optional[CancelToken] = None) -> str:
         meta = loaded.engine.model.meta
         return render_chat(_template(loaded, model, template), [m.model_dump(exclude_none=True) for m in messages],
                            tools=tools, bos_token=_token_text(loaded, meta.bos_token),
-                           eos_token=_token_text(loaded, meta.eos_token), extra=extra)
+                           eos_token=_token_text(loaded, meta.eos_token), extra=extra,
+                           cancelled=(lambda: token.cancelled) if token is not None else None)
 
     @staticmethod
     def _tokenize(loaded: Loaded, text: str) -> list[int]:
@@ -427,6 +500,10 @@ class _Answer:
         spelled = b"".join(self._loaded.engine.model.token_bytes(t) for t in self._tokens).decode("utf-8", "replace")
         rest = spelled[len("".join(self._text)):]
         return next((s for s in self._stops if rest.startswith(s)), None)
+
+
+def _bound_sampling(loaded: Loaded, sampling: api.SamplingOptions) -> api.SamplingOptions:
+    return bound_sampling(sampling, n_ctx=loaded.engine.n_ctx, n_vocab=loaded.engine.model.meta.n_vocab)
 
 
 def _logprobs_wanted(request: api.GenerateRequest | api.ChatRequest) -> Optional[int]:

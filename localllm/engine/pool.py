@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from .. import api, config
 from ..backends import choose_backend, get_backend
 from ..errors import InvalidInput, QueueFull
+from ..models.options import bound_load, check_memory, model_facts
 from ..models.store import ResolvedModel, Store
 from ..backends.base import LoadedModel
 from .probe import LoadProbe
@@ -81,7 +82,9 @@ class Loaded:
     last_used: float = field(default_factory=time.monotonic)
     expires_at: Optional[datetime] = None
     speculation: Optional[Speculation] = None  # what the speculation factory built for this load, if any
-    removed: bool = False  # its name no longer stands for these weights (`rm` or a replacement, maybe elsewhere)
+    # No name stands for these weights any more (`rm` here or in another process, or the last alias deleted): new
+    # requests get 404 from the store, and it unloads when its running requests end.
+    removed: bool = False
 
     @property
     def key(self) -> str:
@@ -103,8 +106,10 @@ class ModelPool:
     @contextmanager
     def acquire(self, model: ResolvedModel, load: api.LoadOptions, *,
                 keep_alive: Optional[float] = None) -> Iterator[Loaded]:
-        """Hold a loaded model for one request; keep_alive (seconds, inf forever) starts counting on release."""
-        entry = self._get_or_load(model, effective_load(load), keep_alive)
+        """Hold a loaded model for one request; keep_alive (seconds, inf forever) starts counting on release.
+        The options are checked against the model and the machine first (models/options.py)."""
+        facts = model_facts(model.weights, model.format)
+        entry = self._get_or_load(model, bound_load(effective_load(load), load.model_fields_set, facts), keep_alive)
         try:
             yield entry
         finally:
@@ -150,6 +155,7 @@ class ModelPool:
 
     def _load(self, model: ResolvedModel, load: api.LoadOptions, keep_alive: Optional[float]) -> Loaded:
         backend_name = choose_backend(load.backend, model.weights)
+        check_memory(load, model_facts(model.weights, model.format), model.name)
         t0 = time.perf_counter()
         self._probe.check(model.weights, load, backend=backend_name)  # a file that aborts llama.cpp fails here
         loaded = get_backend(backend_name).load(model.weights, load, n_seq=load.num_parallel or 1,
@@ -186,7 +192,10 @@ class ModelPool:
     @staticmethod
     def _set_expiry(entry: Loaded) -> None:
         ka = entry.keep_alive
-        entry.expires_at = None if ka == float("inf") else datetime.now(timezone.utc) + timedelta(seconds=ka)
+        try:
+            entry.expires_at = None if ka == float("inf") else datetime.now(timezone.utc) + timedelta(seconds=ka)
+        except OverflowError:  # past the last datetime: forever (config.parse_duration already caps durations)
+            entry.expires_at = None
 
     def _unload(self, entry: Loaded) -> None:
         with self._lock:
@@ -202,6 +211,18 @@ class ModelPool:
         for entry in matches:
             self._unload(entry)
         return bool(matches)
+
+    def retire(self, digest: str) -> None:
+        """The last name of model `digest` is gone: unload it now if idle, else when its running requests end
+        (deleting a name never cuts off requests made under it or another name)."""
+        with self._lock:
+            entry = self._loaded.get(digest)
+            if entry is None:
+                return
+            if entry.users > 0:
+                entry.removed = True
+                return
+        self._unload(entry)
 
     def entries(self) -> list[Loaded]:
         self._notice_removals()

@@ -19,7 +19,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 from ..api import SamplingOptions, Timings
 from ..backends.base import LoadedModel
-from ..errors import Cancelled, ContextOverflow, LocalLLMError, QueueFull
+from ..errors import Cancelled, ContextOverflow, InvalidInput, LocalLLMError, QueueFull
 from .cache_keeper import CacheKeeper
 from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler, Step
@@ -275,7 +275,8 @@ class ModelEngine:
     def _fit_prompt(self, params: GenerationParams) -> tuple[list[int], int]:
         prompt, n_ctx = list(params.prompt), self.n_ctx
         if not prompt:
-            raise LocalLLMError("the prompt is empty after templating")
+            raise InvalidInput("the prompt is empty after templating",
+                               hint="the template rendered nothing: check it, or send a prompt")
         if len(prompt) < n_ctx:
             return prompt, 0
         if not params.truncate:

@@ -80,6 +80,9 @@ def parse_ref(text: str) -> ModelRef:
     raw = (text or "").strip()
     if not raw:
         raise InvalidName("model name is empty", hint="for example smollm2:135m")
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in raw):  # a NUL would reach the file system, and fail there
+        raise InvalidName(f"model name {raw!r} is not valid: it holds a control character",
+                          hint="names and paths are plain text")
     if _looks_like_path(raw):
         return ModelRef(kind="file", name=Path(raw).stem, path=Path(raw).expanduser())
     if len(raw) > MAX_NAME_LENGTH:

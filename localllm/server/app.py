@@ -6,6 +6,7 @@ size)."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Optional
@@ -96,7 +97,10 @@ def create_app(client: Optional[Client] = None, *, bound_host: Optional[str] = N
     app.add_middleware(GuardMiddleware, settings=GuardSettings.from_config(bound_host))
     origins = config.ORIGINS.get()
     if origins:  # outside the guard, so an allowed page can read the guard's errors too
-        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
+        globs = [o for o in origins if "*" in o and o != "*"]  # chrome-extension://* and the like, as Ollama takes
+        app.add_middleware(CORSMiddleware, allow_origins=[o for o in origins if o not in globs], allow_methods=["*"],
+                           allow_origin_regex="|".join(fnmatch.translate(g) for g in globs) or None,
+                           allow_headers=["*"])
     app.add_middleware(AccessLog, metrics=state.metrics)
     return app
 

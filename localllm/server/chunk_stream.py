@@ -5,8 +5,10 @@ thread that runs its iterator and hands every chunk to the event loop; a hop thr
 the loop about twice the CPU. The first chunk is awaited before any response starts: an error that comes before
 output (unknown model, context overflow, full queue) raises from `ChunkStream.open` and becomes a real HTTP status.
 Closing the stream makes the pump close the client's iterator at its next chunk, which cancels the request in the
-engine and frees its slot. At most BUFFERED chunks wait for a slow reader; then the pump waits too (and so does the
-request's output in the engine, bounded by its context).
+engine and frees its slot. A request still queued has no next chunk to wait for, so closing also cancels a Cancellable
+iterator directly, and a client that leaves before the first chunk is noticed while it waits. At most BUFFERED chunks
+wait for a slow reader; then the pump waits too (and so does the request's output in the engine, bounded by its
+context).
 
 Why a pump thread, not a callback from the engine thread: the client's iterator does the per-request work between the
 engine and the wire (detokenized text, stop strings, tool-call parsing, thinking split), and that work must not run on
@@ -16,11 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Iterator, Optional, TypeVar
 
 import anyio
 from anyio.lowlevel import RunVar
+
+from ..client.protocol import Cancellable
+from ..errors import Cancelled
+
+if sys.version_info < (3, 11):  # anyio raises the backport's group there
+    from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +58,13 @@ class _Failed:
         self.exc = exc
 
 
-def _pump(make: Callable[[], Iterator[Any]], deliver: Callable[[Any], bool], stop: threading.Event) -> None:
+def _cancel(iterator: Any) -> None:
+    if isinstance(iterator, Cancellable):
+        iterator.cancel()
+
+
+def _pump(make: Callable[[], Iterator[Any]], deliver: Callable[[Any], bool], stop: threading.Event,
+          started: list) -> None:
     """The stream's thread: build the iterator, hand over each chunk, end with _END or _Failed. The iterator is
     closed here, before the last item, because a generator cannot be closed from another thread while it waits, and
     because its clean-up (the request's cancel, the model's release) must be over when the response ends."""
@@ -57,6 +72,9 @@ def _pump(make: Callable[[], Iterator[Any]], deliver: Callable[[Any], bool], sto
     iterator: Optional[Iterator[Any]] = None
     try:
         iterator = make()
+        started.append(iterator)
+        if stop.is_set():  # closed while the request was being made
+            _cancel(iterator)
         for chunk in iterator:
             if stop.is_set() or not deliver(chunk):
                 break
@@ -81,11 +99,14 @@ class ChunkStream(Generic[T]):
         self._stop = threading.Event()
         self._observe = observe
         self._first: Any = _END
+        self._started: list = []  # the client's iterator, once the pump has made it
 
     @classmethod
-    async def open(cls, make: Callable[[], Iterator[T]], *,
-                   observe: Optional[Callable[[T], None]] = None) -> "ChunkStream[T]":
-        """Start the request and wait for its first chunk; errors before any output raise here."""
+    async def open(cls, make: Callable[[], Iterator[T]], *, observe: Optional[Callable[[T], None]] = None,
+                   disconnected: Optional[Callable[[], Awaitable[bool]]] = None) -> "ChunkStream[T]":
+        """Start the request and wait for its first chunk; errors before any output raise here. With `disconnected`
+        (Request.is_disconnected), a client that leaves while it waits (queued, loading) cancels the request and
+        Cancelled is raised."""
         stream = cls(observe)
         limiter = _stream_threads()
         await limiter.acquire_on_behalf_of(stream)
@@ -103,10 +124,10 @@ class ChunkStream(Generic[T]):
                 loop.call_soon_threadsafe(limiter.release_on_behalf_of, stream)
             return True
 
-        threading.Thread(target=_pump, args=(make, deliver, stream._stop), name="localllm-stream",
+        threading.Thread(target=_pump, args=(make, deliver, stream._stop, stream._started), name="localllm-stream",
                          daemon=True).start()
         try:
-            stream._first = await stream._next()
+            stream._first = await stream._first_chunk(disconnected)
         except BaseException:
             await stream.aclose()
             raise
@@ -118,6 +139,18 @@ class ChunkStream(Generic[T]):
             if self._stop.is_set():
                 return False
         return True
+
+    async def _first_chunk(self, disconnected: Optional[Callable[[], Awaitable[bool]]]) -> Any:
+        if disconnected is None:
+            return await self._next()
+        first = asyncio.ensure_future(self._next())
+        try:
+            while not (await asyncio.wait({first}, timeout=0.25))[0]:
+                if await disconnected():
+                    raise Cancelled("the client went away before the answer started")
+            return first.result()
+        finally:
+            first.cancel()
 
     async def _next(self) -> Any:
         item = await self._chunks.get()
@@ -139,21 +172,28 @@ class ChunkStream(Generic[T]):
             await self.aclose()
 
     async def aclose(self) -> None:
-        """Tell the pump to stop: it closes the iterator when its next chunk comes (at the engine's next step)."""
+        """Tell the pump to stop: it closes the iterator when its next chunk comes (at the engine's next step); a
+        Cancellable iterator is cancelled now, so a queued request leaves the queue at once."""
         self._stop.set()
+        for iterator in self._started:
+            _cancel(iterator)
 
     async def collect(self, *, disconnected: Optional[Callable[[], Awaitable[bool]]] = None) -> Optional[list[T]]:
         """All chunks, for a non-streamed answer. With `disconnected` (Request.is_disconnected), a client that
-        leaves while it waits cancels the request too; then the result is None."""
+        leaves while it waits cancels the request too; then the result is None. An error from the stream is raised
+        as itself (a task group would wrap it, and its status would be lost)."""
         if disconnected is None:
             return [chunk async for chunk in self]
         chunks: list[T] = []
-        async with anyio.create_task_group() as group:
-            group.start_soon(self._cancel_when_gone, disconnected, group.cancel_scope)
-            async for chunk in self:
-                chunks.append(chunk)
-            group.cancel_scope.cancel()
-            return chunks
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._cancel_when_gone, disconnected, group.cancel_scope)
+                async for chunk in self:
+                    chunks.append(chunk)
+                group.cancel_scope.cancel()
+                return chunks
+        except BaseExceptionGroup as errors:
+            raise _first_error(errors) from None
         return None  # cancelled because the client went away
 
     @staticmethod
@@ -161,3 +201,11 @@ class ChunkStream(Generic[T]):
         while not await disconnected():
             await anyio.sleep(0.25)
         scope.cancel()
+
+
+def _first_error(errors: BaseExceptionGroup) -> BaseException:
+    """The error inside a task group's (possibly nested) group: the stream's own error is its only one."""
+    first: BaseException = errors
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first

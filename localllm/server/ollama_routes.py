@@ -125,7 +125,8 @@ async def generate(body: api.GenerateRequest, state: State, http: Request) -> Re
     body.options = api.request_options(body.options)
     if not body.prompt and not body.context and asks_unload(body.keep_alive):
         return await unload(body.model, state)
-    chunks = await ChunkStream.open(lambda: state.client.generate(body), observe=state.metrics.observe_chunk)
+    chunks = await ChunkStream.open(lambda: state.client.generate(body), observe=state.metrics.observe_chunk,
+                                    disconnected=http.is_disconnected)
     if body.stream:
         return ndjson_response(chunks)
     collected = await chunks.collect(disconnected=http.is_disconnected)
@@ -138,7 +139,8 @@ async def chat(body: api.ChatRequest, state: State, http: Request) -> Response:
     if not body.messages and asks_unload(body.keep_alive):
         return await unload(body.model, state, chat=True)
     await check_tools(state, body.model, bool(body.tools))
-    chunks = await ChunkStream.open(lambda: state.client.chat(body), observe=state.metrics.observe_chunk)
+    chunks = await ChunkStream.open(lambda: state.client.chat(body), observe=state.metrics.observe_chunk,
+                                    disconnected=http.is_disconnected)
     if body.stream:
         return ndjson_response(chunks)
     collected = await chunks.collect(disconnected=http.is_disconnected)

@@ -39,14 +39,16 @@ def error_headers(exc: Exception) -> dict[str, str]:
 
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                 404: "invalid_request_error", 413: "invalid_request_error", 503: "server_overloaded"}
+                 404: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                 503: "server_overloaded"}
 # OpenAI's string `code`s: clients map errors by them (litellm's ContextWindowExceededError comes only from
 # context_length_exceeded). The most specific class wins; otherwise the code follows the status.
 _OPENAI_CODES: tuple[tuple[type[LocalLLMError], str], ...] = (
     (ContextOverflow, "context_length_exceeded"), (ModelNotFound, "model_not_found"),
     (QueueFull, "rate_limit_exceeded"), (Unauthorized, "invalid_api_key"), (PayloadTooLarge, "request_too_large"))
 _OPENAI_STATUS_CODES = {400: "invalid_request_error", 401: "invalid_api_key", 403: "permission_denied",
-                        404: "not_found", 413: "request_too_large", 503: "server_overloaded"}
+                        404: "not_found", 413: "request_too_large", 415: "unsupported_media_type",
+                        503: "server_overloaded"}
 
 
 def openai_code(exc: Exception | None, status: int) -> str:
@@ -83,6 +85,8 @@ def error_json(message: str, status: int, path: str, headers: dict[str, str] | N
 def error_response(exc: Exception, path: str = "") -> JSONResponse:
     """The JSON error for any exception: errors.* by their status, anything else a logged 500."""
     if isinstance(exc, LocalLLMError):
+        if exc.status_code == 500:  # a fault of ours, not of the input: worth a line in the log
+            log.error("%s answered %d: %s", path or "request", exc.status_code, exc)
         return error_json(str(exc), exc.status_code, path, error_headers(exc), exc)
     log.error("unexpected error", exc_info=exc)
     return error_json(f"internal error: {exc}", 500, path)
@@ -125,6 +129,8 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
     """What a stream sends when it fails after output has started (the status line is already gone)."""
     if not isinstance(exc, LocalLLMError):
         log.error("stream failed", exc_info=exc)
+    elif exc.status_code == 500:
+        log.error("stream failed: %s", exc)
     return {"error": str(exc) if isinstance(exc, LocalLLMError) else f"internal error: {exc}"}
 
 

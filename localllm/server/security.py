@@ -1,24 +1,34 @@
-"""The server's guard: Host check (DNS rebinding), bearer key, and body size limit, as one pure ASGI middleware.
+"""The server's guard: Host check (DNS rebinding), Origin check (cross-site requests), bearer key, body type and
+body size limit, as one pure ASGI middleware.
 
 Pure ASGI rather than BaseHTTPMiddleware so streaming responses and client disconnects pass through untouched.
 
 DNS rebinding works by pointing an attacker's *name* at 127.0.0.1, so the browser sends that name as Host. A Host
 that is an IP literal, `localhost`, the bound host, this machine's name or a configured name is safe; any other name
-gets 403 (Ollama does the same)."""
+gets 403 (Ollama does the same).
+
+Any web page can send a POST to 127.0.0.1 ("simple" requests skip the CORS preflight), and the browser says which
+page sent it in `Origin`. A request whose Origin is not a loopback page, an IDE webview or in LOCALLLM_ORIGINS gets
+403 before any route runs, as Ollama answers. Clients that are not browsers send no Origin. As a second line, a body
+on a JSON route must be JSON: a `text/plain` or multipart body (what an HTML form can send without a preflight) is a
+415. The form type `curl -d` sends by default is still read as JSON: a browser form percent-encodes it, so it can
+never carry a JSON body, and a script's fetch always carries an Origin."""
 
 from __future__ import annotations
 
+import fnmatch
 import hmac
 import ipaddress
 import socket
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import config
-from ..errors import Forbidden, LocalLLMError, PayloadTooLarge, Unauthorized
+from ..errors import Forbidden, LocalLLMError, PayloadTooLarge, Unauthorized, UnsupportedMediaType
 from .responses import error_response
 
 # Routes a load balancer or a "is it up?" probe may call without the key.
@@ -26,6 +36,14 @@ OPEN_PATHS = frozenset({"/", "/health"})
 # Uploads of model files (Ollama's POST /api/blobs/:digest) are weights, gigabytes: the JSON body limit does not
 # apply; the bytes go to disk and must hash to the digest in the path.
 UNLIMITED_BODY_PREFIX = "/api/blobs/"
+# Pages that may call the server from a browser without configuration: IDE webviews and desktop app shells (Ollama
+# allows the same schemes), besides http(s) pages served from loopback.
+APP_SCHEMES = frozenset({"app", "tauri", "vscode-webview", "vscode-file"})
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# Every other route that takes a body reads JSON. `curl -d` labels it as a form (see the module docstring).
+JSON_TYPES = frozenset({"application/json", "application/x-www-form-urlencoded"})
+# Routes whose body is bytes, not JSON: model files (Ollama's blob uploads) and prompt-cache files.
+BINARY_BODY_ROUTES = (UNLIMITED_BODY_PREFIX, "/api/prompt-cache/load")
 
 
 @dataclass(frozen=True)
@@ -34,6 +52,7 @@ class GuardSettings:
     api_key: str = ""
     max_body: int = 32 * 1024 * 1024
     any_host: bool = False
+    origins: tuple[str, ...] = ()  # LOCALLLM_ORIGINS: exact origins or globs such as chrome-extension://*
 
     @classmethod
     def from_config(cls, bound_host: str | None = None) -> "GuardSettings":
@@ -41,7 +60,7 @@ class GuardSettings:
         extra = {h.lower() for h in config.ALLOWED_HOSTS.get()}
         names = {"localhost", host.lower(), socket.gethostname().lower()} | extra
         return cls(allowed_hosts=frozenset(names), api_key=config.API_KEY.get(), max_body=config.MAX_BODY.get(),
-                   any_host="*" in extra)
+                   any_host="*" in extra, origins=tuple(o.lower() for o in config.ORIGINS.get()))
 
 
 def host_name(header: str) -> str:
@@ -62,6 +81,37 @@ def host_allowed(header: str | None, settings: GuardSettings) -> bool:
     except ValueError:
         pass
     return name in settings.allowed_hosts or name.endswith(".localhost")
+
+
+def origin_allowed(origin: str | None, settings: GuardSettings) -> bool:
+    """No Origin (not a browser), a loopback page, an IDE webview, or one LOCALLLM_ORIGINS names."""
+    if origin is None:
+        return True
+    origin = origin.strip().lower()
+    if any(fnmatch.fnmatchcase(origin, pattern) for pattern in settings.origins):
+        return True
+    try:
+        parts = urlsplit(origin)
+        host = parts.hostname or ""
+    except ValueError:
+        return False
+    if parts.scheme in APP_SCHEMES:
+        return True
+    if parts.scheme not in ("http", "https"):
+        return False  # "null" (sandboxed frames, file pages), extensions, anything unknown
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def body_type_allowed(content_type: str | None) -> bool:
+    if not content_type:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media in JSON_TYPES or (media.startswith("application/") and media.endswith("+json"))
 
 
 def key_matches(authorization: str | None, api_key: str, x_api_key: str | None = None) -> bool:
@@ -95,10 +145,17 @@ class GuardMiddleware:
         if not host_allowed(headers.get("host"), self.settings):
             raise Forbidden(f"Host {headers.get('host')!r} is not allowed",
                             hint="call the server by 127.0.0.1 or localhost, or add the name to LOCALLLM_ALLOWED_HOSTS")
+        if not origin_allowed(headers.get("origin"), self.settings):
+            raise Forbidden(f"requests from the web page {headers.get('origin')!r} are not allowed",
+                            hint="add the page's origin to LOCALLLM_ORIGINS to let it call this server")
         if self._needs_key(scope) and not key_matches(headers.get("authorization"), self.settings.api_key,
                                                       headers.get("x-api-key")):
             raise Unauthorized("missing or wrong API key",
                                hint="send `Authorization: Bearer <key>` or `x-api-key: <key>` with LOCALLLM_API_KEY")
+        if (scope["method"] in BODY_METHODS and not scope["path"].startswith(BINARY_BODY_ROUTES)
+                and not body_type_allowed(headers.get("content-type"))):
+            raise UnsupportedMediaType(f"the request body is {headers.get('content-type')!r}; this route reads JSON",
+                                       hint="send it with `Content-Type: application/json`")
         length = headers.get("content-length")
         if scope["path"].startswith(UNLIMITED_BODY_PREFIX):
             return

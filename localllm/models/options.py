@@ -1,0 +1,118 @@
+"""Bounds on load and sampling options, from the model and the machine, checked before any native call.
+
+llama.cpp trusts its numbers: a repeat_last_n of 2^30 is a std::bad_alloc that aborts the process, a num_ctx of 2^30
+wraps in a 32-bit field, a context larger than memory allocates until the machine stalls. So every option that
+reaches native code is checked here first. A value that the request or the Modelfile set and that breaks a bound is
+an InvalidInput naming the value, the bound and what to do; a default (a LOCALLLM_* setting or built in) is clamped
+to the bound instead, as Ollama clamps num_ctx to the trained context, so a model with a short context still loads
+with the defaults."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+from ..api import LoadOptions, SamplingOptions
+from ..errors import InvalidInput, ModelFormatError
+from ..formats.gguf import GGUFInfo, inspect_gguf
+from .plan import plan_memory
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+# llama.cpp's context size (all slots together) is a uint32_t.
+MAX_CONTEXT_CELLS = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the bounds need from the weights' header; None where the format does not say (MLX folders)."""
+
+    context_length: Optional[int] = None
+    vocab_size: Optional[int] = None
+    info: Optional[GGUFInfo] = None
+
+
+def model_facts(weights: Path, format: str) -> ModelFacts:
+    if format != "gguf":
+        return ModelFacts()
+    try:
+        stat = Path(weights).stat()
+    except OSError:
+        return ModelFacts()  # the load itself says what is wrong with the file
+    return _gguf_facts(Path(weights), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=32)
+def _gguf_facts(path: Path, size: int, mtime_ns: int) -> ModelFacts:
+    # size and mtime are part of the key so that a .gguf path rewritten in place is read again.
+    info = inspect_gguf(path)
+    return ModelFacts(context_length=info.context_length, vocab_size=info.vocab_size, info=info)
+
+
+def _refuse_or_clamp(name: str, value: int, bound: int, explicit: bool, why: str, hint: str) -> int:
+    if value <= bound:
+        return value
+    if explicit:
+        raise InvalidInput(f"{name} {value} is over {bound}, {why}", hint=hint)
+    log.info("%s %d lowered to %d: %s", name, value, bound, why)
+    return bound
+
+
+def bound_load(load: LoadOptions, explicit: set[str], facts: ModelFacts) -> LoadOptions:
+    """Check `load` (effective values: pool.effective_load filled the unset ones) against the model and the
+    machine. `explicit` names the options the request or Modelfile set; the others are clamped, not refused."""
+    cores = os.cpu_count() or 1
+    threads = _refuse_or_clamp("num_thread", load.num_thread or 1, cores, "num_thread" in explicit,
+                               f"the {cores} CPU cores of this machine",
+                               hint=f"use at most {cores}; more threads than cores slow decoding down")
+    num_ctx = load.num_ctx or 0
+    if facts.context_length:
+        num_ctx = _refuse_or_clamp("num_ctx", num_ctx, facts.context_length, "num_ctx" in explicit,
+                                   "the context the model was trained on",
+                                   hint=f"use num_ctx {facts.context_length} or less (rope scaling for longer "
+                                        "contexts is not offered)")
+    slots = load.num_parallel or 1
+    if num_ctx * slots > MAX_CONTEXT_CELLS:
+        raise InvalidInput(f"num_ctx {num_ctx} x num_parallel {slots} is over {MAX_CONTEXT_CELLS} cells, the most a "
+                           "llama.cpp context holds", hint="lower num_ctx or num_parallel")
+    # llama.cpp never uses a batch longer than the context; clamping here keeps the memory plan honest.
+    batch = min(load.num_batch, num_ctx * slots) if num_ctx else load.num_batch
+    return load.model_copy(update={"num_thread": threads, "num_ctx": num_ctx or load.num_ctx, "num_batch": batch})
+
+
+def check_memory(load: LoadOptions, facts: ModelFacts, name: str) -> None:
+    """Refuse a load whose memory plan (`localllm plan`) does not fit the memory available now. Mapped weights are
+    left out: the OS pages them in and out as it needs; the KV cache and the compute buffers must be resident."""
+    if facts.info is None:
+        return
+    try:
+        plan = plan_memory(facts.info, load)
+    except ModelFormatError as exc:  # an architecture without attention metadata: llama.cpp sizes it itself
+        log.debug("no memory plan for %s: %s", name, exc)
+        return
+    needed = plan.kv_total + plan.compute + (0 if load.use_mmap else plan.weights)
+    if plan.available is None or needed <= plan.available:
+        return
+    raise InvalidInput(
+        f"{name} with num_ctx {plan.num_ctx} x num_parallel {plan.num_parallel} needs {needed / GIB:.1f} GiB "
+        f"(KV cache {plan.kv_total / GIB:.1f} GiB, compute {plan.compute / GIB:.1f} GiB) "
+        f"but {plan.available / GIB:.1f} GiB of memory is available",
+        hint=f"lower num_ctx or num_parallel, or use kv_type q8_0; `localllm plan {name}` shows the plan")
+
+
+def bound_sampling(sampling: SamplingOptions, *, n_ctx: int, n_vocab: int) -> SamplingOptions:
+    """Check the sampling options against the loaded model: the penalty window and top_k size native buffers."""
+    explicit = sampling.model_fields_set
+    window = _refuse_or_clamp("repeat_last_n", sampling.repeat_last_n, n_ctx, "repeat_last_n" in explicit,
+                              "the context of a slot (num_ctx)",
+                              hint=f"use at most {n_ctx}, or -1 for the whole context")
+    top_k = _refuse_or_clamp("top_k", sampling.top_k, n_vocab, "top_k" in explicit,
+                             "the size of the model's vocabulary", hint="use 0 for no top-k limit")
+    if (window, top_k) == (sampling.repeat_last_n, sampling.top_k):
+        return sampling
+    return sampling.model_copy(update={"repeat_last_n": window, "top_k": top_k})
