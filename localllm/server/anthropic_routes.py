@@ -12,8 +12,8 @@ from starlette.concurrency import run_in_threadpool
 
 from . import anthropic_render as render
 from .anthropic_requests import CountTokensRequest, MessagesRequest, chat_request
-from .chunk_stream import ChunkStream, merge_chat
-from .responses import StreamResponse, client_gone
+from .chunk_stream import ChunkStream
+from .responses import StreamResponse, client_gone, merge_chat
 from .state import State
 
 router = APIRouter(prefix="/v1/messages")
@@ -22,7 +22,8 @@ router = APIRouter(prefix="/v1/messages")
 @router.post("")
 async def messages(body: MessagesRequest, state: State, http: Request) -> Response:
     request = chat_request(body)
-    chunks = await ChunkStream.open(lambda: state.client.chat(request), observe=state.metrics.observe_chunk)
+    chunks = await ChunkStream.open(lambda: state.client.chat(request), observe=state.metrics.observe_chunk,
+                                    disconnected=http.is_disconnected)
     events = render.MessageEvents(model=body.model)
     if body.stream:
         return StreamResponse(render.sse_events(chunks, events), chunks, media_type="text/event-stream")

@@ -15,9 +15,9 @@ from starlette.concurrency import run_in_threadpool
 from .. import api
 from . import openai_responses_render as render
 from . import response_store
-from .chunk_stream import ChunkStream, merge_chat
+from .chunk_stream import ChunkStream
 from .openai_responses_requests import ResponsesRequest, chat_request, turn_instructions
-from .responses import StreamResponse, client_gone
+from .responses import StreamResponse, client_gone, merge_chat
 from .state import State
 
 router = APIRouter(prefix="/v1/responses")
@@ -29,7 +29,8 @@ async def create_response(body: ResponsesRequest, state: State, http: Request) -
     if body.previous_response_id:
         history = (await run_in_threadpool(response_store.load, body.previous_response_id)).messages
     request = chat_request(body, history)
-    chunks = await ChunkStream.open(lambda: state.client.chat(request), observe=state.metrics.observe_chunk)
+    chunks = await ChunkStream.open(lambda: state.client.chat(request), observe=state.metrics.observe_chunk,
+                                    disconnected=http.is_disconnected)
     frame = render.ResponseFrame(body)
 
     def keep(response: dict[str, Any], items: list[dict[str, Any]]) -> None:
