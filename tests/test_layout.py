@@ -95,3 +95,18 @@ def test_surfaces_never_import_a_backend(surface):
     offenders = {m: sorted(d for d in deps if d.startswith("localllm.backends"))
                  for m, deps in graph.items() if m == surface or m.startswith(surface + ".")}
     assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def test_every_module_imports():
+    """A broken import (a name moved to another module) fails here, not in the one test that reaches it."""
+    import importlib
+
+    broken = {}
+    for name in sorted(_modules()):
+        if name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported by name
+            broken[name] = repr(exc)
+    assert broken == {}
