@@ -11,7 +11,7 @@ import ctypes
 import logging
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import llama_cpp
 import numpy as np
@@ -245,7 +245,8 @@ class LlamaCppModel:
         if not ptr:
             raise LocalLLMError(f"no logits for batch row {row}")
         # A cached array type over the address: numpy's as_array builds a new ctypes type each call (5x slower).
-        return np.frombuffer(self._logits_row.from_address(ctypes.addressof(ptr.contents)), dtype=np.float32)
+        values = cast(Any, self._logits_row.from_address(ctypes.addressof(ptr.contents)))  # a ctypes array: a buffer
+        return np.frombuffer(values, dtype=np.float32)
 
     def make_sampler(self, options: SamplingOptions, *,
                      grammar: Optional[str] = None) -> "LlamaCppSampler | GreedySampler":
@@ -453,7 +454,7 @@ def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: Optional[
     if wanted:
         biases = (llama_cpp.llama_logit_bias * len(wanted))()
         for i, (tok, bias) in enumerate(wanted.items()):
-            biases[i].token, biases[i].bias = tok, bias
+            biases[i].token, biases[i].bias = llama_cpp.llama_token(tok), bias
         yield llama_cpp.llama_sampler_init_logit_bias(model.meta.n_vocab, len(wanted), biases)
     if _has_penalties(opts):
         last_n = model.n_ctx if opts.repeat_last_n == -1 else opts.repeat_last_n

@@ -189,7 +189,7 @@ class LlamaGrammarProbe:
 
     def _allows(self, probe, token: int) -> bool:
         cell = self._cell[0]
-        cell.id, cell.logit, cell.p = token, 0.0, 0.0
+        cell.id, cell.logit, cell.p = llama_cpp.llama_token(token), 0.0, 0.0
         self._cells.size, self._cells.selected = 1, -1
         llama_cpp.llama_sampler_apply(probe, ctypes.byref(self._cells))
         return not math.isinf(self._cell[0].logit)

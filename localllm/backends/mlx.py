@@ -15,7 +15,7 @@ import logging
 import re
 import secrets
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
@@ -39,7 +39,8 @@ class MlxBackend:
         path = Path(path)
         _check_folder(path)
         try:
-            model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+            # With return_config, mlx_lm.load returns the config too (its annotation says two values).
+            model, tokenizer, config = cast(Any, mlx_lm.load)(str(path), return_config=True)
         except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError) as exc:
             raise ModelFormatError(f"mlx-lm could not load the MLX folder {path}: {exc}") from None
         _prefer_float32_on_cpu(model)
@@ -298,7 +299,7 @@ class MlxModel:
             return
         n = max(0, min(n, self.cached_tokens(src)))
         fresh = self._new_cache()
-        for source, target in zip(self._caches[src], fresh):
+        for source, target in zip(cast(list[Any], self._caches[src]), fresh):
             if n:
                 # Real copies, so the source's later in-place cache writes never show up in the destination.
                 target.keys = mx.contiguous(source.keys[..., :n, :])
@@ -415,7 +416,7 @@ class MlxSampler:
             history = mx.array(self._history, dtype=mx.int32)
             for process in self._processors:
                 logits = process(history, logits)
-        token = int(self._draw(logits).item())
+        token = int(cast(int, self._draw(logits).item()))
         self.accept(token)
         return token
 

@@ -40,7 +40,7 @@ class RawLoop:
         eog = [t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
         biases = (llama_cpp.llama_logit_bias * len(eog))()
         for i, tok in enumerate(eog):
-            biases[i].token, biases[i].bias = tok, float("-inf")
+            biases[i].token, biases[i].bias = llama_cpp.llama_token(tok), float("-inf")
         bias = llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(eog), biases)
         llama_cpp.llama_sampler_chain_add(self.sampler, bias)
 

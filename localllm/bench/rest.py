@@ -143,7 +143,7 @@ def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads:
     same = f"at the same {threads} thread(s); the client's clock, after every stream's first token"
     figures = [Figure("REST single stream", one, raw1, "tok/s", 0.97, note=f"raw loop {same}"),
                many.figure("REST 4 concurrent streams (aggregate)", 1.0, note=f"raw batched loop {same}")]
-    if versus is not None:
+    if versus is not None and other is not None:
         figures.append(versus.figure(f"REST 4 concurrent streams: ours vs {other.name}", 1.0,
                                      note=f"same prompt tokens, greedy, EOS ignored, both {same}"))
     return figures

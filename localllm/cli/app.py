@@ -23,7 +23,7 @@ def print_error(exc: LocalLLMError) -> None:
 
 
 class _Group(typer.core.TyperGroup):
-    def invoke(self, ctx):  # type: ignore[override]
+    def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except LocalLLMError as exc:

@@ -12,7 +12,7 @@ from typing import Iterator, List, Optional
 
 import typer
 
-from .. import config
+from .. import api, config
 from ..client.protocol import Client
 from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound, ServerConflict
@@ -32,7 +32,7 @@ def open_client(*, in_process: bool = False) -> Iterator[Client]:
     try:
         yield client
     finally:
-        client.close()  # type: ignore[attr-defined]
+        client.close()
 
 
 def _local_client():
@@ -141,10 +141,10 @@ def _set_think(conversation: Conversation, value: Optional[str]) -> None:
                                                                "--think=low|medium|high") from None
 
 
-def _format(value: Optional[str]) -> Optional[str]:
+def _format(value: Optional[str]) -> api.Format:
     if value not in (None, "json"):
         raise InvalidInput(f"--format {value!r} is not supported", hint="use --format json")
-    return value
+    return "json" if value else None
 
 
 # ---------------------------------------------------------------------------------------------------------- ps, stop

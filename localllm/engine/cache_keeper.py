@@ -112,7 +112,7 @@ class CacheKeeper:
         except CacheFileError as exc:
             raise InvalidInput(f"the prompt cache cannot be loaded: {exc}",
                                hint="it was saved with another model, build or load options") from None
-        if cache.put(state.tokens, state.data, pinned=True) is None:
+        if cache.put(state.tokens.tolist(), state.data, pinned=True) is None:
             raise InvalidInput(f"the prompt cache ({len(state.data):,} bytes) does not fit in the prefix cache",
                                hint="raise LOCALLLM_CACHE_RAM")
         return int(state.tokens.shape[0])

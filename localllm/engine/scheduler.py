@@ -278,9 +278,10 @@ class Scheduler:
             if slot.state is SlotState.PREFILL:
                 slot.cached = req.prompt[: req.n_prefilled]
         for work in step.work:
-            req, slot = work.request, work.request.slot
-            if slot is None or req.finished or slot.request is not req:
+            req, served = work.request, work.request.slot
+            if served is None or req.finished or served.request is not req:
                 continue
+            slot = served
             tokens = sampled.get(req.id, [])
             if slot.state is SlotState.PREFILL:
                 slot.state = SlotState.DECODE

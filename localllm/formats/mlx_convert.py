@@ -15,7 +15,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import numpy as np
 
@@ -226,8 +226,11 @@ class _Tensor:
     float_type: str = "f32"  # for dense tensors: the element type to store
 
     def rows_map(self, fn: Callable[[np.ndarray], np.ndarray]) -> "_Tensor":
-        mapped = [None if a is None else fn(a) for a in (self.weight, self.scales, self.biases)]
-        return _Tensor(*mapped, bits=self.bits, float_type=self.float_type)
+        def mapped(a: Optional[np.ndarray]) -> Optional[np.ndarray]:
+            return None if a is None else fn(a)
+
+        return _Tensor(fn(self.weight), mapped(self.scales), mapped(self.biases), bits=self.bits,
+                       float_type=self.float_type)
 
 
 def _read_tensor(tensor, *, keep_packed: bool) -> _Tensor:
@@ -290,7 +293,7 @@ def _to_mlx_arrays(tensors: dict[str, _Tensor]) -> dict[str, Any]:
     arrays: dict[str, Any] = {}
     for name, t in tensors.items():
         base = name.rsplit(".", 1)[0]
-        if t.bits:
+        if t.bits and t.scales is not None and t.biases is not None:  # packed codes always carry both
             arrays[name] = mx.array(t.weight)
             arrays[f"{base}.scales"] = mx.array(t.scales)
             arrays[f"{base}.biases"] = mx.array(t.biases)
@@ -375,7 +378,7 @@ def build_tokenizer(meta: _Metadata):
         backend, _ = convert_gguf_tokenizer(meta.arch, tok_dict)
     except ValueError as exc:
         raise ModelFormatError(f"cannot build a tokenizer from this GGUF: {exc}") from None
-    fix = _PRE_TOKENIZER_FIXES.get(tok_dict.get("pre_tokenizer_type"))
+    fix = _PRE_TOKENIZER_FIXES.get(str(tok_dict.get("pre_tokenizer_type")))
     if fix is not None:
         backend.pre_tokenizer = fix()
     if meta.get("tokenizer.ggml.add_bos_token", False):
@@ -485,7 +488,7 @@ def _verify_folder(folder: Path, arrays: dict[str, Any]) -> None:
     """Read back what was written: every array with its shape, and parseable JSON."""
     import mlx.core as mx
 
-    written = mx.load(str(folder / "model.safetensors"))
+    written = cast(dict[str, Any], mx.load(str(folder / "model.safetensors")))  # a .safetensors file: a dict
     expected = {name: tuple(a.shape) for name, a in arrays.items()}
     if {name: tuple(a.shape) for name, a in written.items()} != expected:
         raise ModelFormatError(f"the MLX weights written to {folder} do not read back as written")

@@ -92,9 +92,9 @@ class MessageEvents:
 
     def _start(self, chunk: api.ChatChunk) -> list[tuple[str, dict[str, Any]]]:
         self._started = True
-        start = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                 "stop_reason": None, "stop_sequence": None,
-                 "usage": {"input_tokens": chunk.prompt_eval_count, "output_tokens": 0}}
+        start: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                                 "content": [], "stop_reason": None, "stop_sequence": None,
+                                 "usage": {"input_tokens": chunk.prompt_eval_count, "output_tokens": 0}}
         return [("message_start", {"type": "message_start", "message": start}), ("ping", {"type": "ping"})]
 
     def _delta(self, kind: str, delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

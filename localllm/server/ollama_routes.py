@@ -76,7 +76,8 @@ async def progress_response(make: Any, stream: bool) -> Response:
     chunks: ChunkStream[api.PullProgress] = await ChunkStream.open(make)
     if stream:
         return ndjson_response(chunks)
-    return json_of((await chunks.collect())[-1])
+    collected = await chunks.collect()
+    return json_of(collected[-1]) if collected else client_gone()
 
 
 @router.post("/api/pull")

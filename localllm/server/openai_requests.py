@@ -228,13 +228,13 @@ def embed_request(body: EmbeddingRequest) -> api.EmbedRequest:
     if not value:
         raise InvalidInput("input is an empty list", hint="send at least one text or token list")
     if all(isinstance(item, int) for item in value):
-        return api.EmbedRequest(model=body.model, input=[], input_tokens=[list(value)],  # type: ignore[arg-type]
+        return api.EmbedRequest(model=body.model, input=[], input_tokens=[list(value)],
                                 dimensions=body.dimensions, truncate=False)
     for i, item in enumerate(value):
         if not item:
             raise InvalidInput(f"input {i} is empty", hint="embed non-empty texts")
     if all(isinstance(item, str) for item in value):
-        return api.EmbedRequest(model=body.model, input=list(value), dimensions=body.dimensions,  # type: ignore
+        return api.EmbedRequest(model=body.model, input=list(value), dimensions=body.dimensions,
                                 truncate=False)
     return api.EmbedRequest(model=body.model, input=[], input_tokens=[list(item) for item in value],  # type: ignore
                             dimensions=body.dimensions, truncate=False)

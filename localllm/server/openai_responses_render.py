@@ -141,7 +141,7 @@ class ResponseEvents:
         out = [] if self._open is not None and self._open["type"] == kind else self._open_item(kind)
         self._text.append(text)
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
         return out + [self._event(name, **self._where(), content_index=0, delta=text, **extra)]
 
     def _open_item(self, kind: str) -> list[dict[str, Any]]:

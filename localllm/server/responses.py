@@ -111,7 +111,7 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
 
 
 async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    return error_json(str(exc.detail), exc.status_code, request.url.path, exc.headers)
+    return error_json(str(exc.detail), exc.status_code, request.url.path, dict(exc.headers or {}))
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -161,7 +161,7 @@ _TIMING_FIELDS = frozenset(Timings.model_fields)
 
 
 def chunk_json(chunk: BaseModel) -> bytes:
-    exclude = None if getattr(chunk, "done", True) else _TIMING_FIELDS
+    exclude = None if getattr(chunk, "done", True) else set(_TIMING_FIELDS)
     return chunk.model_dump_json(exclude_none=True, exclude=exclude).encode()
 
 

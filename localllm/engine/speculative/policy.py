@@ -42,8 +42,9 @@ class StepCost:
         if self._stale:
             # The prior decides only what the data cannot: a and b apart while every step has the same rows.
             n, sx, sxx, sy, sxy = self._sums
-            coef = np.linalg.solve(np.array([[n + 1.0, sx], [sx, sxx + 1.0]]), np.array([sy, sxy]) + self._anchor)
-            self._coef = np.maximum(coef, [self._anchor[0] * 0.01, 0.0])
+            anchor = self._anchor if self._anchor is not None else self._coef  # set by the record() that made it stale
+            coef = np.linalg.solve(np.array([[n + 1.0, sx], [sx, sxx + 1.0]]), np.array([sy, sxy]) + anchor)
+            self._coef = np.maximum(coef, [anchor[0] * 0.01, 0.0])
             self._stale = False
         return self._coef
 

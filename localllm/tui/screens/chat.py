@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -113,7 +113,7 @@ class ChatScreen(Screen):
                 parts.append(chunk.message.content)
                 if chunk.message.thinking:
                     self.app.call_from_thread(self._show_thinking, reply, chunk.message.thinking)
-                self.app.call_from_thread(self._show_piece, markdown, chunk.message.content,
+                self.app.call_from_thread(_awaited(self._show_piece), markdown, chunk.message.content,
                                           _live_rate(tokens, started), reply)
                 if chunk.done:
                     final = chunk
@@ -121,7 +121,7 @@ class ChatScreen(Screen):
             error = exc
         finally:
             getattr(chunks, "close", lambda: None)()
-            self.app.call_from_thread(markdown.stop)
+            self.app.call_from_thread(_awaited(markdown.stop))
             if reply.thinking is not None:
                 self.app.call_from_thread(reply.thinking.finish)
         if final is None and error is None:  # stopped (Escape): said on the answer, as the terminal chat does
@@ -245,3 +245,9 @@ def _live_rate(tokens: int, started: float) -> Optional[float]:
     # The first token's time is prompt evaluation, so the rate counts from it: (tokens after it) / (time since).
     elapsed = time.perf_counter() - started
     return (tokens - 1) / elapsed if tokens > 1 and elapsed > 0 else None
+
+
+def _awaited(coroutine_function: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[Any]]:
+    """A coroutine function as App.call_from_thread's annotation accepts it (its return type is inferred as Never
+    for a coroutine that returns None)."""
+    return coroutine_function
