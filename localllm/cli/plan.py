@@ -1,9 +1,9 @@
-"""`localllm plan MODEL`: the memory a load will take, read before anything loads."""
+"""`localllm plan MODEL [MODEL...]`: the memory loads will take, read before anything loads."""
 
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.table import Table
@@ -17,38 +17,64 @@ def _mib(n: int) -> str:
 
 @app.command()
 def plan(
-    model: str = typer.Argument(..., help="a pulled model name or a .gguf path"),
+    models: List[str] = typer.Argument(..., help="pulled model names or .gguf paths (several: loaded together)"),
     num_ctx: Optional[int] = typer.Option(None, "--num-ctx", min=16, help="context per slot"),
     num_parallel: Optional[int] = typer.Option(None, "--num-parallel", min=1, help="slots"),
     kv_type: Optional[str] = typer.Option(None, "--kv-type", help="f16, q8_0 or q4_0"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
 ) -> None:
-    """Show the memory a model will take with these options (weights, KV cache per slot, compute), before loading."""
+    """Show the memory models will take with these options (weights, adapters, KV cache per slot, compute), before
+    loading. Models over the same weights count them once."""
+    from ..models.plan import total_with_shared_weights
+
+    overrides = {k: v for k, v in {"num_ctx": num_ctx, "num_parallel": num_parallel, "kv_type": kv_type}.items()
+                 if v is not None}
+    plans = [_plan_one(model, overrides) for model in models]
+    total = total_with_shared_weights([(identity, mem) for _, identity, mem in plans])
+    if as_json:
+        rows = [{"model": name, **mem.__dict__, "total": mem.total, "fits": mem.fits} for name, _, mem in plans]
+        console.print_json(json.dumps(rows[0] if len(rows) == 1 else {"models": rows, "total": total}))
+        return
+    seen: set = set()
+    for name, identity, mem in plans:
+        console.print(_table(name, mem, shared=identity in seen))
+        seen.add(identity)
+    if len(plans) > 1:
+        available = plans[0][2].available
+        verdict = "" if available is None else f" ({'fits' if total <= available else 'does not fit'} in " \
+                                               f"{_mib(available)} available)"
+        console.print(f"[bold]all {len(plans)} models: {_mib(total)}[/] (shared weights counted once){verdict}")
+
+
+def _plan_one(model: str, overrides: dict):
     from ..engine.pool import effective_load, resolve_options
     from ..errors import InvalidInput
-    from ..models.plan import plan_memory
-    from ..formats.gguf import inspect_gguf
+    from ..formats.gguf import inspect_gguf, inspect_lora
+    from ..models.plan import plan_memory, weights_identity
     from ..models.store import Store
 
     resolved = Store().resolve(model)
     if resolved.format != "gguf":
         raise InvalidInput(f"{model} is an {resolved.format} model; the memory plan reads GGUF metadata")
-    overrides = {k: v for k, v in {"num_ctx": num_ctx, "num_parallel": num_parallel, "kv_type": kv_type}.items()
-                 if v is not None}
     load, _ = resolve_options(resolved, overrides)
-    mem = plan_memory(inspect_gguf(resolved.weights), effective_load(load))
-    if as_json:
-        console.print_json(json.dumps({**mem.__dict__, "total": mem.total, "fits": mem.fits}))
-        return
-    table = Table(title=f"{resolved.name}: {mem.num_parallel} slots x {mem.num_ctx} tokens, KV {mem.kv_type}")
+    load = effective_load(load)
+    adapters = sum(inspect_lora(adapter.path).tensor_bytes for adapter in resolved.adapters)
+    mem = plan_memory(inspect_gguf(resolved.weights), load, adapters=adapters)
+    return resolved.name, weights_identity(resolved.weights, load), mem
+
+
+def _table(name: str, mem, *, shared: bool) -> Table:
+    table = Table(title=f"{name}: {mem.num_parallel} slots x {mem.num_ctx} tokens, KV {mem.kv_type}")
     table.add_column("part")
     table.add_column("memory", justify="right")
-    table.add_row("weights", _mib(mem.weights))
+    table.add_row("weights" + (" (shared with a model above: counted once)" if shared else ""), _mib(mem.weights))
+    if mem.adapters:
+        table.add_row("LoRA adapters", _mib(mem.adapters))
     table.add_row(f"KV cache per slot ({mem.kv_per_token:,} bytes/token)", _mib(mem.kv_per_slot))
     table.add_row(f"KV cache, {mem.num_parallel} slots", _mib(mem.kv_total))
     table.add_row("compute buffer (estimate)", _mib(mem.compute))
-    table.add_row("[bold]total[/]", f"[bold]{_mib(mem.total)}[/]")
+    table.add_row("[bold]total[/]", f"[bold]{_mib(mem.total - (mem.weights if shared else 0))}[/]")
     if mem.available is not None:
         verdict = "fits" if mem.fits else "[red]does not fit[/]"
         table.add_row("available now", f"{_mib(mem.available)} ({verdict})")
-    console.print(table)
+    return table

@@ -71,7 +71,7 @@ class LocalClient:
         self.store.delete(model)
 
     def ps(self) -> api.ProcessResponse:
-        return api.ProcessResponse(models=[_process_row(e) for e in self.pool.entries()])
+        return api.ProcessResponse(models=[_process_row(e, self.pool.sharing_weights(e)) for e in self.pool.entries()])
 
     def stop(self, model: str) -> None:
         resolved = self.store.resolve(model)
@@ -260,7 +260,7 @@ def _refuse_images(images: Optional[list[str]]) -> None:
                            hint="send text only")
 
 
-def _process_row(entry: Loaded) -> api.ProcessModel:
+def _process_row(entry: Loaded, sharing: list[str]) -> api.ProcessModel:
     stats = entry.engine.snapshot()
     model = entry.model
     return api.ProcessModel(
@@ -270,4 +270,4 @@ def _process_row(entry: Loaded) -> api.ProcessModel:
         queue_depth=stats.queue_depth, kv_type=entry.options.kv_type or "f16",
         gpu_layers=entry.options.num_gpu if entry.options.num_gpu is not None else -1,
         speculation=getattr(entry.drafters, "kind", "none"),
-        draft_count=stats.draft_tokens, draft_accepted=stats.accepted_tokens)
+        draft_count=stats.draft_tokens, draft_accepted=stats.accepted_tokens, shares_weights_with=sharing)

@@ -35,6 +35,9 @@ def show_model(store: Store, name: str) -> api.ShowResponse:
         modified_at=model.modified_at,
         path=str(model.weights),
         draft=model.draft,
+        parts=[str(part) for part in model.parts] if len(model.parts) > 1 else [],
+        adapters=model.adapters,
+        quantization_report=model.quality,
     )
 
 
@@ -62,7 +65,8 @@ def render_model_modelfile(model: ResolvedModel, *, template: Optional[str]) -> 
               f"the FROM line with:\n# FROM {model.name}\n\n")
     fields: dict[str, Any] = dict(from_=str(model.weights), system=model.system, parameters=model.parameters,
                                   messages=model.messages, license=model.license, draft=model.draft,
-                                  adapters=[str(path) for path in model.adapters])
+                                  adapters=[adapter.path for adapter in model.adapters],
+                                  adapter_scales={a.path: a.scale for a in model.adapters if a.scale != 1.0})
     try:
         return header + render_modelfile(template=template, **fields)
     except InvalidInput:  # a template no Modelfile quoting can carry: leave it to the weights
