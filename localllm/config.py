@@ -122,6 +122,8 @@ KV_CACHE_TYPE = Setting("LOCALLLM_KV_CACHE_TYPE", "KV cache type: f16, q8_0 or q
                         lambda raw: _one_of(raw, ("f16", "q8_0", "q4_0")), lambda: "f16")
 FLASH_ATTENTION = Setting("LOCALLLM_FLASH_ATTENTION", "flash attention on/off (default: the backend decides)",
                           parse_bool, lambda: None)
+QUALITY_TOKENS = Setting("LOCALLLM_QUALITY_TOKENS", "tokens of built-in text a quantization's quality report compares "
+                         "(0: no report)", lambda raw: _bounded_int(raw, 0, 8192), lambda: 2048)
 CPU_REPACK = Setting("LOCALLLM_CPU_REPACK", "repack weights for the CPU's matrix units (AMX, Arm) at load; off if a "
                      "llama.cpp build crashes there", parse_bool, lambda: True)
 ORIGINS = Setting("LOCALLLM_ORIGINS", "comma-separated origins allowed by CORS (none by default)", parse_list,
@@ -137,8 +139,15 @@ LOG_LEVEL = Setting("LOCALLLM_LOG_LEVEL", "server log level: debug, info, warnin
                     lambda raw: _one_of(raw.lower(), ("debug", "info", "warning", "error")), lambda: "info")
 
 ALL: tuple[Setting, ...] = (HOME, HOST, NUM_PARALLEL, MAX_QUEUE, KEEP_ALIVE, MAX_LOADED_MODELS, CONTEXT_LENGTH,
-                            NUM_THREAD, KV_CACHE_TYPE, FLASH_ATTENTION, CPU_REPACK, ORIGINS, ALLOWED_HOSTS, API_KEY,
+                            NUM_THREAD, KV_CACHE_TYPE, FLASH_ATTENTION, QUALITY_TOKENS, CPU_REPACK, ORIGINS, ALLOWED_HOSTS, API_KEY,
                             OFFLINE, MAX_BODY, LOG_LEVEL)
+
+
+def _bounded_int(raw: str, low: int, high: int) -> int:
+    value = int(raw)
+    if not low <= value <= high:
+        raise ValueError(f"expected a whole number from {low} to {high}")
+    return value
 
 
 def _one_of(raw: str, choices: tuple[str, ...]) -> str:

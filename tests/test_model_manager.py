@@ -151,3 +151,140 @@ def test_adapters_are_refused_on_mlx(store, client, lora_path):
     _create_from_modelfile(store, "smol-lora-mlx", "FROM smol\nADAPTER ./lora.gguf\n", lora_path.parent)
     with pytest.raises(InvalidInput, match="not supported on the MLX backend"):
         _answer(client, "smol-lora-mlx", backend="mlx")
+
+
+# ---------------------------------------------------------------------------------------------------------- quantize
+
+def write_f16(source: Path, out: Path) -> Path:
+    """`source` (smollm2's Q4_1) dequantized with the gguf package: matrices F16, vectors F32, metadata kept."""
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        vtype = gguf.GGUFValueType(field.types[0])
+        sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for tensor in reader.tensors:
+        data = dequantize(tensor.data, tensor.tensor_type).reshape([int(n) for n in reversed(tensor.shape)])
+        writer.add_tensor(tensor.name, data.astype(np.float16 if data.ndim > 1 else np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def f16_model(store, smollm2_path, tmp_path_factory) -> str:
+    """`smol-f16` in the store: smollm2 with F16 weights, the kind of source quantizing is for."""
+    path = write_f16(smollm2_path, tmp_path_factory.mktemp("f16") / "smol-f16.gguf")
+    _drain(create_model(api.CreateRequest(model="smol-f16", **{"from": str(path)}), store))
+    path.unlink()
+    return "smol-f16"
+
+
+@pytest.fixture
+def quick_report(monkeypatch):
+    # Two chunks of the built-in text and one thread: the figures stay meaningful, the test stays seconds long.
+    monkeypatch.setenv("LOCALLLM_QUALITY_TOKENS", "512")
+    monkeypatch.setenv("LOCALLLM_NUM_THREAD", "1")
+
+
+def test_quantize_to_q8_0_reports_a_near_lossless_copy_that_answers(store, client, f16_model, quick_report):
+    statuses = [p.status for p in create_model(api.CreateRequest(model="smol-q8", quantize="q8_0",
+                                                                 **{"from": f16_model}), store)]
+    assert "quantizing to Q8_0" in statuses and statuses[-1] == "success"
+    assert any(s.startswith("quality of Q8_0 against smol-f16") for s in statuses)
+    shown = client.show("smol-q8")
+    report = shown.quantization_report
+    assert shown.details.quantization_level == "Q8_0" and shown.details.parent_model == "smol-f16:latest"
+    assert report.quantize == "Q8_0" and report.tokens >= 500
+    assert report.top1_agreement >= 0.9
+    assert 0 <= report.mean_kl < 0.05
+    assert 0.9 < report.perplexity_quantized / report.perplexity_source < 1.1
+    assert 0.45 < report.size_ratio < 0.6
+    assert report.size_quantized == store.resolve("smol-q8").weights.stat().st_size
+    assert report.decode_tps_source > 0 and report.decode_tps_quantized > 0
+    assert _answer(client, "smol-q8").strip()
+
+
+def test_quantize_to_q4_k_m_from_the_cli_prints_the_report(store, client, f16_model, quick_report, monkeypatch):
+    from typer.testing import CliRunner
+
+    from localllm.cli import app
+
+    monkeypatch.setenv("LOCALLLM_HOME", str(store.root.parent))
+    result = CliRunner().invoke(app, ["create", "smol-q4", "--from", f16_model, "-q", "Q4_K_M"])
+    assert result.exit_code == 0, result.output
+    assert "quality of Q4_K_M against smol-f16" in result.output and "top-1 agreement" in result.output
+    report = client.show("smol-q4").quantization_report
+    assert report.quantize == "Q4_K_M" and 0.6 <= report.top1_agreement <= 1.0
+    assert 0 <= report.mean_kl < 0.5 and report.size_ratio < 0.45
+    assert client.show("smol-q4").details.quantization_level == "Q4_K_M"
+    shown = CliRunner().invoke(app, ["show", "smol-q4"])
+    assert "Quantization" in shown.output and "perplexity" in shown.output
+    assert _answer(client, "smol-q4").strip()
+
+
+def test_requantizing_needs_the_flag(store, client, monkeypatch):
+    blobs = set(store.blobs_dir.iterdir())
+    with pytest.raises(InvalidInput) as caught:
+        _drain(create_model(api.CreateRequest(model="smol-rq", quantize="q8_0", **{"from": "smol"}), store))
+    assert "already quantized (Q4_1" in caught.value.message and "--allow-requantize" in caught.value.hint
+    assert set(store.blobs_dir.iterdir()) == blobs and not store.exists("smol-rq")
+    monkeypatch.setenv("LOCALLLM_QUALITY_TOKENS", "0")  # no report: the flag is what is tested here
+    _drain(create_model(api.CreateRequest(model="smol-rq", quantize="q8_0", allow_requantize=True,
+                                          **{"from": "smol"}), store))
+    shown = client.show("smol-rq")
+    assert shown.details.quantization_level == "Q8_0" and shown.quantization_report is None
+
+
+@pytest.mark.parametrize("qtype,message", [("q3_z", "quantize type 'q3_z' is not known"),
+                                          ("iq2_xxs", "needs an importance matrix")])
+def test_bad_quantize_requests_fail_before_any_work(store, f16_model, qtype, message):
+    with pytest.raises(InvalidInput, match=message):
+        _drain(create_model(api.CreateRequest(model="smol-bad-q", quantize=qtype, **{"from": f16_model}), store))
+    assert not store.exists("smol-bad-q")
+
+
+def write_imatrix(path: Path, store: Store, model: str) -> Path:
+    """An importance matrix as llama-imatrix writes it: `<tensor>.in_sum2` and `.counts` for each matrix."""
+    import gguf
+
+    from localllm.formats.gguf import _read_header
+
+    writer = gguf.GGUFWriter(str(path), "")
+    writer.add_string("general.type", "imatrix")
+    header = _read_header(store.resolve(model).weights)
+    rng = np.random.default_rng(1)
+    for tensor in header.tensors:
+        if tensor.name.startswith("blk.") and tensor.name.endswith(".weight") and "norm" not in tensor.name:
+            n_in = {"ffn_down": 1536}.get(tensor.name.split(".")[2], 576)
+            writer.add_tensor(f"{tensor.name}.in_sum2", rng.uniform(1, 20, n_in).astype(np.float32))
+            writer.add_tensor(f"{tensor.name}.counts", np.array([10.0], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_an_imatrix_makes_the_low_bit_types_possible(store, f16_model, tmp_path, monkeypatch):
+    from localllm.formats.quantize import read_imatrix, run_quantize
+
+    imatrix = write_imatrix(tmp_path / "smol.imatrix.gguf", store, f16_model)
+    assert all(values.dtype == np.float32 and values.min() >= 0.1 for values in read_imatrix(imatrix).values())
+    out = tmp_path / "q2.gguf"
+    _drain(run_quantize(store.resolve(f16_model).weights, out, "q2_K_S", label=f16_model, imatrix=imatrix,
+                        threads=1, report_tokens=0))
+    from localllm.formats.gguf import inspect_gguf
+
+    assert "Q2_K" in inspect_gguf(out).tensor_types
+    (tmp_path / "not.gguf").write_text("nope")
+    with pytest.raises(InvalidInput, match="not a GGUF importance matrix"):
+        read_imatrix(tmp_path / "not.gguf")

@@ -25,7 +25,6 @@ from ..errors import ModelFormatError
 from .quality_text import TEXT, TEXT_ID
 
 CHUNK = 256  # tokens per context; bounds the logits buffer to CHUNK x n_vocab floats per model
-MAX_TOKENS = 2048
 ROWS = 32  # positions compared at once (ROWS x n_vocab float64s)
 DECODE_PROMPT = 16
 DECODE_TOKENS = 32
@@ -125,22 +124,24 @@ class _Tally:
         self.scored += len(rows)
 
 
-def measure_quality(source: Path, quantized: Path, *, qtype: str, label: str, threads: int,
+def measure_quality(source: Path, quantized: Path, *, qtype: str, label: str, threads: int, tokens: int,
                     emit: Callable[[dict], None]) -> api.QuantizationReport:
-    """Compare `quantized` with `source` on the built-in text (both loaded here, one after the other's chunk)."""
+    """Compare `quantized` with `source` on the first `tokens` tokens of the built-in text (both models loaded
+    here; each chunk read by one, then the other)."""
     emit({"status": "measuring quality against the source (fixed text)"})
     first, second = _Reader(source, threads), _Reader(quantized, threads)
     try:
-        tokens = first.tokenize(TEXT)[:MAX_TOKENS]
+        text_tokens = first.tokenize(TEXT)[:max(tokens, 2)]
         tally = _Tally()
-        for start in range(0, len(tokens) - 1, CHUNK):
-            chunk = tokens[start:start + CHUNK]
+        for start in range(0, len(text_tokens) - 1, CHUNK):
+            chunk = text_tokens[start:start + CHUNK]
             a, b = first.read(chunk), second.read(chunk)  # two contexts, two logits buffers
             following = np.array(chunk[1:] + [-1], dtype=np.int64)
             for row in range(0, len(chunk), ROWS):
                 tally.add(a[row:row + ROWS], b[row:row + ROWS], following[row:row + ROWS])
         emit({"status": "measuring decode speed of both models"})
-        speeds = (first.decode_speed(tokens[:DECODE_PROMPT]), second.decode_speed(tokens[:DECODE_PROMPT]))
+        speeds = (first.decode_speed(text_tokens[:DECODE_PROMPT]),
+                  second.decode_speed(text_tokens[:DECODE_PROMPT]))
     finally:
         first.close()
         second.close()

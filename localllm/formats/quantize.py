@@ -81,10 +81,10 @@ def check_quantize(source: Path, qtype: str, *, allow_requantize: bool, imatrix:
 
 
 def run_quantize(source: Path, out: Path, qtype: str, *, label: str, allow_requantize: bool = False,
-                 imatrix: Optional[Path] = None, threads: int = 0, report: bool = True
+                 imatrix: Optional[Path] = None, threads: int = 0, report_tokens: int = 2048
                  ) -> Iterator[api.PullProgress]:
     """Quantize `source` (a GGUF, the first part of a split one) into `out` in a worker process, yielding progress;
-    return the quality report (None when `report` is False).
+    return the quality report measured on `report_tokens` tokens (None when 0).
 
     Raises:
         InvalidInput / ModelFormatError: as check_quantize, or the quantizer's own refusal (its message).
@@ -93,7 +93,8 @@ def run_quantize(source: Path, out: Path, qtype: str, *, label: str, allow_requa
     qtype = quant_type(qtype)
     check_quantize(source, qtype, allow_requantize=allow_requantize, imatrix=imatrix, label=label)
     job = {"source": str(source), "out": str(out), "qtype": qtype, "allow_requantize": allow_requantize,
-           "imatrix": str(imatrix) if imatrix else None, "threads": threads, "report": report, "label": label}
+           "imatrix": str(imatrix) if imatrix else None, "threads": threads, "report_tokens": report_tokens,
+           "label": label}
     with tempfile.TemporaryFile() as stderr:
         process = subprocess.Popen([sys.executable, "-m", "localllm.formats.quantize", json.dumps(job)],
                                    stdout=subprocess.PIPE, stderr=stderr, text=True)
@@ -159,6 +160,9 @@ def read_imatrix(path: Path) -> dict[str, "Any"]:
     return result
 
 
+_log_callback = None
+
+
 class _QuantizeLog:
     """llama.cpp's log during quantization: per-tensor lines become progress, errors are kept for the message."""
 
@@ -191,8 +195,9 @@ def quantize_file(source: Path, out: Path, qtype: str, *, allow_requantize: bool
 
     sizes = {t.name: t.nbytes for part in split_parts(source) for t in _read_header(part).tensors}
     log = _QuantizeLog(sizes, emit)
-    callback = llama_cpp.llama_log_callback(log)
-    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+    global _log_callback  # llama.cpp keeps the pointer: the ctypes object must outlive this call
+    _log_callback = llama_cpp.llama_log_callback(log)
+    llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = threads
     params.ftype = _ftype(qtype)
@@ -227,16 +232,18 @@ def _emit(message: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if hasattr(os, "nice"):
+        os.nice(10)  # below the server's own threads: answers keep flowing while this works
     job = json.loads(argv[1])
     source, out = Path(job["source"]), Path(job["out"])
     try:
         quantize_file(source, out, job["qtype"], allow_requantize=job["allow_requantize"],
                       imatrix=Path(job["imatrix"]) if job["imatrix"] else None, threads=job["threads"], emit=_emit)
-        if job["report"]:
+        if job["report_tokens"]:
             from .quality import measure_quality
 
             report = measure_quality(source, out, qtype=job["qtype"], label=job["label"], threads=job["threads"],
-                                     emit=_emit)
+                                     tokens=job["report_tokens"], emit=_emit)
             _emit({"report": report.model_dump(mode="json")})
     except LocalLLMError as exc:
         _emit({"error": exc.message, "hint": exc.hint, "kind": "input" if isinstance(exc, InvalidInput) else "format"})

@@ -112,8 +112,9 @@ def _quantize(parent: "_Parent", request: api.CreateRequest, store: Store, base:
         out = scratch / "model.gguf"
         report = yield from run_quantize(parent.model.weights, out, request.quantize or "", label=parent.label,
                                          allow_requantize=request.allow_requantize, imatrix=imatrix,
-                                         threads=config.NUM_THREAD.get())
-        for line in describe_report(report):
+                                         threads=config.NUM_THREAD.get(),
+                                         report_tokens=config.QUALITY_TOKENS.get())
+        for line in describe_report(report) if report else []:
             yield api.PullProgress(status=line)
         yield api.PullProgress(status="writing quantized weights")
         return store.adopt_blob(out), report
