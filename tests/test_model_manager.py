@@ -288,3 +288,50 @@ def test_an_imatrix_makes_the_low_bit_types_possible(store, f16_model, tmp_path,
     (tmp_path / "not.gguf").write_text("nope")
     with pytest.raises(InvalidInput, match="not a GGUF importance matrix"):
         read_imatrix(tmp_path / "not.gguf")
+
+
+# ---------------------------------------------------------------------------------------------------------- shared weights
+
+def _rss() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_two_models_over_one_blob_share_the_weights_in_memory(store):
+    from localllm.client.local import LocalClient
+
+    _drain(create_model(api.CreateRequest(model="smol-brief", system="Answer briefly.", **{"from": "smol"}), store))
+    weights = store.resolve("smol").weights.stat().st_size
+    small = {"num_batch": 32}  # a small compute buffer, so that what a context costs is clearly below the weights
+    client = LocalClient(store)
+    try:
+        plain = _answer(client, "smol", **small)
+        before = _rss()
+        assert _answer(client, "smol-brief", **small) == plain  # raw prompt: the SYSTEM does not apply
+        shared = _rss() - before
+        rows = {row.name: row for row in client.ps().models}
+        assert rows["smol-brief:latest"].shares_weights_with == ["smol:latest"]
+        assert rows["smol:latest"].shares_weights_with == ["smol-brief:latest"]
+        before = _rss()
+        _answer(client, "smol-brief", use_mmap=False, **small)  # weights read into memory: a copy of its own
+        separate = _rss() - before
+        assert shared < weights / 3 < separate, (shared, separate, weights)
+        client.stop("smol")  # the other model keeps the weights alive
+        assert _answer(client, "smol-brief", **small) == plain
+    finally:
+        client.close()
+
+
+def test_plan_counts_shared_weights_once(store, monkeypatch):
+    from typer.testing import CliRunner
+
+    from localllm.cli import app
+
+    _drain(create_model(api.CreateRequest(model="smol-terse", system="Be terse.", **{"from": "smol"}), store))
+    monkeypatch.setenv("LOCALLLM_HOME", str(store.root.parent))
+    one = json.loads(CliRunner().invoke(app, ["plan", "smol", "--json"]).output)
+    both = CliRunner().invoke(app, ["plan", "smol", "smol-terse", "--json"])
+    assert both.exit_code == 0, both.output
+    assert json.loads(both.output)["total"] == 2 * one["total"] - one["weights"]
+    text = CliRunner().invoke(app, ["plan", "smol", "smol-terse"]).output
+    assert "shared with a model above: counted once" in text
