@@ -335,3 +335,91 @@ def test_plan_counts_shared_weights_once(store, monkeypatch):
     assert json.loads(both.output)["total"] == 2 * one["total"] - one["weights"]
     text = CliRunner().invoke(app, ["plan", "smol", "smol-terse"]).output
     assert "shared with a model above: counted once" in text
+
+
+# ---------------------------------------------------------------------------------------------------------- split GGUFs
+
+def write_split(source: Path, out: Path, parts: int = 3) -> list[Path]:
+    """`source` cut into `parts` files as gguf-split cuts them (the gguf package's shards: split.no, split.count and
+    split.tensors.count in each part, the metadata in the first), tensors copied as they are."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    per_part = -(-len(reader.tensors) // parts)
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents(), split_max_tensors=per_part)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = gguf.GGUFValueType(field.types[0])
+        sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return [out.with_name(f"{out.stem}-{i:05d}-of-{parts:05d}.gguf") for i in range(1, parts + 1)]
+
+
+@pytest.fixture(scope="module")
+def split_files(smollm2_path, tmp_path_factory) -> list[Path]:
+    return write_split(smollm2_path, tmp_path_factory.mktemp("split") / "smol-Q4_1.gguf")
+
+
+@pytest.fixture
+def hub_url(split_files, monkeypatch):
+    from hfserver import Hub, HubServer
+
+    files = {path.name: path.read_bytes() for path in split_files}
+    hub = Hub(repos={"test-org/smol-split-GGUF": {"README.md": b"# split", **files}}, files=files)
+    with HubServer(hub) as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.delenv("LOCALLLM_OFFLINE", raising=False)
+        yield url, hub
+
+
+def test_a_split_gguf_pulls_from_the_hub_and_answers_like_the_whole_file(store, client, split_files, hub_url):
+    from localllm.models.pull import pull_model
+
+    _drain(pull_model("hf.co/test-org/smol-split-GGUF:Q4_1", store))
+    model = store.resolve("hf.co/test-org/smol-split-GGUF:Q4_1")
+    assert [p.name for p in model.parts] == [f"model-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+    assert [p.resolve().read_bytes() for p in model.parts] == [f.read_bytes() for f in split_files]
+    shown = client.show("hf.co/test-org/smol-split-GGUF:Q4_1")
+    whole = client.show("smol")
+    assert len(shown.parts) == 3 and shown.details.parameter_size == whole.details.parameter_size
+    assert shown.model_info["general.parameter_count"] == whole.model_info["general.parameter_count"]
+    assert _answer(client, "hf.co/test-org/smol-split-GGUF:Q4_1") == _answer(client, "smol")
+
+
+def test_a_url_to_one_part_pulls_every_part(store, split_files, hub_url, monkeypatch):
+    from typer.testing import CliRunner
+
+    from localllm.cli import app
+    from localllm.models.pull import pull_model
+
+    url, hub = hub_url
+    _drain(pull_model(f"{url}/files/{split_files[1].name}", store))
+    model = store.resolve("smol-q4_1:latest")
+    assert len(model.parts) == 3 and model.size == sum(f.stat().st_size for f in split_files)
+    monkeypatch.setenv("LOCALLLM_HOME", str(store.root.parent))
+    split = json.loads(CliRunner().invoke(app, ["plan", "smol-q4_1", "--json"]).output)
+    whole = json.loads(CliRunner().invoke(app, ["plan", "smol", "--json"]).output)
+    assert split["weights"] == whole["weights"] and split["kv_total"] == whole["kv_total"]
+
+
+def test_a_split_with_a_missing_part_is_refused(store, split_files, monkeypatch):
+    from hfserver import Hub, HubServer
+
+    from localllm.errors import ModelNotFound
+    from localllm.models.pull import pull_model
+
+    files = {path.name: path.read_bytes() for path in split_files[:2]}
+    with HubServer(Hub(repos={"test-org/broken-GGUF": files})) as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        monkeypatch.delenv("LOCALLLM_OFFLINE", raising=False)
+        with pytest.raises(ModelNotFound, match="lacks smol-Q4_1-00003-of-00003.gguf"):
+            _drain(pull_model("hf.co/test-org/broken-GGUF:Q4_1", store))
+    assert not store.exists("hf.co/test-org/broken-GGUF:Q4_1")

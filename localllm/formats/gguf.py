@@ -381,6 +381,15 @@ SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.ggu
 MAX_SPLIT_PARTS = 9999
 
 
+def parse_split_name(name: str) -> Optional[tuple[str, int, int]]:
+    """(prefix, part number from 1, part count) of a file named as gguf-split names parts, else None."""
+    match = SPLIT_NAME.match(name)
+    if not match:
+        return None
+    number, count = int(match["no"]), int(match["count"])
+    return (match["prefix"], number, count) if 1 <= number <= count <= MAX_SPLIT_PARTS else None
+
+
 def split_part_name(prefix: str, number: int, count: int) -> str:
     """The file name of part `number` (1-based) of `count`, as gguf-split writes it."""
     return f"{prefix}-{number:05d}-of-{count:05d}.gguf"
@@ -410,12 +419,12 @@ def split_parts(path: Path, metadata: Optional[dict[str, Any]] = None) -> list[P
     number, count = split_position(metadata if metadata is not None else _read_header(path).metadata, path)
     if count == 1:
         return [path]
-    match = SPLIT_NAME.match(path.name)
-    if not match or (int(match["no"]), int(match["count"])) != (number, count):
+    parsed = parse_split_name(path.name)
+    if not parsed or parsed[1:] != (number, count):
         raise ModelFormatError(f"{path} is part {number} of a {count}-part split GGUF, but its name does not say so",
                                hint=f"keep the names gguf-split gave the parts, e.g. "
                                     f"{split_part_name('model', number, count)}")
-    parts = [path.with_name(split_part_name(match["prefix"], i, count)) for i in range(1, count + 1)]
+    parts = [path.with_name(split_part_name(parsed[0], i, count)) for i in range(1, count + 1)]
     missing = [part.name for part in parts if not part.is_file()]
     if missing:
         raise ModelFormatError(f"split GGUF {path.name}: part(s) {', '.join(missing)} missing beside it",
