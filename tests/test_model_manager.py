@@ -423,3 +423,42 @@ def test_a_split_with_a_missing_part_is_refused(store, split_files, monkeypatch)
         with pytest.raises(ModelNotFound, match="lacks smol-Q4_1-00003-of-00003.gguf"):
             _drain(pull_model("hf.co/test-org/broken-GGUF:Q4_1", store))
     assert not store.exists("hf.co/test-org/broken-GGUF:Q4_1")
+
+
+# ---------------------------------------------------------------------------------------------------------- REST
+
+def test_api_create_quantizes_in_the_background_and_refuses_bad_adapters(store, f16_model, quick_report,
+                                                                         tmp_path):
+    import httpx
+    from server_harness import serve_in_thread
+
+    from localllm.client.local import LocalClient
+    from localllm.server.app import create_app
+
+    client = LocalClient(store)
+    try:
+        with serve_in_thread(create_app(client)) as url, httpx.Client(base_url=url, timeout=120) as http:
+            body = {"model": "smol-q4-rest", "from": f16_model, "quantize": "q4_0"}
+            with http.stream("POST", "/api/create", json=body) as stream:
+                lines = stream.iter_lines()
+                statuses = [json.loads(next(lines))["status"]]
+                while not statuses[-1].startswith("quantizing"):
+                    statuses.append(json.loads(next(lines))["status"])
+                # The quantizer works in its own process: the server still answers meanwhile.
+                assert http.get("/api/tags").status_code == 200
+                answer = http.post("/api/generate", json={"model": "smol", "prompt": PROMPT, "raw": True,
+                                                          "stream": False, "options": GREEDY})
+                assert answer.status_code == 200 and answer.json()["response"]
+                statuses += [json.loads(line)["status"] for line in lines]
+            assert statuses[-1] == "success" and any(s.startswith("quality of Q4_0") for s in statuses)
+            shown = http.post("/api/show", json={"model": "smol-q4-rest"}).json()
+            assert shown["details"]["quantization_level"] == "Q4_0"
+            assert shown["quantization_report"]["top1_agreement"] > 0.5
+            (tmp_path / "notes.txt").write_text("not an adapter")
+            refused = http.post("/api/create", json={"model": "smol-bad-rest", "from": "smol",
+                                                     "adapters": {str(tmp_path / "notes.txt"): ""}})
+            assert refused.status_code == 400 and "not a usable GGUF" in refused.json()["error"]
+            requant = http.post("/api/create", json={"model": "smol-rq-rest", "from": "smol", "quantize": "q8_0"})
+            assert requant.status_code == 400 and "allow-requantize" in requant.json()["error"]
+    finally:
+        client.close()

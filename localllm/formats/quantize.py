@@ -178,7 +178,7 @@ class _QuantizeLog:
         if match:
             self.done += self.sizes.get(match.group(3), 0)
             self.emit({"progress": self.done, "total": self.total})
-        elif level == 3 and line.strip():  # GGML_LOG_LEVEL_ERROR
+        elif level == 4 and line.strip():  # GGML_LOG_LEVEL_ERROR
             self.errors.append(line.strip())
 
     def error(self) -> str:

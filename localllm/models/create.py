@@ -8,6 +8,7 @@ GGUF quantized by llama.cpp in a worker process (formats/quantize.py), stored wi
 from __future__ import annotations
 
 import shutil
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -55,8 +56,11 @@ def create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional
     if request.template:
         validate_template(request.template)  # a template that cannot render fails now, not at the first chat
     base = Path(base_dir) if base_dir is not None else Path.cwd()
-    yield api.PullProgress(status="parsing modelfile")
+    # Refusals come before the first progress line, so that /api/create answers them with a status code.
     adapters_files = {path: _adapter_file(path, digest, store, base) for path, digest in request.adapters.items()}
+    if request.quantize and not _wants_mlx(request):
+        _check_quantize_early(request, store, base)
+    yield api.PullProgress(status="parsing modelfile")
     parent = yield from _resolve_parent(request.from_, store, base)
     fmt, weights = parent.format, parent.weights_spec
     details = parent.model.details.model_copy(update={"parent_model": parent.label})
@@ -120,6 +124,24 @@ def _quantize(parent: "_Parent", request: api.CreateRequest, store: Store, base:
         return store.adopt_blob(out), report
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        with suppress(OSError):
+            scratch.parent.rmdir()  # the store's tmp/ folder, unless another create is using it
+
+
+def _check_quantize_early(request: api.CreateRequest, store: Store, base: Path) -> None:
+    """The quantizer's refusals (a quantized parent, a missing imatrix) for a parent already at hand; a parent that
+    must be pulled first is checked once it is (in run_quantize)."""
+    from ..formats.quantize import check_quantize, quant_type
+
+    ref = parse_ref(request.from_ or "")
+    name = str(_relative_to(ref.path or Path(request.from_ or ""), base)) if ref.kind == "file" else ref.display
+    if not store.exists(name):
+        return
+    parent = store.resolve(name)
+    if parent.format == "gguf":
+        imatrix = _relative_to(Path(request.imatrix), base) if request.imatrix else None
+        check_quantize(parent.weights, quant_type(request.quantize or ""), allow_requantize=request.allow_requantize,
+                       imatrix=imatrix, label=parent.name)
 
 
 def _gguf_details(store: Store, digest: Weights) -> api.ModelDetails:
