@@ -9,6 +9,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import llama_cpp
 
+from .. import config
 from ..backends.llama_cpp import _init_backend
 
 
@@ -19,6 +20,7 @@ class RawLoop:
                  ignore_eos: bool = False):
         _init_backend()
         mparams = llama_cpp.llama_model_default_params()
+        mparams.use_extra_bufts = config.CPU_REPACK.get()  # the weights laid out as the engine lays them out
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx, cparams.n_seq_max = n_ctx * n_seq, n_seq
