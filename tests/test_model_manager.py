@@ -195,6 +195,7 @@ def quick_report(monkeypatch):
     monkeypatch.setenv("LOCALLLM_NUM_THREAD", "1")
 
 
+@pytest.mark.slow
 def test_quantize_to_q8_0_reports_a_near_lossless_copy_that_answers(store, client, f16_model, quick_report):
     statuses = [p.status for p in create_model(api.CreateRequest(model="smol-q8", quantize="q8_0",
                                                                  **{"from": f16_model}), store)]
@@ -213,6 +214,7 @@ def test_quantize_to_q8_0_reports_a_near_lossless_copy_that_answers(store, clien
     assert _answer(client, "smol-q8").strip()
 
 
+@pytest.mark.slow
 def test_quantize_to_q4_k_m_from_the_cli_prints_the_report(store, client, f16_model, quick_report, monkeypatch):
     from typer.testing import CliRunner
 
@@ -274,6 +276,7 @@ def write_imatrix(path: Path, store: Store, model: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_an_imatrix_makes_the_low_bit_types_possible(store, f16_model, tmp_path, monkeypatch):
     from localllm.formats.quantize import read_imatrix, run_quantize
 
@@ -380,6 +383,7 @@ def hub_url(split_files, monkeypatch):
         yield url, hub
 
 
+@pytest.mark.slow
 def test_a_split_gguf_pulls_from_the_hub_and_answers_like_the_whole_file(store, client, split_files, hub_url):
     from localllm.models.pull import pull_model
 
@@ -427,6 +431,7 @@ def test_a_split_with_a_missing_part_is_refused(store, split_files, monkeypatch)
 
 # ---------------------------------------------------------------------------------------------------------- REST
 
+@pytest.mark.slow
 def test_api_create_quantizes_in_the_background_and_refuses_bad_adapters(store, f16_model, quick_report,
                                                                          tmp_path):
     import httpx

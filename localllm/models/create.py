@@ -35,26 +35,7 @@ def create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional
     """
     request = _merge_modelfile(request)
     target = parse_ref(request.model)
-    if target.kind == "file":
-        raise InvalidName(f"{request.model!r} is a file path; name the new model like me/mymodel:v1")
-    if not request.from_:
-        raise InvalidInput("the model to build on is missing (FROM)")
-    if request.imatrix and not request.quantize:
-        raise InvalidInput("an imatrix is only used when quantizing", hint="add --quantize TYPE")
-    if _wants_mlx(request):
-        from ..formats.mlx_convert import check_quantize
-
-        check_quantize(request.quantize)  # before the parent is pulled or copied
-        if request.adapters:
-            raise InvalidInput("LoRA adapters are not supported on the MLX backend yet",
-                               hint="create the model with its adapters as a GGUF model (without --format mlx)")
-    elif request.quantize:
-        from ..formats.quantize import quant_type
-
-        quant_type(request.quantize)  # a type llama.cpp offers, before the parent is pulled
-    api.split_options(request.parameters)  # an unknown parameter name fails here, before anything is written
-    if request.template:
-        validate_template(request.template)  # a template that cannot render fails now, not at the first chat
+    _check_request(request)
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     # Refusals come before the first progress line, so that /api/create answers them with a status code.
     adapters_files = {path: _adapter_file(path, digest, store, base) for path, digest in request.adapters.items()}
@@ -62,6 +43,9 @@ def create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional
         _check_quantize_early(request, store, base)
     yield api.PullProgress(status="parsing modelfile")
     parent = yield from _resolve_parent(request.from_, store, base)
+    if (parent.format == "mlx" or _wants_mlx(request)) and (parent.adapters or adapters_files):
+        raise InvalidInput("LoRA adapters are not supported on the MLX backend yet",
+                           hint="keep the model and its adapters in GGUF (without --format mlx)")
     fmt, weights = parent.format, parent.weights_spec
     details = parent.model.details.model_copy(update={"parent_model": parent.label})
     quality = None
@@ -77,9 +61,6 @@ def create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional
         yield api.PullProgress(status=f"using existing layer {_describe_weights(weights)}")
     adapters = parent.adapters + [_store_adapter(path, file, request.adapter_scales.get(path, 1.0), store, parent)
                                   for path, file in adapters_files.items()]
-    if adapters and fmt == "mlx":
-        raise InvalidInput("LoRA adapters are not supported on the MLX backend yet",
-                           hint="build on a GGUF model to use ADAPTER")
     yield api.PullProgress(status="writing manifest")
     store.write_model(
         target.display, weights=weights, fmt=fmt,
@@ -94,6 +75,30 @@ def create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional
         quality=quality,
     )
     yield api.PullProgress(status="success")
+
+
+def _check_request(request: api.CreateRequest) -> None:
+    """What can be refused from the request alone, before anything is pulled, copied or written."""
+    if parse_ref(request.model).kind == "file":
+        raise InvalidName(f"{request.model!r} is a file path; name the new model like me/mymodel:v1")
+    if not request.from_:
+        raise InvalidInput("the model to build on is missing (FROM)")
+    if request.imatrix and not request.quantize:
+        raise InvalidInput("an imatrix is only used when quantizing", hint="add --quantize TYPE")
+    if _wants_mlx(request):
+        from ..formats.mlx_convert import check_quantize
+
+        check_quantize(request.quantize)
+        if request.adapters:
+            raise InvalidInput("LoRA adapters are not supported on the MLX backend yet",
+                               hint="keep the model and its adapters in GGUF (without --format mlx)")
+    elif request.quantize:
+        from ..formats.quantize import quant_type
+
+        quant_type(request.quantize)  # a type llama.cpp's quantizer offers
+    api.split_options(request.parameters)  # an unknown parameter name fails here
+    if request.template:
+        validate_template(request.template)  # a template that cannot render fails now, not at the first chat
 
 
 def _describe_weights(weights: Weights) -> str:
