@@ -467,3 +467,18 @@ def test_api_create_quantizes_in_the_background_and_refuses_bad_adapters(store, 
             assert requant.status_code == 400 and "allow-requantize" in requant.json()["error"]
     finally:
         client.close()
+
+
+def test_a_split_part_with_other_bytes_than_announced_is_refused(store, split_files, monkeypatch):
+    from hfserver import Hub, HubServer
+
+    from localllm.errors import IntegrityError
+    from localllm.models.pull import pull_model
+
+    files = {path.name: path.read_bytes() for path in split_files}
+    with HubServer(Hub(repos={"test-org/corrupt-GGUF": files}, corrupt=True)) as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        monkeypatch.delenv("LOCALLLM_OFFLINE", raising=False)
+        with pytest.raises(IntegrityError, match="sha256 mismatch"):
+            _drain(pull_model("hf.co/test-org/corrupt-GGUF:Q4_1", store))
+    assert not store.exists("hf.co/test-org/corrupt-GGUF:Q4_1")
