@@ -139,8 +139,8 @@ LOG_LEVEL = Setting("LOCALLLM_LOG_LEVEL", "server log level: debug, info, warnin
                     lambda raw: _one_of(raw.lower(), ("debug", "info", "warning", "error")), lambda: "info")
 
 ALL: tuple[Setting, ...] = (HOME, HOST, NUM_PARALLEL, MAX_QUEUE, KEEP_ALIVE, MAX_LOADED_MODELS, CONTEXT_LENGTH,
-                            NUM_THREAD, KV_CACHE_TYPE, FLASH_ATTENTION, QUALITY_TOKENS, CPU_REPACK, ORIGINS, ALLOWED_HOSTS, API_KEY,
-                            OFFLINE, MAX_BODY, LOG_LEVEL)
+                            NUM_THREAD, KV_CACHE_TYPE, FLASH_ATTENTION, QUALITY_TOKENS, CPU_REPACK, ORIGINS,
+                            ALLOWED_HOSTS, API_KEY, OFFLINE, MAX_BODY, LOG_LEVEL)
 
 
 def _bounded_int(raw: str, low: int, high: int) -> int:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from localllm import api
-from localllm.errors import InvalidInput, LocalLLMError, ModelFormatError
+from localllm.errors import InvalidInput, ModelFormatError
 from localllm.models.create import create_model
 from localllm.models.store import Store
 
@@ -293,7 +293,7 @@ def test_an_imatrix_makes_the_low_bit_types_possible(store, f16_model, tmp_path,
         read_imatrix(tmp_path / "not.gguf")
 
 
-# ---------------------------------------------------------------------------------------------------------- shared weights
+# ------------------------------------------------------------------------------------------------ shared weights
 
 def _rss() -> int:
     with open("/proc/self/status") as status:
@@ -340,7 +340,7 @@ def test_plan_counts_shared_weights_once(store, monkeypatch):
     assert "shared with a model above: counted once" in text
 
 
-# ---------------------------------------------------------------------------------------------------------- split GGUFs
+# ------------------------------------------------------------------------------------------------ split GGUFs
 
 def write_split(source: Path, out: Path, parts: int = 3) -> list[Path]:
     """`source` cut into `parts` files as gguf-split cuts them (the gguf package's shards: split.no, split.count and
@@ -404,7 +404,7 @@ def test_a_url_to_one_part_pulls_every_part(store, split_files, hub_url, monkeyp
     from localllm.cli import app
     from localllm.models.pull import pull_model
 
-    url, hub = hub_url
+    url, _ = hub_url
     _drain(pull_model(f"{url}/files/{split_files[1].name}", store))
     model = store.resolve("smol-q4_1:latest")
     assert len(model.parts) == 3 and model.size == sum(f.stat().st_size for f in split_files)

@@ -126,7 +126,8 @@ ERROR_CASES = {
     "Ollama renderer": ("FROM a\n\nRENDERER qwen3", 3, "RENDERER names a renderer built into Ollama"),
     "misspelt parameter": ("FROM a\nPARAMETER temprature 0.1", 2, "unknown parameter 'temprature'; did you mean "
                                                                    "'temperature'?"),
-    "unknown parameter": ("FROM a\nPARAMETER zzz 1", 2, "unknown parameter 'zzz'; known parameters: adapter_scale, backend"),
+    "unknown parameter": ("FROM a\nPARAMETER zzz 1", 2,
+                          "unknown parameter 'zzz'; known parameters: adapter_scale, backend"),
     "not an integer": ("FROM a\nPARAMETER num_ctx abc", 2, "parameter num_ctx 'abc': input should be a valid "
                                                            "integer"),
     "integer out of range": ("FROM a\nPARAMETER num_ctx 4", 2, "parameter num_ctx '4': input should be greater "

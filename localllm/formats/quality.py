@@ -13,7 +13,6 @@ and drives llama.cpp directly, like the quantizer itself: the engine is not need
 
 from __future__ import annotations
 
-import ctypes
 import time
 from pathlib import Path
 from typing import Callable
