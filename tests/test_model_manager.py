@@ -469,8 +469,10 @@ def test_api_create_quantizes_in_the_background_and_refuses_bad_adapters(store, 
         client.close()
 
 
-def test_a_split_part_with_other_bytes_than_announced_is_refused(store, split_files, monkeypatch):
+def test_a_split_part_with_other_bytes_than_announced_is_refused(tmp_path, split_files, monkeypatch):
     from hfserver import Hub, HubServer
+
+    store = Store(tmp_path / "models")  # empty: the module's store already holds these parts, so would not fetch them
 
     from localllm.errors import IntegrityError
     from localllm.models.pull import pull_model

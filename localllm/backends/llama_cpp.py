@@ -103,7 +103,7 @@ class LlamaCppBackend:
              adapters: Sequence[LoraAdapter] = ()) -> "LlamaCppModel":
         _init_backend()
         key, model = _WEIGHTS.acquire(path, options)
-        ctx, loras = None, []
+        ctx, loras = None, _Adapters([], [])
         try:
             ctx = _new_context(model, options, n_seq=n_seq, n_ctx=n_ctx)
             loras = _apply_adapters(model, ctx, adapters)
@@ -153,10 +153,11 @@ def _apply_adapters(model, ctx, adapters: Sequence[LoraAdapter]) -> "_Adapters":
         raise
 
 
-def _free_adapters(adapters) -> None:
+def _free_adapters(adapters: "_Adapters") -> None:
     with _WEIGHTS.lock:
-        for handle in getattr(adapters, "handles", adapters) or []:
+        for handle in adapters.handles:
             llama_cpp.llama_adapter_lora_free(handle)
+        adapters.handles = []
 
 
 def _reserve_now(ctx) -> None:

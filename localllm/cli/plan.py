@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -58,7 +59,7 @@ def _plan_one(model: str, overrides: dict):
         raise InvalidInput(f"{model} is an {resolved.format} model; the memory plan reads GGUF metadata")
     load, _ = resolve_options(resolved, overrides)
     load = effective_load(load)
-    adapters = sum(inspect_lora(adapter.path).tensor_bytes for adapter in resolved.adapters)
+    adapters: int = sum([inspect_lora(Path(adapter.path)).tensor_bytes for adapter in resolved.adapters], 0)
     mem = plan_memory(inspect_gguf(resolved.weights), load, adapters=adapters)
     return resolved.name, weights_identity(resolved.weights, load), mem
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Generator, Optional
 
 import gguf
 
@@ -82,7 +82,7 @@ def check_quantize(source: Path, qtype: str, *, allow_requantize: bool, imatrix:
 
 def run_quantize(source: Path, out: Path, qtype: str, *, label: str, allow_requantize: bool = False,
                  imatrix: Optional[Path] = None, threads: int = 0, report_tokens: int = 2048
-                 ) -> Iterator[api.PullProgress]:
+                 ) -> Generator[api.PullProgress, None, Optional[api.QuantizationReport]]:
     """Quantize `source` (a GGUF, the first part of a split one) into `out` in a worker process, yielding progress;
     return the quality report measured on `report_tokens` tokens (None when 0).
 
@@ -113,7 +113,7 @@ def run_quantize(source: Path, out: Path, qtype: str, *, label: str, allow_requa
     return api.QuantizationReport.model_validate(result["report"]) if result.get("report") else None
 
 
-def _follow(process: subprocess.Popen, qtype: str) -> Iterator[api.PullProgress]:
+def _follow(process: subprocess.Popen, qtype: str) -> Generator[api.PullProgress, None, dict[str, Any]]:
     result: dict[str, Any] = {}
     assert process.stdout is not None
     for line in process.stdout:

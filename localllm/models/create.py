@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from contextlib import suppress
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Generator, Iterator, Optional
 
 from .. import api, config
 from ..errors import InvalidInput, InvalidName
@@ -42,7 +42,7 @@ def create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional
     if request.quantize and not _wants_mlx(request):
         _check_quantize_early(request, store, base)
     yield api.PullProgress(status="parsing modelfile")
-    parent = yield from _resolve_parent(request.from_, store, base)
+    parent = yield from _resolve_parent(request.from_ or "", store, base)  # FROM checked in _check_request
     if (parent.format == "mlx" or _wants_mlx(request)) and (parent.adapters or adapters_files):
         raise InvalidInput("LoRA adapters are not supported on the MLX backend yet",
                            hint="keep the model and its adapters in GGUF (without --format mlx)")
@@ -107,7 +107,8 @@ def _describe_weights(weights: Weights) -> str:
     return f"{len(weights)} GGUF parts" if isinstance(weights, list) else "mlx files"
 
 
-def _quantize(parent: "_Parent", request: api.CreateRequest, store: Store, base: Path) -> Iterator[api.PullProgress]:
+def _quantize(parent: "_Parent", request: api.CreateRequest, store: Store, base: Path
+              ) -> Generator[api.PullProgress, None, tuple[str, Optional[api.QuantizationReport]]]:
     """Quantize the parent's GGUF into a new blob; return (digest, quality report)."""
     from ..formats.quality import describe_report
     from ..formats.quantize import run_quantize
@@ -161,7 +162,8 @@ def _wants_mlx(request: api.CreateRequest) -> bool:
     return request.format == "mlx" or request.parameters.get("backend") == "mlx"
 
 
-def _convert_to_mlx(gguf: Path, store: Store, quantize: Optional[str]) -> Iterator[api.PullProgress]:
+def _convert_to_mlx(gguf: Path, store: Store, quantize: Optional[str]
+                    ) -> Generator[api.PullProgress, None, dict[str, str]]:
     """Convert the parent's GGUF into an MLX folder and add its files as blobs; returns {file name: digest}."""
     import tempfile
 
@@ -188,7 +190,7 @@ class _Parent:
         self.label = label
 
 
-def _resolve_parent(from_: str, store: Store, base: Path) -> Iterator[api.PullProgress]:
+def _resolve_parent(from_: str, store: Store, base: Path) -> Generator[api.PullProgress, None, "_Parent"]:
     """FROM is a .gguf path (relative to the Modelfile), a stored model, or a name to pull."""
     ref = parse_ref(from_)
     if ref.kind == "file":
