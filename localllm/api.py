@@ -36,6 +36,19 @@ KVType = Literal["f16", "q8_0", "q4_0"]
 INT32_MAX = 2**31 - 1
 
 
+# LoRA scales beyond this are never useful (1 applies the adapter as trained) and only amplify noise.
+ADAPTER_SCALE_LIMIT = 16.0
+
+
+class LoraAdapter(_Model):
+    """A LoRA adapter applied when a model loads: a GGUF LoRA file and the scale it is applied with."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", protected_namespaces=())
+
+    path: str
+    scale: float = Field(1.0, ge=-ADAPTER_SCALE_LIMIT, le=ADAPTER_SCALE_LIMIT)
+
+
 class LoadOptions(_Model):
     """Options fixed when a model is loaded; changing any of them reloads the model."""
 
@@ -53,6 +66,8 @@ class LoadOptions(_Model):
     backend: BackendName = Field("auto", description="auto picks mlx for MLX folders, llama.cpp for GGUF")
     draft: Optional[str] = Field(None, description="draft model for speculative decoding (Modelfile DRAFT)")
     embedding: bool = Field(False, description="load for embeddings (pooled output)")
+    adapter_scale: Optional[float] = Field(None, ge=-ADAPTER_SCALE_LIMIT, le=ADAPTER_SCALE_LIMIT,
+                                           description="scale of every LoRA adapter (overrides each ADAPTER line's)")
 
 
 class SamplingOptions(_Model):
@@ -344,6 +359,24 @@ class ListResponse(_Model):
     models: list[ModelSummary]
 
 
+class QuantizationReport(_Model):
+    """What quantizing cost, measured against the source model on a fixed built-in text (`create --quantize`)."""
+
+    quantize: str = Field(description="the type quantized to, e.g. Q4_K_M")
+    source: str = Field(description="the model that was quantized")
+    text: str = Field(description="which built-in text was compared")
+    tokens: int = Field(description="positions compared")
+    top1_agreement: float = Field(description="share of positions where both models' likeliest next token agree")
+    mean_kl: float = Field(description="mean KL divergence source || quantized of the next-token distribution, nats")
+    perplexity_source: float
+    perplexity_quantized: float
+    size_source: int = Field(description="bytes")
+    size_quantized: int = Field(description="bytes")
+    size_ratio: float = Field(description="size_quantized / size_source")
+    decode_tps_source: float = Field(description="tokens/s generating one sequence (same machine, same run)")
+    decode_tps_quantized: float
+
+
 class ShowRequest(_Model):
     model: str = Field(validation_alias=AliasChoices("model", "name"))  # `name`: Ollama's deprecated spelling
     verbose: bool = False
@@ -361,6 +394,9 @@ class ShowResponse(_Model):
     modified_at: Optional[datetime] = None
     path: Optional[str] = Field(None, description="weights file or folder on disk (localllm extension)")
     draft: Optional[str] = None
+    parts: list[str] = Field(default_factory=list, description="every file of a split GGUF, in order")
+    adapters: list[LoraAdapter] = Field(default_factory=list, description="LoRA adapters applied at load")
+    quantization_report: Optional[QuantizationReport] = None
 
 
 class PullRequest(_Model):
@@ -390,8 +426,11 @@ class CreateRequest(_Model):
     parameters: dict[str, Any] = Field(default_factory=dict)
     messages: list[Message] = Field(default_factory=list)
     adapters: dict[str, str] = Field(default_factory=dict)
+    adapter_scales: dict[str, float] = Field(default_factory=dict, description="adapter path -> scale (default 1)")
     draft: Optional[str] = None
     quantize: Optional[str] = None
+    allow_requantize: bool = Field(False, description="quantize weights that are already quantized (loses quality)")
+    imatrix: Optional[str] = Field(None, description="importance matrix file (GGUF, from llama-imatrix) for quantize")
     format: Optional[Literal["gguf", "mlx"]] = None
     files: dict[str, str] = Field(default_factory=dict, description="uploaded blobs by file name (Ollama's "
                                   "create(files=...)): {\"model.gguf\": \"sha256:...\"}")
@@ -437,6 +476,8 @@ class ProcessModel(_Model):
     prefix_cache_hits: dict[str, int] = Field(default_factory=dict, description="requests that reused a prefix, "
                                               "by tier: slot, ram, disk")
     prefix_cache_tokens: dict[str, int] = Field(default_factory=dict, description="prompt tokens reused, by tier")
+    shares_weights_with: list[str] = Field(default_factory=list,
+                                           description="other loaded models that use the same weights in memory")
 
 
 class PromptCacheSession(_Model):

@@ -143,6 +143,8 @@ KV_CACHE_TYPE = Setting("LOCALLLM_KV_CACHE_TYPE", "KV cache type: f16, q8_0 or q
                         lambda raw: _one_of(raw, ("f16", "q8_0", "q4_0")), lambda: "f16")
 FLASH_ATTENTION = Setting("LOCALLLM_FLASH_ATTENTION", "flash attention on/off (default: the backend decides)",
                           parse_bool, lambda: None)
+QUALITY_TOKENS = Setting("LOCALLLM_QUALITY_TOKENS", "tokens of built-in text a quantization's quality report compares "
+                         "(0: no report)", lambda raw: _bounded_int(raw, 0, 8192), lambda: 2048)
 ORIGINS = Setting("LOCALLLM_ORIGINS", "comma-separated web origins (globs like chrome-extension://*) allowed to call "
                   "the server and by CORS; loopback pages always may call", parse_list, lambda: [])
 ALLOWED_HOSTS = Setting("LOCALLLM_ALLOWED_HOSTS", "extra Host header names accepted besides loopback", parse_list,
@@ -166,9 +168,15 @@ CACHE_DISK = Setting("LOCALLLM_CACHE_DISK", "disk per model (under LOCALLLM_HOME
                      "across restarts (e.g. 4GiB; default 0: off)", parse_size, lambda: 0)
 
 ALL: tuple[Setting, ...] = (HOME, HOST, NUM_PARALLEL, MAX_QUEUE, KEEP_ALIVE, MAX_LOADED_MODELS, CONTEXT_LENGTH,
-                            NUM_THREAD, KV_CACHE_TYPE, FLASH_ATTENTION, ORIGINS, ALLOWED_HOSTS, API_KEY, OFFLINE,
-                            MAX_BODY, LOG_LEVEL, CACHE_RAM, CACHE_DISK, RESPONSES_MAX,
-                            RESPONSES_MAX_AGE)
+                            NUM_THREAD, KV_CACHE_TYPE, FLASH_ATTENTION, QUALITY_TOKENS, ORIGINS, ALLOWED_HOSTS, API_KEY,
+                            OFFLINE, MAX_BODY, LOG_LEVEL, CACHE_RAM, CACHE_DISK, RESPONSES_MAX, RESPONSES_MAX_AGE)
+
+
+def _bounded_int(raw: str, low: int, high: int) -> int:
+    value = int(raw)
+    if not low <= value <= high:
+        raise ValueError(f"expected a whole number from {low} to {high}")
+    return value
 
 
 def _one_of(raw: str, choices: tuple[str, ...]) -> str:

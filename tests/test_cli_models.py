@@ -121,11 +121,12 @@ def test_create_errors_are_one_line_and_store_nothing(tiny, tmp_path, modelfile,
     assert _tree(Store().root) == before
 
 
-def test_create_with_quantize_is_not_supported_yet(tiny, tmp_path):
+def test_create_with_quantize_of_a_model_llama_cpp_cannot_read_says_why_and_stores_nothing(tiny, tmp_path):
     (tmp_path / "Modelfile").write_text("FROM tiny\n")
+    before = _tree(Store().root)
     result = invoke("create", "q", "-f", str(tmp_path / "Modelfile"), "--quantize", "q4_0")
-    assert result.exit_code == 1 and "not supported yet" in result.output
-    assert not Store().exists("q")
+    assert result.exit_code == 1 and "could not quantize to Q4_0: key not found" in result.output
+    assert not Store().exists("q") and _tree(Store().root) == before
 
 
 def test_create_without_a_modelfile(isolated_home, tmp_path):

@@ -51,12 +51,26 @@ PARSE_CASES = {
                                      {"license": ["MIT", "Apache\n2.0"]}),
     "adapters": ("FROM a\nADAPTER ./lora.gguf\nADAPTER ./other.gguf",
                  {"adapters": {"./lora.gguf": "", "./other.gguf": ""}}),
+    "an adapter's scale": ("FROM a\nADAPTER ./lora.gguf 0.5\nADAPTER ./my lora.gguf\nADAPTER ./off.gguf 0",
+                           {"adapters": {"./lora.gguf": "", "./my lora.gguf": "", "./off.gguf": ""},
+                            "adapter_scales": {"./lora.gguf": 0.5, "./off.gguf": 0.0}}),
     "draft": ("FROM gemma3:4b\nDRAFT gemma3:270m", {"from_": "gemma3:4b", "draft": "gemma3:270m"}),
     "quoted path with spaces": ('FROM "/models/my model.gguf"', {"from_": "/models/my model.gguf"}),
     "REQUIRES is accepted and skipped": ("FROM a\nREQUIRES 0.14.0", {"from_": "a", "parameters": {}}),
     "nothing else is set": ("FROM a", {"template": None, "system": None, "license": None, "draft": None,
                                        "messages": [], "parameters": {}, "adapters": {}, "model": ""}),
 }
+
+
+def test_an_adapter_scale_out_of_range_names_the_line():
+    with pytest.raises(ModelfileError, match="line 2: ADAPTER scale 99"):
+        parse_modelfile("FROM a\nADAPTER ./lora.gguf 99")
+
+
+def test_adapter_scales_round_trip():
+    text = render_modelfile(from_="a", adapters=["./a.gguf", "./b.gguf"], adapter_scales={"./b.gguf": 0.25})
+    parsed = parse_modelfile(text)
+    assert parsed.adapter_scales == {"./b.gguf": 0.25} and list(parsed.adapters) == ["./a.gguf", "./b.gguf"]
 
 
 @pytest.mark.parametrize("text,expected", PARSE_CASES.values(), ids=PARSE_CASES.keys())
@@ -112,7 +126,8 @@ ERROR_CASES = {
     "Ollama renderer": ("FROM a\n\nRENDERER qwen3", 3, "RENDERER names a renderer built into Ollama"),
     "misspelt parameter": ("FROM a\nPARAMETER temprature 0.1", 2, "unknown parameter 'temprature'; did you mean "
                                                                    "'temperature'?"),
-    "unknown parameter": ("FROM a\nPARAMETER zzz 1", 2, "unknown parameter 'zzz'; known parameters: backend"),
+    "unknown parameter": ("FROM a\nPARAMETER zzz 1", 2,
+                          "unknown parameter 'zzz'; known parameters: adapter_scale, backend"),
     "not an integer": ("FROM a\nPARAMETER num_ctx abc", 2, "parameter num_ctx 'abc': input should be a valid "
                                                            "integer"),
     "integer out of range": ("FROM a\nPARAMETER num_ctx 4", 2, "parameter num_ctx '4': input should be greater "

@@ -63,7 +63,8 @@ def test_write_model_round_trips_every_layer(store, stored, tmp_path):
     assert model.parameters == {"temperature": 0.2, "stop": ["<|im_end|>"]}
     assert [(m.role, m.content) for m in model.messages] == [("user", "hi"), ("assistant", "hello")]
     assert model.license == "MIT\n\nextra terms"
-    assert model.draft == "smollm2:135m" and model.adapters == [store.blob_path(adapter)]
+    assert model.draft == "smollm2:135m"
+    assert model.adapters == [api.LoraAdapter(path=str(store.blob_path(adapter)), scale=1.0)]
     assert model.details.family == "llama" and model.digest.startswith("sha256-")
 
 

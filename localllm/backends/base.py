@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Protocol, Sequence
+from typing import Hashable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from ..api import LoadOptions, SamplingOptions
+from ..api import LoadOptions, LoraAdapter, SamplingOptions
 
 
 def greedy_pick(logits: np.ndarray) -> tuple[int, float]:
@@ -138,6 +138,7 @@ class LoadedModel(Protocol):
     n_batch: int  # the most tokens one decode takes
     kv_pad: int  # the backend attends over its cache in spans of this many cells (1: exactly)
     adjustable_threads: bool  # set_threads takes effect (the engine then tunes the count as it runs)
+    weights: Hashable  # equal for loads that share one copy of the weights in memory
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
 
@@ -190,4 +191,7 @@ class LoadedModel(Protocol):
 class Backend(Protocol):
     name: str
 
-    def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> LoadedModel: ...
+    def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int,
+             adapters: Sequence[LoraAdapter] = ()) -> LoadedModel:
+        """Load the weights at `path` (a split GGUF's first part) with `adapters` applied; a backend that cannot
+        apply adapters raises InvalidInput."""

@@ -3,7 +3,11 @@
 The context is created with a separate KV stream per sequence (kv_unified off), so every slot owns exactly `n_ctx`
 cells: the context a user asks for is per slot, never a total silently divided. Sampling runs in llama.cpp's C
 sampler chain; Python only picks which output row each chain reads. Plain greedy requests (temperature 0, nothing but
-logit biases) take a shortcut that picks the same token without copying the vocabulary (GreedySampler)."""
+logit biases) take a shortcut that picks the same token without copying the vocabulary (GreedySampler).
+
+Weights are shared: every load over the same files with the same weight-affecting options (GPU layers, mmap) gets the
+same llama_model, counted in `_WEIGHTS`, and its own context. LoRA adapters belong to a context: each load applies
+its own (llama_adapter_lora_init on the shared model, llama_set_adapters_lora on its context)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from typing import Any, Optional, Sequence, cast
 import llama_cpp
 import numpy as np
 
-from ..api import LoadOptions, SamplingOptions
+from ..api import LoadOptions, LoraAdapter, SamplingOptions
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
 from ..machine import physical_cores
 from .base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead
@@ -42,27 +46,146 @@ def _init_backend() -> None:
         _initialised = True
 
 
+WeightsKey = tuple[str, int, bool]
+
+
+def weights_key(path: Path, options: LoadOptions) -> WeightsKey:
+    """What makes two loads' llama_models interchangeable: the same file (a split GGUF's first part names the set)
+    and the options that shape the weights in memory. Context options (num_ctx, slots, KV type, ...) do not."""
+    return str(Path(path).absolute()), _gpu_layers(options), options.use_mmap
+
+
+class _SharedWeights:
+    """Loaded llama_models by WeightsKey, with how many contexts use each; freed when the last one closes.
+
+    The lock also covers context creation and adapter changes: llama.cpp sizes a new context's graph from the
+    model's list of adapters, which llama_adapter_lora_init / _free change."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self._models: dict[WeightsKey, list] = {}  # key -> [llama_model pointer, users]
+
+    def acquire(self, path: Path, options: LoadOptions):
+        key = weights_key(path, options)
+        with self.lock:
+            entry = self._models.get(key)
+            if entry is None:
+                entry = self._models[key] = [_load_weights(path, options), 0]
+            entry[1] += 1
+            return key, entry[0]
+
+    def release(self, key: WeightsKey) -> None:
+        with self.lock:
+            entry = self._models[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._models[key]
+                llama_cpp.llama_model_free(entry[0])
+
+    def users(self, key: WeightsKey) -> int:
+        with self.lock:
+            entry = self._models.get(key)
+            return entry[1] if entry else 0
+
+
+_WEIGHTS = _SharedWeights()
+
+
+def loaded_weights_users(key: WeightsKey) -> int:
+    """How many loaded contexts share the llama_model of `key` (0: not loaded)."""
+    return _WEIGHTS.users(key)
+
+
 class LlamaCppBackend:
     name = "llama.cpp"
 
-    def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> "LlamaCppModel":
+    def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int,
+             adapters: Sequence[LoraAdapter] = ()) -> "LlamaCppModel":
         _init_backend()
-        model = _load_weights(path, options)
+        key, model = _WEIGHTS.acquire(path, options)
+        ctx, loras = None, _Adapters([], [])
         try:
             ctx = _new_context(model, options, n_seq=n_seq, n_ctx=n_ctx)
+            loras = _apply_adapters(model, ctx, adapters)
+            return LlamaCppModel(path, model, ctx, options, n_seq=n_seq, weights=key, adapters=loras)
         except BaseException:
-            llama_cpp.llama_model_free(model)
+            _free_adapters(loras)
+            if ctx is not None:
+                llama_cpp.llama_free(ctx)
+            _WEIGHTS.release(key)
             raise
-        return LlamaCppModel(path, model, ctx, options, n_seq=n_seq)
+
+
+class _Adapters:
+    """The LoRA adapters of one context: native handles and scales, set on each context of the load."""
+
+    def __init__(self, handles: list, scales: list[float]):
+        self.handles = handles
+        self.scales = scales
+
+    def set_on(self, ctx) -> None:
+        if not self.handles:
+            return
+        array = (llama_cpp.llama_adapter_lora_p_ctypes * len(self.handles))(*self.handles)
+        scales = (ctypes.c_float * len(self.scales))(*self.scales)
+        with _WEIGHTS.lock:
+            if llama_cpp.llama_set_adapters_lora(ctx, array, len(self.handles), scales) != 0:
+                raise LocalLLMError("llama.cpp could not set the LoRA adapters on the context")
+            _reserve_now(ctx)
+
+
+def _apply_adapters(model, ctx, adapters: Sequence[LoraAdapter]) -> "_Adapters":
+    handles: list = []
+    try:
+        for adapter in adapters:
+            with _WEIGHTS.lock:
+                handle = llama_cpp.llama_adapter_lora_init(model, str(adapter.path).encode())
+            if not handle:
+                raise ModelFormatError(f"llama.cpp could not apply the LoRA adapter {adapter.path}",
+                                       hint="the adapter must be trained for this base model (same architecture and "
+                                            "tensor shapes)")
+            handles.append(handle)
+        result = _Adapters(handles, [float(a.scale) for a in adapters])
+        result.set_on(ctx)
+        return result
+    except BaseException:
+        _free_adapters(_Adapters(handles, []))
+        raise
+
+
+def _free_adapters(adapters: "_Adapters") -> None:
+    with _WEIGHTS.lock:
+        for handle in adapters.handles:
+            llama_cpp.llama_adapter_lora_free(handle)
+        adapters.handles = []
+
+
+def _reserve_now(ctx) -> None:
+    """Decode one token and forget it: llama.cpp re-plans a context's graph (reading the shared model's adapter
+    list) at the first decode after its adapters change; doing it here keeps that under the weights lock."""
+    batch = llama_cpp.llama_batch_init(1, 0, 1)
+    try:
+        batch.n_tokens = 1
+        batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = 0, 0, 1, True
+        batch.seq_id[0][0] = 0
+        llama_cpp.llama_decode(ctx, batch)
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+    finally:
+        llama_cpp.llama_batch_free(batch)
+
+
+def _gpu_layers(options: LoadOptions) -> int:
+    # num_gpu None means "all layers that fit": llama.cpp clamps a large count to the model's layers.
+    return 999 if options.num_gpu is None or options.num_gpu < 0 else options.num_gpu
 
 
 
 def _load_weights(path: Path, options: LoadOptions):
+
     if not Path(path).is_file():
         raise ModelFormatError(f"weights file {path} does not exist")
     params = llama_cpp.llama_model_default_params()
-    # num_gpu None means "all layers that fit": llama.cpp clamps a large count to the model's layers.
-    params.n_gpu_layers = 999 if options.num_gpu is None or options.num_gpu < 0 else options.num_gpu
+    params.n_gpu_layers = _gpu_layers(options)
     params.use_mmap = options.use_mmap
     # Weights with MTP (nextn) layers bring their heads for speculative decoding (speculative.py); the trunk's own
     # context never runs them, and files without them are unaffected.
@@ -110,7 +233,8 @@ def _context_params(options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings:
 
 def _new_context(model, options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings: bool = False):
     params = _context_params(options, n_seq=n_seq, n_ctx=n_ctx, embeddings=embeddings)
-    ctx = llama_cpp.llama_init_from_model(model, params)
+    with _WEIGHTS.lock:  # sized from the shared model's adapter list (see _SharedWeights)
+        ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
         # Almost always memory (models/options.check_memory catches most cases before this): the request's fault.
         raise InvalidInput(f"llama.cpp could not create a context of {n_seq} x {n_ctx} tokens",
@@ -157,9 +281,12 @@ class LlamaCppModel:
     kv_pad = 256
     adjustable_threads = True
 
-    def __init__(self, path: Path, model, ctx, options: LoadOptions, *, n_seq: int):
+    def __init__(self, path: Path, model, ctx, options: LoadOptions, *, n_seq: int, weights: WeightsKey,
+                 adapters: "_Adapters"):
         self.path = path
         self.options = options
+        self.weights = weights  # shared with every other load of the same weights (_WEIGHTS)
+        self._adapters = adapters
         self._model = model
         self._ctx = ctx
         self._vocab = llama_cpp.llama_model_get_vocab(model)
@@ -313,6 +440,7 @@ class LlamaCppModel:
         if self._embed_ctx is None:
             opts = self.options.model_copy(update={"num_batch": self.n_ctx})
             self._embed_ctx = _new_context(self._model, opts, n_seq=1, n_ctx=self.n_ctx, embeddings=True)
+            self._adapters.set_on(self._embed_ctx)
         if n_tokens > self.n_ctx:
             raise InvalidInput(f"input is {n_tokens} tokens; the embedding context holds {self.n_ctx}")
         return self._embed_ctx
@@ -324,7 +452,8 @@ class LlamaCppModel:
         if self._embed_ctx is not None:
             llama_cpp.llama_free(self._embed_ctx)
         llama_cpp.llama_free(self._ctx)
-        llama_cpp.llama_model_free(self._model)
+        _free_adapters(self._adapters)
+        _WEIGHTS.release(self.weights)
         self._ctx = self._embed_ctx = self._model = None
 
     def set_threads(self, n: int) -> None:

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from ..api import LoadOptions, SamplingOptions
+from ..api import LoadOptions, LoraAdapter, SamplingOptions
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
 from .base import Batch, CacheShape, ModelMeta
 
@@ -33,9 +33,13 @@ GRAMMAR_UNSUPPORTED = "structured output (grammar / JSON schema) is not supporte
 class MlxBackend:
     name = "mlx"
 
-    def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> "MlxModel":
+    def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int,
+             adapters: Sequence[LoraAdapter] = ()) -> "MlxModel":
         import mlx_lm
 
+        if adapters:
+            raise InvalidInput("LoRA adapters are not supported on the MLX backend yet",
+                               hint="run the model on llama.cpp (backend llama.cpp) with its GGUF weights")
         path = Path(path)
         _check_folder(path)
         try:
@@ -161,6 +165,7 @@ class MlxModel:
 
     def __init__(self, path: Path, model, tokenizer, config: dict, *, n_seq: int, n_ctx: int):
         self.path = path
+        self.weights = ("mlx", id(self))  # every MLX load holds its own copy of the weights
         self._model = model
         self._hf = tokenizer._tokenizer
         self._backend_tok = self._hf.backend_tokenizer

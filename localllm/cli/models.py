@@ -123,9 +123,14 @@ def create(name: str = typer.Argument(..., help="name of the new model, e.g. me/
            from_: Optional[str] = typer.Option(None, "--from", help="the model to build on (FROM, without a "
                                                                    "Modelfile)"),
            fmt: Optional[str] = typer.Option(None, "--format", help="weights format: gguf, or mlx to convert"),
-           quantize: Optional[str] = typer.Option(None, "--quantize", "-q", help="quantize to TYPE (with --format "
-                                                                                 "mlx: f32, f16, bf16, q8, q4)")):
-    """Create a model from a Modelfile (or --from another model)."""
+           quantize: Optional[str] = typer.Option(None, "--quantize", "-q", help="quantize to TYPE: q4_K_M, q5_K_M, "
+                                                  "q6_K, q8_0, q4_0, iq4_xs, f16, ... (with --format mlx: f32, f16, "
+                                                  "bf16, q8, q4)"),
+           allow_requantize: bool = typer.Option(False, "--allow-requantize", help="quantize weights that are "
+                                                 "already quantized (loses more quality than quantizing F16)"),
+           imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="importance matrix (GGUF from "
+                                                  "llama-imatrix) for --quantize")):
+    """Create a model from a Modelfile, or from another model with --from. --quantize prints a quality report."""
     from ..models.create import create_model
     from ..models.modelfile import parse_modelfile
 
@@ -138,7 +143,8 @@ def create(name: str = typer.Argument(..., help="name of the new model, e.g. me/
         if not file.is_file():
             raise InvalidInput(f"no Modelfile at {file}", hint="pass one with -f PATH, or name a model with --from")
         request, base = parse_modelfile(file.read_text(encoding="utf-8")), file.resolve().parent
-    update = {"model": name, "quantize": quantize, "format": fmt or request.format}
+    update = {"model": name, "quantize": quantize, "format": fmt or request.format,
+              "allow_requantize": allow_requantize, "imatrix": str(imatrix.resolve()) if imatrix else None}
     request = request.model_copy(update={**update, **({"from_": from_} if from_ else {})})
     render_pull(create_model(request, _store(), base_dir=base))
 

@@ -1,9 +1,10 @@
-"""`localllm plan MODEL`: the memory a load will take, read before anything loads."""
+"""`localllm plan MODEL [MODEL...]`: the memory loads will take, read before anything loads."""
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 from rich.table import Table
@@ -21,7 +22,7 @@ def _mib(n: int) -> str:
 
 @app.command()
 def plan(
-    model: str = typer.Argument(..., help="a pulled model name or a .gguf path"),
+    models: List[str] = typer.Argument(..., help="pulled model names or .gguf paths (several: loaded together)"),
     num_ctx: Optional[int] = typer.Option(None, "--num-ctx", min=16, help="context per slot"),
     num_parallel: Optional[int] = typer.Option(None, "--num-parallel", min=1, help="slots"),
     kv_type: Optional[str] = typer.Option(None, "--kv-type", help="f16, q8_0 or q4_0"),
@@ -29,43 +30,65 @@ def plan(
 ) -> None:
     """Show the memory a load will take, before loading.
 
-    Weights, KV cache per slot and compute buffer for these options; exit 1 when it does not fit."""
+    Weights, adapters, KV cache per slot and compute buffer for these options; models over the same weights count
+    them once. Exits 1 when it does not fit."""
     from .. import config
-    from ..engine.pool import effective_load, resolve_options
     from ..engine.prefix_cache import ram_limit
+    from ..models.plan import total_with_shared_weights
+
+    overrides = {k: v for k, v in {"num_ctx": num_ctx, "num_parallel": num_parallel, "kv_type": kv_type}.items()
+                 if v is not None}
+    plans = [_plan_one(model, overrides) for model in models]
+    total = total_with_shared_weights([(identity, mem) for _, identity, mem in plans])
+    available = plans[0][2].available
+    cache_ram, cache_disk = ram_limit(), config.CACHE_DISK.get()
+    if as_json:
+        rows = [{"model": name, **mem.__dict__, "total": mem.total, "fits": mem.fits, "cache_ram_limit": cache_ram,
+                 "cache_disk_limit": cache_disk} for name, _, mem in plans]
+        console.print_json(json.dumps(rows[0] if len(rows) == 1 else {"models": rows, "total": total}))
+    else:
+        seen: set = set()
+        for name, identity, mem in plans:
+            console.print(_table(name, mem, shared=identity in seen, cache_ram=cache_ram, cache_disk=cache_disk))
+            seen.add(identity)
+        if len(plans) > 1:
+            verdict = "" if available is None else \
+                f" ({'fits' if total <= available else 'does not fit'} in {_mib(available)} available)"
+            console.print(f"[bold]all {len(plans)} models: {_mib(total)}[/] (shared weights counted once){verdict}")
+    if available is not None and total > available:  # a script can test the exit code; unknown memory is no failure
+        names = ", ".join(name for name, _, _ in plans)
+        raise LocalLLMError(f"{names} does not fit: it needs {_mib(total)} and {_mib(available)} is available",
+                            hint="lower --num-ctx or --num-parallel, or use --kv-type q8_0")
+
+
+def _plan_one(model: str, overrides: dict):
+    from ..engine.pool import effective_load, resolve_options
     from ..errors import InvalidInput
-    from ..models.plan import plan_memory
-    from ..formats.gguf import inspect_gguf
+    from ..formats.gguf import inspect_gguf, inspect_lora
+    from ..models.plan import plan_memory, weights_identity
     from ..models.store import Store
 
     resolved = Store().resolve(model)
     if resolved.format != "gguf":
         raise InvalidInput(f"{model} is an {resolved.format} model; the memory plan reads GGUF metadata")
-    overrides = {k: v for k, v in {"num_ctx": num_ctx, "num_parallel": num_parallel, "kv_type": kv_type}.items()
-                 if v is not None}
     load, _ = resolve_options(resolved, overrides)
-    mem = plan_memory(inspect_gguf(resolved.weights), effective_load(load))
-    cache_ram, cache_disk = ram_limit(), config.CACHE_DISK.get()
-    if as_json:
-        console.print_json(json.dumps({**mem.__dict__, "total": mem.total, "fits": mem.fits,
-                                       "cache_ram_limit": cache_ram, "cache_disk_limit": cache_disk}))
-    else:
-        console.print(_table(resolved.name, mem, cache_ram=cache_ram, cache_disk=cache_disk))
-    if mem.fits is False:  # a script can test the exit code; None (memory unknown) is not a failure
-        raise LocalLLMError(f"{resolved.name} does not fit: it needs {_mib(mem.total)} and "
-                            f"{_mib(mem.available or 0)} is available",
-                            hint="lower --num-ctx or --num-parallel, or use --kv-type q8_0")
+    load = effective_load(load)
+    adapters: int = sum([inspect_lora(Path(adapter.path)).tensor_bytes for adapter in resolved.adapters], 0)
+    mem = plan_memory(inspect_gguf(resolved.weights), load, adapters=adapters)
+    return resolved.name, weights_identity(resolved.weights, load), mem
 
 
-def _table(name: str, mem: MemoryPlan, *, cache_ram: int, cache_disk: int) -> Table:
+def _table(name: str, mem: MemoryPlan, *, shared: bool, cache_ram: int, cache_disk: int) -> Table:
     table = Table(title=f"{name}: {mem.num_parallel} slots x {mem.num_ctx} tokens, KV {mem.kv_type}")
     table.add_column("part")
     table.add_column("memory", justify="right")
-    table.add_row("weights", _mib(mem.weights))
+    table.add_row("weights" + (" (shared with a model above: counted once)" if shared else ""), _mib(mem.weights))
+    if mem.adapters:
+        table.add_row("LoRA adapters", _mib(mem.adapters))
     table.add_row(f"KV cache per slot ({mem.kv_per_token:,} bytes/token)", _mib(mem.kv_per_slot))
     table.add_row(f"KV cache, {mem.num_parallel} slots", _mib(mem.kv_total))
     table.add_row("compute buffer (estimate)", _mib(mem.compute))
-    table.add_row("[bold]total[/]", f"[bold]{_mib(mem.total)}[/]")
+    table.add_row("[bold]total[/]", f"[bold]{_mib(mem.total - (mem.weights if shared else 0))}[/]")
     # The prefix cache grows into its limit only as conversations outnumber the slots, so it is not in the total.
     table.add_row("prefix cache in RAM, at most (LOCALLLM_CACHE_RAM)", _mib(cache_ram) if cache_ram else "off")
     if cache_disk:

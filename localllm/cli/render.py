@@ -36,7 +36,7 @@ def render_pull(stream: Iterable[api.PullProgress], *, to: Optional[Console] = N
     last_line = None
     try:
         for progress in stream:
-            if progress.status.startswith("pulling ") and progress.completed is not None:
+            if progress.status.startswith(("pulling ", "quantizing ")) and progress.completed is not None:
                 key = progress.digest or progress.status
                 if not tasks:
                     bar.start()  # only once there are bytes to show: a pull with nothing to fetch stays two lines
@@ -105,7 +105,9 @@ def print_show(info: api.ShowResponse, *, to: Optional[Console] = None) -> None:
     license."""
     console = to or stdout_console
     print_model_facts(info, to=console)
-    for title, text in (("Capabilities", "\n".join(info.capabilities)), ("Template", info.template),
+    adapters = "\n".join(f"{a.path} (scale {a.scale:g})" for a in info.adapters)
+    for title, text in (("Capabilities", "\n".join(info.capabilities)), ("Adapters", adapters),
+                        ("Quantization", _report_text(info.quantization_report)), ("Template", info.template),
                         ("System", info.system), ("Parameters", info.parameters),
                         ("License", _first_lines(info.license, 3))):
         if text:
@@ -124,12 +126,20 @@ def print_model_facts(info: api.ShowResponse, *, to: Optional[Console] = None) -
     for label, value in (("architecture", details.family), ("parameters", details.parameter_size),
                          ("quantization", details.quantization_level), ("context length", context_length(info)),
                          ("format", details.format), ("parent", details.parent_model), ("draft", info.draft),
-                         ("path", info.path)):
+                         ("path", info.path), ("split parts", len(info.parts) or None)):
         if value:
             facts.add_row(f"  {label}", str(value))
     console = to or stdout_console
     console.print("[bold]Model[/]")
     console.print(facts)
+
+
+def _report_text(report: Optional[api.QuantizationReport]) -> str:
+    if report is None:
+        return ""
+    from ..formats.quality import describe_report
+
+    return "\n".join(line.strip() for line in describe_report(report))
 
 
 def _first_lines(text: str, count: int) -> str:
@@ -189,7 +199,7 @@ _WRAPPABLE = frozenset({"BACKEND", "SPEC", "PREFIX CACHE", "UNTIL"})
 
 def ps_rows(models: Iterable[api.ProcessModel]) -> list[tuple[str, ...]]:
     """`localllm ps`: effective values, never totals to divide (context is per slot; BUSY is busy/total slots)."""
-    return [(row.name, row.digest[:12], human_size(row.size), _backend_text(row), _slots_text(row),
+    return [(row.name, row.digest[:12], _size_text(row), _backend_text(row), _slots_text(row),
              str(row.context_length), row.kv_type, _gpu_text(row.gpu_layers), _speculation_text(row),
              _prefix_cache_text(row), _until_text(row)) for row in models]
 
@@ -225,6 +235,12 @@ def _backend_text(row: api.ProcessModel) -> str:
     if not row.threads:
         return row.backend
     return f"{row.backend}, {row.threads} thread{'s' if row.threads > 1 else ''}{' (auto)' if row.threads_auto else ''}"
+
+
+def _size_text(row: api.ProcessModel) -> str:
+    # Weights shared in memory are counted once: say so where the size is read.
+    shared = f" (weights shared with {', '.join(row.shares_weights_with)})" if row.shares_weights_with else ""
+    return human_size(row.size) + shared
 
 
 def _slots_text(row: api.ProcessModel) -> str:

@@ -134,7 +134,7 @@ class LocalClient:
             self.pool.retire(resolved.digest)
 
     def ps(self) -> api.ProcessResponse:
-        return api.ProcessResponse(models=[_process_row(e) for e in self.pool.entries()])
+        return api.ProcessResponse(models=[_process_row(e, self.pool.sharing_weights(e)) for e in self.pool.entries()])
 
     def stop(self, model: str) -> None:
         resolved = self.store.resolve(model)
@@ -567,7 +567,7 @@ def _refuse_images(images: Optional[list[str]]) -> None:
                            hint="send text only")
 
 
-def _process_row(entry: Loaded) -> api.ProcessModel:
+def _process_row(entry: Loaded, sharing: list[str]) -> api.ProcessModel:
     stats = entry.engine.snapshot()
     model = entry.model
     return api.ProcessModel(
@@ -582,7 +582,7 @@ def _process_row(entry: Loaded) -> api.ProcessModel:
         status="removed" if entry.removed else None, cache_ram_bytes=stats.cache_ram_bytes,
         cache_ram_limit=stats.cache_ram_limit, cache_disk_bytes=stats.cache_disk_bytes,
         cache_disk_limit=stats.cache_disk_limit, prefix_cache_hits=dict(stats.prefix_hits),
-        prefix_cache_tokens=dict(stats.prefix_tokens))
+        prefix_cache_tokens=dict(stats.prefix_tokens), shares_weights_with=sharing)
 
 
 def _generate_sampling(loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest) -> api.SamplingOptions:

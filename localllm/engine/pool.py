@@ -2,7 +2,9 @@
 when LOCALLLM_MAX_LOADED_MODELS is reached, and reloads a model whose load options change.
 
 Load options come from the model's Modelfile parameters, overridden by the request's options; `needs_reload` compares
-LoadOptions only (sampling options never cause a reload)."""
+LoadOptions only (sampling options never cause a reload). Entries are per model (its manifest: weights, adapters,
+parameters); models over the same weights share them in memory through the backend (llama_cpp._SharedWeights), each
+entry keeping its own context and slots."""
 
 from __future__ import annotations
 
@@ -55,6 +57,13 @@ def resolve_options(model: ResolvedModel, options: dict[str, Any] | None
     if load.draft is None and model.draft:
         load = load.model_copy(update={"draft": model.draft})
     return load, sampling
+
+
+def effective_adapters(model: ResolvedModel, load: api.LoadOptions) -> list[api.LoraAdapter]:
+    """The model's LoRA adapters at the scales this load applies: adapter_scale, when set, overrides each one's."""
+    if load.adapter_scale is None:
+        return list(model.adapters)
+    return [adapter.model_copy(update={"scale": load.adapter_scale}) for adapter in model.adapters]
 
 
 def effective_load(load: api.LoadOptions) -> api.LoadOptions:
@@ -159,7 +168,8 @@ class ModelPool:
         t0 = time.perf_counter()
         self._probe.check(model.weights, load, backend=backend_name)  # a file that aborts llama.cpp fails here
         loaded = get_backend(backend_name).load(model.weights, load, n_seq=load.num_parallel or 1,
-                                                n_ctx=load.num_ctx or config.CONTEXT_LENGTH.get())
+                                                n_ctx=load.num_ctx or config.CONTEXT_LENGTH.get(),
+                                                adapters=effective_adapters(model, load))
         seconds = time.perf_counter() - t0
         try:
             factory = self._speculation_factory
@@ -244,6 +254,12 @@ class ModelPool:
     def _all(self) -> list[Loaded]:
         with self._lock:
             return list(self._loaded.values())
+
+    def sharing_weights(self, entry: Loaded) -> list[str]:
+        """Names of the other loaded models that use `entry`'s weights in memory (`ps`)."""
+        mine = entry.engine.model.weights
+        return sorted(other.model.name for other in self.entries()
+                      if other is not entry and other.engine.model.weights == mine)
 
     def _reap_forever(self) -> None:
         while not self._stopping.wait(0.5):

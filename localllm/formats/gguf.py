@@ -13,6 +13,7 @@ and GGUFReader agree on files written by `gguf.GGUFWriter`.
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
@@ -476,10 +477,10 @@ def _text(metadata: dict[str, Any], key: str) -> Optional[str]:
 
 
 def inspect_gguf(path: Path) -> GGUFInfo:
-    """Describe a GGUF file from its header alone.
+    """Describe a GGUF file from its header alone; for a split GGUF, the whole model (every part's tensors).
 
     Args:
-        path: the .gguf file (a store blob or any path).
+        path: the .gguf file (a store blob or any path); of a split set, any part named as gguf-split names them.
     Returns:
         GGUFInfo with architecture, sizes, quantization, context length, chat template and metadata.
     Raises:
@@ -487,6 +488,9 @@ def inspect_gguf(path: Path) -> GGUFInfo:
     """
     path = Path(path)
     header = _read_header(path)
+    parts = split_parts(path, header.metadata)
+    if len(parts) > 1:
+        header = _merge_split(parts)
     meta = header.metadata
     arch = _text(meta, gguf.Keys.General.ARCHITECTURE) or ""
     params = sum(tensor.elements for tensor in header.tensors)
@@ -497,7 +501,7 @@ def inspect_gguf(path: Path) -> GGUFInfo:
         file_type=_file_type_name(meta.get(gguf.Keys.General.FILE_TYPE), header.tensors),
         tensor_types=dict(Counter(tensor.type.name for tensor in header.tensors)),
         bits_per_weight=tensor_bytes * 8 / params if params else 0.0,
-        tensor_bytes=tensor_bytes, file_size=path.stat().st_size,
+        tensor_bytes=tensor_bytes, file_size=sum(part.stat().st_size for part in parts),
         context_length=_arch_int(meta, arch, gguf.Keys.LLM.CONTEXT_LENGTH),
         embedding_length=_arch_int(meta, arch, gguf.Keys.LLM.EMBEDDING_LENGTH),
         block_count=_arch_int(meta, arch, gguf.Keys.LLM.BLOCK_COUNT),
@@ -508,3 +512,129 @@ def inspect_gguf(path: Path) -> GGUFInfo:
         license=_text(meta, gguf.Keys.General.LICENSE),
         metadata=meta, arrays=header.arrays,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------- splits
+
+# gguf-split names part i of n `<prefix>-0000i-of-0000n.gguf` (llama.cpp's llama_split_path); its loader finds the
+# other parts by that name, so the names are part of the format.
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+MAX_SPLIT_PARTS = 9999
+
+
+def parse_split_name(name: str) -> Optional[tuple[str, int, int]]:
+    """(prefix, part number from 1, part count) of a file named as gguf-split names parts, else None."""
+    match = SPLIT_NAME.match(name)
+    if not match:
+        return None
+    number, count = int(match["no"]), int(match["count"])
+    return (match["prefix"], number, count) if 1 <= number <= count <= MAX_SPLIT_PARTS else None
+
+
+def split_part_name(prefix: str, number: int, count: int) -> str:
+    """The file name of part `number` (1-based) of `count`, as gguf-split writes it."""
+    return f"{prefix}-{number:05d}-of-{count:05d}.gguf"
+
+
+def split_position(metadata: dict[str, Any], path: Path) -> tuple[int, int]:
+    """(part number from 1, part count) of a GGUF: (1, 1) for a whole file.
+
+    Raises:
+        ModelFormatError: split.no / split.count are out of range.
+    """
+    count = metadata.get(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, 1)
+    number = metadata.get(gguf.Keys.Split.LLM_KV_SPLIT_NO, 0)
+    if not isinstance(count, int) or not isinstance(number, int) or not 1 <= count <= MAX_SPLIT_PARTS \
+            or not 0 <= number < count:
+        raise ModelFormatError(f"{path} has impossible split metadata: split.no {number!r} of split.count {count!r}")
+    return number + 1, count
+
+
+def split_parts(path: Path, metadata: Optional[dict[str, Any]] = None) -> list[Path]:
+    """Every part of the split GGUF that `path` belongs to, in order (just [path] for a whole file).
+
+    Raises:
+        ModelFormatError: a part of a split is not named as gguf-split names it, or a part is missing.
+    """
+    path = Path(path)
+    number, count = split_position(metadata if metadata is not None else _read_header(path).metadata, path)
+    if count == 1:
+        return [path]
+    parsed = parse_split_name(path.name)
+    if not parsed or parsed[1:] != (number, count):
+        raise ModelFormatError(f"{path} is part {number} of a {count}-part split GGUF, but its name does not say so",
+                               hint=f"keep the names gguf-split gave the parts, e.g. "
+                                    f"{split_part_name('model', number, count)}")
+    parts = [path.with_name(split_part_name(parsed[0], i, count)) for i in range(1, count + 1)]
+    missing = [part.name for part in parts if not part.is_file()]
+    if missing:
+        raise ModelFormatError(f"split GGUF {path.name}: part(s) {', '.join(missing)} missing beside it",
+                               hint="download every part into the same folder")
+    return parts
+
+
+def _merge_split(parts: list[Path]) -> _Header:
+    """One header for a whole split model: the first part's metadata, every part's tensors (checked as llama.cpp's
+    loader checks them: each part knows its place, and the tensor count adds up)."""
+    merged = _Header()
+    for index, part in enumerate(parts):
+        header = _read_header(part)
+        number, count = split_position(header.metadata, part)
+        if (number, count) != (index + 1, len(parts)):
+            raise ModelFormatError(f"{part} says it is part {number} of {count}, expected {index + 1} of {len(parts)}")
+        if index == 0:
+            merged.metadata, merged.arrays = header.metadata, header.arrays
+        merged.tensors += header.tensors
+    expected = merged.metadata.get(gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+    if expected is not None and expected != len(merged.tensors):
+        raise ModelFormatError(f"split GGUF {parts[0].name}: split.tensors.count is {expected} but the parts hold "
+                               f"{len(merged.tensors)} tensors")
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------------------- LoRA
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """What a GGUF LoRA adapter's header says."""
+
+    path: Path
+    architecture: str
+    alpha: float
+    pairs: int  # adapted tensors (each a lora_a / lora_b pair)
+    tensor_bytes: int
+
+
+def inspect_lora(path: Path) -> LoraInfo:
+    """Check that `path` is a GGUF LoRA adapter as llama.cpp loads them (llama-adapter.cpp), from its header alone.
+
+    Raises:
+        ModelFormatError (HTTP 400): not a GGUF file, not an adapter, not a LoRA, or lora_a / lora_b unpaired.
+    """
+    path = Path(path)
+    try:
+        header = _read_header(path)
+    except ModelFormatError as exc:
+        raise ModelFormatError(f"adapter {exc.message}",
+                               hint="ADAPTER takes a GGUF LoRA file (convert_lora_to_gguf.py makes one)") from None
+    meta = header.metadata
+    if meta.get(gguf.Keys.General.TYPE) != "adapter" or meta.get(gguf.Keys.Adapter.TYPE) != "lora":
+        raise ModelFormatError(f"{path} is a GGUF file but not a LoRA adapter (general.type "
+                               f"{meta.get(gguf.Keys.General.TYPE)!r}, adapter.type "
+                               f"{meta.get(gguf.Keys.Adapter.TYPE)!r}; expected 'adapter' and 'lora')",
+                               hint="ADAPTER takes a GGUF LoRA file (convert_lora_to_gguf.py makes one)")
+    halves: dict[str, set[str]] = {}
+    for tensor in header.tensors:
+        base, _, half = tensor.name.rpartition(".")
+        if half in ("lora_a", "lora_b"):
+            halves.setdefault(base, set()).add(half)
+        elif not tensor.name.endswith("_norm.weight"):  # llama.cpp skips norms and refuses anything else
+            raise ModelFormatError(f"LoRA adapter {path}: tensor {tensor.name!r} is neither a lora_a nor a lora_b")
+    unpaired = sorted(base for base, found in halves.items() if len(found) != 2)
+    if unpaired or not halves:
+        raise ModelFormatError(f"LoRA adapter {path}: " + (f"tensor {unpaired[0]!r} lacks its lora_a or lora_b"
+                                                            if unpaired else "it holds no lora_a / lora_b tensors"))
+    alpha = meta.get(gguf.Keys.Adapter.LORA_ALPHA, 0.0)
+    return LoraInfo(path=path, architecture=_text(meta, gguf.Keys.General.ARCHITECTURE) or "",
+                    alpha=float(alpha) if isinstance(alpha, (int, float)) else 0.0, pairs=len(halves),
+                    tensor_bytes=sum(tensor.nbytes for tensor in header.tensors))

@@ -2,19 +2,22 @@
 
 The new manifest reuses the parent's weights blob (nothing is copied) and adds layers for what the request sets:
 template, system, parameters, messages, license, draft and adapters. Whatever the request leaves out is inherited
-from the parent, parameters merged name by name, as Ollama does."""
+from the parent, parameters merged name by name, as Ollama does. With `quantize` the weights are new: the parent's
+GGUF quantized by llama.cpp in a worker process (formats/quantize.py), stored with its quality report."""
 
 from __future__ import annotations
 
+import shutil
+from contextlib import suppress
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Generator, Iterator, Optional
 
-from .. import api
+from .. import api, config
 from ..errors import InvalidInput, InvalidName
 from ..formats.gguf import inspect_gguf
 from .names import parse_digest, parse_ref
 from .pull import make_source, pull_model
-from .store import ResolvedModel, Store
+from .store import ResolvedModel, Store, Weights
 from ..templates import validate_template
 
 Progress = Iterator[api.PullProgress]
@@ -35,40 +38,40 @@ def _create_model(request: api.CreateRequest, store: Store, *, base_dir: Optiona
         base_dir: where relative paths in FROM and ADAPTER are looked up (the Modelfile's folder); default the cwd.
     Raises:
         InvalidName: the new name or FROM is not a valid name.
-        InvalidInput: no FROM, --quantize, unknown parameters or a missing adapter file.
+        InvalidInput: no FROM, a bad quantize type, a quantized parent without allow_requantize, unknown parameters,
+            a missing adapter file or one that is not a GGUF LoRA (ModelFormatError, also HTTP 400).
     """
     request = _merge_modelfile(request)
     target = parse_ref(request.model)
-    if target.kind == "file":
-        raise InvalidName(f"{request.model!r} is a file path; name the new model like me/mymodel:v1")
-    if request.quantize and not _wants_mlx(request):
-        raise InvalidInput(f"quantize {request.quantize!r} is not supported yet",
-                           hint="create from an already quantized GGUF, or pass --format mlx to requantize")
-    if not request.from_ and not request.files:
-        raise InvalidInput("the model to build on is missing (FROM, or uploaded files)")
-    if _wants_mlx(request):
-        from ..formats.mlx_convert import check_quantize
-
-        check_quantize(request.quantize)  # before the parent is pulled or copied
-    api.split_options(request.parameters)  # an unknown parameter name fails here, before anything is written
-    if request.template:
-        validate_template(request.template)  # a template that cannot render fails now, not at the first chat
+    _check_request(request)
     base = Path(base_dir) if base_dir is not None else Path.cwd()
+    # Refusals come before the first progress line, so that /api/create answers them with a status code.
+    adapters_files = {path: _adapter_file(path, digest, store, base) for path, digest in request.adapters.items()}
+    if request.quantize and not _wants_mlx(request):
+        _check_quantize_early(request, store, base)
     yield api.PullProgress(status="parsing modelfile")
     if request.files:
         parent = _parent_from_files(request.files, store)
     else:
-        parent = yield from _resolve_parent(request.from_ or "", store, base)
+        parent = yield from _resolve_parent(request.from_ or "", store, base)  # FROM checked in _check_request
+    if (parent.format == "mlx" or _wants_mlx(request)) and (parent.adapters or adapters_files):
+        raise InvalidInput("LoRA adapters are not supported on the MLX backend yet",
+                           hint="keep the model and its adapters in GGUF (without --format mlx)")
     fmt, weights = parent.format, parent.weights_spec
     details = parent.model.details.model_copy(update={"parent_model": parent.label})
+    quality = None
     if _wants_mlx(request) and fmt == "gguf":
         weights = yield from _convert_to_mlx(parent.model.weights, store, request.quantize)
         fmt = "mlx"
         details = details.model_copy(update={"format": "mlx", "quantization_level": (request.quantize or "").upper()
                                              or details.quantization_level})
-    yield api.PullProgress(status=f"using existing layer {weights if isinstance(weights, str) else 'mlx files'}")
-    adapters = parent.adapters + [_adapter_digest(path, digest, store, base)
-                                  for path, digest in request.adapters.items()]
+    elif request.quantize:
+        weights, quality = yield from _quantize(parent, request, store, base)
+        details = _gguf_details(store, weights).model_copy(update={"parent_model": parent.label})
+    else:
+        yield api.PullProgress(status=f"using existing layer {_describe_weights(weights)}")
+    adapters = parent.adapters + [_store_adapter(path, file, request.adapter_scales.get(path, 1.0), store, parent)
+                                  for path, file in adapters_files.items()]
     yield api.PullProgress(status="writing manifest")
     store.write_model(
         target.display, weights=weights, fmt=fmt,
@@ -80,8 +83,89 @@ def _create_model(request: api.CreateRequest, store: Store, *, base_dir: Optiona
         draft=_draft_name(request.draft, base) if request.draft else parent.model.draft,
         adapters=adapters,
         details=details,
+        quality=quality,
     )
     yield api.PullProgress(status="success")
+
+
+def _check_request(request: api.CreateRequest) -> None:
+    """What can be refused from the request alone, before anything is pulled, copied or written."""
+    if parse_ref(request.model).kind == "file":
+        raise InvalidName(f"{request.model!r} is a file path; name the new model like me/mymodel:v1")
+    if not request.from_ and not request.files:
+        raise InvalidInput("the model to build on is missing (FROM, or uploaded files)")
+    if request.imatrix and not request.quantize:
+        raise InvalidInput("an imatrix is only used when quantizing", hint="add --quantize TYPE")
+    if _wants_mlx(request):
+        from ..formats.mlx_convert import check_quantize
+
+        check_quantize(request.quantize)
+        if request.adapters:
+            raise InvalidInput("LoRA adapters are not supported on the MLX backend yet",
+                               hint="keep the model and its adapters in GGUF (without --format mlx)")
+    elif request.quantize:
+        from ..formats.quantize import quant_type
+
+        quant_type(request.quantize)  # a type llama.cpp's quantizer offers
+    api.split_options(request.parameters)  # an unknown parameter name fails here
+    if request.template:
+        validate_template(request.template)  # a template that cannot render fails now, not at the first chat
+
+
+def _describe_weights(weights: Weights) -> str:
+    if isinstance(weights, str):
+        return weights
+    return f"{len(weights)} GGUF parts" if isinstance(weights, list) else "mlx files"
+
+
+def _quantize(parent: "_Parent", request: api.CreateRequest, store: Store, base: Path
+              ) -> Generator[api.PullProgress, None, tuple[str, Optional[api.QuantizationReport]]]:
+    """Quantize the parent's GGUF into a new blob; return (digest, quality report)."""
+    from ..formats.quality import describe_report
+    from ..formats.quantize import run_quantize
+
+    if parent.format != "gguf":
+        raise InvalidInput(f"{parent.label} is an {parent.format} model; --quantize works on GGUF weights",
+                           hint="MLX models are quantized when converted: --format mlx --quantize q4")
+    imatrix = _relative_to(Path(request.imatrix), base) if request.imatrix else None
+    scratch = store.scratch_dir()  # inside the store, so the result moves into the blobs without a copy
+    try:
+        out = scratch / "model.gguf"
+        report = yield from run_quantize(parent.model.weights, out, request.quantize or "", label=parent.label,
+                                         allow_requantize=request.allow_requantize, imatrix=imatrix,
+                                         threads=config.NUM_THREAD.get(),
+                                         report_tokens=config.QUALITY_TOKENS.get())
+        for line in describe_report(report) if report else []:
+            yield api.PullProgress(status=line)
+        yield api.PullProgress(status="writing quantized weights")
+        return store.adopt_blob(out), report
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        with suppress(OSError):
+            scratch.parent.rmdir()  # the store's tmp/ folder, unless another create is using it
+
+
+def _check_quantize_early(request: api.CreateRequest, store: Store, base: Path) -> None:
+    """The quantizer's refusals (a quantized parent, a missing imatrix) for a parent already at hand; a parent that
+    must be pulled first is checked once it is (in run_quantize)."""
+    from ..formats.quantize import check_quantize, quant_type
+
+    ref = parse_ref(request.from_ or "")
+    name = str(_relative_to(ref.path or Path(request.from_ or ""), base)) if ref.kind == "file" else ref.display
+    if not store.exists(name):
+        return
+    parent = store.resolve(name)
+    if parent.format == "gguf":
+        imatrix = _relative_to(Path(request.imatrix), base) if request.imatrix else None
+        check_quantize(parent.weights, quant_type(request.quantize or ""), allow_requantize=request.allow_requantize,
+                       imatrix=imatrix, label=parent.name)
+
+
+def _gguf_details(store: Store, digest: Weights) -> api.ModelDetails:
+    from ..formats.gguf import inspect_gguf
+
+    assert isinstance(digest, str)
+    return inspect_gguf(store.blob_path(digest)).details()
 
 
 def _wants_mlx(request: api.CreateRequest) -> bool:
@@ -89,7 +173,8 @@ def _wants_mlx(request: api.CreateRequest) -> bool:
     return request.format == "mlx" or request.parameters.get("backend") == "mlx"
 
 
-def _convert_to_mlx(gguf: Path, store: Store, quantize: Optional[str]) -> Iterator[api.PullProgress]:
+def _convert_to_mlx(gguf: Path, store: Store, quantize: Optional[str]
+                    ) -> Generator[api.PullProgress, None, dict[str, str]]:
     """Convert the parent's GGUF into an MLX folder and add its files as blobs; returns {file name: digest}."""
     import tempfile
 
@@ -108,8 +193,7 @@ def _convert_to_mlx(gguf: Path, store: Store, quantize: Optional[str]) -> Iterat
 class _Parent:
     """The model a new one builds on: its resolved fields, its weights as write_model takes them, its adapters."""
 
-    def __init__(self, model: ResolvedModel, weights_spec: Union[str, dict[str, str]], adapters: list[str],
-                 label: str):
+    def __init__(self, model: ResolvedModel, weights_spec: Weights, adapters: list[tuple[str, float]], label: str):
         self.model = model
         self.format = model.format
         self.weights_spec = weights_spec
@@ -117,21 +201,21 @@ class _Parent:
         self.label = label
 
 
-def _resolve_parent(from_: str, store: Store, base: Path) -> Iterator[api.PullProgress]:
+def _resolve_parent(from_: str, store: Store, base: Path) -> Generator[api.PullProgress, None, "_Parent"]:
     """FROM is a .gguf path (relative to the Modelfile), a stored model, or a name to pull."""
     ref = parse_ref(from_)
     if ref.kind == "file":
         path = _relative_to(ref.path or Path(from_), base)
         model = store.resolve(str(path))
         yield api.PullProgress(status=f"copying {path}", total=model.size, completed=0)
-        digest = store.add_blob_from_file(path)
-        return _Parent(model, digest, [], path.name)
+        digests = [store.add_blob_from_file(part) for part in model.parts]  # every part of a split GGUF
+        return _Parent(model, digests[0] if len(digests) == 1 else digests, [], path.name)
     name = ref.display
     if not store.exists(name):
         yield from pull_model(name, store)
         name = make_source(name).stored_name
     _, weights = store.weights_of(name)
-    return _Parent(store.resolve(name), weights, store.adapter_digests(name), name)
+    return _Parent(store.resolve(name), weights, store.adapter_layers(name), name)
 
 
 def _parent_from_files(files: dict[str, str], store: Store) -> _Parent:
@@ -155,15 +239,34 @@ def _parent_from_files(files: dict[str, str], store: Store) -> _Parent:
     return _Parent(model, digest, [], name)
 
 
-def _adapter_digest(path: str, digest: str, store: Store, base: Path) -> str:
+def _adapter_file(path: str, digest: str, store: Store, base: Path) -> Path:
+    """The adapter's file (a path, or a blob already in the store), checked to be a GGUF LoRA before anything is
+    copied: a wrong file is refused here, never stored."""
+    from ..formats.gguf import inspect_lora
+
     if digest:
         if not store.has_blob(digest):
             raise InvalidInput(f"adapter blob {digest} for {path!r} is not in the store")
-        return digest
-    file = _relative_to(Path(path).expanduser(), base)
-    if not file.is_file():
-        raise InvalidInput(f"adapter file {file} does not exist", hint="ADAPTER paths are relative to the Modelfile")
-    return store.add_blob_from_file(file)
+        file = store.blob_path(digest)
+    else:
+        file = _relative_to(Path(path).expanduser(), base)
+        if not file.is_file():
+            raise InvalidInput(f"adapter file {file} does not exist",
+                               hint="ADAPTER paths are relative to the Modelfile")
+    inspect_lora(file)
+    return file
+
+
+def _store_adapter(path: str, file: Path, scale: float, store: Store, parent: "_Parent") -> tuple[str, float]:
+    """Check the adapter fits the parent's architecture, then store it; (digest, scale) for the manifest."""
+    from ..formats.gguf import inspect_lora
+
+    lora = inspect_lora(file)
+    family = parent.model.details.family
+    if family and lora.architecture != family:
+        raise InvalidInput(f"adapter {path!r} is for {lora.architecture or 'an unknown architecture'}, but "
+                           f"{parent.label} is {family}", hint="use an adapter trained on this base model")
+    return store.add_blob_from_file(file), scale
 
 
 def _draft_name(draft: str, base: Path) -> str:

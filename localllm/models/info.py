@@ -41,6 +41,9 @@ def show_model(store: Store, name: str, *, verbose: bool = False) -> api.ShowRes
         modified_at=model.modified_at,
         path=str(model.weights),
         draft=model.draft,
+        parts=[str(part) for part in model.parts] if len(model.parts) > 1 else [],
+        adapters=model.adapters,
+        quantization_report=model.quality,
     )
 
 

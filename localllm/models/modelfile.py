@@ -8,6 +8,7 @@ Grammar (Ollama's `parser/parser.go`, plus our DRAFT); instruction names are cas
     PARAMETER stop "<|im_end|>"        repeated `stop` lines accumulate into a list
     MESSAGE user "What is 2+2?"        role is system, user or assistant
     DRAFT smollm2:135m                 a draft model for speculative decoding (ours)
+    ADAPTER ./lora.gguf 0.5            a GGUF LoRA adapter, with an optional scale (default 1; ours)
 
 A value may be wrapped in double quotes or in triple double quotes, and then spans lines: it ends at the first line
 whose text, with the surrounding blanks removed, ends with the closing quote. An unquoted value is the rest of its
@@ -137,6 +138,7 @@ class _Collected:
     messages: list[api.Message] = field(default_factory=list)
     licenses: list[str] = field(default_factory=list)
     adapters: dict[str, str] = field(default_factory=dict)
+    adapter_scales: dict[str, float] = field(default_factory=dict)
     seen: dict[str, int] = field(default_factory=dict)
 
 
@@ -180,13 +182,32 @@ def _add_instruction(ins: _Instruction, collected: _Collected) -> None:
     elif ins.name == "LICENSE":
         collected.licenses.append(_parse_value(ins, ins.args))
     elif ins.name == "ADAPTER":
-        # Keys are the adapter paths as written; values are their digests, filled in by whoever stores them.
-        collected.adapters[_parse_value(ins, ins.args)] = ""
+        _add_adapter(ins, collected)
     elif ins.name in UNSUPPORTED_INSTRUCTIONS:
         raise ModelfileError(ins.line, f"{ins.name} names a renderer built into Ollama; localllm does not support "
                                        "it (remove the line; the model's own chat template is used)")
     elif ins.name not in SKIPPED_INSTRUCTIONS:
         raise ModelfileError(ins.line, f"unknown instruction {ins.name!r}; expected one of {', '.join(INSTRUCTIONS)}")
+
+
+def _add_adapter(ins: _Instruction, collected: _Collected) -> None:
+    """ADAPTER path [scale]: keys are the paths as written; values are their digests, filled in when stored."""
+    path, scale = _parse_value(ins, ins.args), None
+    words = ins.args.rsplit(None, 1)
+    tail = words[-1]
+    if len(words) == 2 and not ins.args.startswith('"'):
+        try:
+            scale = float(tail)
+        except ValueError:
+            pass  # a path with a blank in it
+        else:
+            path = words[0].strip()
+    if scale is not None:
+        if not -api.ADAPTER_SCALE_LIMIT <= scale <= api.ADAPTER_SCALE_LIMIT:
+            raise ModelfileError(ins.line, f"ADAPTER scale {tail} is outside -{api.ADAPTER_SCALE_LIMIT:g}.."
+                                           f"{api.ADAPTER_SCALE_LIMIT:g} (1 applies the adapter as trained)")
+        collected.adapter_scales[path] = scale
+    collected.adapters[path] = ""
 
 
 def _license_field(licenses: list[str]) -> Union[str, list[str], None]:
@@ -215,6 +236,7 @@ def parse_modelfile(text: str) -> api.CreateRequest:
                                 "(FROM name or FROM ./file.gguf)")
     return api.CreateRequest(model="", parameters=collected.parameters, messages=collected.messages,
                              license=_license_field(collected.licenses), adapters=collected.adapters,
+                             adapter_scales=collected.adapter_scales,
                              **collected.fields)
 
 
@@ -246,6 +268,15 @@ def quote_value(value: str, *, what: str = "value") -> str:
     return quoted
 
 
+def _render_adapter(path: str, scale: float) -> str:
+    if scale == 1.0:
+        return f"ADAPTER {quote_value(path, what='ADAPTER')}"
+    if _needs_quotes(path) or " " in path:
+        raise InvalidInput(f"adapter {path!r} with scale {scale:g} cannot be written in a Modelfile",
+                           hint="give the adapter file a name without blanks")
+    return f"ADAPTER {path} {scale:g}"
+
+
 def _render_parameter(name: str, value: Any) -> Iterator[str]:
     for item in (value if isinstance(value, list) else [value]):
         text = ("true" if item else "false") if isinstance(item, bool) else str(item)
@@ -268,7 +299,8 @@ def render_modelfile(*, from_: str, template: str | None = None, system: str | N
                      parameters: Mapping[str, Any] | None = None,
                      messages: Iterable[Union[api.Message, Mapping[str, Any]]] = (),
                      license: Union[str, Iterable[str], None] = None, draft: str | None = None,
-                     adapters: Union[Mapping[str, str], Iterable[str], None] = None) -> str:
+                     adapters: Union[Mapping[str, str], Iterable[str], None] = None,
+                     adapter_scales: Mapping[str, float] | None = None) -> str:
     """Write a Modelfile that parse_modelfile reads back to the same request.
 
     Args:
@@ -277,13 +309,14 @@ def render_modelfile(*, from_: str, template: str | None = None, system: str | N
         messages: api.Message values or {"role", "content"} dicts.
         license: one text or several (one LICENSE instruction each).
         adapters: adapter paths (a mapping's keys are used).
+        adapter_scales: adapter path -> scale, for those not applied at scale 1.
     Returns:
         The Modelfile text, one instruction per line (multi-line values quoted).
     """
     lines = [f"FROM {quote_value(from_, what='FROM')}"]
     if draft is not None:
         lines.append(f"DRAFT {quote_value(draft, what='DRAFT')}")
-    lines += [f"ADAPTER {quote_value(path, what='ADAPTER')}" for path in _as_list(adapters)]
+    lines += [_render_adapter(path, (adapter_scales or {}).get(path, 1.0)) for path in _as_list(adapters)]
     if template is not None:
         lines.append(f"TEMPLATE {quote_value(template, what='TEMPLATE')}")
     if system is not None:

