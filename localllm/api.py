@@ -44,6 +44,8 @@ class LoadOptions(_Model):
     backend: BackendName = Field("auto", description="auto picks mlx for MLX folders, llama.cpp for GGUF")
     draft: Optional[str] = Field(None, description="draft model for speculative decoding (Modelfile DRAFT)")
     embedding: bool = Field(False, description="load for embeddings (pooled output)")
+    rpc: Optional[str] = Field(None, max_length=1024, description="RPC workers (`localllm worker`) to place layers "
+                               "on, host:port[,host:port...]; default LOCALLLM_RPC, \"\" for none")
 
 
 class SamplingOptions(_Model):
@@ -340,6 +342,15 @@ class DeleteRequest(_Model):
     model: str
 
 
+class DeviceLayers(_Model):
+    """Where part of a loaded model runs: a device (CPU, CUDA0, RPC0) and the layers it holds."""
+
+    device: str
+    description: str = ""
+    layers: int = 0  # repeating layers, plus one for the output head
+    memory: int = 0  # bytes placed there: weights, KV cache, compute buffer (estimate)
+
+
 class ProcessModel(_Model):
     """One row of `localllm ps` and /api/ps."""
 
@@ -361,6 +372,7 @@ class ProcessModel(_Model):
     draft_count: int = 0
     draft_accepted: int = 0
     status: Optional[str] = None  # "removed": its model was deleted; it unloads when its running requests end
+    placement: list[DeviceLayers] = Field(default_factory=list)  # where its layers run; empty where unknown
 
 
 class ProcessResponse(_Model):

@@ -84,6 +84,23 @@ def parse_list(raw: str) -> list[str]:
     return [item.strip() for item in raw.split(",") if item.strip()]
 
 
+MAX_RPC_WORKERS = 16  # GGML_RPC_MAX_SERVERS
+
+
+def parse_endpoints(raw: str) -> list[str]:
+    """RPC workers, "host:port,host:port" (IPv6 in brackets), each checked; duplicates dropped in order."""
+    out: list[str] = []
+    for item in parse_list(raw):
+        host, sep, port = item.rpartition(":")
+        if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{item!r} is not host:port (for example 192.168.1.20:50052)")
+        if item not in out:
+            out.append(item)
+    if len(out) > MAX_RPC_WORKERS:
+        raise ValueError(f"{len(out)} workers; llama.cpp takes at most {MAX_RPC_WORKERS}")
+    return out
+
+
 def _default_home() -> Path:
     from platformdirs import user_data_dir
 
@@ -131,12 +148,14 @@ OFFLINE = Setting("LOCALLLM_OFFLINE", "never touch the network; a missing model 
                   lambda: parse_bool(os.environ.get("HF_HUB_OFFLINE", "0") or "0"))
 MAX_BODY = Setting("LOCALLLM_MAX_BODY", "largest request body in bytes (413 above it)", parse_positive_int,
                    lambda: 32 * 1024 * 1024)
+RPC = Setting("LOCALLLM_RPC", "RPC workers (`localllm worker`) whose devices take layers of each model loaded: "
+              "host:port[,host:port...]", lambda raw: parse_endpoints(raw), lambda: [])
 LOG_LEVEL = Setting("LOCALLLM_LOG_LEVEL", "server log level: debug, info, warning, error",
                     lambda raw: _one_of(raw.lower(), ("debug", "info", "warning", "error")), lambda: "info")
 
 ALL: tuple[Setting, ...] = (HOME, HOST, NUM_PARALLEL, MAX_QUEUE, KEEP_ALIVE, MAX_LOADED_MODELS, CONTEXT_LENGTH,
                             NUM_THREAD, KV_CACHE_TYPE, FLASH_ATTENTION, ORIGINS, ALLOWED_HOSTS, API_KEY, OFFLINE,
-                            MAX_BODY, LOG_LEVEL)
+                            MAX_BODY, RPC, LOG_LEVEL)
 
 
 def _one_of(raw: str, choices: tuple[str, ...]) -> str:

@@ -116,3 +116,9 @@ class ServerUnreachable(LocalLLMError):
     """The HTTP client found no localllm server at the configured address."""
 
     status_code = 503
+
+
+class WorkerLost(LocalLLMError):
+    """An RPC worker (`localllm worker`) cannot be reached, or went away while a model used it."""
+
+    status_code = 502

@@ -13,6 +13,7 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 
 from ..api import LoadOptions, SamplingOptions
+from ..models.plan import Placement
 
 
 def greedy_pick(logits: np.ndarray) -> tuple[int, float]:
@@ -118,6 +119,7 @@ class LoadedModel(Protocol):
     n_ctx: int
     n_batch: int  # the most tokens one decode takes
     kv_pad: int  # the backend attends over its cache in spans of this many cells (1: exactly)
+    placement: Optional[Placement]  # where its layers went (CPU, GPUs, RPC workers); None where not placed
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
 
@@ -157,3 +159,6 @@ class Backend(Protocol):
     name: str
 
     def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> LoadedModel: ...
+
+    def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> Optional[Placement]:
+        """Where load() would put the layers with these options, by the devices' free memory now."""

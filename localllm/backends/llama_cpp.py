@@ -17,7 +17,9 @@ import llama_cpp
 import numpy as np
 
 from ..api import LoadOptions, SamplingOptions
-from ..errors import InvalidInput, LocalLLMError, ModelFormatError
+from ..errors import InvalidInput, LocalLLMError, ModelFormatError, WorkerLost
+from ..models.plan import Placement
+from .rpc import Device, RpcGuard, local_devices, worker_devices
 from .base import Batch, GrammarProbe, ModelMeta, MtpHead
 from .llama_cpp_spec import LlamaGrammarProbe, LlamaMtpHead
 
@@ -46,21 +48,84 @@ class LlamaCppBackend:
 
     def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> "LlamaCppModel":
         _init_backend()
-        model = _load_weights(path, options)
+        if not Path(path).is_file():
+            raise ModelFormatError(f"weights file {path} does not exist")
+        placed = place_model(path, options, n_seq=n_seq, n_ctx=n_ctx)
+        guard = RpcGuard(placed.endpoints) if placed.endpoints else None
+        native = guard.call if guard is not None else _direct
         try:
-            ctx = _new_context(model, options, n_seq=n_seq, n_ctx=n_ctx)
+            model = native(_load_weights, path, options, placed)
+            try:
+                ctx = native(_new_context, model, options, n_seq=n_seq, n_ctx=n_ctx)
+            except WorkerLost:
+                raise
+            except BaseException:
+                native(llama_cpp.llama_model_free, model)
+                raise
         except BaseException:
-            llama_cpp.llama_model_free(model)
+            if guard is not None:
+                guard.close()
             raise
-        return LlamaCppModel(path, model, ctx, options, n_seq=n_seq)
+        return LlamaCppModel(path, model, ctx, options, n_seq=n_seq, placement=placed.placement, guard=guard)
+
+    def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> Placement:
+        return place_model(path, options, n_seq=n_seq, n_ctx=n_ctx).placement
 
 
-def _load_weights(path: Path, options: LoadOptions):
-    if not Path(path).is_file():
-        raise ModelFormatError(f"weights file {path} does not exist")
+def _direct(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+class PlacedModel:
+    """A placement and the ggml devices it names (offload devices in its order), for llama_model_params."""
+
+    def __init__(self, placement: Placement, devices: list[Device], endpoints: list[str]):
+        self.placement = placement
+        by_name = {d.report.name: d for d in devices}
+        self.devices = [by_name[share.device.name] for share in placement.offload]
+        self.endpoints = endpoints
+
+
+def rpc_endpoints(options: LoadOptions) -> list[str]:
+    from .. import config
+
+    if options.rpc is None:
+        return config.RPC.get()
+    return config.parse_endpoints(options.rpc)
+
+
+def place_model(path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> PlacedModel:
+    """The one placement both the loader and `localllm plan` use: this machine's GPUs and the RPC workers' devices
+    (first, as llama.cpp orders them), by their free memory and the memory plan."""
+    from ..formats.gguf import inspect_gguf
+    from ..models.plan import host_report, place_layers, plan_memory
+
+    try:
+        endpoints = rpc_endpoints(options)
+    except ValueError as exc:
+        raise InvalidInput(f"option rpc: {exc}") from None
+    mem = plan_memory(inspect_gguf(path), options.model_copy(update={"num_ctx": n_ctx, "num_parallel": n_seq,
+                                                                     "kv_type": options.kv_type or "f16"}))
+    devices = worker_devices(endpoints)
+    if llama_cpp.llama_supports_gpu_offload():
+        devices += local_devices()
+    placement = place_layers(mem, host_report(mem), [d.report for d in devices], options.num_gpu)
+    if not placement.fits:
+        log.warning("%s may not fit: %s", path.name, "; ".join(
+            f"{s.device.name} needs {s.total / 2**20:.0f} MiB of {s.device.usable / 2**20:.0f} MiB usable"
+            for s in placement.shares if not s.fits))
+    return PlacedModel(placement, devices, endpoints)
+
+
+def _load_weights(path: Path, options: LoadOptions, placed: PlacedModel):
     params = llama_cpp.llama_model_default_params()
-    # num_gpu None means "all layers that fit": llama.cpp clamps a large count to the model's layers.
-    params.n_gpu_layers = 999 if options.num_gpu is None or options.num_gpu < 0 else options.num_gpu
+    # Always an explicit device list (NULL-terminated), even empty: a NULL list would take every device ggml
+    # knows, RPC workers another load registered included.
+    devices = (ctypes.c_void_p * (len(placed.devices) + 1))(*[d.handle for d in placed.devices], None)
+    split = (ctypes.c_float * max(llama_cpp.llama_max_devices(), len(devices)))(*placed.placement.tensor_split)
+    params.devices = ctypes.cast(devices, ctypes.c_void_p)
+    params.tensor_split = split
+    params.n_gpu_layers = placed.placement.n_gpu_layers
     params.use_mmap = options.use_mmap
     # Weights with MTP (nextn) layers bring their heads for speculative decoding (speculative.py); the trunk's own
     # context never runs them, and files without them are unaffected.
@@ -149,9 +214,13 @@ class LlamaCppModel:
     # get_n_kv, so that graphs can be reused); the scheduler ends prefill chunks on that grid.
     kv_pad = 256
 
-    def __init__(self, path: Path, model, ctx, options: LoadOptions, *, n_seq: int):
+    def __init__(self, path: Path, model, ctx, options: LoadOptions, *, n_seq: int,
+                 placement: Optional[Placement] = None, guard: Optional[RpcGuard] = None):
         self.path = path
         self.options = options
+        self.placement = placement
+        # With RPC workers, calls that reach them run through the guard, which gives up when a worker is lost.
+        self._guard = guard
         self._model = model
         self._ctx = ctx
         self._vocab = llama_cpp.llama_model_get_vocab(model)
@@ -223,10 +292,20 @@ class LlamaCppModel:
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = batch.seqs[i]
             b.logits[i] = batch.logits[i]
-        status = llama_cpp.llama_decode(self._ctx, b)
+        status = self._decode_native(b) if self._guard is not None else llama_cpp.llama_decode(self._ctx, b)
         if status != 0:
             raise LocalLLMError(f"llama_decode failed with status {status} on a batch of {n} tokens",
                                 hint="1 means the KV cache is full: lower num_parallel or raise num_ctx")
+
+    def _decode_native(self, batch) -> int:
+        def decode_and_wait() -> int:
+            # RPC computes asynchronously: wait here, under the guard, so that reading the logits never blocks.
+            status = llama_cpp.llama_decode(self._ctx, batch)
+            llama_cpp.llama_synchronize(self._ctx)
+            return status
+
+        assert self._guard is not None
+        return self._guard.call(decode_and_wait)
 
     def logits(self, row: int) -> np.ndarray:
         return self.logits_view(row).copy()
@@ -253,7 +332,10 @@ class LlamaCppModel:
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         # Each sequence has its own KV stream, and llama.cpp copies across streams only whole: copy, then cut.
         llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
-        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        if self._guard is not None:  # the copy moves cache data, which may sit on a worker
+            self._guard.call(llama_cpp.llama_memory_seq_cp, self._mem, src, dst, -1, -1)
+        else:
+            llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
         llama_cpp.llama_memory_seq_rm(self._mem, dst, n, -1)
 
     def embed(self, tokens: Sequence[int]) -> list[float]:
@@ -289,11 +371,22 @@ class LlamaCppModel:
         if self._ctx is None:
             return
         llama_cpp.llama_batch_free(self._batch)
+        try:
+            if self._guard is not None:
+                self._guard.call(self._free_native)
+                self._guard.close()
+            else:
+                self._free_native()
+        except WorkerLost as exc:
+            # Freeing talks to the lost worker through llama.cpp's dead connection and would never return.
+            log.error("%s is abandoned, not freed: %s", self.path.name, exc)
+        self._ctx = self._embed_ctx = self._model = None
+
+    def _free_native(self) -> None:
         if self._embed_ctx is not None:
             llama_cpp.llama_free(self._embed_ctx)
         llama_cpp.llama_free(self._ctx)
         llama_cpp.llama_model_free(self._model)
-        self._ctx = self._embed_ctx = self._model = None
 
     def mtp_head(self) -> Optional[MtpHead]:
         if not self.meta.has_mtp:

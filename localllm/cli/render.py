@@ -170,8 +170,8 @@ def _rate_text(count: int, duration_ns: int) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- ps
 
-PS_COLUMNS = ("NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "GPU", "SPEC", "UNTIL")
-_WRAPPABLE = frozenset({"BACKEND", "SPEC", "UNTIL"})  # on a narrow terminal these fold, so the name stays whole
+PS_COLUMNS = ("NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "LAYERS", "SPEC", "UNTIL")
+_WRAPPABLE = frozenset({"BACKEND", "LAYERS", "SPEC", "UNTIL"})  # on a narrow terminal these fold, so the name stays whole
 
 
 def ps_table(models: Iterable[api.ProcessModel]) -> Table:
@@ -181,7 +181,7 @@ def ps_table(models: Iterable[api.ProcessModel]) -> Table:
         table.add_column(column, no_wrap=column not in _WRAPPABLE)
     for row in models:
         table.add_row(row.name, row.digest[:12], human_size(row.size), row.backend, _slots_text(row),
-                      str(row.context_length), row.kv_type, _gpu_text(row.gpu_layers), _speculation_text(row),
+                      str(row.context_length), row.kv_type, _placement_text(row), _speculation_text(row),
                       "removed, unloading" if row.status == "removed" else
                       human_until(row.expires_at, busy=row.slots_busy > 0))
     return table
@@ -190,6 +190,14 @@ def ps_table(models: Iterable[api.ProcessModel]) -> Table:
 def _slots_text(row: api.ProcessModel) -> str:
     text = f"{row.slots_busy}/{row.slots_total}"
     return text + (f" +{row.queue_depth} queued" if row.queue_depth else "")
+
+
+def _placement_text(row: api.ProcessModel) -> str:
+    """Where the layers run, "CPU 10, RPC0 127.0.0.1:50052 21"; the num_gpu setting where the backend placed none."""
+    if not row.placement:
+        return _gpu_text(row.gpu_layers)
+    return ", ".join(f"{p.device}{' ' + p.description if p.device.startswith('RPC') else ''} {p.layers}"
+                     for p in row.placement)
 
 
 def _gpu_text(layers: int) -> str:

@@ -16,6 +16,7 @@ from ..engine.pool import Loaded, ModelPool, resolve_options
 from ..engine.runner import EngineChunk, GenerationParams
 from ..errors import InvalidInput
 from ..models.info import show_model
+from ..models.plan import Placement
 from ..models.pull import pull_model
 from ..engine.speculative.speculation import load_speculation
 from ..models.store import ResolvedModel, Store
@@ -271,4 +272,11 @@ def _process_row(entry: Loaded) -> api.ProcessModel:
         gpu_layers=entry.options.num_gpu if entry.options.num_gpu is not None else -1,
         speculation=entry.speculation.kind if entry.speculation is not None else "none",
         draft_count=stats.draft_tokens, draft_accepted=stats.accepted_tokens,
-        status="removed" if entry.removed else None)
+        status="removed" if entry.removed else None, placement=_placement_rows(entry.engine.model.placement))
+
+
+def _placement_rows(placement: Optional[Placement]) -> list[api.DeviceLayers]:
+    if placement is None:
+        return []
+    return [api.DeviceLayers(device=s.device.name, description=s.device.description, layers=s.layers,
+                             memory=s.total) for s in placement.shares if s.layers or s.device.kind == "cpu"]

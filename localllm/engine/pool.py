@@ -60,7 +60,15 @@ def effective_load(load: api.LoadOptions) -> api.LoadOptions:
         "num_thread": load.num_thread or config.NUM_THREAD.get(),
         "kv_type": load.kv_type or config.KV_CACHE_TYPE.get(),
         "flash_attn": config.FLASH_ATTENTION.get() if load.flash_attn is None else load.flash_attn,
+        "rpc": ",".join(config.RPC.get() if load.rpc is None else _endpoints(load.rpc)),
     })
+
+
+def _endpoints(raw: str) -> list[str]:
+    try:
+        return config.parse_endpoints(raw)
+    except ValueError as exc:
+        raise InvalidInput(f"option rpc: {exc}") from None
 
 
 @dataclass(eq=False)
@@ -126,7 +134,8 @@ class ModelPool:
 
     @staticmethod
     def _needs_reload(entry: Loaded, load: api.LoadOptions) -> bool:
-        return entry.options != load
+        # A closed engine failed (say, its RPC worker went away): load again rather than queue to nobody.
+        return entry.options != load or entry.engine.closed
 
     def _unload_when_idle(self, entry: Loaded, *, reason: str) -> None:
         if entry.users > 0:

@@ -203,6 +203,10 @@ class ModelEngine:
         self._inbox.put(_Embed(list(map(list, inputs)), future))
         return future.result()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def busy(self) -> bool:
         return self._outstanding > 0
 
@@ -242,6 +246,7 @@ class ModelEngine:
             log.exception("engine thread failed")
             self._fail_all(exc if isinstance(exc, LocalLLMError) else LocalLLMError(f"engine failed: {exc}"))
         finally:
+            self._closed = True  # new requests get Cancelled, not a queue nobody reads (the pool then reloads)
             self._fail_all(Cancelled("the model was unloaded"))
             if self.speculation is not None:
                 self.speculation.close()
