@@ -78,11 +78,19 @@ def mlx_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return run_mlx_benchmarks(path)
 
 
+def rpc_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """Decode with every layer on a `localllm worker` over loopback against local decode (scripts/bench_rpc.py)."""
+    from bench_rpc import run_rpc_benchmarks
+
+    return run_rpc_benchmarks(path, n=args.tokens, threads=args.threads)
+
+
 SECTIONS: dict[str, tuple[str, Section]] = {
     "engine": ("Engine against raw llama.cpp", engine_section),
     "rest": ("REST path against raw llama.cpp", rest_section),
     "spec": ("Speculative decoding", spec_section),
     "mlx": ("MLX against llama.cpp (informational)", mlx_section),
+    "rpc": ("RPC worker over loopback (informational)", rpc_section),
 }
 
 

@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 REBUILD_COMMAND = "bash scripts/setup.sh"
-REBUILD_PIP = ('CMAKE_ARGS="-DGGML_RPC=ON" pip install --force-reinstall --no-deps --no-binary llama-cpp-python '
-               f'llama-cpp-python=={llama_cpp.__version__}')
+# --no-cache-dir: pip caches the wheel by the sdist, not by CMAKE_ARGS, and would reinstall the build without RPC.
+REBUILD_PIP = (f'CMAKE_ARGS="-DGGML_RPC=ON" {sys.executable} -m pip install --force-reinstall --no-deps '
+               f'--no-cache-dir --no-binary llama-cpp-python llama-cpp-python=={llama_cpp.__version__}')
 PROBE_SECONDS = 3.0
 _DEV_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 
@@ -216,6 +217,8 @@ def serve_worker(host: str, port: int, *, threads: int, cache_dir: Optional[str]
     # process as they end llama.cpp's rpc-server.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.stdout.flush()  # nothing Python buffered would be written once ggml holds the process
+    sys.stderr.flush()
     start(endpoint.encode(), cache_dir.encode() if cache_dir else None, threads, len(chosen), handles)
     # ggml returns only when it could not start (it has printed why): a busy port, a bad address.
     raise WorkerLost(f"llama.cpp's RPC server could not listen on {endpoint}",

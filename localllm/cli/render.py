@@ -171,7 +171,8 @@ def _rate_text(count: int, duration_ns: int) -> str:
 # ---------------------------------------------------------------------------------------------------------- ps
 
 PS_COLUMNS = ("NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "LAYERS", "SPEC", "UNTIL")
-_WRAPPABLE = frozenset({"BACKEND", "LAYERS", "SPEC", "UNTIL"})  # on a narrow terminal these fold, so the name stays whole
+# On a narrow terminal these fold, so the name stays whole.
+_WRAPPABLE = frozenset({"BACKEND", "LAYERS", "SPEC", "UNTIL"})
 
 
 def ps_table(models: Iterable[api.ProcessModel]) -> Table:
