@@ -110,8 +110,8 @@ def test_a_worker_holds_layers_and_the_greedy_answer_is_the_local_one(home, tmp_
         assert "Accepted client connection" in worker_log.read_text()  # llama.cpp's client connected there
 
         # The CLI surfaces the same: `ps` names the worker, `plan` shows the split it would make now.
-        table = subprocess.run([sys.executable, "-m", "localllm", "ps"], env=env, capture_output=True, text=True,
-                               timeout=60)
+        table = subprocess.run([sys.executable, "-m", "localllm", "ps"], env={**env, "COLUMNS": "200"},
+                               capture_output=True, text=True, timeout=60)
         assert f"RPC0 {endpoint} 20" in table.stdout, table.stdout
 
 

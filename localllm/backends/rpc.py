@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence, TypeVar
 import llama_cpp
 
 from ..errors import BackendUnavailable, InvalidInput, WorkerLost
-from ..models.plan import DeviceReport
+from ..models.plan import DeviceKind, DeviceReport
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,7 +38,7 @@ REBUILD_COMMAND = "bash scripts/setup.sh"
 REBUILD_PIP = (f'CMAKE_ARGS="-DGGML_RPC=ON" {sys.executable} -m pip install --force-reinstall --no-deps '
                f'--no-cache-dir --no-binary llama-cpp-python llama-cpp-python=={llama_cpp.__version__}')
 PROBE_SECONDS = 3.0
-_DEV_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+_DEV_TYPES: dict[int, DeviceKind] = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 
 
 def supports_rpc() -> bool:
@@ -136,15 +136,6 @@ def local_devices() -> list[Device]:
     g = ggml()
     found = [Device(g.report(h), h) for h in (g.dev_get(i) for i in range(g.dev_count()))]
     return [d for d in found if d.report.kind in ("gpu", "igpu")]
-
-
-def host_device() -> Optional[DeviceReport]:
-    g = ggml()
-    for h in (g.dev_get(i) for i in range(g.dev_count())):
-        report = g.report(h)
-        if report.kind == "cpu":
-            return report
-    return None
 
 
 # ---------------------------------------------------------------------------------------------------------- workers
