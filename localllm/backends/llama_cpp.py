@@ -106,9 +106,7 @@ def place_model(path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> 
         raise InvalidInput(f"option rpc: {exc}") from None
     mem = plan_memory(inspect_gguf(path), options.model_copy(update={"num_ctx": n_ctx, "num_parallel": n_seq,
                                                                      "kv_type": options.kv_type or "f16"}))
-    devices = worker_devices(endpoints)
-    if llama_cpp.llama_supports_gpu_offload():
-        devices += local_devices()
+    devices = worker_devices(endpoints) + local_devices()
     placement = place_layers(mem, host_report(mem), [d.report for d in devices], options.num_gpu)
     if not placement.fits:
         log.warning("%s may not fit: %s", path.name, "; ".join(

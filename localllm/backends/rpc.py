@@ -95,20 +95,28 @@ class _Ggml:
                                      hint=f"rebuild it: `{REBUILD_COMMAND}`")
         return prototype(address)
 
+    def kind(self, dev: int) -> DeviceKind:
+        reg = self.dev_backend_reg(dev)
+        return "rpc" if reg and self.reg_name(reg) == b"RPC" else _DEV_TYPES.get(self.dev_type(dev), "gpu")
+
     def report(self, dev: int) -> DeviceReport:
+        """Asks the device for its free memory: for an RPC device, a round trip to its worker."""
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         self.dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-        reg = self.dev_backend_reg(dev)
-        is_rpc = bool(reg) and self.reg_name(reg) == b"RPC"
         return DeviceReport(name=self.dev_name(dev).decode(), description=self.dev_description(dev).decode(),
-                            kind="rpc" if is_rpc else _DEV_TYPES.get(self.dev_type(dev), "gpu"),
-                            free=free.value, total=total.value)
+                            kind=self.kind(dev), free=free.value, total=total.value)
 
 
 def _library_files(lib_dir: Path, stem: str) -> list[Path]:
-    names = {"win32": [f"{stem}.dll"], "darwin": [f"lib{stem}.dylib", f"lib{stem}.so"]}.get(sys.platform,
-                                                                                             [f"lib{stem}.so"])
-    return [lib_dir / n for n in names if (lib_dir / n).exists()]
+    """The file the loader mapped for libllama first: its soname (libggml.so.0). A wheel holds the unversioned name
+    as a copy, not a link, and loading that copy would give a second ggml with registries and callbacks of its own."""
+    patterns = {"win32": [f"{stem}.dll"], "darwin": [f"lib{stem}.*.dylib", f"lib{stem}.dylib"]}.get(
+        sys.platform, [f"lib{stem}.so.[0-9]*", f"lib{stem}.so"])
+    for pattern in patterns:
+        found = sorted(lib_dir.glob(pattern), key=lambda p: len(p.name))
+        if found:
+            return found[:1]
+    return []
 
 
 _ggml: Optional[_Ggml] = None
@@ -134,8 +142,9 @@ class Device:
 def local_devices() -> list[Device]:
     """This machine's offload devices (GPUs, integrated GPUs), in ggml's order; never the CPU or an RPC worker."""
     g = ggml()
-    found = [Device(g.report(h), h) for h in (g.dev_get(i) for i in range(g.dev_count()))]
-    return [d for d in found if d.report.kind in ("gpu", "igpu")]
+    # Kinds first: asking a registered worker's device for its memory would reach that worker, maybe a lost one.
+    handles = [h for h in (g.dev_get(i) for i in range(g.dev_count())) if g.kind(h) in ("gpu", "igpu")]
+    return [Device(g.report(h), h) for h in handles]
 
 
 # ---------------------------------------------------------------------------------------------------------- workers
@@ -196,8 +205,7 @@ def serve_worker(host: str, port: int, *, threads: int, cache_dir: Optional[str]
     require_rpc()
     g = ggml()
     every = [g.dev_get(i) for i in range(g.dev_count())]
-    chosen = [h for h in every if g.report(h).kind in ("gpu", "igpu")] or \
-             [h for h in every if g.report(h).kind == "cpu"][:1]
+    chosen = [h for h in every if g.kind(h) in ("gpu", "igpu")] or [h for h in every if g.kind(h) == "cpu"][:1]
     if not chosen:
         raise BackendUnavailable("ggml reports no device to serve")
     start = g.rpc_proc("ggml_backend_rpc_start_server", ctypes.CFUNCTYPE(
