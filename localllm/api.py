@@ -10,7 +10,7 @@ import difflib
 from datetime import datetime, timezone
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import InvalidInput
 
@@ -46,6 +46,13 @@ class LoadOptions(_Model):
     embedding: bool = Field(False, description="load for embeddings (pooled output)")
     rpc: Optional[str] = Field(None, max_length=1024, description="RPC workers (`localllm worker`) to place layers "
                                "on, host:port[,host:port...]; default LOCALLLM_RPC, \"\" for none")
+
+    @field_validator("rpc")
+    @classmethod
+    def _workers(cls, value: Optional[str]) -> Optional[str]:
+        from .config import parse_endpoints
+
+        return None if value is None else ",".join(parse_endpoints(value))  # ValueError names the bad one
 
 
 class SamplingOptions(_Model):

@@ -95,3 +95,23 @@ def test_our_split_points_give_llama_cpp_exactly_our_counts(counts):
     assert assigned[:5] == [-1] * 5
     assert [assigned.count(i) for i in range(len(counts))] == counts
     assert assigned[5:] == sorted(assigned[5:])
+
+
+def test_workers_are_checked_where_they_are_named_and_count_in_the_load_identity(monkeypatch):
+    from localllm import api
+    from localllm.engine.pool import effective_load, validate_options
+    from localllm.errors import ConfigError, InvalidInput
+    from localllm import config
+
+    assert validate_options(api.LoadOptions, {"rpc": " 10.0.0.2:50052, [::1]:7,10.0.0.2:50052"}).rpc == \
+        "10.0.0.2:50052,[::1]:7"
+    for bad in ("10.0.0.2", "host:0", "host:70000", ":50052"):
+        with pytest.raises(InvalidInput, match="option rpc"):
+            validate_options(api.LoadOptions, {"rpc": bad})
+    monkeypatch.setenv("LOCALLLM_RPC", "10.0.0.2:50052")
+    from_env = effective_load(api.LoadOptions())
+    assert from_env == effective_load(api.LoadOptions(rpc="10.0.0.2:50052"))  # same workers, same load
+    assert from_env != effective_load(api.LoadOptions(rpc=""))  # "" is this machine alone: another load
+    monkeypatch.setenv("LOCALLLM_RPC", ",".join(f"h{i}:1" for i in range(config.MAX_RPC_WORKERS + 1)))
+    with pytest.raises(ConfigError, match="LOCALLLM_RPC"):
+        config.RPC.get()

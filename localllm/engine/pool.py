@@ -60,15 +60,8 @@ def effective_load(load: api.LoadOptions) -> api.LoadOptions:
         "num_thread": load.num_thread or config.NUM_THREAD.get(),
         "kv_type": load.kv_type or config.KV_CACHE_TYPE.get(),
         "flash_attn": config.FLASH_ATTENTION.get() if load.flash_attn is None else load.flash_attn,
-        "rpc": ",".join(config.RPC.get() if load.rpc is None else _endpoints(load.rpc)),
+        "rpc": ",".join(config.RPC.get()) if load.rpc is None else load.rpc,  # "" (none) stays ""
     })
-
-
-def _endpoints(raw: str) -> list[str]:
-    try:
-        return config.parse_endpoints(raw)
-    except ValueError as exc:
-        raise InvalidInput(f"option rpc: {exc}") from None
 
 
 @dataclass(eq=False)
