@@ -115,3 +115,13 @@ def test_workers_are_checked_where_they_are_named_and_count_in_the_load_identity
     monkeypatch.setenv("LOCALLLM_RPC", ",".join(f"h{i}:1" for i in range(config.MAX_RPC_WORKERS + 1)))
     with pytest.raises(ConfigError, match="LOCALLLM_RPC"):
         config.RPC.get()
+
+
+def test_weights_without_a_plan_leave_the_split_to_llama_cpp():
+    from localllm.models.plan import unplanned_placement
+
+    gpu = _device("CUDA0", 8 * GIB)
+    assert unplanned_placement(HOST, []).n_gpu_layers == 0
+    loose = unplanned_placement(HOST, [gpu])
+    assert loose.n_gpu_layers == 999 and loose.tensor_split == () and [s.device.name for s in loose.offload] == ["CUDA0"]
+    assert unplanned_placement(HOST, [gpu], num_gpu=4).n_gpu_layers == 4

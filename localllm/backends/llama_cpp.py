@@ -18,7 +18,7 @@ import numpy as np
 
 from ..api import LoadOptions, SamplingOptions
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError, WorkerLost
-from ..models.plan import Placement
+from ..models.plan import DeviceReport, Placement
 from .rpc import Device, RpcGuard, local_devices, worker_devices
 from .base import Batch, GrammarProbe, ModelMeta, MtpHead
 from .llama_cpp_spec import LlamaGrammarProbe, LlamaMtpHead
@@ -98,16 +98,22 @@ def place_model(path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> 
     """The one placement both the loader and `localllm plan` use: this machine's GPUs and the RPC workers' devices
     (first, as llama.cpp orders them), by their free memory and the memory plan."""
     from ..formats.gguf import inspect_gguf
-    from ..models.plan import host_report, place_layers, plan_memory
+    from ..models.plan import available_memory, host_report, place_layers, plan_memory, unplanned_placement
 
     try:
         endpoints = rpc_endpoints(options)
     except ValueError as exc:
         raise InvalidInput(f"option rpc: {exc}") from None
-    mem = plan_memory(inspect_gguf(path), options.model_copy(update={"num_ctx": n_ctx, "num_parallel": n_seq,
-                                                                     "kv_type": options.kv_type or "f16"}))
     devices = worker_devices(endpoints) + local_devices()
-    placement = place_layers(mem, host_report(mem), [d.report for d in devices], options.num_gpu)
+    reports = [d.report for d in devices]
+    try:
+        mem = plan_memory(inspect_gguf(path), options.model_copy(update={
+            "num_ctx": n_ctx, "num_parallel": n_seq, "kv_type": options.kv_type or "f16"}))
+    except ModelFormatError as exc:  # llama.cpp may still load it: let it place the layers
+        log.warning("no memory plan for %s (%s): llama.cpp splits the layers by free memory", path.name, exc)
+        host = DeviceReport(name="CPU", description="", kind="cpu", free=available_memory() or 0, total=0)
+        return PlacedModel(unplanned_placement(host, reports, options.num_gpu), devices, endpoints)
+    placement = place_layers(mem, host_report(mem), reports, options.num_gpu)
     if not placement.fits:
         log.warning("%s may not fit: %s", path.name, "; ".join(
             f"{s.device.name} needs {s.total / 2**20:.0f} MiB of {s.device.usable / 2**20:.0f} MiB usable"

@@ -76,6 +76,7 @@ class _Ggml:
         self.reg_proc = self._fn("ggml_backend_reg_get_proc_address", vp, [vp, ctypes.c_char_p])
         self.register = self._fn("ggml_backend_register", None, [vp])
         self.set_abort_callback = self._fn("ggml_set_abort_callback", vp, [vp])
+        self.print_backtrace = self._fn("ggml_print_backtrace", None, [])
 
     def _fn(self, name: str, restype, argtypes):
         for lib in self._libs:
@@ -245,7 +246,9 @@ _RPC_ABORTS = ("Remote RPC server crashed", "Failed to connect to", "RPC handsha
 def _on_abort(message: Optional[bytes]) -> None:
     text = (message or b"").decode("utf-8", "replace")
     if not any(marker in text for marker in _RPC_ABORTS):
-        sys.stderr.write(text + "\n")  # what ggml prints by default; abort() follows
+        sys.stderr.write(text + "\n")  # what ggml does by default; abort() follows
+        sys.stderr.flush()
+        ggml().print_backtrace()
         return
     with _registered_lock:
         known = sorted(_known)

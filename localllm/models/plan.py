@@ -222,6 +222,15 @@ def place_layers(plan: MemoryPlan, host: DeviceReport, devices: Sequence[DeviceR
     return Placement(n_gpu_layers=offloaded, shares=tuple(shares), tensor_split=_split_points(split))
 
 
+def unplanned_placement(host: DeviceReport, devices: Sequence[DeviceReport],
+                        num_gpu: Optional[int] = None) -> Placement:
+    """For weights without the metadata a plan needs: llama.cpp splits by free memory itself (a zero tensor_split),
+    and how many layers each device got is not known here."""
+    n_gpu = 0 if not devices else 999 if num_gpu is None or num_gpu < 0 else num_gpu
+    shares = tuple(DeviceShare(device=d, layers=0, weights=0, kv=0, compute=0) for d in [host, *devices])
+    return Placement(n_gpu_layers=n_gpu, shares=shares, tensor_split=())
+
+
 def _unit_costs(plan: MemoryPlan):
     """Weights + KV of each unit llama.cpp places: the repeating blocks, then the output head."""
     kv = plan.layer_kv or (0,) * len(plan.layer_weights)
