@@ -18,8 +18,8 @@ import numpy as np
 
 from ..api import LoadOptions, SamplingOptions
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError, WorkerLost
-from ..models.plan import DeviceReport, Placement
-from .rpc import Device, RpcGuard, local_devices, worker_devices
+from ..models.plan import Placement
+from .rpc import PlacedModel, RpcGuard, place_model
 from .base import Batch, GrammarProbe, ModelMeta, MtpHead
 from .llama_cpp_spec import LlamaGrammarProbe, LlamaMtpHead
 
@@ -74,51 +74,6 @@ class LlamaCppBackend:
 
 def _direct(fn, *args, **kwargs):
     return fn(*args, **kwargs)
-
-
-class PlacedModel:
-    """A placement and the ggml devices it names (offload devices in its order), for llama_model_params."""
-
-    def __init__(self, placement: Placement, devices: list[Device], endpoints: list[str]):
-        self.placement = placement
-        by_name = {d.report.name: d for d in devices}
-        self.devices = [by_name[share.device.name] for share in placement.offload]
-        self.endpoints = endpoints
-
-
-def rpc_endpoints(options: LoadOptions) -> list[str]:
-    from .. import config
-
-    if options.rpc is None:
-        return config.RPC.get()
-    return config.parse_endpoints(options.rpc)
-
-
-def place_model(path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> PlacedModel:
-    """The one placement both the loader and `localllm plan` use: this machine's GPUs and the RPC workers' devices
-    (first, as llama.cpp orders them), by their free memory and the memory plan."""
-    from ..formats.gguf import inspect_gguf
-    from ..models.plan import available_memory, host_report, place_layers, plan_memory, unplanned_placement
-
-    try:
-        endpoints = rpc_endpoints(options)
-    except ValueError as exc:
-        raise InvalidInput(f"option rpc: {exc}") from None
-    devices = worker_devices(endpoints) + local_devices()
-    reports = [d.report for d in devices]
-    try:
-        mem = plan_memory(inspect_gguf(path), options.model_copy(update={
-            "num_ctx": n_ctx, "num_parallel": n_seq, "kv_type": options.kv_type or "f16"}))
-    except ModelFormatError as exc:  # llama.cpp may still load it: let it place the layers
-        log.warning("no memory plan for %s (%s): llama.cpp splits the layers by free memory", path.name, exc)
-        host = DeviceReport(name="CPU", description="", kind="cpu", free=available_memory() or 0, total=0)
-        return PlacedModel(unplanned_placement(host, reports, options.num_gpu), devices, endpoints)
-    placement = place_layers(mem, host_report(mem), reports, options.num_gpu)
-    if not placement.fits:
-        log.warning("%s may not fit: %s", path.name, "; ".join(
-            f"{s.device.name} needs {s.total / 2**20:.0f} MiB of {s.device.usable / 2**20:.0f} MiB usable"
-            for s in placement.shares if not s.fits))
-    return PlacedModel(placement, devices, endpoints)
 
 
 def _load_weights(path: Path, options: LoadOptions, placed: PlacedModel):

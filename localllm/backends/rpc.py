@@ -1,4 +1,5 @@
-"""llama.cpp's RPC backend (ggml-rpc) and its device registry, through ctypes: llama-cpp-python binds llama.h only.
+"""llama.cpp's RPC backend (ggml-rpc) and its device registry, through ctypes (llama-cpp-python binds llama.h only),
+and the placement of a model's layers on those devices (place_model: the loader's and `localllm plan`'s).
 
 A worker (`localllm worker`) is ggml's own RPC server over this machine's devices; a model load that names workers
 (LOCALLLM_RPC, the `rpc` load option) registers each one's devices (ggml_backend_rpc_add_server, as llama.cpp's
@@ -15,10 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import socket
-import sys
 import queue
 import signal
+import socket
+import sys
 import threading
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -27,8 +28,11 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import llama_cpp
 
-from ..errors import BackendUnavailable, InvalidInput, WorkerLost
-from ..models.plan import DeviceKind, DeviceReport
+from ..api import LoadOptions
+from ..errors import BackendUnavailable, InvalidInput, ModelFormatError, WorkerLost
+from ..formats.gguf import inspect_gguf
+from ..models.plan import (DeviceKind, DeviceReport, Placement, available_memory, host_report, place_layers,
+                           plan_memory, unplanned_placement)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -223,6 +227,52 @@ def serve_worker(host: str, port: int, *, threads: int, cache_dir: Optional[str]
     # ggml returns only when it could not start (it has printed why): a busy port, a bad address.
     raise WorkerLost(f"llama.cpp's RPC server could not listen on {endpoint}",
                      hint="is the port in use? choose another with --port")
+
+
+# ---------------------------------------------------------------------------------------------------------- placement
+
+
+class PlacedModel:
+    """A placement and the ggml devices it names (offload devices in its order), for llama_model_params."""
+
+    def __init__(self, placement: Placement, devices: list[Device], endpoints: list[str]):
+        self.placement = placement
+        by_name = {d.report.name: d for d in devices}
+        self.devices = [by_name[share.device.name] for share in placement.offload]
+        self.endpoints = endpoints
+
+
+def rpc_endpoints(options: LoadOptions) -> list[str]:
+    from .. import config
+
+    if options.rpc is None:
+        return config.RPC.get()
+    return config.parse_endpoints(options.rpc)
+
+
+def place_model(path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> PlacedModel:
+    """The one placement both the loader and `localllm plan` use: this machine's GPUs and the RPC workers' devices
+    (first, as llama.cpp orders them), by their free memory and the memory plan."""
+
+    try:
+        endpoints = rpc_endpoints(options)
+    except ValueError as exc:
+        raise InvalidInput(f"option rpc: {exc}") from None
+    devices = worker_devices(endpoints) + local_devices()
+    reports = [d.report for d in devices]
+    try:
+        mem = plan_memory(inspect_gguf(path), options.model_copy(update={
+            "num_ctx": n_ctx, "num_parallel": n_seq, "kv_type": options.kv_type or "f16"}))
+    except ModelFormatError as exc:  # llama.cpp may still load it: let it place the layers
+        log.warning("no memory plan for %s (%s): llama.cpp splits the layers by free memory", path.name, exc)
+        host = DeviceReport(name="CPU", description="", kind="cpu", free=available_memory() or 0, total=0)
+        return PlacedModel(unplanned_placement(host, reports, options.num_gpu), devices, endpoints)
+    placement = place_layers(mem, host_report(mem), reports, options.num_gpu)
+    if not placement.fits:
+        log.warning("%s may not fit: %s", path.name, "; ".join(
+            f"{s.device.name} needs {s.total / 2**20:.0f} MiB of {s.device.usable / 2**20:.0f} MiB usable"
+            for s in placement.shares if not s.fits))
+    return PlacedModel(placement, devices, endpoints)
 
 
 # ---------------------------------------------------------------------------------------------------------- aborts
