@@ -298,6 +298,11 @@ class LlamaCppModel:
         llama_cpp.llama_memory_seq_rm(self._mem, dst, n, -1)
 
     def embed(self, tokens: Sequence[int]) -> list[float]:
+        if self._guard is not None:  # its context and decode may reach a worker
+            return self._guard.call(self._embed, tokens)
+        return self._embed(tokens)
+
+    def _embed(self, tokens: Sequence[int]) -> list[float]:
         ctx = self._embedding_context(len(tokens))
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
         batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
