@@ -106,6 +106,7 @@ def test_a_worker_holds_layers_and_the_greedy_answer_is_the_local_one(home, tmp_
         placed = {p["device"]: p for p in ps[0]["placement"]}
         assert placed["RPC0"]["layers"] == 20 and placed["RPC0"]["description"] == endpoint
         assert placed["CPU"]["layers"] == 11  # 30 blocks + the output head, less the worker's 20
+        assert ps[0]["gpu_layers"] == 20 and ps[0]["size_vram"] == placed["RPC0"]["memory"] > 0
         assert remote == local and len(local) > 10
         assert "Accepted client connection" in worker_log.read_text()  # llama.cpp's client connected there
 

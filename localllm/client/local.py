@@ -263,16 +263,26 @@ def _refuse_images(images: Optional[list[str]]) -> None:
 
 def _process_row(entry: Loaded) -> api.ProcessModel:
     stats = entry.engine.snapshot()
+    placement = entry.engine.model.placement
     model = entry.model
     return api.ProcessModel(
         name=model.name, model=model.name, size=model.size, digest=model.digest.removeprefix("sha256-"),
         details=model.details, expires_at=entry.expires_at, context_length=entry.engine.n_ctx,
         backend=entry.backend, slots_busy=stats.slots_busy, slots_total=stats.slots_total,
         queue_depth=stats.queue_depth, kv_type=entry.options.kv_type or "f16",
-        gpu_layers=entry.options.num_gpu if entry.options.num_gpu is not None else -1,
+        gpu_layers=_gpu_layers(entry),
+        size_vram=sum(s.total for s in placement.offload) if placement is not None else 0,
         speculation=entry.speculation.kind if entry.speculation is not None else "none",
         draft_count=stats.draft_tokens, draft_accepted=stats.accepted_tokens,
-        status="removed" if entry.removed else None, placement=_placement_rows(entry.engine.model.placement))
+        status="removed" if entry.removed else None, placement=_placement_rows(placement))
+
+
+def _gpu_layers(entry: Loaded) -> int:
+    """Layers off the CPU as placed; else the num_gpu asked for (-1: the backend's "all that fit")."""
+    placement = entry.engine.model.placement
+    if placement is None or any(s.layers == 0 for s in placement.offload):  # llama.cpp split them itself
+        return entry.options.num_gpu if entry.options.num_gpu is not None else -1
+    return placement.n_gpu_layers
 
 
 def _placement_rows(placement: Optional[Placement]) -> list[api.DeviceLayers]:
