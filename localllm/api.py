@@ -68,6 +68,15 @@ class LoadOptions(_Model):
     embedding: bool = Field(False, description="load for embeddings (pooled output)")
     adapter_scale: Optional[float] = Field(None, ge=-ADAPTER_SCALE_LIMIT, le=ADAPTER_SCALE_LIMIT,
                                            description="scale of every LoRA adapter (overrides each ADAPTER line's)")
+    rpc: Optional[str] = Field(None, max_length=1024, description="RPC workers (`localllm worker`) to place layers "
+                               "on, host:port[,host:port...]; default LOCALLLM_RPC, \"\" for none")
+
+    @field_validator("rpc")
+    @classmethod
+    def _workers(cls, value: Optional[str]) -> Optional[str]:
+        from .config import parse_endpoints
+
+        return None if value is None else ",".join(parse_endpoints(value))  # ValueError names the bad one
 
 
 class SamplingOptions(_Model):
@@ -446,6 +455,15 @@ class DeleteRequest(_Model):
     model: str = Field(validation_alias=AliasChoices("model", "name"))  # `name`: Ollama's deprecated spelling
 
 
+class DeviceLayers(_Model):
+    """Where part of a loaded model runs: a device (CPU, CUDA0, RPC0) and the layers it holds."""
+
+    device: str
+    description: str = ""
+    layers: int = 0  # repeating layers, plus one for the output head
+    memory: int = 0  # bytes placed there: weights, KV cache, compute buffer (estimate)
+
+
 class ProcessModel(_Model):
     """One row of `localllm ps` and /api/ps."""
 
@@ -478,6 +496,7 @@ class ProcessModel(_Model):
     prefix_cache_tokens: dict[str, int] = Field(default_factory=dict, description="prompt tokens reused, by tier")
     shares_weights_with: list[str] = Field(default_factory=list,
                                            description="other loaded models that use the same weights in memory")
+    placement: list[DeviceLayers] = Field(default_factory=list)  # where its layers run; empty where unknown
 
 
 class PromptCacheSession(_Model):

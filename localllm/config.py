@@ -107,6 +107,23 @@ def parse_list(raw: str) -> list[str]:
     return [item.strip() for item in raw.split(",") if item.strip()]
 
 
+MAX_RPC_WORKERS = 16  # GGML_RPC_MAX_SERVERS
+
+
+def parse_endpoints(raw: str) -> list[str]:
+    """RPC workers, "host:port,host:port" (IPv6 in brackets), each checked; duplicates dropped in order."""
+    out: list[str] = []
+    for item in parse_list(raw):
+        host, sep, port = item.rpartition(":")
+        if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{item!r} is not host:port (for example 192.168.1.20:50052)")
+        if item not in out:
+            out.append(item)
+    if len(out) > MAX_RPC_WORKERS:
+        raise ValueError(f"{len(out)} workers; llama.cpp takes at most {MAX_RPC_WORKERS}")
+    return out
+
+
 def _default_home() -> Path:
     from platformdirs import user_data_dir
 
@@ -154,6 +171,8 @@ OFFLINE = Setting("LOCALLLM_OFFLINE", "never touch the network; a missing model 
                   lambda: parse_bool(os.environ.get("HF_HUB_OFFLINE", "0") or "0"))
 MAX_BODY = Setting("LOCALLLM_MAX_BODY", "largest request body in bytes (413 above it)", parse_positive_int,
                    lambda: 32 * 1024 * 1024)
+RPC = Setting("LOCALLLM_RPC", "RPC workers (`localllm worker`) whose devices take layers of each model loaded: "
+              "host:port[,host:port...]", lambda raw: parse_endpoints(raw), lambda: [])
 LOG_LEVEL = Setting("LOCALLLM_LOG_LEVEL", "server log level: debug, info, warning, error",
                     lambda raw: _one_of(raw.lower(), ("debug", "info", "warning", "error")), lambda: "info")
 RESPONSES_MAX = Setting("LOCALLLM_RESPONSES_MAX", "stored /v1/responses kept for previous_response_id; the oldest "
@@ -169,7 +188,7 @@ CACHE_DISK = Setting("LOCALLLM_CACHE_DISK", "disk per model (under LOCALLLM_HOME
 
 ALL: tuple[Setting, ...] = (HOME, HOST, NUM_PARALLEL, MAX_QUEUE, KEEP_ALIVE, MAX_LOADED_MODELS, CONTEXT_LENGTH,
                             NUM_THREAD, KV_CACHE_TYPE, FLASH_ATTENTION, QUALITY_TOKENS, ORIGINS, ALLOWED_HOSTS, API_KEY,
-                            OFFLINE, MAX_BODY, LOG_LEVEL, CACHE_RAM, CACHE_DISK, RESPONSES_MAX, RESPONSES_MAX_AGE)
+                            OFFLINE, MAX_BODY, RPC, LOG_LEVEL, CACHE_RAM, CACHE_DISK, RESPONSES_MAX, RESPONSES_MAX_AGE)
 
 
 def _bounded_int(raw: str, low: int, high: int) -> int:

@@ -134,3 +134,9 @@ class ServerConflict(LocalLLMError):
     """The server at the configured address serves another LOCALLLM_HOME (its models, not ours)."""
 
     status_code = 409
+
+
+class WorkerLost(LocalLLMError):
+    """An RPC worker (`localllm worker`) cannot be reached, or went away while a model used it."""
+
+    status_code = 502

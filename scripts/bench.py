@@ -95,6 +95,13 @@ def mlx_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return run_mlx_benchmarks(path)
 
 
+def rpc_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """Decode with every layer on a `localllm worker` over loopback against local decode (scripts/bench_rpc.py)."""
+    from bench_rpc import run_rpc_benchmarks
+
+    return run_rpc_benchmarks(path, n=args.tokens, threads=args.threads)
+
+
 SECTIONS: dict[str, tuple[str, Section]] = {
     "engine": ("Engine against raw llama.cpp", engine_section),
     "rest": ("REST path against raw llama.cpp", rest_section),
@@ -102,6 +109,7 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "spec": ("Speculative decoding", spec_section),
     "prefix": ("Prefix cache beyond the slots", prefix_section),
     "mlx": ("MLX against llama.cpp (informational)", mlx_section),
+    "rpc": ("RPC worker over loopback (informational)", rpc_section),
 }
 
 

@@ -13,6 +13,7 @@ from typing import Hashable, Optional, Protocol, Sequence
 import numpy as np
 
 from ..api import LoadOptions, LoraAdapter, SamplingOptions
+from ..models.plan import Placement
 
 
 def greedy_pick(logits: np.ndarray) -> tuple[int, float]:
@@ -139,6 +140,7 @@ class LoadedModel(Protocol):
     kv_pad: int  # the backend attends over its cache in spans of this many cells (1: exactly)
     adjustable_threads: bool  # set_threads takes effect (the engine then tunes the count as it runs)
     weights: Hashable  # equal for loads that share one copy of the weights in memory
+    placement: Optional[Placement]  # where its layers went (CPU, GPUs, RPC workers); None where not placed
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
 
@@ -195,3 +197,6 @@ class Backend(Protocol):
              adapters: Sequence[LoraAdapter] = ()) -> LoadedModel:
         """Load the weights at `path` (a split GGUF's first part) with `adapters` applied; a backend that cannot
         apply adapters raises InvalidInput."""
+
+    def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> Optional[Placement]:
+        """Where load() would put the layers with these options, by the devices' free memory now."""

@@ -15,15 +15,18 @@ import ctypes
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence, cast
+from functools import partial
+from typing import Any, Callable, Hashable, Optional, Sequence, cast
 
 import llama_cpp
 import numpy as np
 
 from ..api import LoadOptions, LoraAdapter, SamplingOptions
-from ..errors import InvalidInput, LocalLLMError, ModelFormatError
+from ..errors import InvalidInput, LocalLLMError, ModelFormatError, WorkerLost
 from ..machine import physical_cores
+from ..models.plan import Placement
 from .base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead
+from .rpc import PlacedModel, RpcGuard, place_model
 from .llama_cpp_spec import LlamaGrammarProbe, LlamaMtpHead
 
 log = logging.getLogger(__name__)
@@ -46,13 +49,15 @@ def _init_backend() -> None:
         _initialised = True
 
 
-WeightsKey = tuple[str, int, bool]
+WeightsKey = tuple[str, int, tuple[float, ...], bool]
 
 
-def weights_key(path: Path, options: LoadOptions) -> WeightsKey:
-    """What makes two loads' llama_models interchangeable: the same file (a split GGUF's first part names the set)
-    and the options that shape the weights in memory. Context options (num_ctx, slots, KV type, ...) do not."""
-    return str(Path(path).absolute()), _gpu_layers(options), options.use_mmap
+def weights_key(path: Path, options: LoadOptions, placed: PlacedModel) -> WeightsKey:
+    """What makes two loads' llama_models interchangeable: the same file (a split GGUF's first part names the set),
+    placed alike, with the options that shape the weights in memory. Context options (num_ctx, slots, KV type, ...)
+    do not count."""
+    placement = placed.placement
+    return str(Path(path).absolute()), placement.n_gpu_layers, tuple(placement.tensor_split), options.use_mmap
 
 
 class _SharedWeights:
@@ -65,12 +70,12 @@ class _SharedWeights:
         self.lock = threading.RLock()
         self._models: dict[WeightsKey, list] = {}  # key -> [llama_model pointer, users]
 
-    def acquire(self, path: Path, options: LoadOptions):
-        key = weights_key(path, options)
+    def acquire(self, path: Path, options: LoadOptions, placed: PlacedModel):
+        key = weights_key(path, options, placed)
         with self.lock:
             entry = self._models.get(key)
             if entry is None:
-                entry = self._models[key] = [_load_weights(path, options), 0]
+                entry = self._models[key] = [_load_weights(path, options, placed), 0]
             entry[1] += 1
             return key, entry[0]
 
@@ -102,18 +107,50 @@ class LlamaCppBackend:
     def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int,
              adapters: Sequence[LoraAdapter] = ()) -> "LlamaCppModel":
         _init_backend()
-        key, model = _WEIGHTS.acquire(path, options)
+        if not Path(path).is_file():
+            raise ModelFormatError(f"weights file {path} does not exist")
+        placed = place_model(path, options, n_seq=n_seq, n_ctx=n_ctx)
+        if placed.endpoints:
+            return _load_over_rpc(path, options, placed, n_seq=n_seq, n_ctx=n_ctx, adapters=adapters)
+        key, model = _WEIGHTS.acquire(path, options, placed)
         ctx, loras = None, _Adapters([], [])
         try:
             ctx = _new_context(model, options, n_seq=n_seq, n_ctx=n_ctx)
             loras = _apply_adapters(model, ctx, adapters)
-            return LlamaCppModel(path, model, ctx, options, n_seq=n_seq, weights=key, adapters=loras)
+            return LlamaCppModel(path, model, ctx, options, n_seq=n_seq, placement=placed.placement,
+                                 release_weights=partial(_WEIGHTS.release, key), weights=key, adapters=loras)
         except BaseException:
             _free_adapters(loras)
             if ctx is not None:
                 llama_cpp.llama_free(ctx)
             _WEIGHTS.release(key)
             raise
+
+    def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> Placement:
+        return place_model(path, options, n_seq=n_seq, n_ctx=n_ctx).placement
+
+
+def _load_over_rpc(path: Path, options: LoadOptions, placed: PlacedModel, *, n_seq: int, n_ctx: int,
+                   adapters: Sequence[LoraAdapter]) -> "LlamaCppModel":
+    """A load with layers on RPC workers: its own weights (never shared), and every native call that may reach a
+    worker through the guard, which gives up when a worker is lost."""
+    guard = RpcGuard(placed.endpoints)
+    try:
+        model = guard.call(_load_weights, path, options, placed)
+        try:
+            ctx = guard.call(_new_context, model, options, n_seq=n_seq, n_ctx=n_ctx)
+            loras = guard.call(_apply_adapters, model, ctx, adapters)
+        except WorkerLost:
+            raise
+        except BaseException:
+            guard.call(llama_cpp.llama_model_free, model)
+            raise
+    except BaseException:
+        guard.close()
+        raise
+    return LlamaCppModel(path, model, ctx, options, n_seq=n_seq, placement=placed.placement,
+                         release_weights=partial(llama_cpp.llama_model_free, model), weights=(str(path), id(model)),
+                         adapters=loras, guard=guard)
 
 
 class _Adapters:
@@ -174,18 +211,15 @@ def _reserve_now(ctx) -> None:
         llama_cpp.llama_batch_free(batch)
 
 
-def _gpu_layers(options: LoadOptions) -> int:
-    # num_gpu None means "all layers that fit": llama.cpp clamps a large count to the model's layers.
-    return 999 if options.num_gpu is None or options.num_gpu < 0 else options.num_gpu
-
-
-
-def _load_weights(path: Path, options: LoadOptions):
-
-    if not Path(path).is_file():
-        raise ModelFormatError(f"weights file {path} does not exist")
+def _load_weights(path: Path, options: LoadOptions, placed: PlacedModel):
     params = llama_cpp.llama_model_default_params()
-    params.n_gpu_layers = _gpu_layers(options)
+    # Always an explicit device list (NULL-terminated), even empty: a NULL list would take every device ggml
+    # knows, RPC workers another load registered included.
+    devices = (ctypes.c_void_p * (len(placed.devices) + 1))(*[d.handle for d in placed.devices], None)
+    split = (ctypes.c_float * max(llama_cpp.llama_max_devices(), len(devices)))(*placed.placement.tensor_split)
+    params.devices = ctypes.cast(devices, ctypes.c_void_p)
+    params.tensor_split = split
+    params.n_gpu_layers = placed.placement.n_gpu_layers
     params.use_mmap = options.use_mmap
     # Weights with MTP (nextn) layers bring their heads for speculative decoding (speculative.py); the trunk's own
     # context never runs them, and files without them are unaffected.
@@ -281,12 +315,17 @@ class LlamaCppModel:
     kv_pad = 256
     adjustable_threads = True
 
-    def __init__(self, path: Path, model, ctx, options: LoadOptions, *, n_seq: int, weights: WeightsKey,
-                 adapters: "_Adapters"):
+    def __init__(self, path: Path, model, ctx, options: LoadOptions, *, n_seq: int, weights: Hashable,
+                 release_weights: Callable[[], None], adapters: "_Adapters", placement: Optional[Placement] = None,
+                 guard: Optional[RpcGuard] = None):
         self.path = path
         self.options = options
-        self.weights = weights  # shared with every other load of the same weights (_WEIGHTS)
+        self.weights = weights  # equal for every load that shares this llama_model (_WEIGHTS)
+        self._release_weights = release_weights
         self._adapters = adapters
+        self.placement = placement
+        # With RPC workers, calls that reach them run through the guard, which gives up when a worker is lost.
+        self._guard = guard
         self._model = model
         self._ctx = ctx
         self._vocab = llama_cpp.llama_model_get_vocab(model)
@@ -358,10 +397,20 @@ class LlamaCppModel:
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = batch.seqs[i]
             b.logits[i] = batch.logits[i]
-        status = llama_cpp.llama_decode(self._ctx, b)
+        status = self._decode_native(b) if self._guard is not None else llama_cpp.llama_decode(self._ctx, b)
         if status != 0:
             raise LocalLLMError(f"llama_decode failed with status {status} on a batch of {n} tokens",
                                 hint="1 means the KV cache is full: lower num_parallel or raise num_ctx")
+
+    def _decode_native(self, batch) -> int:
+        def decode_and_wait() -> int:
+            # RPC computes asynchronously: wait here, under the guard, so that reading the logits never blocks.
+            status = llama_cpp.llama_decode(self._ctx, batch)
+            llama_cpp.llama_synchronize(self._ctx)
+            return status
+
+        assert self._guard is not None
+        return self._guard.call(decode_and_wait)
 
     def logits(self, row: int) -> np.ndarray:
         return self.logits_view(row).copy()
@@ -389,7 +438,10 @@ class LlamaCppModel:
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         # Each sequence has its own KV stream, and llama.cpp copies across streams only whole: copy, then cut.
         llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
-        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        if self._guard is not None:  # the copy moves cache data, which may sit on a worker
+            self._guard.call(llama_cpp.llama_memory_seq_cp, self._mem, src, dst, -1, -1)
+        else:
+            llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
         llama_cpp.llama_memory_seq_rm(self._mem, dst, n, -1)
 
     def cache_shape(self) -> CacheShape:
@@ -416,6 +468,11 @@ class LlamaCppModel:
             raise LocalLLMError(f"llama.cpp could not load a saved state of {len(data):,} bytes into slot {seq}")
 
     def embed(self, tokens: Sequence[int]) -> list[float]:
+        if self._guard is not None:  # its context and decode may reach a worker
+            return self._guard.call(self._embed, tokens)
+        return self._embed(tokens)
+
+    def _embed(self, tokens: Sequence[int]) -> list[float]:
         ctx = self._embedding_context(len(tokens))
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
         batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
@@ -449,12 +506,23 @@ class LlamaCppModel:
         if self._ctx is None:
             return
         llama_cpp.llama_batch_free(self._batch)
+        try:
+            if self._guard is not None:
+                self._guard.call(self._free_native)
+                self._guard.close()
+            else:
+                self._free_native()
+        except WorkerLost as exc:
+            # Freeing talks to the lost worker through llama.cpp's dead connection and would never return.
+            log.error("%s is abandoned, not freed: %s", self.path.name, exc)
+        self._ctx = self._embed_ctx = self._model = None
+
+    def _free_native(self) -> None:
         if self._embed_ctx is not None:
             llama_cpp.llama_free(self._embed_ctx)
         llama_cpp.llama_free(self._ctx)
         _free_adapters(self._adapters)
-        _WEIGHTS.release(self.weights)
-        self._ctx = self._embed_ctx = self._model = None
+        self._release_weights()
 
     def set_threads(self, n: int) -> None:
         llama_cpp.llama_set_n_threads(self._ctx, n, n)

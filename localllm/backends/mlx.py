@@ -33,6 +33,9 @@ GRAMMAR_UNSUPPORTED = "structured output (grammar / JSON schema) is not supporte
 class MlxBackend:
     name = "mlx"
 
+    def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> None:
+        return None  # one device, unified memory: nothing to place
+
     def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int,
              adapters: Sequence[LoraAdapter] = ()) -> "MlxModel":
         import mlx_lm
@@ -162,6 +165,7 @@ class MlxModel:
     n_batch = 512  # prefill chunk: the scheduler's token budget per step
     kv_pad = 1  # attention spans the cache exactly (no padded grid as in llama.cpp)
     adjustable_threads = False  # MLX schedules its own threads: the engine's thread tuner leaves it alone
+    placement = None  # MLX runs the whole model on its one device
 
     def __init__(self, path: Path, model, tokenizer, config: dict, *, n_seq: int, n_ctx: int):
         self.path = path

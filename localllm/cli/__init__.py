@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from .app import app
-from . import models, chat, serve, bench, plan  # noqa: E402,F401  (registration by import)
+from . import models, chat, serve, bench, plan, worker  # noqa: E402,F401  (registration by import)
 
 
 def main() -> None:

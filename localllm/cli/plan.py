@@ -1,4 +1,5 @@
-"""`localllm plan MODEL [MODEL...]`: the memory loads will take, read before anything loads."""
+"""`localllm plan MODEL [MODEL...]`: the memory loads will take, and where their layers go, read before anything
+loads."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import typer
 from rich.table import Table
 
 from ..errors import LocalLLMError
+from ..models.plan import Placement
 from .app import app, console
 
 if TYPE_CHECKING:
@@ -26,43 +28,50 @@ def plan(
     num_ctx: Optional[int] = typer.Option(None, "--num-ctx", min=16, help="context per slot"),
     num_parallel: Optional[int] = typer.Option(None, "--num-parallel", min=1, help="slots"),
     kv_type: Optional[str] = typer.Option(None, "--kv-type", help="f16, q8_0 or q4_0"),
+    num_gpu: Optional[int] = typer.Option(None, "--num-gpu", min=-1, max=100_000,
+                                          help="layers to offload (default: all that fit)"),
+    rpc: Optional[str] = typer.Option(None, "--rpc", help="RPC workers host:port,... (default LOCALLLM_RPC)"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
 ) -> None:
     """Show the memory a load will take, before loading.
 
-    Weights, adapters, KV cache per slot and compute buffer for these options; models over the same weights count
-    them once. Exits 1 when it does not fit."""
+    Weights, adapters, KV cache per slot and compute buffer for these options, and the layers each device takes;
+    models over the same weights count them once. Exits 1 when it does not fit."""
     from .. import config
     from ..engine.prefix_cache import ram_limit
     from ..models.plan import total_with_shared_weights
 
-    overrides = {k: v for k, v in {"num_ctx": num_ctx, "num_parallel": num_parallel, "kv_type": kv_type}.items()
-                 if v is not None}
+    overrides = {k: v for k, v in {"num_ctx": num_ctx, "num_parallel": num_parallel, "kv_type": kv_type,
+                                    "num_gpu": num_gpu, "rpc": rpc}.items() if v is not None}
     plans = [_plan_one(model, overrides) for model in models]
-    total = total_with_shared_weights([(identity, mem) for _, identity, mem in plans])
+    total = total_with_shared_weights([(identity, mem) for _, identity, mem, _ in plans])
     available = plans[0][2].available
     cache_ram, cache_disk = ram_limit(), config.CACHE_DISK.get()
     if as_json:
-        rows = [{"model": name, **mem.__dict__, "total": mem.total, "fits": mem.fits, "cache_ram_limit": cache_ram,
-                 "cache_disk_limit": cache_disk} for name, _, mem in plans]
+        rows = [{"model": name, **{k: v for k, v in mem.__dict__.items() if not isinstance(v, tuple)},
+                 "total": mem.total, "fits": mem.fits, "cache_ram_limit": cache_ram, "cache_disk_limit": cache_disk,
+                 "placement": _placement_json(placement)} for name, _, mem, placement in plans]
         console.print_json(json.dumps(rows[0] if len(rows) == 1 else {"models": rows, "total": total}))
     else:
         seen: set = set()
-        for name, identity, mem in plans:
+        for name, identity, mem, placement in plans:
             console.print(_table(name, mem, shared=identity in seen, cache_ram=cache_ram, cache_disk=cache_disk))
+            if placement is not None:
+                console.print(_placement_table(placement))
             seen.add(identity)
         if len(plans) > 1:
             verdict = "" if available is None else \
                 f" ({'fits' if total <= available else 'does not fit'} in {_mib(available)} available)"
             console.print(f"[bold]all {len(plans)} models: {_mib(total)}[/] (shared weights counted once){verdict}")
     if available is not None and total > available:  # a script can test the exit code; unknown memory is no failure
-        names = ", ".join(name for name, _, _ in plans)
+        names = ", ".join(name for name, _, _, _ in plans)
         raise LocalLLMError(f"{names} does not fit: it needs {_mib(total)} and {_mib(available)} is available",
                             hint="lower --num-ctx or --num-parallel, or use --kv-type q8_0")
 
 
 def _plan_one(model: str, overrides: dict):
     from ..engine.pool import effective_load, resolve_options
+    from ..engine.scaleout import placement as place
     from ..errors import InvalidInput
     from ..formats.gguf import inspect_gguf, inspect_lora
     from ..models.plan import plan_memory, weights_identity
@@ -72,10 +81,9 @@ def _plan_one(model: str, overrides: dict):
     if resolved.format != "gguf":
         raise InvalidInput(f"{model} is an {resolved.format} model; the memory plan reads GGUF metadata")
     load, _ = resolve_options(resolved, overrides)
-    load = effective_load(load)
     adapters: int = sum([inspect_lora(Path(adapter.path)).tensor_bytes for adapter in resolved.adapters], 0)
-    mem = plan_memory(inspect_gguf(resolved.weights), load, adapters=adapters)
-    return resolved.name, weights_identity(resolved.weights, load), mem
+    mem = plan_memory(inspect_gguf(resolved.weights), effective_load(load), adapters=adapters)
+    return resolved.name, weights_identity(resolved.weights, effective_load(load)), mem, place(resolved, load)
 
 
 def _table(name: str, mem: MemoryPlan, *, shared: bool, cache_ram: int, cache_disk: int) -> Table:
@@ -96,4 +104,28 @@ def _table(name: str, mem: MemoryPlan, *, shared: bool, cache_ram: int, cache_di
     if mem.available is not None:
         verdict = "fits" if mem.fits else "[red]does not fit[/]"
         table.add_row("available now", f"{_mib(mem.available)} ({verdict})")
+    return table
+
+
+def _placement_json(placement: Optional[Placement]) -> Optional[dict]:
+    if placement is None:
+        return None
+    return {"n_gpu_layers": placement.n_gpu_layers, "fits": placement.fits, "devices": [
+        {"device": s.device.name, "description": s.device.description, "kind": s.device.kind, "layers": s.layers,
+         "weights": s.weights, "kv": s.kv, "compute": s.compute, "total": s.total, "free": s.device.free,
+         "usable": s.device.usable, "fits": s.fits} for s in placement.shares]}
+
+
+def _placement_table(placement: Placement) -> Table:
+    """Per device, the numbers the loader uses: what it holds, against its free memory less the margin."""
+    units = sum(s.layers for s in placement.shares)
+    verdict = "fits" if placement.fits else "[red]does not fit: lower num_ctx or num_parallel, or add a device[/]"
+    table = Table(title=f"placement: {placement.n_gpu_layers} of {units} layers offloaded ({verdict})",
+                  caption="usable: free memory less a margin (5%, at least 256 MiB)")
+    for column in ("device", "layers", "weights", "KV cache", "compute", "total", "usable"):
+        table.add_column(column, justify="left" if column == "device" else "right")
+    for s in placement.shares:
+        name = f"{s.device.name} ({s.device.description})" if s.device.description else s.device.name
+        usable = _mib(s.device.usable) + ("" if s.fits else " [red]too small[/]")
+        table.add_row(name, str(s.layers), _mib(s.weights), _mib(s.kv), _mib(s.compute), _mib(s.total), usable)
     return table

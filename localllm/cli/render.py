@@ -189,18 +189,19 @@ def _rate_text(count: int, duration_ns: int) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- ps
 
-PS_COLUMNS = ("NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "GPU", "SPEC", "PREFIX CACHE", "UNTIL")
+PS_COLUMNS = ("NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "LAYERS", "SPEC", "PREFIX CACHE",
+              "UNTIL")
 # Below this width the ID goes (`localllm ps | cat` prints it) and the long headers shorten, so a row fits 80 columns.
 PS_WIDE = 100
 _NARROW_HEADERS = {"CTX/SLOT": "CTX", "PREFIX CACHE": "CACHE"}
 # On a narrow terminal these fold, so the name stays whole.
-_WRAPPABLE = frozenset({"BACKEND", "SPEC", "PREFIX CACHE", "UNTIL"})
+_WRAPPABLE = frozenset({"BACKEND", "LAYERS", "SPEC", "PREFIX CACHE", "UNTIL"})
 
 
 def ps_rows(models: Iterable[api.ProcessModel]) -> list[tuple[str, ...]]:
     """`localllm ps`: effective values, never totals to divide (context is per slot; BUSY is busy/total slots)."""
     return [(row.name, row.digest[:12], _size_text(row), _backend_text(row), _slots_text(row),
-             str(row.context_length), row.kv_type, _gpu_text(row.gpu_layers), _speculation_text(row),
+             str(row.context_length), row.kv_type, _placement_text(row), _speculation_text(row),
              _prefix_cache_text(row), _until_text(row)) for row in models]
 
 
@@ -246,6 +247,14 @@ def _size_text(row: api.ProcessModel) -> str:
 def _slots_text(row: api.ProcessModel) -> str:
     text = f"{row.slots_busy}/{row.slots_total}"
     return text + (f" +{row.queue_depth} queued" if row.queue_depth else "")
+
+
+def _placement_text(row: api.ProcessModel) -> str:
+    """Where the layers run, "CPU 10, RPC0 127.0.0.1:50052 21"; the num_gpu setting where the backend placed none."""
+    if not row.placement:
+        return _gpu_text(row.gpu_layers)
+    return ", ".join(f"{p.device}{' ' + p.description if p.device.startswith('RPC') else ''} {p.layers}"
+                     for p in row.placement)
 
 
 def _gpu_text(layers: int) -> str:

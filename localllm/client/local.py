@@ -19,6 +19,7 @@ from ..engine.runner import EngineChunk, GenerationParams
 from ..errors import ContextOverflow, InvalidInput
 from ..models.info import show_model
 from ..models.options import bound_sampling
+from ..models.plan import Placement
 from ..models.pull import pull_model
 from ..engine.speculative.speculation import load_speculation
 from ..models.store import ResolvedModel, Store
@@ -569,20 +570,23 @@ def _refuse_images(images: Optional[list[str]]) -> None:
 
 def _process_row(entry: Loaded, sharing: list[str]) -> api.ProcessModel:
     stats = entry.engine.snapshot()
+    placement = entry.engine.model.placement
     model = entry.model
     return api.ProcessModel(
         name=model.name, model=model.name, size=model.size, digest=model.digest.removeprefix("sha256-"),
         details=model.details, expires_at=entry.expires_at, context_length=entry.engine.n_ctx,
         backend=entry.backend, slots_busy=stats.slots_busy, slots_total=stats.slots_total,
         queue_depth=stats.queue_depth, kv_type=entry.options.kv_type or "f16",
-        gpu_layers=entry.options.num_gpu if entry.options.num_gpu is not None else -1,
+        gpu_layers=_gpu_layers(entry),
+        size_vram=sum(s.total for s in placement.offload) if placement is not None else 0,
         speculation=entry.speculation.kind if entry.speculation is not None else "none",
         threads=stats.threads, threads_auto=entry.engine.threads is not None,
         draft_count=stats.draft_tokens, draft_accepted=stats.accepted_tokens,
         status="removed" if entry.removed else None, cache_ram_bytes=stats.cache_ram_bytes,
         cache_ram_limit=stats.cache_ram_limit, cache_disk_bytes=stats.cache_disk_bytes,
         cache_disk_limit=stats.cache_disk_limit, prefix_cache_hits=dict(stats.prefix_hits),
-        prefix_cache_tokens=dict(stats.prefix_tokens), shares_weights_with=sharing)
+        prefix_cache_tokens=dict(stats.prefix_tokens), shares_weights_with=sharing,
+        placement=_placement_rows(placement))
 
 
 def _generate_sampling(loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest) -> api.SamplingOptions:
@@ -591,3 +595,18 @@ def _generate_sampling(loaded: Loaded, model: ResolvedModel, request: api.Genera
     if not request.raw and _template(loaded, model, request.template) is None:
         sampling = transcript_sampling(sampling)
     return sampling
+
+
+def _gpu_layers(entry: Loaded) -> int:
+    """Layers off the CPU as placed; else the num_gpu asked for (-1: the backend's "all that fit")."""
+    placement = entry.engine.model.placement
+    if placement is None or any(s.layers == 0 for s in placement.offload):  # llama.cpp split them itself
+        return entry.options.num_gpu if entry.options.num_gpu is not None else -1
+    return placement.n_gpu_layers
+
+
+def _placement_rows(placement: Optional[Placement]) -> list[api.DeviceLayers]:
+    if placement is None:
+        return []
+    return [api.DeviceLayers(device=s.device.name, description=s.device.description, layers=s.layers,
+                             memory=s.total) for s in placement.shares if s.layers or s.device.kind == "cpu"]

@@ -74,6 +74,7 @@ def effective_load(load: api.LoadOptions) -> api.LoadOptions:
         "num_thread": load.num_thread or config.NUM_THREAD.get(),  # None: tuned as it runs
         "kv_type": load.kv_type or config.KV_CACHE_TYPE.get(),
         "flash_attn": config.FLASH_ATTENTION.get() if load.flash_attn is None else load.flash_attn,
+        "rpc": ",".join(config.RPC.get()) if load.rpc is None else load.rpc,  # "" (none) stays ""
     })
 
 
@@ -145,7 +146,8 @@ class ModelPool:
 
     @staticmethod
     def _needs_reload(entry: Loaded, load: api.LoadOptions) -> bool:
-        return entry.options != load
+        # A closed engine failed (say, its RPC worker went away): load again rather than queue to nobody.
+        return entry.options != load or entry.engine.closed
 
     def _unload_when_idle(self, entry: Loaded, *, reason: str) -> None:
         if entry.users > 0:

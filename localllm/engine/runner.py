@@ -261,6 +261,10 @@ class ModelEngine:
         self._inbox.put(_Import(blob, future))
         return future.result()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def busy(self) -> bool:
         return self._outstanding > 0
 
@@ -301,6 +305,7 @@ class ModelEngine:
             log.exception("engine thread failed")
             self._fail_all(exc if isinstance(exc, LocalLLMError) else LocalLLMError(f"engine failed: {exc}"))
         finally:
+            self._closed = True  # new requests get Cancelled, not a queue nobody reads (the pool then reloads)
             self._fail_all(Cancelled("the model was unloaded"))
             self._keeper.keep_on_disk()
             if self.speculation is not None:

@@ -80,6 +80,7 @@ class GGUFInfo:
     license: Optional[str]
     metadata: dict[str, Any] = field(repr=False)  # scalars and short arrays; long arrays are in `arrays`
     arrays: dict[str, tuple[str, int]] = field(repr=False)  # every array key -> (item type, length)
+    tensor_sizes: dict[str, int] = field(default_factory=dict, repr=False)  # tensor name -> bytes (layer placement)
 
     @property
     def quantization_level(self) -> str:
@@ -511,6 +512,7 @@ def inspect_gguf(path: Path) -> GGUFInfo:
         has_mtp=(_arch_int(meta, arch, gguf.Keys.LLM.NEXTN_PREDICT_LAYERS) or 0) > 0,
         license=_text(meta, gguf.Keys.General.LICENSE),
         metadata=meta, arrays=header.arrays,
+        tensor_sizes={tensor.name: tensor.nbytes for tensor in header.tensors},
     )
 
 

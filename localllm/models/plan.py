@@ -12,9 +12,10 @@ the backend loads them once and gives each model its own context."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Sequence
 
 from ..api import LoadOptions
 from ..errors import ModelFormatError
@@ -36,6 +37,13 @@ class MemoryPlan:
     num_parallel: int
     kv_type: str
     available: Optional[int]  # memory the OS reports as available now, when it can tell
+    # By layer, for placement: weights of each repeating block, KV of each block over all slots; the input
+    # embedding (always on the CPU) and the output head (placed like one more layer, after the blocks).
+    layer_weights: tuple[int, ...] = ()
+    layer_kv: tuple[int, ...] = ()
+    input_weights: int = 0
+    output_weights: int = 0
+    output_tied: bool = False  # the head is token_embd: a copy only where it leaves the CPU
 
     @property
     def total(self) -> int:
@@ -50,13 +58,40 @@ def plan_memory(info: GGUFInfo, load: LoadOptions, *, adapters: int = 0) -> Memo
     """`load` must carry effective values (engine/pool.effective_load fills them from the environment); `adapters`
     is the bytes of the LoRA adapters' tensors (gguf.inspect_lora)."""
     n_ctx, slots, kv_type = load.num_ctx or 0, load.num_parallel or 1, load.kv_type or "f16"
-    per_token = int(kv_elements_per_token(info) * KV_BYTES[kv_type])
+    per_layer = kv_elements_by_layer(info)
+    per_token = int(sum(per_layer) * KV_BYTES[kv_type])
     per_slot = per_token * n_ctx
     n_vocab = info.vocab_size or 0
     compute = load.num_batch * n_vocab * 4 + load.num_batch * (info.embedding_length or 0) * 4 * 4
+    blocks, input_weights, output_weights = _weights_by_layer(info)
+    tied = "output.weight" not in info.tensor_sizes
     return MemoryPlan(weights=info.tensor_bytes, adapters=adapters, kv_per_token=per_token, kv_per_slot=per_slot,
                       kv_total=per_slot * slots, compute=compute, num_ctx=n_ctx, num_parallel=slots,
-                      kv_type=kv_type, available=available_memory())
+                      kv_type=kv_type, available=available_memory(), layer_weights=blocks,
+                      layer_kv=tuple(int(n * KV_BYTES[kv_type]) * n_ctx * slots for n in per_layer),
+                      input_weights=input_weights, output_weights=output_weights, output_tied=tied)
+
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def _weights_by_layer(info: GGUFInfo) -> tuple[tuple[int, ...], int, int]:
+    """(bytes of each repeating block, input bytes, output-head bytes). Tied embeddings: llama.cpp gives the output
+    layer its own copy of token_embd, so the head costs that much wherever it goes."""
+    layers = info.block_count or 0
+    blocks = [0] * layers
+    other = 0
+    for name, size in info.tensor_sizes.items():
+        match = _BLOCK.match(name)
+        if match and int(match.group(1)) < layers:
+            blocks[int(match.group(1))] += size
+        else:
+            other += size
+    sizes = info.tensor_sizes
+    output = sum(size for name, size in sizes.items() if name.startswith("output"))
+    if "output.weight" not in sizes:
+        output += sizes.get("token_embd.weight", 0)
+    return tuple(blocks), other - sum(size for name, size in sizes.items() if name.startswith("output")), output
 
 
 def weights_identity(path: Path, load: LoadOptions) -> tuple:
@@ -76,6 +111,11 @@ def total_with_shared_weights(plans: list[tuple[Any, MemoryPlan]]) -> int:
 
 def kv_elements_per_token(info: GGUFInfo) -> int:
     """K and V elements one token adds to one slot's cache, summed over layers."""
+    return sum(kv_elements_by_layer(info))
+
+
+def kv_elements_by_layer(info: GGUFInfo) -> list[int]:
+    """K and V elements one token adds to one slot's cache, layer by layer."""
     arch, meta = info.architecture, info.metadata
     layers = info.block_count
     heads = _per_layer(meta.get(f"{arch}.attention.head_count"), layers)
@@ -86,7 +126,7 @@ def kv_elements_per_token(info: GGUFInfo) -> int:
                                f"({arch}.block_count / attention.head_count)")
     key_len = meta.get(f"{arch}.attention.key_length") or info.embedding_length // max(heads)
     value_len = meta.get(f"{arch}.attention.value_length") or key_len
-    return sum(kv * (key_len + value_len) for kv in kv_heads)
+    return [kv * (key_len + value_len) for kv in kv_heads]
 
 
 def _per_layer(value: Any, layers: Optional[int]) -> list[int]:
@@ -105,5 +145,201 @@ def available_memory() -> Optional[int]:
         pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------- placement
+
+DeviceKind = Literal["cpu", "gpu", "igpu", "rpc", "accel", "meta"]
+MARGIN_MIN = 256 * 2**20  # kept free on every device: drivers, fragmentation, the estimate's error
+MARGIN_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class DeviceReport:
+    """What a device says of itself: ggml's name (CPU, CUDA0, RPC0), description, and memory in bytes."""
+
+    name: str
+    description: str
+    kind: DeviceKind
+    free: int
+    total: int
+
+    @property
+    def margin(self) -> int:
+        return max(MARGIN_MIN, int(self.total * MARGIN_SHARE))
+
+    @property
+    def usable(self) -> int:
+        return max(0, self.free - self.margin)
+
+
+@dataclass(frozen=True)
+class DeviceShare:
+    """The part of a model one device holds: `layers` counts repeating layers, plus one for the output head."""
+
+    device: DeviceReport
+    layers: int
+    weights: int
+    kv: int
+    compute: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device.usable
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model's layers go. shares[0] is the host (the CPU, which always holds the input embedding); the
+    rest are the offload devices in the order llama.cpp is given them, each holding a contiguous run of layers."""
+
+    n_gpu_layers: int  # llama_model_params.n_gpu_layers: the last n of the n_layer + 1 units (blocks, output)
+    shares: tuple[DeviceShare, ...]
+    tensor_split: tuple[float, ...]  # one per offload device: llama.cpp's split points fall between our counts
+
+    @property
+    def host(self) -> DeviceShare:
+        return self.shares[0]
+
+    @property
+    def offload(self) -> tuple[DeviceShare, ...]:
+        return self.shares[1:]
+
+    @property
+    def fits(self) -> bool:
+        return all(share.fits for share in self.shares)
+
+
+def place_layers(plan: MemoryPlan, host: DeviceReport, devices: Sequence[DeviceReport],
+                 num_gpu: Optional[int] = None) -> Placement:
+    """Place a model's layers on `devices` (offload devices, in llama.cpp's order) and the host.
+
+    num_gpu None or -1: as many layers as fit, leaving each device its margin, and the rest on the host; llama.cpp
+    offloads the last layers, the first device taking the lowest of them, so the devices are filled from the last
+    one down. num_gpu n >= 0: exactly n units, shared by the devices in proportion to their usable memory."""
+    costs = list(_unit_costs(plan))
+    if not devices:
+        counts: list[int] = []
+    elif num_gpu is None or num_gpu < 0:
+        counts = _fill_from_the_top(costs, [d.usable - plan.compute for d in devices])
+    else:
+        counts = _proportional(min(num_gpu, len(costs)), [max(0, d.usable) for d in devices])
+    offloaded = sum(counts)
+    start = len(costs) - offloaded
+    shares = [_share(host, plan, costs, 0, start, host_part=True)]
+    split: list[float] = []
+    position = start
+    for device, count in zip(devices, counts):
+        if count == 0:
+            continue
+        shares.append(_share(device, plan, costs, position, position + count, host_part=False))
+        position += count
+        split.append(float(count))
+    return Placement(n_gpu_layers=offloaded, shares=tuple(shares), tensor_split=_split_points(split))
+
+
+def unplanned_placement(host: DeviceReport, devices: Sequence[DeviceReport],
+                        num_gpu: Optional[int] = None) -> Placement:
+    """For weights without the metadata a plan needs: llama.cpp splits by free memory itself (a zero tensor_split),
+    and how many layers each device got is not known here."""
+    n_gpu = 0 if not devices else 999 if num_gpu is None or num_gpu < 0 else num_gpu
+    shares = tuple(DeviceShare(device=d, layers=0, weights=0, kv=0, compute=0) for d in [host, *devices])
+    return Placement(n_gpu_layers=n_gpu, shares=shares, tensor_split=())
+
+
+def _unit_costs(plan: MemoryPlan):
+    """Weights + KV of each unit llama.cpp places: the repeating blocks, then the output head."""
+    kv = plan.layer_kv or (0,) * len(plan.layer_weights)
+    for weights, cache in zip(plan.layer_weights, kv):
+        yield weights + cache
+    yield plan.output_weights
+
+
+def _fill_from_the_top(costs: list[int], budgets: list[int]) -> list[int]:
+    counts = [0] * len(budgets)
+    top = len(costs)  # units [top, len) are placed
+    for i in reversed(range(len(budgets))):
+        room = budgets[i]
+        while top > 0 and costs[top - 1] <= room:
+            room -= costs[top - 1]
+            top -= 1
+            counts[i] += 1
+    return counts  # a device that takes nothing is left out, so the runs stay contiguous
+
+
+def _proportional(n: int, weights: list[int]) -> list[int]:
+    total = sum(weights)
+    if total <= 0:
+        weights, total = [1] * len(weights), len(weights)
+    exact = [n * w / total for w in weights]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)[:n - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def _split_points(counts: list[float]) -> tuple[float, ...]:
+    """tensor_split for llama.cpp from whole counts: it gives unit j (of the offloaded ones) to the first device
+    whose cumulative share exceeds j/n, so each boundary is put half a unit early, away from float rounding."""
+    if len(counts) < 2:
+        return tuple(counts)
+    n = sum(counts)
+    cumulative, running = [], 0.0
+    for count in counts[:-1]:
+        running += count
+        cumulative.append(running - 0.5)
+    cumulative.append(n)
+    return tuple(b - a for a, b in zip([0.0] + cumulative[:-1], cumulative))
+
+
+def layer_devices(n_units: int, n_gpu_layers: int, tensor_split: Sequence[float]) -> list[int]:
+    """llama.cpp's own assignment (llama_model::load_tensors): the device index of each unit, -1 for the host."""
+    start = max(n_units - n_gpu_layers, 0)
+    active = min(n_gpu_layers, n_units) if tensor_split else 0
+    total = sum(tensor_split)
+    points, running = [], 0.0
+    for value in tensor_split:
+        running += value
+        points.append(running / total)
+    out = []
+    for unit in range(n_units):
+        if unit < start or unit - start >= active:
+            out.append(-1)
+            continue
+        x = (unit - start) / active
+        out.append(next((i for i, p in enumerate(points) if p > x), len(points) - 1))
+    return out
+
+
+def _share(device: DeviceReport, plan: MemoryPlan, costs: list[int], first: int, end: int, *,
+           host_part: bool) -> DeviceShare:
+    n_blocks = len(plan.layer_weights)
+    blocks = range(first, min(end, n_blocks))
+    holds_output = end > n_blocks and not (host_part and plan.output_tied)
+    weights = sum(plan.layer_weights[i] for i in blocks) + (plan.output_weights if holds_output else 0)
+    kv = sum(plan.layer_kv[i] for i in blocks) if plan.layer_kv else 0
+    if host_part:
+        weights += plan.input_weights
+    if not plan.layer_weights:  # a plan without per-layer figures: everything on the host
+        weights, kv = (plan.weights, plan.kv_total) if host_part else (0, 0)
+    return DeviceShare(device=device, layers=end - first, weights=weights, kv=kv, compute=plan.compute)
+
+
+def host_report(plan: MemoryPlan, total: Optional[int] = None) -> DeviceReport:
+    """The host as placement sees it: the memory the OS calls available now."""
+    free = plan.available if plan.available is not None else 0
+    return DeviceReport(name="CPU", description="", kind="cpu", free=free,
+                        total=total or _total_memory() or free)
+
+
+def _total_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return None

@@ -1,0 +1,377 @@
+"""llama.cpp's RPC backend (ggml-rpc) and its device registry, through ctypes (llama-cpp-python binds llama.h only),
+and the placement of a model's layers on those devices (place_model: the loader's and `localllm plan`'s).
+
+A worker (`localllm worker`) is ggml's own RPC server over this machine's devices; a model load that names workers
+(LOCALLLM_RPC, the `rpc` load option) registers each one's devices (ggml_backend_rpc_add_server, as llama.cpp's
+`--rpc` does) and places layers on them. The functions are found as the RPC registry's proc addresses, as llama.cpp's
+tools do, so a build with dynamically loaded backends works too.
+
+ggml aborts the process when a worker cannot be reached or goes away (GGML_ABORT in the RPC dispatcher thread). The
+server must outlive a worker, so: a worker is probed with a plain TCP connect before llama.cpp is told of it, and an
+abort callback parks the failing native thread instead of letting abort() run, records the loss, and lets RpcGuard
+end the call that was waiting on it with WorkerLost. What that thread held (the model's buffers on the worker, the
+dead connection, which llama.cpp keeps per address) stays allocated: such a model is abandoned, never freed."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import signal
+import socket
+import sys
+import threading
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence, TypeVar
+
+import llama_cpp
+
+from ..api import LoadOptions
+from ..errors import BackendUnavailable, InvalidInput, ModelFormatError, WorkerLost
+from ..formats.gguf import inspect_gguf
+from ..models.plan import (DeviceKind, DeviceReport, Placement, available_memory, host_report, place_layers,
+                           plan_memory, unplanned_placement)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+REBUILD_COMMAND = "bash scripts/setup.sh"
+# --no-cache-dir: pip caches the wheel by the sdist, not by CMAKE_ARGS, and would reinstall the build without RPC.
+REBUILD_PIP = (f'CMAKE_ARGS="-DGGML_RPC=ON" {sys.executable} -m pip install --force-reinstall --no-deps '
+               f'--no-cache-dir --no-binary llama-cpp-python llama-cpp-python=={llama_cpp.__version__}')
+PROBE_SECONDS = 3.0
+_DEV_TYPES: dict[int, DeviceKind] = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+
+
+def supports_rpc() -> bool:
+    return bool(llama_cpp.llama_supports_rpc())
+
+
+def require_rpc() -> None:
+    if not supports_rpc():
+        raise BackendUnavailable("this llama-cpp-python was built without llama.cpp's RPC backend",
+                                 hint=f"rebuild it: `{REBUILD_COMMAND}` (or `{REBUILD_PIP}`)")
+
+
+# ---------------------------------------------------------------------------------------------------------- ggml
+
+
+class _Ggml:
+    """The few ggml-backend functions we need, from the libraries llama_cpp already loaded (dlopen shares them)."""
+
+    def __init__(self) -> None:
+        lib_dir = Path(llama_cpp.__file__).parent / "lib"
+        self._libs = [ctypes.CDLL(str(path)) for stem in ("ggml-base", "ggml", "ggml-rpc")
+                      for path in _library_files(lib_dir, stem)[:1]]
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        self.dev_count = self._fn("ggml_backend_dev_count", sz, [])
+        self.dev_get = self._fn("ggml_backend_dev_get", vp, [sz])
+        self.dev_name = self._fn("ggml_backend_dev_name", ctypes.c_char_p, [vp])
+        self.dev_description = self._fn("ggml_backend_dev_description", ctypes.c_char_p, [vp])
+        self.dev_memory = self._fn("ggml_backend_dev_memory", None, [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)])
+        self.dev_type = self._fn("ggml_backend_dev_type", ctypes.c_int, [vp])
+        self.dev_backend_reg = self._fn("ggml_backend_dev_backend_reg", vp, [vp])
+        self.reg_name = self._fn("ggml_backend_reg_name", ctypes.c_char_p, [vp])
+        self.reg_by_name = self._fn("ggml_backend_reg_by_name", vp, [ctypes.c_char_p])
+        self.reg_dev_count = self._fn("ggml_backend_reg_dev_count", sz, [vp])
+        self.reg_dev_get = self._fn("ggml_backend_reg_dev_get", vp, [vp, sz])
+        self.reg_proc = self._fn("ggml_backend_reg_get_proc_address", vp, [vp, ctypes.c_char_p])
+        self.register = self._fn("ggml_backend_register", None, [vp])
+        self.set_abort_callback = self._fn("ggml_set_abort_callback", vp, [vp])
+        self.print_backtrace = self._fn("ggml_print_backtrace", None, [])
+
+    def _fn(self, name: str, restype, argtypes):
+        for lib in self._libs:
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.restype, fn.argtypes = restype, argtypes
+                return fn
+        raise BackendUnavailable(f"llama-cpp-python's ggml libraries lack {name}",
+                                 hint=f"rebuild it: `{REBUILD_COMMAND}`")
+
+    def rpc_proc(self, name: str, prototype):
+        reg = self.reg_by_name(b"RPC")
+        address = self.reg_proc(reg, name.encode()) if reg else None
+        if not address:
+            require_rpc()
+            raise BackendUnavailable(f"llama.cpp's RPC backend does not offer {name}",
+                                     hint=f"rebuild it: `{REBUILD_COMMAND}`")
+        return prototype(address)
+
+    def kind(self, dev: int) -> DeviceKind:
+        reg = self.dev_backend_reg(dev)
+        return "rpc" if reg and self.reg_name(reg) == b"RPC" else _DEV_TYPES.get(self.dev_type(dev), "gpu")
+
+    def report(self, dev: int) -> DeviceReport:
+        """Asks the device for its free memory: for an RPC device, a round trip to its worker."""
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        self.dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        return DeviceReport(name=self.dev_name(dev).decode(), description=self.dev_description(dev).decode(),
+                            kind=self.kind(dev), free=free.value, total=total.value)
+
+
+def _library_files(lib_dir: Path, stem: str) -> list[Path]:
+    """The file the loader mapped for libllama first: its soname (libggml.so.0). A wheel holds the unversioned name
+    as a copy, not a link, and loading that copy would give a second ggml with registries and callbacks of its own."""
+    patterns = {"win32": [f"{stem}.dll"], "darwin": [f"lib{stem}.*.dylib", f"lib{stem}.dylib"]}.get(
+        sys.platform, [f"lib{stem}.so.[0-9]*", f"lib{stem}.so"])
+    for pattern in patterns:
+        found = sorted(lib_dir.glob(pattern), key=lambda p: len(p.name))
+        if found:
+            return found[:1]
+    return []
+
+
+_ggml: Optional[_Ggml] = None
+_ggml_lock = threading.Lock()
+
+
+def ggml() -> _Ggml:
+    global _ggml
+    with _ggml_lock:
+        if _ggml is None:
+            _ggml = _Ggml()
+        return _ggml
+
+
+@dataclass(frozen=True)
+class Device:
+    """A ggml device: its report for placement, and its handle for llama_model_params.devices."""
+
+    report: DeviceReport
+    handle: int
+
+
+def local_devices() -> list[Device]:
+    """This machine's offload devices (GPUs, integrated GPUs), in ggml's order; never the CPU or an RPC worker."""
+    g = ggml()
+    # Kinds first: asking a registered worker's device for its memory would reach that worker, maybe a lost one.
+    handles = [h for h in (g.dev_get(i) for i in range(g.dev_count())) if g.kind(h) in ("gpu", "igpu")]
+    return [Device(g.report(h), h) for h in handles]
+
+
+# ---------------------------------------------------------------------------------------------------------- workers
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidInput(f"RPC worker {text!r} is not host:port", hint="for example 192.168.1.20:50052")
+    return host, int(port)
+
+
+def probe(endpoint: str) -> None:
+    """A TCP connect first: llama.cpp aborts the process when it cannot connect."""
+    if endpoint in _losses.endpoints:
+        raise WorkerLost(f"the RPC worker at {endpoint} went away earlier in this process",
+                         hint="llama.cpp keeps its dead connection: restart this server to use that address again")
+    host, port = parse_endpoint(endpoint)
+    try:
+        socket.create_connection((host, port), timeout=PROBE_SECONDS).close()
+    except OSError as exc:
+        raise WorkerLost(f"cannot reach the RPC worker at {endpoint}: {exc.strerror or exc}",
+                         hint=f"start one there: `localllm worker --host {host} --port {port}`") from None
+
+
+def worker_devices(endpoints: Sequence[str]) -> list[Device]:
+    """Register each worker's devices with ggml (once per address, as llama.cpp's --rpc does) and return them."""
+    if not endpoints:
+        return []
+    require_rpc()
+    install_abort_guard()
+    g = ggml()
+    add_server = g.rpc_proc("ggml_backend_rpc_add_server", ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p))
+    devices: list[Device] = []
+    for endpoint in endpoints:
+        probe(endpoint)
+        with _registered_lock:
+            _known.add(endpoint)
+        reg = RpcGuard.once(endpoints, add_server, endpoint.encode())
+        if not reg:
+            raise WorkerLost(f"the RPC worker at {endpoint} offers no devices")
+        with _registered_lock:
+            if endpoint not in _registered:
+                g.register(reg)
+                _registered.add(endpoint)
+        devices += [Device(g.report(h), h) for h in (g.reg_dev_get(reg, i) for i in range(g.reg_dev_count(reg)))]
+    return devices
+
+
+_known: set[str] = set()  # every address llama.cpp was told of: where a loss can be
+_registered: set[str] = set()
+_registered_lock = threading.Lock()
+
+
+def serve_worker(host: str, port: int, *, threads: int, cache_dir: Optional[str]) -> None:
+    """Run ggml's RPC server on this machine's devices (accelerators, else the CPU) until the process ends."""
+    require_rpc()
+    g = ggml()
+    every = [g.dev_get(i) for i in range(g.dev_count())]
+    chosen = [h for h in every if g.kind(h) in ("gpu", "igpu")] or [h for h in every if g.kind(h) == "cpu"][:1]
+    if not chosen:
+        raise BackendUnavailable("ggml reports no device to serve")
+    start = g.rpc_proc("ggml_backend_rpc_start_server", ctypes.CFUNCTYPE(
+        None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)))
+    handles = (ctypes.c_void_p * len(chosen))(*chosen)
+    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    # ggml's accept loop never returns to Python, so Python's handlers would never run: Ctrl+C and SIGTERM end the
+    # process as they end llama.cpp's rpc-server.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.stdout.flush()  # nothing Python buffered would be written once ggml holds the process
+    sys.stderr.flush()
+    start(endpoint.encode(), cache_dir.encode() if cache_dir else None, threads, len(chosen), handles)
+    # ggml returns only when it could not start (it has printed why): a busy port, a bad address.
+    raise WorkerLost(f"llama.cpp's RPC server could not listen on {endpoint}",
+                     hint="is the port in use? choose another with --port")
+
+
+# ---------------------------------------------------------------------------------------------------------- placement
+
+
+class PlacedModel:
+    """A placement and the ggml devices it names (offload devices in its order), for llama_model_params."""
+
+    def __init__(self, placement: Placement, devices: list[Device], endpoints: list[str]):
+        self.placement = placement
+        by_name = {d.report.name: d for d in devices}
+        self.devices = [by_name[share.device.name] for share in placement.offload]
+        self.endpoints = endpoints
+
+
+def rpc_endpoints(options: LoadOptions) -> list[str]:
+    from .. import config
+
+    if options.rpc is None:
+        return config.RPC.get()
+    return config.parse_endpoints(options.rpc)
+
+
+def place_model(path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> PlacedModel:
+    """The one placement both the loader and `localllm plan` use: this machine's GPUs and the RPC workers' devices
+    (first, as llama.cpp orders them), by their free memory and the memory plan."""
+
+    try:
+        endpoints = rpc_endpoints(options)
+    except ValueError as exc:
+        raise InvalidInput(f"option rpc: {exc}") from None
+    devices = worker_devices(endpoints) + local_devices()
+    reports = [d.report for d in devices]
+    try:
+        mem = plan_memory(inspect_gguf(path), options.model_copy(update={
+            "num_ctx": n_ctx, "num_parallel": n_seq, "kv_type": options.kv_type or "f16"}))
+    except ModelFormatError as exc:  # llama.cpp may still load it: let it place the layers
+        log.warning("no memory plan for %s (%s): llama.cpp splits the layers by free memory", path.name, exc)
+        host = DeviceReport(name="CPU", description="", kind="cpu", free=available_memory() or 0, total=0)
+        return PlacedModel(unplanned_placement(host, reports, options.num_gpu), devices, endpoints)
+    placement = place_layers(mem, host_report(mem), reports, options.num_gpu)
+    if not placement.fits:
+        log.warning("%s may not fit: %s", path.name, "; ".join(
+            f"{s.device.name} needs {s.total / 2**20:.0f} MiB of {s.device.usable / 2**20:.0f} MiB usable"
+            for s in placement.shares if not s.fits))
+    return PlacedModel(placement, devices, endpoints)
+
+
+# ---------------------------------------------------------------------------------------------------------- aborts
+
+
+class _Losses:
+    """Workers lost in this process: set by the abort callback (any thread), read by RpcGuard."""
+
+    def __init__(self) -> None:
+        self.endpoints: set[str] = set()
+        self.message = ""
+        self.changed = threading.Event()
+
+
+_losses = _Losses()
+_ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+_abort_guard = None
+_RPC_ABORTS = ("Remote RPC server crashed", "Failed to connect to", "RPC handshake failed")
+
+
+def _on_abort(message: Optional[bytes]) -> None:
+    text = (message or b"").decode("utf-8", "replace")
+    if not any(marker in text for marker in _RPC_ABORTS):
+        sys.stderr.write(text + "\n")  # what ggml does by default; abort() follows
+        sys.stderr.flush()
+        ggml().print_backtrace()
+        return
+    with _registered_lock:
+        known = sorted(_known)
+    unreachable = [e for e in known if not _reachable(e)]
+    _losses.endpoints.update(unreachable or known)
+    _losses.message = text.split(": ", 1)[-1]
+    _losses.changed.set()
+    log.error("RPC worker lost (%s): %s; the models placed there fail their requests and are abandoned",
+              ", ".join(unreachable or known) or "unknown", _losses.message)
+    threading.Event().wait()  # park this native thread for good: returning would abort() the whole server
+
+
+def _reachable(endpoint: str) -> bool:
+    try:
+        socket.create_connection(parse_endpoint(endpoint), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
+
+
+def install_abort_guard() -> None:
+    global _abort_guard
+    with _ggml_lock:
+        if _abort_guard is None:
+            _abort_guard = _ABORT_CALLBACK(_on_abort)  # kept referenced: ggml holds the pointer for good
+    ggml().set_abort_callback(ctypes.cast(_abort_guard, ctypes.c_void_p))
+
+
+class RpcGuard:
+    """Runs a model's native calls on a thread of its own while the model uses RPC workers, so that the caller
+    (the engine thread) can give up with WorkerLost when a worker it uses is lost mid-call; the native thread stays
+    blocked in llama.cpp and the model is abandoned (`lost`)."""
+
+    def __init__(self, endpoints: Sequence[str]):
+        self.endpoints = tuple(endpoints)
+        self.lost = False
+        self._calls: "queue.SimpleQueue[Optional[tuple[Future, Callable, tuple, dict]]]" = queue.SimpleQueue()
+        # A daemon thread, not an executor's: a thread left blocked in llama.cpp must not hold up the exit.
+        threading.Thread(target=self._serve, name="localllm-rpc", daemon=True).start()
+
+    @classmethod
+    def once(cls, endpoints: Sequence[str], fn: Callable[..., T], *args) -> T:
+        guard = cls(endpoints)
+        try:
+            return guard.call(fn, *args)
+        finally:
+            guard.close()
+
+    def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        self._check()
+        future: Future = Future()
+        self._calls.put((future, fn, args, kwargs))
+        while True:
+            done, _ = wait([future], timeout=0.25)
+            if done:
+                return future.result()
+            self._check()
+
+    def _check(self) -> None:
+        lost = [e for e in self.endpoints if e in _losses.endpoints]
+        if self.lost or lost:
+            self.lost = True
+            raise WorkerLost(f"the RPC worker at {', '.join(lost) or 'an address'} went away "
+                             f"({_losses.message or 'connection lost'})",
+                             hint="restart the worker and this server; the model placed there was abandoned")
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, fn, args, kwargs = item
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # handed to the caller, like an executor would
+                future.set_exception(exc)
+
+    def close(self) -> None:
+        self._calls.put(None)
