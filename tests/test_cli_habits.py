@@ -424,7 +424,8 @@ def test_ps_fits_80_columns_and_prints_whole_values_when_piped():
     assert any("me/assistant-for-long-answers:v1" in line for line in lines)  # the name is never cut
 
     piped = ps_text(models).splitlines()
-    assert piped[0].split() == ["NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "GPU", "SPEC", "UNTIL"]
+    assert piped[0].split() == ["NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "LAYERS", "SPEC", "PREFIX",
+                                "CACHE", "UNTIL"]
     assert "b179c9523d0e" in piped[1] and "ngram (70% accepted)" in piped[1] and "4 minutes" in piped[1]
 
 

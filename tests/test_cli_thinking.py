@@ -54,6 +54,13 @@ def test_show_lists_the_thinking_capability(reasoner, tmp_path):
 @pytest.mark.models
 @pytest.mark.slow
 def test_one_shot_thinking_goes_to_stderr_unless_hidden(reasoner, tmp_path):
+    # A one-shot run has no sampling flags: a model of our own answers greedily, so every run says the same.
+    (tmp_path / "Modelfile").write_text(f"FROM {reasoner}\nPARAMETER temperature 0\n")
+    created = subprocess.run([sys.executable, "-m", "localllm", "create", "greedy-reasoner", "-f",
+                              str(tmp_path / "Modelfile")], env=child_env(tmp_path), capture_output=True, text=True,
+                             timeout=180)
+    assert created.returncode == 0, created.stderr
+    reasoner = "greedy-reasoner"
     fixed = ["--think", QUESTION]
     shown = run(tmp_path, reasoner, *fixed)
     assert shown.returncode == 0, shown.stderr

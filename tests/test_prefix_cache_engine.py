@@ -208,8 +208,18 @@ def test_a_chat_saved_with_its_prompt_cache_comes_back_in_a_new_server(models_ho
     monkeypatch.setenv("LOCALLLM_CONTEXT_LENGTH", str(N_CTX))
     saved = tmp_path / "chat.kv"
 
+    class NoInput:  # the Repl's LineInput: this test drives it by ask() and _command(), never by typing
+        def __call__(self, prompt: str) -> str:
+            return ""
+
+        def take_interrupt(self) -> bool:
+            return False
+
+        def keep_history(self, enabled: bool) -> None:
+            pass
+
     def repl_on(url: str, conversation: Conversation) -> Repl:
-        return Repl(HttpClient(url), conversation, read_line=lambda _: "")
+        return Repl(HttpClient(url), conversation, reader=NoInput())
 
     def new_conversation() -> Conversation:
         return Conversation(model="smollm2:135m", options={"temperature": 0, "num_predict": 6, "spec_type": "none"})

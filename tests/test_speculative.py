@@ -113,10 +113,9 @@ def _margin_under_grammar(engine: ModelEngine, prompt, prefix: list[int], plain:
     grammar. Both must be allowed there; the grammar's renormalisation then cancels, leaving their logit gap. It is
     measured on a fresh one-slot context of the same weights (the engine's context belongs to its thread)."""
     from localllm.backends.base import Batch
-    from localllm.backends.llama_cpp_spec import GrammarProbe
 
     model = LlamaCppBackend().load(engine.model.path, LoadOptions(num_ctx=512), n_seq=1, n_ctx=512)
-    probe = GrammarProbe(model, grammar_for_format(prompt[1]))
+    probe = model.grammar_probe(grammar_for_format(prompt[1]))
     try:
         assert probe.allowed(prefix, [plain]) == 1 and probe.allowed(prefix, [spec]) == 1, (
             f"token {spec} or {plain} breaks the grammar after {prefix}: a grammar bug, not a near-tie")

@@ -296,7 +296,8 @@ class ScriptedClient:
 
     def ps(self) -> api.ProcessResponse:
         return api.ProcessResponse(models=[api.ProcessModel(name="smollm2:135m", model="smollm2:135m",
-                                                            slots_total=4, context_length=4096)])
+                                                            slots_total=4, context_length=4096, threads=2,
+                                                            threads_auto=True)])
 
     def stop(self, model: str) -> None:
         pass
