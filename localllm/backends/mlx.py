@@ -15,13 +15,14 @@ import logging
 import re
 import secrets
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, cast
+from typing import Any, Callable, Hashable, Optional, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from ..api import LoadOptions, LoraAdapter, SamplingOptions
+from ..models.plan import Placement
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
 from .base import Batch, CacheShape, ModelMeta
 
@@ -165,11 +166,11 @@ class MlxModel:
     n_batch = 512  # prefill chunk: the scheduler's token budget per step
     kv_pad = 1  # attention spans the cache exactly (no padded grid as in llama.cpp)
     adjustable_threads = False  # MLX schedules its own threads: the engine's thread tuner leaves it alone
-    placement = None  # MLX runs the whole model on its one device
+    placement: Optional[Placement] = None  # MLX runs the whole model on its one device
 
     def __init__(self, path: Path, model, tokenizer, config: dict, *, n_seq: int, n_ctx: int):
         self.path = path
-        self.weights = ("mlx", id(self))  # every MLX load holds its own copy of the weights
+        self.weights: Hashable = ("mlx", id(self))  # every MLX load holds its own copy of the weights
         self._model = model
         self._hf = tokenizer._tokenizer
         self._backend_tok = self._hf.backend_tokenizer

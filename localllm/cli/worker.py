@@ -38,6 +38,7 @@ def worker(
     """Serve this machine's devices (GPUs, else the CPU) to a localllm elsewhere: LOCALLLM_RPC=this-host:PORT there."""
     from .. import config
     from ..engine.scaleout import require_rpc, serve_worker
+    from ..machine import physical_cores
 
     require_rpc()
     if not _is_loopback(host):
@@ -50,5 +51,5 @@ def worker(
         cache_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"localllm worker on {host}:{port} (Ctrl+C stops it); on the other machine: "
                   f"LOCALLLM_RPC={host}:{port}", highlight=False)
-    serve_worker(host, port, threads=threads or config.NUM_THREAD.get(),
+    serve_worker(host, port, threads=threads or config.NUM_THREAD.get() or physical_cores(),
                  cache_dir=str(cache_dir) if cache_dir is not None else None)

@@ -18,6 +18,7 @@ from ..formats.gguf import inspect_gguf
 from .names import parse_digest, parse_ref
 from .pull import make_source, pull_model
 from .store import ResolvedModel, Store, Weights
+from ..machine import physical_cores
 from ..templates import validate_template
 
 Progress = Iterator[api.PullProgress]
@@ -133,7 +134,7 @@ def _quantize(parent: "_Parent", request: api.CreateRequest, store: Store, base:
         out = scratch / "model.gguf"
         report = yield from run_quantize(parent.model.weights, out, request.quantize or "", label=parent.label,
                                          allow_requantize=request.allow_requantize, imatrix=imatrix,
-                                         threads=config.NUM_THREAD.get(),
+                                         threads=config.NUM_THREAD.get() or physical_cores(),
                                          report_tokens=config.QUALITY_TOKENS.get())
         for line in describe_report(report) if report else []:
             yield api.PullProgress(status=line)

