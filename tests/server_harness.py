@@ -75,3 +75,17 @@ def private_home(models_home: Path, target: Path) -> Path:
     if (src / "probes").is_dir():  # the same blobs on the same machine: their load probes hold here too
         shutil.copytree(src / "probes", dst / "probes")
     return target
+
+
+@contextmanager
+def served(models_home: Path, **settings: str) -> Iterator[str]:
+    """The real app over a LocalClient on the shared test home, with these LOCALLLM_* settings; yields its URL."""
+    from localllm.server.app import create_app
+
+    with env(**settings):
+        client = local_client(models_home)
+        try:
+            with serve_in_thread(create_app(client)) as url:
+                yield url
+        finally:
+            client.close()

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from localllm.server.app import create_app
-from server_harness import SYSTEM, env, local_client, private_home, serve_in_thread
+from server_harness import SYSTEM, env, local_client, private_home, serve_in_thread, served
 
 pytestmark = pytest.mark.models
 
@@ -26,13 +26,8 @@ HI = [{"role": "user", "content": "Say hi"}]
 
 @pytest.fixture(scope="module")
 def base_url(models_home):
-    with env(LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="3"):
-        client = local_client(models_home)
-        try:
-            with serve_in_thread(create_app(client)) as url:
-                yield url
-        finally:
-            client.close()
+    with served(models_home, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="3") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,7 @@ import ollama
 import openai
 import pytest
 
-from localllm.server.app import create_app
-from server_harness import env, local_client, serve_in_thread
+from server_harness import served
 
 pytestmark = [pytest.mark.models, pytest.mark.slow]
 
@@ -36,13 +35,8 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def base_url(models_home):
-    with env(LOCALLLM_NUM_PARALLEL="4", LOCALLLM_MAX_QUEUE="4", LOCALLLM_CONTEXT_LENGTH="512"):
-        client = local_client(models_home)
-        try:
-            with serve_in_thread(create_app(client)) as url:
-                yield url
-        finally:
-            client.close()
+    with served(models_home, LOCALLLM_NUM_PARALLEL="4", LOCALLLM_MAX_QUEUE="4", LOCALLLM_CONTEXT_LENGTH="512") as url:
+        yield url
 
 
 def via_openai(url: str) -> Outcome:

@@ -11,7 +11,7 @@ import ollama
 import pytest
 
 from localllm.server.app import create_app
-from server_harness import SMALL, SYSTEM, env, local_client, private_home, serve_in_thread
+from server_harness import SMALL, SYSTEM, private_home, serve_in_thread, served
 
 pytestmark = pytest.mark.models
 
@@ -20,13 +20,8 @@ PARIS = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Wha
 
 @pytest.fixture(scope="module")
 def base_url(models_home):
-    with env(LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2"):
-        client = local_client(models_home)
-        try:
-            with serve_in_thread(create_app(client)) as url:
-                yield url
-        finally:
-            client.close()
+    with served(models_home, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from localllm.server.app import create_app
-from server_harness import SYSTEM, env, local_client, serve_in_thread
+from server_harness import SYSTEM, served
 
 pytestmark = pytest.mark.models
 
@@ -24,13 +23,8 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def base_url(models_home):
-    with env(LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2"):
-        client = local_client(models_home)
-        try:
-            with serve_in_thread(create_app(client)) as url:
-                yield url
-        finally:
-            client.close()
+    with served(models_home, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

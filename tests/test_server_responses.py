@@ -15,8 +15,7 @@ import pytest
 from localllm import api, config
 from localllm.errors import ResponseNotFound
 from localllm.server import response_store
-from localllm.server.app import create_app
-from server_harness import SYSTEM, env, local_client, serve_in_thread
+from server_harness import SYSTEM, served
 
 MODEL = "smollm2:135m"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -26,13 +25,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
 
 @pytest.fixture(scope="module")
 def base_url(models_home):
-    with env(LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2"):
-        client = local_client(models_home)
-        try:
-            with serve_in_thread(create_app(client)) as url:
-                yield url
-        finally:
-            client.close()
+    with served(models_home, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,10 @@ import pytest
 
 from localllm.errors import InvalidInput
 from localllm.models.info import capabilities
-from localllm.server.app import create_app
 from localllm.thinking import (Think, ThinkingSplitter, parse_think, supports_thinking, think_from_effort,
                                thinking_grammar)
 from reasoning_model import REASONING_TEMPLATE, token_id
-from server_harness import env, local_client, serve_in_thread
+from server_harness import served
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city"],
@@ -95,13 +94,8 @@ def close_bias(reasoner) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def base_url(models_home):
-    with env(LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2"):
-        client = local_client(models_home)
-        try:
-            with serve_in_thread(create_app(client)) as url:
-                yield url
-        finally:
-            client.close()
+    with served(models_home, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2") as url:
+        yield url
 
 
 def no_tags(*texts: str) -> bool:
