@@ -130,7 +130,9 @@ def create(name: str = typer.Argument(..., help="name of the new model, e.g. me/
                                                  "already quantized (loses more quality than quantizing F16)"),
            imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="importance matrix (GGUF from "
                                                   "llama-imatrix) for --quantize")):
-    """Create a model from a Modelfile, or from another model with --from. --quantize prints a quality report."""
+    """Create a model from a Modelfile (or --from another model).
+
+    --quantize quantizes GGUF weights and prints a quality report."""
     from ..models.create import create_model
     from ..models.modelfile import parse_modelfile
 

@@ -35,7 +35,9 @@ def worker(
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="keep received weights here, so a model "
                                              "loads faster the next time (llama.cpp's rpc-server --cache)"),
 ) -> None:
-    """Serve this machine's devices (GPUs, else the CPU) to a localllm elsewhere: LOCALLLM_RPC=this-host:PORT there."""
+    """Lend this machine's GPUs (or CPU) to a localllm elsewhere, over RPC.
+
+    On the other machine: LOCALLLM_RPC=this-host:PORT."""
     from .. import config
     from ..engine.scaleout import require_rpc, serve_worker
     from ..machine import physical_cores

@@ -430,8 +430,10 @@ class URLSource:
         _require_online(self.url)
         before = store.manifest_digest(self.stored_name)
         digests, sources = [], []
-        for url in self.urls:  # every part of a split GGUF, in order
-            with store.open_partial(None, key=url) as partial:  # a second pull of the URL waits here
+        # Each part's lock is held until the manifest names it: a second pull of the URL waits, then finds it stored.
+        with ExitStack() as held:
+            for url in self.urls:  # every part of a split GGUF, in order
+                partial = held.enter_context(store.open_partial(None, key=url))
                 if len(self.urls) == 1 and self._pulled_meanwhile(store, before):
                     yield api.PullProgress(status="success")  # by the pull we waited for: its blob is ours
                     return
@@ -439,9 +441,9 @@ class URLSource:
                 yield api.PullProgress(status="verifying sha256 digest")
                 digests.append(partial.commit(url))
                 sources.append({"url": url, "validator": partial.validator, "size": partial.completed})
-        yield api.PullProgress(status="writing manifest")
-        source = sources[0] if len(sources) == 1 else {"url": self.url, "parts": sources}
-        store.write_model(self.stored_name, weights=digests[0] if len(digests) == 1 else digests, source=source)
+            yield api.PullProgress(status="writing manifest")
+            source = sources[0] if len(sources) == 1 else {"url": self.url, "parts": sources}
+            store.write_model(self.stored_name, weights=digests[0] if len(digests) == 1 else digests, source=source)
         yield api.PullProgress(status="success")
 
     def _pulled_meanwhile(self, store: Store, before: Optional[str]) -> bool:
