@@ -142,8 +142,9 @@ def llama_server(binary: str, path: Path, threads: int) -> Iterator[object]:
 def prefix_figures(path: Path, *, threads: Optional[int], llama_server_binary: Optional[str],
                    log: Callable[[str], None] = print) -> list[Figure]:
     from localllm import config
+    from localllm.machine import physical_cores
 
-    threads = threads or config.NUM_THREAD.get()
+    threads = threads or config.NUM_THREAD.get() or physical_cores()
     systems, question = conversations(path)
     setting = {"LOCALLLM_CACHE_DISK": "4GiB"}
     scenario = f"{CONVERSATIONS} conversations of ~{SYSTEM_TOKENS}-token system prompts on {SLOTS} slots"

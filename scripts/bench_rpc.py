@@ -43,9 +43,10 @@ def run_rpc_benchmarks(path: Path, *, n: int = 64, n_ctx: int = 1024, threads: O
     """Single-stream decode, greedy, the same prompt: ours with every layer on a loopback worker (given the same
     threads) against ours on this machine alone; best of `repeats`, the two interleaved."""
     from localllm import config
+    from localllm.machine import physical_cores
     from localllm.backends import get_backend
 
-    threads = threads or config.NUM_THREAD.get()
+    threads = threads or config.NUM_THREAD.get() or physical_cores()
     port = _free_port()
     log(f"RPC: a worker on 127.0.0.1:{port}")
     worker = _start_worker(port, threads)

@@ -32,6 +32,7 @@ from localllm.bench.engine import FOUR_PROMPTS
 from localllm.bench.figures import Bracketed, Figure
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.engine.speculative.speculation import Speculation
+from localllm.machine import physical_cores
 from localllm.templates import render_chat
 
 FUNCTION = '''def summarize_orders(orders, tax_rate, discount=None):
@@ -218,7 +219,7 @@ def _draft_note(timings) -> str:
 
 def spec_figures(path: Path, *, n: int, threads: Optional[int], repeats: int, llama_server: Optional[str],
                  log=print) -> list[Figure]:
-    threads = threads or config.NUM_THREAD.get()
+    threads = threads or config.NUM_THREAD.get() or physical_cores()
     figures = _single_slot(path, n=n, threads=threads, repeats=repeats, llama_server=llama_server, log=log)
     figures += _busy_slots(path, n=n // 2, threads=threads, repeats=repeats, log=log)
     return figures
