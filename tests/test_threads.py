@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from localllm.engine.threads import ThreadTuner
+from localllm.engine.threads import MEASURED_STEPS, ThreadTuner
 from localllm.machine import _linux_cores
+
+
+TRIAL = 3 * (1 + MEASURED_STEPS)  # steps of one count in a trial: three rounds of a warm-up and measured steps
 
 
 def machine(cores: int, busy: int = 0):
@@ -33,33 +36,34 @@ def run(tuner: ThreadTuner, step, n: int, *, rows: int = 1, kind: str = "decode"
 
 def test_idle_machine_settles_on_every_core():
     tuner = ThreadTuner(4)
-    used = run(tuner, machine(4), 12 + 20)
-    assert used[:12] == [1, 2, 3, 4] * 3  # one trial: interleaved rounds over every count
-    assert tuner.settled("decode") == 4 and set(used[12:]) == {4}
+    used = run(tuner, machine(4), TRIAL * 4 + 20)
+    # One trial: interleaved rounds over every count, each a warm-up step and its measured steps.
+    assert used[:TRIAL * 4] == [t for _ in range(3) for t in (1, 2, 3, 4) for _ in range(1 + MEASURED_STEPS)]
+    assert tuner.settled("decode") == 4 and set(used[TRIAL * 4:]) == {4}
 
 
 def test_a_busy_core_settles_on_the_free_ones():
     tuner = ThreadTuner(2)
-    run(tuner, machine(2, busy=1), 6)
+    run(tuner, machine(2, busy=1), TRIAL * 2)
     assert tuner.settled("decode") == 1
 
 
 def test_load_arriving_moves_to_fewer_threads_and_leaving_moves_back():
     tuner = ThreadTuner(2, patience=4, recheck=200)
-    run(tuner, machine(2), 6)
+    run(tuner, machine(2), TRIAL * 2)
     assert tuner.settled("decode") == 2
-    used = run(tuner, machine(2, busy=1), 4 + 6 + 10)  # patience slow steps, then a trial of 6
+    used = run(tuner, machine(2, busy=1), 4 + TRIAL * 2 + 10)  # patience slow steps, then a trial
     assert tuner.settled("decode") == 1 and used[-10:] == [1] * 10
-    assert tuner.trial_steps("decode") == 6
+    assert tuner.trial_steps("decode") == TRIAL * 2
     # The load goes away: nothing looks slow at one thread, so the periodic re-check finds two threads again.
-    used = run(tuner, machine(2), 200 + 6 + 5)
+    used = run(tuner, machine(2), 200 + TRIAL * 2 + 5)
     assert tuner.settled("decode") == 2 and used[-5:] == [2] * 5
 
 
 def test_a_new_batch_shape_is_not_mistaken_for_a_slowdown():
     tuner = ThreadTuner(2, patience=3, recheck=10_000)
     step = machine(2)
-    run(tuner, step, 6, rows=4)
+    run(tuner, step, TRIAL * 2, rows=4)
     trials_before = tuner._kinds["decode"].settles
     run(tuner, step, 50, rows=1)  # one row costs more per row than four, at the same thread count
     assert tuner._kinds["decode"].settles == trials_before  # no new trial
@@ -72,7 +76,7 @@ def test_decode_and_batch_steps_settle_apart():
     def prefill_prefers_two_decode_prefers_one(threads: int, rows: int) -> float:
         return 0.001 * rows / threads if rows > 8 else 0.01 * threads
 
-    for _ in range(6):
+    for _ in range(TRIAL * 2):
         for kind, rows in (("decode", 1), ("batch", 512)):
             threads = tuner.choose(kind)
             tuner.record(kind, threads, rows, prefill_prefers_two_decode_prefers_one(threads, rows))
@@ -86,7 +90,7 @@ def test_one_core_never_tries_anything():
 
 def test_ties_go_to_fewer_threads():
     tuner = ThreadTuner(3)
-    run(tuner, lambda threads, rows: 0.01, 9)
+    run(tuner, lambda threads, rows: 0.01, TRIAL * 3)
     assert tuner.settled("decode") == 1
 
 
@@ -99,3 +103,16 @@ def test_physical_cores_count_hyperthread_siblings_once(tmp_path: Path):
     assert _linux_cores({0, 1, 2, 3, 4}, tmp_path) == 3
     assert _linux_cores({0, 2}, tmp_path) == 1  # two siblings of one core
     assert _linux_cores({0, 9}, tmp_path) == 0  # unreadable topology: the caller falls back
+
+
+def test_the_first_step_after_a_change_of_count_is_not_measured():
+    last = [0]
+
+    def starting_threads_costs_once(threads: int, rows: int) -> float:
+        # llama.cpp's OpenMP team starts its threads at the first step with a new count: a one-off cost.
+        switched, last[0] = threads != last[0], threads
+        return 0.010 / threads + (0.050 if switched and threads > 1 else 0.0)
+
+    tuner = ThreadTuner(2)
+    run(tuner, starting_threads_costs_once, TRIAL * 2)
+    assert tuner.settled("decode") == 2

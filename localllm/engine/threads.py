@@ -21,7 +21,7 @@ class _Tuning:
     """One kind of step: the counts under trial, or the settled count and how its steps compare with when it won."""
 
     candidates: list[int]
-    trials: list[int] = field(default_factory=list)  # counts still to try, in order (interleaved rounds)
+    trials: list[tuple[int, bool]] = field(default_factory=list)  # (count, measured) still to run, in order
     samples: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # per count: (rows bucket, s/row)
     best: int = 0
     # The settled count's seconds per row, per rows bucket: from its trial, or its first steps of a new batch shape.
@@ -35,10 +35,10 @@ class _Tuning:
 class ThreadTuner:
     """Chooses each step's thread count. `choose(kind)` before a decode, `record(kind, threads, rows, seconds)` after.
 
-    Trials interleave the candidates (1, 2, .., n, 1, 2, .., n, ...) for `rounds` rounds, so a change in the batch or
-    the machine during a trial weighs on every count alike; each count's median seconds per row decides. A settled
-    count is tried again after `recheck` steps, or at once after `patience` steps in a row slower than `slowdown`
-    times its baseline (another process took a core)."""
+    Trials interleave the candidates (1, 2, .., n, 1, 2, .., n, ...) for `rounds` rounds, each for a warm-up step and
+    MEASURED_STEPS measured ones, so a change in the batch or the machine during a trial weighs on every count alike;
+    each count's median seconds per row decides. A settled count is tried again after `recheck` steps, or at once
+    after `patience` steps in a row slower than `slowdown` times its baseline (another process took a core)."""
 
     def __init__(self, max_threads: int, *, rounds: int = 3, recheck: int = 1024, slowdown: float = 1.3,
                  patience: int = 6):
@@ -51,7 +51,7 @@ class ThreadTuner:
 
     def choose(self, kind: StepKind) -> int:
         tuning = self._tuning(kind)
-        return tuning.trials[0] if tuning.trials else tuning.best
+        return tuning.trials[0][0] if tuning.trials else tuning.best
 
     def record(self, kind: StepKind, threads: int, rows: int, seconds: float) -> None:
         if rows <= 0 or seconds <= 0:
@@ -59,8 +59,10 @@ class ThreadTuner:
         tuning = self._tuning(kind)
         shape, per_row = _bucket(rows), seconds / rows
         if tuning.trials:
-            if threads == tuning.trials[0]:
-                tuning.samples.setdefault(threads, []).append((shape, per_row))
+            planned, measured = tuning.trials[0]
+            if threads == planned:
+                if measured:
+                    tuning.samples.setdefault(threads, []).append((shape, per_row))
                 tuning.trials.pop(0)
                 tuning.last_trial_steps += 1
                 if not tuning.trials:
@@ -97,7 +99,10 @@ class ThreadTuner:
             tuning.best, tuning.since, tuning.slow, tuning.settles = tuning.candidates[0], 0, 0, 1
             tuning.baselines = {}
             return
-        tuning.trials = [t for _ in range(self.rounds) for t in tuning.candidates]
+        # Each count runs a step unmeasured first: the first step after a change of count pays for starting the
+        # threads (llama.cpp's OpenMP team), which would count against more threads.
+        block = [False] + [True] * MEASURED_STEPS
+        tuning.trials = [(t, measured) for _ in range(self.rounds) for t in tuning.candidates for measured in block]
         tuning.samples = {}
         tuning.last_trial_steps = 0
 
@@ -113,6 +118,7 @@ class ThreadTuner:
 
 
 BASELINE_STEPS = 3  # steps of a batch shape that set the settled count's baseline for it
+MEASURED_STEPS = 2  # steps a count is measured for in each round of a trial, after its warm-up step
 
 
 def _bucket(rows: int) -> int:
