@@ -116,3 +116,13 @@ def test_the_first_step_after_a_change_of_count_is_not_measured():
     tuner = ThreadTuner(2)
     run(tuner, starting_threads_costs_once, TRIAL * 2)
     assert tuner.settled("decode") == 2
+
+
+def test_a_load_that_passes_during_the_first_trial_is_corrected_soon():
+    tuner = ThreadTuner(2, first_recheck=64, recheck=1024)
+    run(tuner, machine(2, busy=1), TRIAL * 2)  # another program's threads were still winding down
+    assert tuner.settled("decode") == 1
+    used = run(tuner, machine(2), 64 + TRIAL * 2 + 5)  # nothing looks slow at one thread: the early re-check
+    assert tuner.settled("decode") == 2 and used[-5:] == [2] * 5
+    run(tuner, machine(2), 64 + TRIAL * 2)  # confirmed: the next re-check waits twice as long
+    assert tuner._kinds["decode"].interval == 128

@@ -28,6 +28,7 @@ class _Tuning:
     baselines: dict[int, list[float]] = field(default_factory=dict)
     slow: int = 0  # consecutive steps slower than the baseline allows
     since: int = 0  # steps since it settled
+    interval: int = 0  # steps before the next re-check: short after a change of count, doubling while it holds
     settles: int = 0  # how many times it has settled (for ps and the benchmark)
     last_trial_steps: int = 0  # steps the last trial took, from its start to settling
 
@@ -37,13 +38,16 @@ class ThreadTuner:
 
     Trials interleave the candidates (1, 2, .., n, 1, 2, .., n, ...) for `rounds` rounds, each for a warm-up step and
     MEASURED_STEPS measured ones, so a change in the batch or the machine during a trial weighs on every count alike;
-    each count's median seconds per row decides. A settled count is tried again after `recheck` steps, or at once
-    after `patience` steps in a row slower than `slowdown` times its baseline (another process took a core)."""
+    each count's median seconds per row decides. A settled count is tried again soon (`first_recheck` steps), then
+    less often while trials keep choosing it (up to `recheck` steps): a trial may have met a passing load, such as
+    another program's threads winding down. It is tried at once after `patience` steps in a row slower than
+    `slowdown` times its baseline (another process took a core)."""
 
-    def __init__(self, max_threads: int, *, rounds: int = 3, recheck: int = 1024, slowdown: float = 1.3,
-                 patience: int = 6):
+    def __init__(self, max_threads: int, *, rounds: int = 3, first_recheck: int = 64, recheck: int = 1024,
+                 slowdown: float = 1.3, patience: int = 6):
         self.candidates = list(range(1, max(1, max_threads) + 1))
         self.rounds = rounds
+        self.first_recheck = first_recheck
         self.recheck = recheck
         self.slowdown = slowdown
         self.patience = patience
@@ -74,7 +78,7 @@ class ThreadTuner:
             seen.append(per_row)
             return
         tuning.slow = tuning.slow + 1 if per_row > statistics.median(seen) * self.slowdown else 0
-        if tuning.slow >= self.patience or tuning.since >= self.recheck:
+        if tuning.slow >= self.patience or tuning.since >= tuning.interval:
             self._start_trial(tuning)
 
     def settled(self, kind: StepKind) -> Optional[int]:
@@ -97,6 +101,7 @@ class ThreadTuner:
     def _start_trial(self, tuning: _Tuning) -> None:
         if len(tuning.candidates) == 1:  # nothing to choose, and nothing to watch
             tuning.best, tuning.since, tuning.slow, tuning.settles = tuning.candidates[0], 0, 0, 1
+            tuning.interval = self.recheck
             tuning.baselines = {}
             return
         # Each count runs a step unmeasured first: the first step after a change of count pays for starting the
@@ -109,7 +114,10 @@ class ThreadTuner:
     def _settle(self, tuning: _Tuning) -> None:
         medians = {t: statistics.median(per_row for _, per_row in s) for t, s in tuning.samples.items() if s}
         # Ties go to fewer threads: they leave more of the machine to everything else.
-        tuning.best = min(medians, key=lambda t: (medians[t], t))
+        best = min(medians, key=lambda t: (medians[t], t))
+        confirmed = tuning.settles > 0 and best == tuning.best
+        tuning.interval = min(self.recheck, tuning.interval * 2) if confirmed else self.first_recheck
+        tuning.best = best
         tuning.baselines = {}
         for shape, per_row in tuning.samples[tuning.best]:
             tuning.baselines.setdefault(shape, []).append(per_row)
