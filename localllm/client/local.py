@@ -9,13 +9,14 @@ from __future__ import annotations
 import math
 import threading
 import time
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, BinaryIO, Callable, Generic, Iterator, Optional, TypeVar
 
 from .. import __version__, api, config
 from ..models.create import create_model
 from ..engine.pool import Loaded, ModelPool, resolve_options
-from ..engine.runner import EngineChunk, GenerationParams
+from ..engine.runner import EngineChunk, GenerationParams, Stream
 from ..errors import ContextOverflow, InvalidInput
 from ..models.info import show_model
 from ..models.options import bound_sampling
@@ -168,27 +169,36 @@ class LocalClient:
                         token: CancelToken) -> Iterator[tuple[int, api.GenerateChunk]]:
         for request in requests:
             _refuse_images(request.images)
+        with self._admitted(requests, token, self._prepare_generate) as (loaded, prepared, streams, waited):
+            for index, (request, (params, answer), stream) in enumerate(zip(requests, prepared, streams)):
+                generated: list[int] = []
+                for chunk in stream:
+                    generated.extend(chunk.tokens)
+                    # Ollama's `context`: the conversation so far as tokens, to send back with the next prompt.
+                    # Ours is the prompt's tokens as sent to the engine and the answer's, so the next request finds
+                    # them in the prefix cache (all but the answer's last token, never decoded).
+                    context = params.prompt + generated if chunk.done and not request.raw else None
+                    yield index, self._generate_chunk(request.model, chunk, loaded, waited, context, answer)
+
+    @contextmanager
+    def _admitted(self, requests: list[Any], token: CancelToken,
+                  prepare: Callable[..., tuple[Any, ...]]) -> Iterator[tuple[Loaded, list[Any], list[Stream], float]]:
+        """Load the requests' one model, prepare each (`prepare(loaded, model, request, ready, token)` returns its
+        GenerationParams first) and submit them all in one step; yields (loaded, prepared, streams, seconds waited
+        for the model). A client that leaves while its requests wait in the queue frees their places (the token),
+        and one that leaves early cancels every answer still running."""
         started = time.perf_counter()
         model, load, keep_alive = self._batch_model(requests)
         with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
             ready = time.perf_counter()
-            prepared = [self._prepare_generate(loaded, model, request, ready, token) for request in requests]
-            streams = loaded.engine.submit_all([params for params, _ in prepared])
-            for stream in streams:  # a client that leaves while its request waits in the queue frees its place
+            prepared = [prepare(loaded, model, request, ready, token) for request in requests]
+            streams = loaded.engine.submit_all([params for params, *_ in prepared])
+            for stream in streams:
                 token.on_cancel(stream.cancel)
             try:
-                for index, (request, (params, answer), stream) in enumerate(zip(requests, prepared, streams)):
-                    generated: list[int] = []
-                    for chunk in stream:
-                        generated.extend(chunk.tokens)
-                        # Ollama's `context`: the conversation so far as tokens, to send back with the next prompt.
-                        # Ours is the prompt's tokens as sent to the engine and the answer's, so the next request
-                        # finds them in the prefix cache (all but the answer's last token, never decoded).
-                        context = params.prompt + generated if chunk.done and not request.raw else None
-                        yield index, self._generate_chunk(request.model, chunk, loaded, ready - started, context,
-                                                          answer)
+                yield loaded, prepared, streams, ready - started
             finally:
-                for stream in streams:  # a client that left early cancels every answer still running
+                for stream in streams:
                     stream.cancel()
 
     def _batch_model(self, requests: list[Any]) -> tuple[ResolvedModel, api.LoadOptions, Optional[float]]:
@@ -254,28 +264,16 @@ class LocalClient:
                 raise InvalidInput("messages is empty", hint="send at least one message")
             for message in request.messages:
                 _refuse_images(message.images)
-        started = time.perf_counter()
-        model, load, keep_alive = self._batch_model(requests)
-        with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
-            ready = time.perf_counter()
-            prepared = [self._prepare_chat(loaded, model, request, ready, token) for request in requests]
-            streams = loaded.engine.submit_all([params for params, _, _ in prepared])
-            for stream in streams:  # a client that leaves while its request waits in the queue frees its place
-                token.on_cancel(stream.cancel)
-            try:
-                for index, (request, (_, tools, answer), stream) in enumerate(zip(requests, prepared, streams)):
-                    waited = ready - started
-                    if tools and request.tool_choice not in (None, "auto"):
-                        chunks = self._chat_forced_call(request.model, stream, loaded, waited, answer)
-                    elif tools:
-                        chunks = self._chat_with_tools(request.model, stream, loaded, waited, tools, answer)
-                    else:
-                        chunks = (self._chat_chunk(request.model, c, loaded, waited, answer) for c in stream)
-                    for chunk in chunks:
-                        yield index, chunk
-            finally:
-                for stream in streams:  # a client that left early cancels every answer still running
-                    stream.cancel()
+        with self._admitted(requests, token, self._prepare_chat) as (loaded, prepared, streams, waited):
+            for index, (request, (_, tools, answer), stream) in enumerate(zip(requests, prepared, streams)):
+                if tools and request.tool_choice not in (None, "auto"):
+                    chunks = self._chat_forced_call(request.model, stream, loaded, waited, answer)
+                elif tools:
+                    chunks = self._chat_with_tools(request.model, stream, loaded, waited, tools, answer)
+                else:
+                    chunks = (self._chat_chunk(request.model, c, loaded, waited, answer) for c in stream)
+                for chunk in chunks:
+                    yield index, chunk
 
     def _prepare_chat(self, loaded: Loaded, model: ResolvedModel, request: api.ChatRequest, ready: float,
                       token: CancelToken) -> tuple[GenerationParams, Optional[list[api.Tool]], "_Answer"]:
