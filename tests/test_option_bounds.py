@@ -41,6 +41,14 @@ def test_threads_are_bounded_by_the_cores(monkeypatch):
         bounded({"num_thread": cores + 1})
 
 
+def test_threads_left_unset_stay_unset_for_the_engine_to_tune(monkeypatch):
+    monkeypatch.delenv("LOCALLLM_NUM_THREAD", raising=False)
+    assert bounded({}).num_thread is None
+    monkeypatch.setenv("LOCALLLM_NUM_THREAD", "auto")
+    assert bounded({}).num_thread is None
+    assert bounded({"num_thread": 1}).num_thread == 1
+
+
 def test_context_cells_past_32_bits_are_refused_without_model_facts():
     with pytest.raises(InvalidInput, match="num_parallel"):
         bounded({"num_ctx": 2**26, "num_parallel": 128}, ModelFacts())

@@ -3,13 +3,17 @@ changes. No timing is measured here; the machine is a formula."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from localllm.engine.threads import MEASURED_STEPS, ThreadTuner
-from localllm.machine import _linux_cores
+import pytest
+
+from localllm.engine.threads import TRIAL_SHAPES, ThreadTuner
+from localllm.machine import _linux_cores, physical_cores
 
 
-TRIAL = 3 * (1 + MEASURED_STEPS)  # steps of one count in a trial: three rounds of a warm-up and measured steps
+ROUND = TRIAL_SHAPES["decode"].steps  # steps of one count in a round of a decode trial: a warm-up, then measured
+TRIAL = 3 * ROUND  # steps of one count in a whole trial of three rounds (two when the counts stand apart)
 
 
 def machine(cores: int, busy: int = 0):
@@ -37,9 +41,11 @@ def run(tuner: ThreadTuner, step, n: int, *, rows: int = 1, kind: str = "decode"
 def test_idle_machine_settles_on_every_core():
     tuner = ThreadTuner(4)
     used = run(tuner, machine(4), TRIAL * 4 + 20)
-    # One trial: interleaved rounds over every count, each a warm-up step and its measured steps.
-    assert used[:TRIAL * 4] == [t for _ in range(3) for t in (1, 2, 3, 4) for _ in range(1 + MEASURED_STEPS)]
-    assert tuner.settled("decode") == 4 and set(used[TRIAL * 4:]) == {4}
+    # One trial: interleaved rounds over every count, each a warm-up step and its measured steps; the counts stand
+    # apart after two rounds, so a third is not run.
+    assert used[:2 * ROUND * 4] == [t for _ in range(2) for t in (1, 2, 3, 4) for _ in range(ROUND)]
+    assert tuner.settled("decode") == 4 and set(used[2 * ROUND * 4:]) == {4}
+    assert tuner.trial_steps("decode") == 2 * ROUND * 4
 
 
 def test_a_busy_core_settles_on_the_free_ones():
@@ -54,7 +60,7 @@ def test_load_arriving_moves_to_fewer_threads_and_leaving_moves_back():
     assert tuner.settled("decode") == 2
     used = run(tuner, machine(2, busy=1), 4 + TRIAL * 2 + 10)  # patience slow steps, then a trial
     assert tuner.settled("decode") == 1 and used[-10:] == [1] * 10
-    assert tuner.trial_steps("decode") == TRIAL * 2
+    assert tuner.trial_steps("decode") == 2 * ROUND * 2
     # The load goes away: nothing looks slow at one thread, so the periodic re-check finds two threads again.
     used = run(tuner, machine(2), 200 + TRIAL * 2 + 5)
     assert tuner.settled("decode") == 2 and used[-5:] == [2] * 5
@@ -81,6 +87,24 @@ def test_decode_and_batch_steps_settle_apart():
             threads = tuner.choose(kind)
             tuner.record(kind, threads, rows, prefill_prefers_two_decode_prefers_one(threads, rows))
     assert tuner.settled("decode") == 1 and tuner.settled("batch") == 2
+
+
+def test_counts_that_overlap_run_all_three_rounds():
+    tuner = ThreadTuner(2)
+    noise = iter([0.9, 1.1] * 100)  # steps alternate fast and slow whatever the count
+
+    def noisy(threads: int, rows: int) -> float:
+        return 0.010 / threads ** 0.1 * next(noise)
+
+    run(tuner, noisy, TRIAL * 2)
+    assert tuner.trial_steps("decode") == TRIAL * 2 and tuner.settled("decode") == 2
+
+
+def test_a_prefill_trial_measures_every_chunk():
+    # Prefill chunks are long and few (one per turn): no warm-up steps, and two rounds settle clear counts.
+    tuner = ThreadTuner(2)
+    used = run(tuner, machine(2), 5, rows=256, kind="batch")
+    assert used == [1, 2, 1, 2, 2] and tuner.settled("batch") == 2 and tuner.trial_steps("batch") == 4
 
 
 def test_one_core_never_tries_anything():
@@ -126,3 +150,51 @@ def test_a_load_that_passes_during_the_first_trial_is_corrected_soon():
     assert tuner.settled("decode") == 2 and used[-5:] == [2] * 5
     run(tuner, machine(2), 64 + TRIAL * 2)  # confirmed: the next re-check waits twice as long
     assert tuner._kinds["decode"].interval == 128
+
+
+@pytest.mark.models
+def test_a_model_loaded_at_the_defaults_tunes_its_threads(models_home, monkeypatch):
+    # The server's path: options bounded against the machine, the pool's engine; ps says the count is chosen as it runs.
+    from localllm import api
+    from server_harness import local_client
+
+    monkeypatch.delenv("LOCALLLM_NUM_THREAD", raising=False)
+    client = local_client(models_home)
+    try:
+        request = api.GenerateRequest(model="smollm2:135m", prompt="Hi", options={"num_predict": 4, "temperature": 0})
+        assert [chunk for chunk in client.generate(request) if chunk.done]
+        (row,) = client.ps().models
+    finally:
+        client.close()
+    assert row.threads_auto and 1 <= row.threads <= physical_cores()
+
+
+def test_openmp_waits_are_set_before_llama_cpp_loads_unless_the_user_set_them(monkeypatch):
+    from localllm import machine
+
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(machine, "_llama_cpp_uses_libgomp", lambda: True)
+    machine.keep_openmp_barriers_spinning()
+    assert (os.environ["OMP_WAIT_POLICY"], os.environ["GOMP_SPINCOUNT"]) == ("active", "300000")
+
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    machine.keep_openmp_barriers_spinning()
+    assert os.environ["OMP_WAIT_POLICY"] == "passive" and "GOMP_SPINCOUNT" not in os.environ
+
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setattr(machine, "_llama_cpp_uses_libgomp", lambda: False)  # LLVM's OpenMP would spin forever
+    machine.keep_openmp_barriers_spinning()
+    assert "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_the_installed_llama_cpp_is_read_for_libgomp_without_loading_it():
+    import subprocess
+    import sys
+
+    code = ("import sys, localllm.machine as m; uses = m._llama_cpp_uses_libgomp(); "
+            "print(uses, 'llama_cpp' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    lib = next(Path(__import__("llama_cpp").__file__).parent.joinpath("lib").glob("libggml-cpu*.so*"))
+    assert out == [str(b"libgomp.so" in lib.read_bytes()), "False"]

@@ -21,7 +21,9 @@ class _Tuning:
     """One kind of step: the counts under trial, or the settled count and how its steps compare with when it won."""
 
     candidates: list[int]
+    shape: "TrialShape"
     trials: list[tuple[int, bool]] = field(default_factory=list)  # (count, measured) still to run, in order
+    rounds_done: int = 0
     samples: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # per count: (rows bucket, s/row)
     best: int = 0
     # The settled count's seconds per row, per rows bucket: from its trial, or its first steps of a new batch shape.
@@ -36,12 +38,13 @@ class _Tuning:
 class ThreadTuner:
     """Chooses each step's thread count. `choose(kind)` before a decode, `record(kind, threads, rows, seconds)` after.
 
-    Trials interleave the candidates (1, 2, .., n, 1, 2, .., n, ...) for `rounds` rounds, each for a warm-up step and
-    MEASURED_STEPS measured ones, so a change in the batch or the machine during a trial weighs on every count alike;
-    each count's median seconds per row decides. A settled count is tried again soon (`first_recheck` steps), then
-    less often while trials keep choosing it (up to `recheck` steps): a trial may have met a passing load, such as
-    another program's threads winding down. It is tried at once after `patience` steps in a row slower than
-    `slowdown` times its baseline (another process took a core)."""
+    Trials interleave the candidates (1, 2, .., n, 1, 2, .., n, ...) for up to `rounds` rounds, each count for its
+    kind's TrialShape, so a change in the batch or the machine during a trial weighs on every count alike; each
+    count's median seconds per row decides. A trial ends after two rounds when one count's slowest step beat every
+    other count's fastest: a trial's steps at the losing counts are what tuning costs. A settled count is tried
+    again soon (`first_recheck` steps), then less often while trials keep choosing it (up to `recheck` steps): a
+    trial may have met a passing load, such as another program's threads winding down. It is tried at once after
+    `patience` steps in a row slower than `slowdown` times its baseline (another process took a core)."""
 
     def __init__(self, max_threads: int, *, rounds: int = 3, first_recheck: int = 64, recheck: int = 1024,
                  slowdown: float = 1.3, patience: int = 6):
@@ -69,6 +72,10 @@ class ThreadTuner:
                     tuning.samples.setdefault(threads, []).append((shape, per_row))
                 tuning.trials.pop(0)
                 tuning.last_trial_steps += 1
+                if tuning.last_trial_steps % (len(tuning.candidates) * tuning.shape.steps) == 0:
+                    tuning.rounds_done += 1
+                    if tuning.rounds_done >= 2 and _separated(tuning.samples):
+                        tuning.trials = []
                 if not tuning.trials:
                     self._settle(tuning)
             return
@@ -94,7 +101,7 @@ class ThreadTuner:
     def _tuning(self, kind: StepKind) -> _Tuning:
         tuning = self._kinds.get(kind)
         if tuning is None:
-            tuning = self._kinds[kind] = _Tuning(self.candidates, best=self.candidates[-1])
+            tuning = self._kinds[kind] = _Tuning(self.candidates, TRIAL_SHAPES[kind], best=self.candidates[-1])
             self._start_trial(tuning)
         return tuning
 
@@ -104,12 +111,10 @@ class ThreadTuner:
             tuning.interval = self.recheck
             tuning.baselines = {}
             return
-        # Each count runs a step unmeasured first: the first step after a change of count pays for starting the
-        # threads (llama.cpp's OpenMP team), which would count against more threads.
-        block = [False] + [True] * MEASURED_STEPS
+        block = [False] * tuning.shape.warm_up + [True] * tuning.shape.measured
         tuning.trials = [(t, measured) for _ in range(self.rounds) for t in tuning.candidates for measured in block]
         tuning.samples = {}
-        tuning.last_trial_steps = 0
+        tuning.last_trial_steps = tuning.rounds_done = 0
 
     def _settle(self, tuning: _Tuning) -> None:
         medians = {t: statistics.median(per_row for _, per_row in s) for t, s in tuning.samples.items() if s}
@@ -125,8 +130,36 @@ class ThreadTuner:
         tuning.settles += 1
 
 
+@dataclass(frozen=True)
+class TrialShape:
+    """A count's steps in each round of a trial: unmeasured ones first, then the measured ones."""
+
+    warm_up: int
+    measured: int
+
+    @property
+    def steps(self) -> int:
+        return self.warm_up + self.measured
+
+
+TRIAL_SHAPES: dict[str, TrialShape] = {
+    # The first decode after a change of count pays for starting the threads (llama.cpp's OpenMP team), which would
+    # count against more threads; a decode is short, so that start is a large share of it.
+    "decode": TrialShape(warm_up=1, measured=2),
+    # A prefill chunk is long beside that start, and rare (one per turn of a chat): every one of them counts.
+    "batch": TrialShape(warm_up=0, measured=1),
+}
 BASELINE_STEPS = 3  # steps of a batch shape that set the settled count's baseline for it
-MEASURED_STEPS = 2  # steps a count is measured for in each round of a trial, after its warm-up step
+
+
+def _separated(samples: dict[int, list[tuple[int, float]]]) -> bool:
+    """Whether one count's slowest step beat every other count's fastest."""
+    if len(samples) < 2:
+        return False
+    slowest = {t: max(per_row for _, per_row in s) for t, s in samples.items()}
+    fastest = {t: min(per_row for _, per_row in s) for t, s in samples.items()}
+    best = min(slowest, key=slowest.__getitem__)
+    return all(slowest[best] < fastest[t] for t in samples if t != best)
 
 
 def _bucket(rows: int) -> int:

@@ -67,9 +67,11 @@ def bound_load(load: LoadOptions, explicit: set[str], facts: ModelFacts) -> Load
     """Check `load` (effective values: pool.effective_load filled the unset ones) against the model and the
     machine. `explicit` names the options the request or Modelfile set; the others are clamped, not refused."""
     cores = os.cpu_count() or 1
-    threads = _refuse_or_clamp("num_thread", load.num_thread or 1, cores, "num_thread" in explicit,
-                               f"the {cores} CPU cores of this machine",
-                               hint=f"use at most {cores}; more threads than cores slow decoding down")
+    threads = load.num_thread  # None: the engine tunes the count as it runs
+    if threads is not None:
+        threads = _refuse_or_clamp("num_thread", threads, cores, "num_thread" in explicit,
+                                   f"the {cores} CPU cores of this machine",
+                                   hint=f"use at most {cores}; more threads than cores slow decoding down")
     num_ctx = load.num_ctx or 0
     if facts.context_length:
         num_ctx = _refuse_or_clamp("num_ctx", num_ctx, facts.context_length, "num_ctx" in explicit,
