@@ -10,8 +10,8 @@ import pytest
 from localllm import config
 from localllm.backends.base import CacheShape
 from localllm.engine.prefix_cache import (RESTORE_MIN_GAIN, SAVE_MIN_TOKENS, CacheFileError, DiskTier, PrefixCache,
-                                          as_tokens)
-from localllm.engine.scheduler import Request, Scheduler
+                                          RestorePrice, as_tokens)
+from localllm.engine.scheduler import Request, Scheduler, Step
 from localllm.errors import ConfigError
 
 FULL = CacheShape(fingerprint="test build; slots 2; ctx 4096")
@@ -225,13 +225,46 @@ def test_a_short_gain_is_left_to_the_slots():
     cache = PrefixCache(FULL, ram_limit=10**7)
     cache.put(_prefix(1, 300), _state(300))
     s = Scheduler(n_slots=1, n_ctx=4096, n_batch=512, max_queue=4, prefix_cache=cache)
-    first = Request(prompt=_prefix(1, 290) + [5], max_tokens=5, sink=None)
+    first = Request(prompt=_prefix(1, 300 - RESTORE_MIN_GAIN + 1) + [5], max_tokens=5, sink=None)
     s.admit(first)
     _run_to_end(s, first, [6])
     again = Request(prompt=_prefix(1, 300) + [5], max_tokens=5, sink=None)
     s.admit(again)
     step = s.schedule()
-    assert 300 - 290 < RESTORE_MIN_GAIN and not step.restores and again.cache_tier == "slot"
+    assert not step.restores and again.cache_tier == "slot"
+
+
+def _returning_after_a_short_slot(price: RestorePrice) -> Step:
+    """A slot holding 250 tokens of a 300-token saved prefix, and a request for all 300: a gain of 50 tokens."""
+    cache = PrefixCache(FULL, ram_limit=10**7)
+    cache.put(_prefix(1, 300), _state(300))
+    cache.price = price
+    s = Scheduler(n_slots=1, n_ctx=4096, n_batch=512, max_queue=4, prefix_cache=cache)
+    first = Request(prompt=_prefix(1, 250) + [5], max_tokens=5, sink=None)
+    s.admit(first)
+    _run_to_end(s, first, [6])
+    s.admit(Request(prompt=_prefix(1, 300) + [5], max_tokens=5, sink=None))
+    return s.schedule()
+
+
+def test_a_restore_is_weighed_against_the_prefill_it_saves():
+    size = len(_state(300))
+    assert _returning_after_a_short_slot(RestorePrice()).restores  # nothing measured yet: tried, and so priced
+    cpu = RestorePrice(prefill_per_token=3e-3, restore_per_byte={"ram": 1e-9})  # this machine: ms against us
+    assert _returning_after_a_short_slot(cpu).restores
+    # A state that costs more to load than 50 tokens take to prefill (a slow link) is left to the prefill.
+    dear = RestorePrice(prefill_per_token=1e-4, restore_per_byte={"ram": 50 * 1e-4 / size * 2})
+    assert not _returning_after_a_short_slot(dear).restores
+
+
+def test_the_price_learns_from_the_steps():
+    price = RestorePrice()
+    for _ in range(50):
+        price.observe_prefill(100, 0.3)
+        price.observe_restore("ram", 10**6, 0.001)
+    assert price.prefill_per_token == pytest.approx(3e-3) and price.restore_per_byte["ram"] == pytest.approx(1e-9)
+    price.observe_prefill(0, 1.0)  # nothing to learn from
+    assert price.prefill_per_token == pytest.approx(3e-3)
 
 
 def test_small_losses_are_not_saved():

@@ -5,6 +5,7 @@ this moves bytes between the backend's sequences and the cache (engine/prefix_ca
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 from ..backends.base import LoadedModel
@@ -25,24 +26,26 @@ class CacheKeeper:
     def apply(self, step: Step) -> bool:
         """Run the step's saves, then its restores (before its trims and copies); True when the cache changed.
         The states to restore are read first: a save may evict the very entry a restore wants."""
-        states = [(restore, self._read(restore)) for restore in step.restores]
+        states = [(restore, restore.entry.tier, *self._read(restore)) for restore in step.restores]
         for save in step.saves:
             self._save(save)
-        for restore, data in states:
+        for restore, tier, data, read_seconds in states:
             if data is not None:
-                self._restore(restore, data)
+                self._restore(restore, data, tier, read_seconds)
             else:  # the slot's old cache goes as planned, and the prompt starts afresh
                 self.model.remove(restore.seq, 0)
                 self._scheduler.restored(restore.request, ok=False)
         return bool(step.saves or step.restores)
 
-    def _read(self, restore: Restore) -> Optional[bytes]:
+    def _read(self, restore: Restore) -> tuple[Optional[bytes], float]:
+        """The entry's state, and the seconds it took (a disk tier's read is part of a restore's price)."""
         assert self.cache is not None
+        started = time.perf_counter()
         try:
-            return self.cache.load(restore.entry)
+            return self.cache.load(restore.entry), time.perf_counter() - started
         except CacheFileError as exc:  # the cache has already dropped the file
             log.warning("prefix cache: %s", exc)
-            return None
+            return None, 0.0
 
     def _save(self, save: Save) -> None:
         assert self.cache is not None
@@ -50,10 +53,11 @@ class CacheKeeper:
         if data is not None:
             self.cache.put(save.tokens, data, pinned=save.pinned)
 
-    def _restore(self, restore: Restore, data: bytes) -> None:
+    def _restore(self, restore: Restore, data: bytes, tier: str, read_seconds: float) -> None:
         """Load a saved prefix into the request's slot; on any failure the request prefills its whole prompt."""
         cache, entry = self.cache, restore.entry
         assert cache is not None
+        started = time.perf_counter()
         try:
             self.model.restore_seq(restore.seq, data)
         except LocalLLMError as exc:
@@ -61,6 +65,7 @@ class CacheKeeper:
             cache.drop(entry)
             self._scheduler.restored(restore.request, ok=False)
             return
+        cache.price.observe_restore(tier, len(data), read_seconds + time.perf_counter() - started)
         if restore.keep < entry.n_tokens:
             self.model.remove(restore.seq, restore.keep)
         cache.hit(entry)

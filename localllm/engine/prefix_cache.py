@@ -3,8 +3,9 @@
 
 The slots are the first tier (engine/slots.py). When a slot is about to lose at least SAVE_MIN_TOKENS of its cache,
 the scheduler asks the engine to save the slot's state first; a new request then looks in the slots, then here, and a
-saved prefix that beats the best slot by RESTORE_MIN_GAIN tokens is restored into the slot before its prompt's rest
-is prefilled. The scheduler reads only the index (`lookup`, `holds`); the engine thread moves the bytes.
+saved prefix that beats the best slot is restored into the slot before its prompt's rest is prefilled, when restoring
+its bytes costs less than prefilling the tokens it gains (RestorePrice, learnt from the engine's own steps). The
+scheduler reads only the index (`lookup`, `holds`); the engine thread moves the bytes.
 
 Which entry to evict: GreedyDual-Size-Frequency (Cherkasova 1998). Each entry's priority is
     H = L + (hits + 1) * tokens / bytes
@@ -38,7 +39,7 @@ from ..models.plan import available_memory
 log = logging.getLogger(__name__)
 
 SAVE_MIN_TOKENS = 32  # a slot losing fewer cached tokens than this is not worth a save (a prefill that short is quick)
-RESTORE_MIN_GAIN = 32  # restore only when the saved prefix beats the best slot by at least this many tokens
+RESTORE_MIN_GAIN = 4  # a saved prefix must beat the best slot by this many tokens before its price is weighed
 PIN_SHARE = 0.5  # pinned entries may hold at most this share of a tier's budget
 
 MAGIC = b"LLMKV01\n"
@@ -82,6 +83,38 @@ class Match:
     @property
     def tier(self) -> str:
         return self.entry.tier
+
+
+@dataclass
+class RestorePrice:
+    """What restoring a saved prefix costs against prefilling the tokens it saves, from the engine's own timings:
+    seconds per prefilled token (steps that carry prompt chunks) and per restored byte (read and load, per tier). On
+    a CPU a prefilled token costs milliseconds and its state a few microseconds to copy; on a GPU, or from a slow
+    disk, the two come closer. Until both are measured a restore is taken: it is tried, and so priced."""
+
+    prefill_per_token: Optional[float] = None
+    restore_per_byte: dict[str, float] = field(default_factory=dict)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.prefill_per_token = _moving(self.prefill_per_token, seconds / tokens)
+
+    def observe_restore(self, tier: str, size: int, seconds: float) -> None:
+        if size > 0 and seconds > 0:
+            self.restore_per_byte[tier] = _moving(self.restore_per_byte.get(tier), seconds / size)
+
+    def pays(self, match: "Match", gain: int) -> bool:
+        """Whether restoring `match` beats prefilling the `gain` tokens it adds to what the best slot holds."""
+        if gain < RESTORE_MIN_GAIN:
+            return False
+        per_byte = self.restore_per_byte.get(match.tier)
+        if per_byte is None or self.prefill_per_token is None:
+            return True
+        return per_byte * match.entry.size < self.prefill_per_token * gain
+
+
+def _moving(old: Optional[float], new: float, weight: float = 0.2) -> float:
+    return new if old is None else old + weight * (new - old)
 
 
 @dataclass
@@ -139,6 +172,7 @@ class PrefixCache:
         self.digest = digest  # the model's, written into exported states (prompt-cache files)
         self.ram_limit = max(0, ram_limit)
         self.disk = disk
+        self.price = RestorePrice()
         self.entries: list[Entry] = disk.scan() if disk is not None else []
         self._inflation = 0.0  # GDSF's L
         for entry in self.entries:

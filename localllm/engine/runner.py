@@ -405,9 +405,12 @@ class ModelEngine:
                 self._scheduler.finish(work.request, "error")
                 self._close_request(work.request, exc)
             return
+        seconds = time.perf_counter() - t0
         if self.threads is not None:
             # Wall time, not CPU time: a thread that waits for a core another process holds is what it must see.
-            self.threads.record(kind, threads, len(step.batch), time.perf_counter() - t0)
+            self.threads.record(kind, threads, len(step.batch), seconds)
+        if kind == "batch" and self.prefix_cache is not None:
+            self.prefix_cache.price.observe_prefill(len(step.batch), seconds)
         if self.speculation is not None:
             self.speculation.observe(step.batch, step.copies)
         sampled = self._sample(step)

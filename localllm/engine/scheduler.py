@@ -23,7 +23,7 @@ from typing import Any, Generic, Optional, TypeVar
 
 from ..backends.base import Batch, Sampler
 from ..errors import QueueFull
-from .prefix_cache import SAVE_MIN_TOKENS, RESTORE_MIN_GAIN, Entry, Match, PrefixCache
+from .prefix_cache import SAVE_MIN_TOKENS, Entry, Match, PrefixCache
 from .slots import Slot, SlotState, SlotTable
 from .speculative.drafters import Drafter
 
@@ -215,11 +215,11 @@ class Scheduler:
             req.slot, req.n_cached, req.n_prefilled = slot, reuse, reuse
 
     def _saved_prefix(self, prompt: list[int], *, beats: int) -> Optional[Match]:
-        """A saved prefix worth restoring: one that skips RESTORE_MIN_GAIN more tokens than the best slot."""
+        """A saved prefix worth restoring: one that skips more tokens than the best slot, at a price that pays."""
         if self.cache is None:
             return None
         match = self.cache.lookup(prompt)
-        return match if match is not None and match.reuse >= beats + RESTORE_MIN_GAIN else None
+        return match if match is not None and self.cache.price.pays(match, match.reuse - beats) else None
 
     def _save_before_loss(self, step: Step, slot: Slot[Request[Any]], *, keeps: int) -> None:
         """Save the slot's state when it is about to lose SAVE_MIN_TOKENS or more that no saved entry holds."""
