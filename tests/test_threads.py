@@ -150,6 +150,7 @@ def test_a_load_that_passes_during_the_first_trial_is_corrected_soon():
     assert tuner.settled("decode") == 2 and used[-5:] == [2] * 5
     run(tuner, machine(2), 64 + TRIAL * 2)  # confirmed: the next re-check waits twice as long
     assert tuner._kinds["decode"].interval == 128
+    assert tuner.trial_steps("decode") == ROUND * 2  # and a re-check that finds the settled count takes one round
 
 
 @pytest.mark.models

@@ -41,7 +41,8 @@ class ThreadTuner:
     Trials interleave the candidates (1, 2, .., n, 1, 2, .., n, ...) for up to `rounds` rounds, each count for its
     kind's TrialShape, so a change in the batch or the machine during a trial weighs on every count alike; each
     count's median seconds per row decides. A trial ends after two rounds when one count's slowest step beat every
-    other count's fastest: a trial's steps at the losing counts are what tuning costs. A settled count is tried
+    other count's fastest, and a re-check after one when that count is the settled one: a trial's steps at the
+    losing counts are what tuning costs. A settled count is tried
     again soon (`first_recheck` steps), then less often while trials keep choosing it (up to `recheck` steps): a
     trial may have met a passing load, such as another program's threads winding down. It is tried at once after
     `patience` steps in a row slower than `slowdown` times its baseline (another process took a core)."""
@@ -74,7 +75,7 @@ class ThreadTuner:
                 tuning.last_trial_steps += 1
                 if tuning.last_trial_steps % (len(tuning.candidates) * tuning.shape.steps) == 0:
                     tuning.rounds_done += 1
-                    if tuning.rounds_done >= 2 and _separated(tuning.samples):
+                    if self._clear_early(tuning):
                         tuning.trials = []
                 if not tuning.trials:
                     self._settle(tuning)
@@ -116,6 +117,15 @@ class ThreadTuner:
         tuning.samples = {}
         tuning.last_trial_steps = tuning.rounds_done = 0
 
+    @staticmethod
+    def _clear_early(tuning: _Tuning) -> bool:
+        """Whether a trial may end at this round: one count stands apart after two rounds, or after one when a
+        re-check finds the settled count again (a first trial's two rounds guard against a passing load)."""
+        winner = _standing_apart(tuning.samples)
+        if winner is None:
+            return False
+        return tuning.rounds_done >= 2 or (tuning.settles > 0 and winner == tuning.best)
+
     def _settle(self, tuning: _Tuning) -> None:
         medians = {t: statistics.median(per_row for _, per_row in s) for t, s in tuning.samples.items() if s}
         # Ties go to fewer threads: they leave more of the machine to everything else.
@@ -152,14 +162,14 @@ TRIAL_SHAPES: dict[str, TrialShape] = {
 BASELINE_STEPS = 3  # steps of a batch shape that set the settled count's baseline for it
 
 
-def _separated(samples: dict[int, list[tuple[int, float]]]) -> bool:
-    """Whether one count's slowest step beat every other count's fastest."""
+def _standing_apart(samples: dict[int, list[tuple[int, float]]]) -> Optional[int]:
+    """The count whose slowest step beat every other count's fastest; None when no count stands apart."""
     if len(samples) < 2:
-        return False
+        return None
     slowest = {t: max(per_row for _, per_row in s) for t, s in samples.items()}
     fastest = {t: min(per_row for _, per_row in s) for t, s in samples.items()}
     best = min(slowest, key=slowest.__getitem__)
-    return all(slowest[best] < fastest[t] for t in samples if t != best)
+    return best if all(slowest[best] < fastest[t] for t in samples if t != best) else None
 
 
 def _bucket(rows: int) -> int:
