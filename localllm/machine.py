@@ -75,10 +75,9 @@ def _llama_cpp_uses_libgomp() -> bool:
         spec = importlib.util.find_spec("llama_cpp")
     except (ImportError, ValueError):
         return False
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        for lib in sorted(Path(folder, "lib").glob("libggml-cpu*.so*"))[:1]:
-            try:
-                return b"libgomp.so" in lib.read_bytes()
-            except OSError:
-                return False
-    return False
+    folders = (spec.submodule_search_locations or []) if spec else []
+    libs = [lib for folder in folders for lib in sorted(Path(folder, "lib").glob("libggml-cpu*.so*"))]
+    try:
+        return bool(libs) and b"libgomp.so" in libs[0].read_bytes()
+    except OSError:
+        return False

@@ -23,7 +23,6 @@ class _Tuning:
     candidates: list[int]
     shape: "TrialShape"
     trials: list[tuple[int, bool]] = field(default_factory=list)  # (count, measured) still to run, in order
-    rounds_done: int = 0
     samples: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # per count: (rows bucket, s/row)
     best: int = 0
     # The settled count's seconds per row, per rows bucket: from its trial, or its first steps of a new batch shape.
@@ -42,10 +41,10 @@ class ThreadTuner:
     kind's TrialShape, so a change in the batch or the machine during a trial weighs on every count alike; each
     count's median seconds per row decides. A trial ends after two rounds when one count's slowest step beat every
     other count's fastest, and a re-check after one when that count is the settled one: a trial's steps at the
-    losing counts are what tuning costs. A settled count is tried
-    again soon (`first_recheck` steps), then less often while trials keep choosing it (up to `recheck` steps): a
-    trial may have met a passing load, such as another program's threads winding down. It is tried at once after
-    `patience` steps in a row slower than `slowdown` times its baseline (another process took a core)."""
+    losing counts are what tuning costs. A settled count is tried again soon (`first_recheck` steps), then less
+    often while trials keep choosing it (up to `recheck` steps): a trial may have met a passing load, such as
+    another program's threads winding down. It is tried at once after `patience` steps in a row slower than
+    `slowdown` times its baseline (another process took a core)."""
 
     def __init__(self, max_threads: int, *, rounds: int = 3, first_recheck: int = 64, recheck: int = 1024,
                  slowdown: float = 1.3, patience: int = 6):
@@ -73,10 +72,9 @@ class ThreadTuner:
                     tuning.samples.setdefault(threads, []).append((shape, per_row))
                 tuning.trials.pop(0)
                 tuning.last_trial_steps += 1
-                if tuning.last_trial_steps % (len(tuning.candidates) * tuning.shape.steps) == 0:
-                    tuning.rounds_done += 1
-                    if self._clear_early(tuning):
-                        tuning.trials = []
+                rounds, within = divmod(tuning.last_trial_steps, len(tuning.candidates) * tuning.shape.steps)
+                if within == 0 and self._clear_early(tuning, rounds):
+                    tuning.trials = []
                 if not tuning.trials:
                     self._settle(tuning)
             return
@@ -115,16 +113,16 @@ class ThreadTuner:
         block = [False] * tuning.shape.warm_up + [True] * tuning.shape.measured
         tuning.trials = [(t, measured) for _ in range(self.rounds) for t in tuning.candidates for measured in block]
         tuning.samples = {}
-        tuning.last_trial_steps = tuning.rounds_done = 0
+        tuning.last_trial_steps = 0
 
     @staticmethod
-    def _clear_early(tuning: _Tuning) -> bool:
-        """Whether a trial may end at this round: one count stands apart after two rounds, or after one when a
+    def _clear_early(tuning: _Tuning, rounds: int) -> bool:
+        """Whether a trial may end after `rounds` rounds: one count stands apart after two, or after one when a
         re-check finds the settled count again (a first trial's two rounds guard against a passing load)."""
         winner = _standing_apart(tuning.samples)
         if winner is None:
             return False
-        return tuning.rounds_done >= 2 or (tuning.settles > 0 and winner == tuning.best)
+        return rounds >= 2 or (tuning.settles > 0 and winner == tuning.best)
 
     def _settle(self, tuning: _Tuning) -> None:
         medians = {t: statistics.median(per_row for _, per_row in s) for t, s in tuning.samples.items() if s}
