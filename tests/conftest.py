@@ -41,6 +41,16 @@ def models_home() -> Path:
     return home
 
 
+@pytest.fixture(scope="module")
+def base_url(models_home):
+    """The real server on the catalog models (1024-token contexts, 2 slots), one per test module; a module that needs
+    other settings defines its own `base_url`."""
+    from server_harness import served
+
+    with served(models_home, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2") as url:
+        yield url
+
+
 @pytest.fixture(scope="session")
 def smollm2_path(models_home) -> Path:
     from localllm.models.store import Store

@@ -18,6 +18,13 @@ SYSTEM = "You are a helpful AI assistant."
 SMALL = {"temperature": 0, "num_predict": 12}
 
 
+def free_port() -> int:
+    """A loopback port free now (the OS picked it; nothing holds it after this returns)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @contextmanager
 def serve_in_thread(app) -> Iterator[str]:
     """Serve `app` on 127.0.0.1:<free port>; yields the base URL and stops the server on exit."""
@@ -75,6 +82,17 @@ def private_home(models_home: Path, target: Path) -> Path:
     if (src / "probes").is_dir():  # the same blobs on the same machine: their load probes hold here too
         shutil.copytree(src / "probes", dst / "probes")
     return target
+
+
+def linked_home(models_home: Path, home: Path) -> Path:
+    """A home of its own whose blobs link to the session's catalog models (so nothing shared is changed)."""
+    shutil.copytree(models_home / "models" / "manifests", home / "models" / "manifests")
+    blobs = home / "models" / "blobs"
+    blobs.mkdir()
+    for blob in (models_home / "models" / "blobs").iterdir():
+        if blob.name.startswith("sha256-") and blob.is_file():
+            os.symlink(blob, blobs / blob.name)
+    return home
 
 
 @contextmanager

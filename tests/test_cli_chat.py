@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +24,7 @@ from localllm.cli.render import split_finished
 from localllm.cli.repl import read_message, unquote
 from localllm.conversation import parse_parameter
 from localllm.errors import InvalidInput
+from server_harness import free_port, linked_home
 
 PROMPT = ">>> "
 SYSTEM = "You are a helpful AI assistant."
@@ -37,14 +36,7 @@ QUESTION = "What is the capital of France?"
 @pytest.fixture(scope="module")
 def chat_home(models_home, tmp_path_factory) -> Path:
     """A home of its own (history, logs, saved models) whose blobs link to the session's catalog models."""
-    home = tmp_path_factory.mktemp("chat") / "home"
-    shutil.copytree(models_home / "models" / "manifests", home / "models" / "manifests")
-    blobs = home / "models" / "blobs"
-    blobs.mkdir()
-    for blob in (models_home / "models" / "blobs").iterdir():
-        if blob.name.startswith("sha256-") and blob.is_file():
-            os.symlink(blob, blobs / blob.name)
-    return home
+    return linked_home(models_home, tmp_path_factory.mktemp("chat") / "home")
 
 
 @dataclass
@@ -57,16 +49,10 @@ class Served:
 @pytest.fixture(scope="module")
 def served(chat_home) -> Served:
     """An environment whose LOCALLLM_HOST is a free loopback port; the server a `run` starts there is killed after."""
-    port = _free_port()
+    port = free_port()
     env = _child_env(chat_home, LOCALLLM_HOST=f"127.0.0.1:{port}")
     yield Served(chat_home, f"http://127.0.0.1:{port}", env)
     _kill_server(chat_home / "server.pid")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _child_env(home: Path, **extra: str) -> dict[str, str]:
@@ -273,7 +259,7 @@ def test_bad_input_to_run_is_one_line_and_exit_code_1(chat_home, args, message):
 
 
 def test_ps_and_stop_without_a_server(chat_home):
-    env = _child_env(chat_home, LOCALLLM_HOST=f"127.0.0.1:{_free_port()}")
+    env = _child_env(chat_home, LOCALLLM_HOST=f"127.0.0.1:{free_port()}")
     listed = localllm(env, "ps", "--json")
     assert listed.returncode == 0 and json.loads(listed.stdout) == {"models": []}
     assert "no localllm server answers" in listed.stderr

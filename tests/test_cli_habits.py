@@ -26,20 +26,10 @@ from localllm import api
 from localllm.cli.render import ps_table, ps_text, render_pull, timing_rows
 from localllm.models.catalog import CATALOG, did_you_mean
 from localllm.templates import TRANSCRIPT_NUM_PREDICT, TRANSCRIPT_STOPS, transcript_sampling
-from test_cli_chat import PROMPT, _as_in_a_terminal, _child_env, _free_port, _kill_server, localllm, say
+from server_harness import free_port, linked_home
+from test_cli_chat import PROMPT, _as_in_a_terminal, _child_env, _kill_server, localllm, say
 
 MODELFILES = sorted((Path(__file__).parent.parent / "modelfiles").glob("*.Modelfile"))
-
-
-def linked_home(models_home: Path, home: Path) -> Path:
-    """A home of its own whose blobs link to the session's catalog models (so nothing shared is changed)."""
-    shutil.copytree(models_home / "models" / "manifests", home / "models" / "manifests")
-    blobs = home / "models" / "blobs"
-    blobs.mkdir()
-    for blob in (models_home / "models" / "blobs").iterdir():
-        if blob.name.startswith("sha256-") and blob.is_file():
-            os.symlink(blob, blobs / blob.name)
-    return home
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +40,7 @@ def home(models_home, tmp_path_factory) -> Path:
 @pytest.fixture
 def env(home) -> dict[str, str]:
     """The child environment, on a loopback port nothing listens on (so no test meets another's server)."""
-    return _child_env(home, LOCALLLM_HOST=f"127.0.0.1:{_free_port()}", COLUMNS="80")
+    return _child_env(home, LOCALLLM_HOST=f"127.0.0.1:{free_port()}", COLUMNS="80")
 
 
 def create(env: dict[str, str], name: str, modelfile: str, tmp_path: Path) -> None:
@@ -185,7 +175,7 @@ def test_ctrl_c_leaves_the_partial_answer_on_screen_once(env, long_model, tmp_pa
 def fresh_env(models_home, tmp_path) -> dict[str, str]:
     """A home and a port of this test's own; any background server it starts is stopped afterwards."""
     home = linked_home(models_home, tmp_path / "home")
-    yield _child_env(home, LOCALLLM_HOST=f"127.0.0.1:{_free_port()}")
+    yield _child_env(home, LOCALLLM_HOST=f"127.0.0.1:{free_port()}")
     _kill_server(home / "server.pid")
 
 

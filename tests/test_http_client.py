@@ -3,7 +3,6 @@ closed stream that frees its slot on the server."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import httpx
@@ -13,7 +12,7 @@ from localllm import api
 from localllm.errors import InvalidInput, ModelNotFound, ServerUnreachable, Unauthorized
 from localllm.client.http import HttpClient, server_running
 from localllm.server.app import create_app
-from server_harness import SMALL, SYSTEM, env, local_client, private_home, serve_in_thread
+from server_harness import SMALL, SYSTEM, env, free_port, local_client, private_home, serve_in_thread
 
 pytestmark = pytest.mark.models
 
@@ -139,9 +138,3 @@ def wait_until_idle(http: HttpClient, limit: float = 30.0) -> None:
     while any(m.slots_busy or m.queue_depth for m in http.ps().models):
         assert time.monotonic() < deadline, "the slot was never freed"
         time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

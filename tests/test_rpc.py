@@ -20,18 +20,12 @@ import pytest
 from typer.testing import CliRunner
 
 from localllm.cli import app
-from server_harness import private_home
+from server_harness import free_port, private_home
 
 pytestmark = [pytest.mark.models, pytest.mark.slow]
 
 PROMPT = "List the planets of the solar system, one per line."
 GREEDY = {"temperature": 0, "num_predict": 24, "num_ctx": 512, "num_parallel": 1, "spec_type": "none"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _child_env(home: Path, **extra: str) -> dict[str, str]:
@@ -88,7 +82,7 @@ def _generate(url: str, **options) -> str:
 
 
 def test_a_worker_holds_layers_and_the_greedy_answer_is_the_local_one(home, tmp_path):
-    worker_port, server_port = _free_port(), _free_port()
+    worker_port, server_port = free_port(), free_port()
     endpoint = f"127.0.0.1:{worker_port}"
     worker_log = tmp_path / "worker.log"
     env = _child_env(home, LOCALLLM_HOST=f"127.0.0.1:{server_port}", LOCALLLM_RPC=endpoint)
@@ -117,7 +111,7 @@ def test_a_worker_holds_layers_and_the_greedy_answer_is_the_local_one(home, tmp_
 
 
 def test_a_worker_that_goes_away_mid_answer_ends_that_request_and_the_server_lives_on(home, tmp_path):
-    worker_port, server_port = _free_port(), _free_port()
+    worker_port, server_port = free_port(), free_port()
     env = _child_env(home, LOCALLLM_HOST=f"127.0.0.1:{server_port}", LOCALLLM_RPC=f"127.0.0.1:{worker_port}")
     server_log = tmp_path / "server.log"
     with started(["serve"], env, server_port, server_log) as server:
@@ -147,8 +141,8 @@ def test_a_worker_that_goes_away_mid_answer_ends_that_request_and_the_server_liv
 
 
 def test_an_unreachable_worker_is_one_clear_error(home, tmp_path):
-    port = _free_port()  # nothing listens there
-    server_port = _free_port()
+    port = free_port()  # nothing listens there
+    server_port = free_port()
     env = _child_env(home, LOCALLLM_HOST=f"127.0.0.1:{server_port}")
     with started(["serve"], env, server_port, tmp_path / "server.log") as server:
         url = f"http://127.0.0.1:{server_port}"
@@ -164,7 +158,7 @@ def test_an_unreachable_worker_is_one_clear_error(home, tmp_path):
 
 
 def test_plan_shows_the_split_per_device(home, tmp_path, monkeypatch):
-    worker_port = _free_port()
+    worker_port = free_port()
     env = _child_env(home)
     with started(["worker", "--port", str(worker_port), "--threads", "1"], env, worker_port, tmp_path / "w.log"):
         result = subprocess.run([sys.executable, "-m", "localllm", "plan", "smollm2:135m", "--num-gpu", "12",
@@ -180,7 +174,7 @@ def test_worker_without_rpc_in_the_build_names_the_rebuild_command(monkeypatch):
     import llama_cpp
 
     monkeypatch.setattr(llama_cpp, "llama_supports_rpc", lambda: False)
-    result = CliRunner().invoke(app, ["worker", "--port", str(_free_port())])
+    result = CliRunner().invoke(app, ["worker", "--port", str(free_port())])
     assert result.exit_code == 1
     assert "bash scripts/setup.sh" in result.output and "-DGGML_RPC=ON" in result.output
 
@@ -189,6 +183,6 @@ def test_worker_warns_when_bound_beyond_loopback(home):
     # 192.0.2.1 (TEST-NET-1) is no address of this machine: the warning comes first, then binding fails, so the
     # test never opens an unauthenticated port beyond loopback.
     result = subprocess.run([sys.executable, "-m", "localllm", "worker", "--host", "192.0.2.1", "--port",
-                             str(_free_port())], env=_child_env(home), capture_output=True, text=True, timeout=60)
+                             str(free_port())], env=_child_env(home), capture_output=True, text=True, timeout=60)
     assert "WARNING" in result.stderr and "no authentication" in result.stderr
     assert result.returncode == 1 and "could not listen on 192.0.2.1" in result.stderr

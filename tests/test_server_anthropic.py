@@ -12,7 +12,7 @@ import pytest
 from localllm import api
 from localllm.client.http import HttpClient
 from localllm.server.app import create_app
-from server_harness import SYSTEM, env, local_client, serve_in_thread, served
+from server_harness import SYSTEM, env, local_client, serve_in_thread
 
 pytestmark = pytest.mark.models
 
@@ -23,12 +23,6 @@ PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                             "required": ["city"]}}
-
-
-@pytest.fixture(scope="module")
-def base_url(models_home):
-    with served(models_home, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2") as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,12 +14,7 @@ from typer.testing import CliRunner
 from localllm import config
 from localllm.cli import app
 from localllm.client.http import server_running
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from server_harness import free_port
 
 
 def test_help_lists_every_setting():

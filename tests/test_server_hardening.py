@@ -14,8 +14,7 @@ import pytest
 
 from localllm.client.http import HttpClient
 from localllm.errors import InvalidInput
-from localllm.server.app import create_app
-from server_harness import env, local_client, private_home, serve_in_thread
+from server_harness import private_home, served
 
 pytestmark = pytest.mark.models
 
@@ -30,13 +29,8 @@ def home(models_home, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_url(home):
-    with env(LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2", LOCALLLM_HOME=str(home)):
-        client = local_client(home)
-        try:
-            with serve_in_thread(create_app(client)) as url:
-                yield url
-        finally:
-            client.close()
+    with served(home, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2", LOCALLLM_HOME=str(home)) as url:
+        yield url
 
 
 def generate(url: str, **body) -> httpx.Response:
@@ -172,26 +166,21 @@ def status_line(sock: socket.socket) -> bytes:
 def test_queued_clients_that_leave_give_their_places_back(home):
     long = {"model": MODEL, "prompt": "Count to a million", "stream": True,
             "options": {"temperature": 0, "num_predict": 4000, "ignore_eos": True}}
-    with env(LOCALLLM_NUM_PARALLEL="2", LOCALLLM_MAX_QUEUE="4", LOCALLLM_CONTEXT_LENGTH="4096",
-             LOCALLLM_HOME=str(home)):
-        client = local_client(home)
-        try:
-            with serve_in_thread(create_app(client)) as url:
-                holders = [open_request(url, long) for _ in range(2)]
-                assert all(status_line(s).startswith(b"HTTP/1.1 200") for s in holders)  # both slots busy
-                queued = [open_request(url, {**long, "stream": False}) for _ in range(4)]
-                assert wait_for(lambda: queue_depth(url) == 4)
-                for sock in queued:  # the four clients give up
-                    sock.close()
-                assert wait_for(lambda: queue_depth(url) == 0), "clients that left are still queued"
-                fresh = open_request(url, {"model": MODEL, "prompt": "Say hi", "stream": False, "options": QUICK})
-                assert wait_for(lambda: queue_depth(url) == 1 or select.select([fresh], [], [], 0)[0])
-                for sock in holders:
-                    sock.close()
-                assert status_line(fresh).startswith(b"HTTP/1.1 200")
-                fresh.close()
-        finally:
-            client.close()
+    with served(home, LOCALLLM_NUM_PARALLEL="2", LOCALLLM_MAX_QUEUE="4", LOCALLLM_CONTEXT_LENGTH="4096",
+                LOCALLLM_HOME=str(home)) as url:
+        holders = [open_request(url, long) for _ in range(2)]
+        assert all(status_line(s).startswith(b"HTTP/1.1 200") for s in holders)  # both slots busy
+        queued = [open_request(url, {**long, "stream": False}) for _ in range(4)]
+        assert wait_for(lambda: queue_depth(url) == 4)
+        for sock in queued:  # the four clients give up
+            sock.close()
+        assert wait_for(lambda: queue_depth(url) == 0), "clients that left are still queued"
+        fresh = open_request(url, {"model": MODEL, "prompt": "Say hi", "stream": False, "options": QUICK})
+        assert wait_for(lambda: queue_depth(url) == 1 or select.select([fresh], [], [], 0)[0])
+        for sock in holders:
+            sock.close()
+        assert status_line(fresh).startswith(b"HTTP/1.1 200")
+        fresh.close()
 
 
 # ---------------------------------------------------------------------------------------------------------- templates

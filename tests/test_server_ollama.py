@@ -11,17 +11,11 @@ import ollama
 import pytest
 
 from localllm.server.app import create_app
-from server_harness import SMALL, SYSTEM, private_home, serve_in_thread, served
+from server_harness import SMALL, SYSTEM, private_home, serve_in_thread
 
 pytestmark = pytest.mark.models
 
 PARIS = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def base_url(models_home):
-    with served(models_home, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2") as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from server_harness import SYSTEM, served
+from server_harness import SYSTEM
 
 pytestmark = pytest.mark.models
 
@@ -19,12 +19,6 @@ WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                    "required": ["city"]}}}
-
-
-@pytest.fixture(scope="module")
-def base_url(models_home):
-    with served(models_home, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2") as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -15,18 +15,12 @@ import pytest
 from localllm import api, config
 from localllm.errors import ResponseNotFound
 from localllm.server import response_store
-from server_harness import SYSTEM, served
+from server_harness import SYSTEM
 
 MODEL = "smollm2:135m"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                           "required": ["city"]}}
-
-
-@pytest.fixture(scope="module")
-def base_url(models_home):
-    with served(models_home, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2") as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

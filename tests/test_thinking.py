@@ -20,7 +20,6 @@ from localllm.models.info import capabilities
 from localllm.thinking import (Think, ThinkingSplitter, parse_think, supports_thinking, think_from_effort,
                                thinking_grammar)
 from reasoning_model import REASONING_TEMPLATE, token_id
-from server_harness import served
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city"],
@@ -90,12 +89,6 @@ def reasoner(reasoner_path) -> str:
 def close_bias(reasoner) -> dict[int, float]:
     """A logit bias that makes the model close its think block as soon as the grammar lets it."""
     return {token_id(reasoner, "</"): 30.0}
-
-
-@pytest.fixture(scope="module")
-def base_url(models_home):
-    with served(models_home, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2") as url:
-        yield url
 
 
 def no_tags(*texts: str) -> bool:
