@@ -484,6 +484,9 @@ class ProcessModel(_Model):
     speculation: str = "none"
     threads: int = 0  # CPU threads of its decode steps now (llama.cpp; 0 where the backend chooses)
     threads_auto: bool = False  # chosen as it runs (LOCALLLM_NUM_THREAD auto), not pinned
+    flash_attn: Optional[bool] = Field(None, description="flash attention as its context runs: on, off, or null "
+                                       "where the backend decides")
+    flash_attn_measured: bool = Field(False, description="flash_attn was chosen by timing both on this machine")
     draft_count: int = 0
     draft_accepted: int = 0
     status: Optional[str] = None  # "removed": its model was deleted; it unloads when its running requests end

@@ -79,9 +79,13 @@ def private_home(models_home: Path, target: Path) -> Path:
                 os.link(blob, dst / "blobs" / blob.name)
             except OSError:
                 shutil.copy2(blob, dst / "blobs" / blob.name)
-    if (src / "probes").is_dir():  # the same blobs on the same machine: their load probes hold here too
-        shutil.copytree(src / "probes", dst / "probes")
+    _copy_probes(src, dst)
     return target
+
+
+def _copy_probes(src: Path, dst: Path) -> None:
+    if (src / "probes").is_dir():  # the same blobs on the same machine: their load probes (and trials) hold here too
+        shutil.copytree(src / "probes", dst / "probes")
 
 
 def linked_home(models_home: Path, home: Path) -> Path:
@@ -92,6 +96,7 @@ def linked_home(models_home: Path, home: Path) -> Path:
     for blob in (models_home / "models" / "blobs").iterdir():
         if blob.name.startswith("sha256-") and blob.is_file():
             os.symlink(blob, blobs / blob.name)
+    _copy_probes(models_home / "models", home / "models")
     return home
 
 

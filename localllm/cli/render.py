@@ -201,7 +201,7 @@ _WRAPPABLE = frozenset({"BACKEND", "LAYERS", "SPEC", "PREFIX CACHE", "UNTIL"})
 def ps_rows(models: Iterable[api.ProcessModel]) -> list[tuple[str, ...]]:
     """`localllm ps`: effective values, never totals to divide (context is per slot; BUSY is busy/total slots)."""
     return [(row.name, row.digest[:12], _size_text(row), _backend_text(row), _slots_text(row),
-             str(row.context_length), row.kv_type, _placement_text(row), _speculation_text(row),
+             str(row.context_length), _kv_text(row), _placement_text(row), _speculation_text(row),
              _prefix_cache_text(row), _until_text(row)) for row in models]
 
 
@@ -236,6 +236,13 @@ def _backend_text(row: api.ProcessModel) -> str:
     if not row.threads:
         return row.backend
     return f"{row.backend}, {row.threads} thread{'s' if row.threads > 1 else ''}{' (auto)' if row.threads_auto else ''}"
+
+
+def _kv_text(row: api.ProcessModel) -> str:
+    """"f16, flash off": the cache type, and flash attention where it is not left to the backend."""
+    if row.flash_attn is None:
+        return row.kv_type
+    return f"{row.kv_type}, flash {'on' if row.flash_attn else 'off'}"
 
 
 def _size_text(row: api.ProcessModel) -> str:

@@ -579,6 +579,8 @@ def _process_row(entry: Loaded, sharing: list[str]) -> api.ProcessModel:
         size_vram=sum(s.total for s in placement.offload) if placement is not None else 0,
         speculation=entry.speculation.kind if entry.speculation is not None else "none",
         threads=stats.threads, threads_auto=entry.engine.threads is not None,
+        flash_attn=entry.options.flash_attn if entry.measured_flash_attn is None else entry.measured_flash_attn,
+        flash_attn_measured=entry.measured_flash_attn is not None,
         draft_count=stats.draft_tokens, draft_accepted=stats.accepted_tokens,
         status="removed" if entry.removed else None, cache_ram_bytes=stats.cache_ram_bytes,
         cache_ram_limit=stats.cache_ram_limit, cache_disk_bytes=stats.cache_disk_bytes,

@@ -92,6 +92,7 @@ class Loaded:
     last_used: float = field(default_factory=time.monotonic)
     expires_at: Optional[datetime] = None
     speculation: Optional[Speculation] = None  # what the speculation factory built for this load, if any
+    measured_flash_attn: Optional[bool] = None  # chosen by the flash trial (engine/flash_trial.py) for an open choice
     # No name stands for these weights any more (`rm` here or in another process, or the last alias deleted): new
     # requests get 404 from the store, and it unloads when its running requests end.
     removed: bool = False
@@ -168,11 +169,15 @@ class ModelPool:
         backend_name = choose_backend(load.backend, model.weights)
         check_memory(load, model_facts(model.weights, model.format), model.name)
         t0 = time.perf_counter()
-        self._probe.check(model.weights, load, backend=backend_name)  # a file that aborts llama.cpp fails here
-        loaded = get_backend(backend_name).load(model.weights, load, n_seq=load.num_parallel or 1,
+        probed = self._probe.check(model.weights, load, backend=backend_name)  # a file that aborts llama.cpp fails here
+        # The entry keeps the options asked for (a request that asks the same again reuses it); the context gets
+        # the probe's findings for what was left open.
+        context_load = probed.applied_to(load)
+        loaded = get_backend(backend_name).load(model.weights, context_load, n_seq=load.num_parallel or 1,
                                                 n_ctx=load.num_ctx or config.CONTEXT_LENGTH.get(),
                                                 adapters=effective_adapters(model, load))
         seconds = time.perf_counter() - t0
+        measured_flash = context_load.flash_attn if probed.sets(load) else None
         try:
             factory = self._speculation_factory
             speculation = factory(model, load, loaded) if factory is not None else None
@@ -188,7 +193,7 @@ class ModelPool:
                  loaded.n_seq, loaded.n_ctx)
         return Loaded(model=model, options=load, engine=engine, backend=backend_name, load_seconds=seconds,
                       keep_alive=config.KEEP_ALIVE.get() if keep_alive is None else keep_alive,
-                      speculation=speculation)
+                      speculation=speculation, measured_flash_attn=measured_flash)
 
     def _release(self, entry: Loaded, keep_alive: Optional[float]) -> None:
         with self._lock:

@@ -7,8 +7,12 @@ request fails, with the assert's own line in its error, and the server lives on.
 so each file pays the probe once per LOCALLLM_HOME and llama.cpp version (about a second for the catalog models;
 their weights stay in the page cache for the real load that follows).
 
+The child also runs the flash attention trial (engine/flash_trial.py) where the choice is open and the CPU runs the
+model: its finding comes back on the child's stdout, is remembered with the success, and `check` returns it.
+
 Memory: `<store root>/probes/<blob digest>` (a file path outside the store is named by its path, size and mtime),
-holding the llama.cpp and probe versions that passed. Only the llama.cpp backend is probed: MLX raises Python errors.
+holding the llama.cpp and probe versions that passed and the trial. Only the llama.cpp backend is probed: MLX raises
+Python errors.
 
 Run as a module, this file is the child: `python -m localllm.engine.probe WEIGHTS` with the LoadOptions as JSON on
 stdin; its exit status says how it went (EXIT_REFUSED and its neighbours below)."""
@@ -25,17 +29,20 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 from .. import api
 from ..errors import LocalLLMError, ModelFormatError
+from . import flash_trial
+from .flash_trial import FlashTrial
 
 if TYPE_CHECKING:
     from ..models.store import Store
 
 log = logging.getLogger(__name__)
 
-PROBE_VERSION = "1"  # raise when the probe checks more: what it remembered no longer covers it
+PROBE_VERSION = "2"  # raise when the probe checks more: what it remembered no longer covers it
 PROBE_CTX = 256  # context of the child's one slot: enough for the probe's tokens, cheap to allocate
 PROBE_TOKENS = 4  # decoded together first (the prompt path), then one more alone (the generation path)
 # Tokenized and detokenized by the child: ASCII, controls, several scripts and an emoji, as users type them.
@@ -54,6 +61,24 @@ _GGML_MESSAGE = re.compile(r"([\w.+-]+\.(?:c|cc|cpp|h|cu|m):\d+: [^\n]*)")
 _UNCAUGHT = re.compile(r"instance of '([^']+)'\s+what\(\):\s*([^\n]*)")
 
 
+@dataclass(frozen=True)
+class Probed:
+    """What the probe learned about the weights on this machine, beyond "they load"."""
+
+    trial: Optional[FlashTrial] = None
+
+    def sets(self, load: api.LoadOptions) -> bool:
+        """Whether the trial settles flash attention for `load`: left open there, and a clear winner here."""
+        return self.trial is not None and self.trial.flash_attn is not None and flash_trial.wanted(load)
+
+    def applied_to(self, load: api.LoadOptions) -> api.LoadOptions:
+        """`load` with flash attention set as the trial found faster, where `load` leaves it open."""
+        if not self.sets(load):
+            return load
+        assert self.trial is not None
+        return load.model_copy(update={"flash_attn": self.trial.flash_attn})
+
+
 class LoadProbe:
     """Probes weights once per home before the pool loads them in-process."""
 
@@ -64,27 +89,34 @@ class LoadProbe:
     def for_store(cls, store: "Store") -> "LoadProbe":
         return cls(store.root / "probes")
 
-    def check(self, weights: Path, load: api.LoadOptions, *, backend: str = "llama.cpp") -> None:
-        """Return when `weights` loaded (now or before) in a child; raise ModelFormatError when the child died.
+    def check(self, weights: Path, load: api.LoadOptions, *, backend: str = "llama.cpp") -> Probed:
+        """Return what was learned when `weights` loaded (now or before) in a child; raise ModelFormatError when the
+        child died.
 
         A child that failed cleanly (a missing tensor, a context too large) is not remembered and not raised: the
         in-process load that follows fails the same way, with its own error type and status."""
         weights = Path(weights)
         if backend != "llama.cpp" or not weights.is_file():  # a missing file is the real load's error to give
-            return
+            return Probed()
         entry = self.memory_dir / weights_key(weights)
-        if _remembered(entry):
-            return
+        remembered = _recall(entry)
+        if remembered is not None:
+            return remembered
         log.info("first load of %s on this machine: trying it in a child process", weights.name)
         outcome = _run_child(weights, load)
         if outcome.returncode == 0:
-            _remember(entry)
-        elif outcome.returncode == EXIT_PYTHON_ERROR:  # not llama.cpp: the child itself could not run
+            probed = Probed(trial=_reported_trial(outcome.stdout))
+            if probed.trial is not None:
+                log.info("%s on this CPU, %s", weights.name, probed.trial.describe())
+            _remember(entry, probed)
+            return probed
+        if outcome.returncode == EXIT_PYTHON_ERROR:  # not llama.cpp: the child itself could not run
             log.warning("the load probe of %s could not run: %s", weights.name, outcome.stderr[-_STDERR_TAIL:])
         elif outcome.returncode != EXIT_REFUSED:
             log.warning("%s crashed llama.cpp in the load probe: %s", weights, outcome.stderr[-_STDERR_TAIL:])
             raise ModelFormatError(f"{weights} crashed llama.cpp while loading: {_crash_line(outcome)}",
                                    hint="the file is damaged or needs another llama.cpp; only this load failed")
+        return Probed()
 
 
 def weights_key(weights: Path) -> str:
@@ -111,18 +143,23 @@ def _record() -> dict[str, str]:
     return {"llama_cpp": _llama_cpp_version(), "probe": PROBE_VERSION}
 
 
-def _remembered(entry: Path) -> bool:
+def _recall(entry: Path) -> Optional[Probed]:
+    """What a success under this llama.cpp and probe remembered; None when there is none to trust."""
     try:
-        return json.loads(entry.read_text(encoding="utf-8")) == _record()
+        memory = json.loads(entry.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
+        return None
+    if not isinstance(memory, dict) or {key: memory.get(key) for key in _record()} != _record():
+        return None
+    return Probed(trial=FlashTrial.from_json(memory.get("flash_trial")))
 
 
-def _remember(entry: Path) -> None:
+def _remember(entry: Path, probed: Probed) -> None:
+    memory = {**_record(), "flash_trial": probed.trial.to_json() if probed.trial else None}
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         temp = entry.with_name(f".{entry.name}.{uuid.uuid4().hex}")
-        temp.write_text(json.dumps(_record()), encoding="utf-8")
+        temp.write_text(json.dumps(memory), encoding="utf-8")
         os.replace(temp, entry)
     except OSError as exc:  # a read-only home: the probe runs again next time, nothing worse
         log.warning("could not remember that %s loads: %s", entry.name, exc)
@@ -145,6 +182,15 @@ def _run_child(weights: Path, load: api.LoadOptions) -> subprocess.CompletedProc
     except subprocess.TimeoutExpired:
         raise ModelFormatError(f"{weights} did not load within {_timeout(weights):.0f} s in the load probe",
                                hint="the file may be damaged; only this load failed") from None
+
+
+def _reported_trial(stdout: str) -> Optional[FlashTrial]:
+    """The trial the child printed as its last line (nothing when it ran none)."""
+    lines = stdout.strip().splitlines()
+    try:
+        return FlashTrial.from_json(json.loads(lines[-1])) if lines else None
+    except ValueError:
+        return None
 
 
 def _crash_line(outcome: subprocess.CompletedProcess) -> str:
@@ -197,12 +243,25 @@ def probe_load(weights: Path, load: api.LoadOptions) -> None:
 
 def _main(argv: list[str]) -> int:
     load = api.LoadOptions.model_validate_json(sys.stdin.read())
+    weights = Path(argv[0])
     try:
-        probe_load(Path(argv[0]), load)
+        probe_load(weights, load)
     except LocalLLMError as exc:
         print(exc, flush=True)
         return EXIT_REFUSED
+    trial = _flash_trial(weights, load)
+    print(json.dumps(trial.to_json() if trial else None), flush=True)
     return 0
+
+
+def _flash_trial(weights: Path, load: api.LoadOptions) -> Optional[FlashTrial]:
+    if not flash_trial.wanted(load):
+        return None
+    try:
+        return flash_trial.run_trial(weights, load)
+    except LocalLLMError as exc:  # the weights load: only the choice stays llama.cpp's
+        print(f"flash attention trial failed: {exc}", file=sys.stderr, flush=True)
+        return None
 
 
 if __name__ == "__main__":

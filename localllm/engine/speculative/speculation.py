@@ -108,9 +108,9 @@ def load_speculation(store: "Store", model: "ResolvedModel", load: LoadOptions,
         from ...backends import choose_backend
 
         weights = store.resolve(load.draft).weights
-        # A draft that would abort llama.cpp fails this load alone.
-        LoadProbe.for_store(store).check(weights, load, backend=choose_backend(load.backend, weights))
-        draft = open_draft_model(weights, load, loaded, name=load.draft)
+        # A draft that would abort llama.cpp fails this load alone; it gets its own flash attention finding.
+        probed = LoadProbe.for_store(store).check(weights, load, backend=choose_backend(load.backend, weights))
+        draft = open_draft_model(weights, probed.applied_to(load), loaded, name=load.draft)
     return Speculation(loaded, draft=draft, mtp=open_mtp_head(loaded))
 
 
