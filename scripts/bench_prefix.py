@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Optional
 
 from localllm.bench.figures import Figure
 from localllm.bench.raw import RawLoop
-from localllm.bench.rest import served_model
+from localllm.bench.rest import http_client, served_model
 
 CONVERSATIONS = 6
 SLOTS = 2
@@ -92,13 +92,11 @@ def play(turn: Turn, systems: list[list[int]], question, histories: Optional[lis
 
 
 def ours_turn(base: str) -> Turn:
-    import httpx
-
     def turn(prompt: list[int]) -> tuple[float, list[int]]:
         body = {"model": "bench", "prompt": "", "context": prompt, "raw": True, "stream": True,
                 "options": {"temperature": 0, "num_predict": ANSWER_TOKENS, "spec_type": "none", "ignore_eos": True}}
         t0, first, tokens = time.perf_counter(), None, []
-        with httpx.stream("POST", f"{base}/api/generate", json=body, timeout=600) as resp:
+        with http_client().stream("POST", f"{base}/api/generate", json=body, timeout=600) as resp:
             for line in resp.iter_lines():
                 chunk = json.loads(line)
                 if chunk.get("tokens"):
@@ -146,6 +144,7 @@ def prefix_figures(path: Path, *, threads: Optional[int], llama_server_binary: O
 
     threads = threads or config.NUM_THREAD.get() or physical_cores()
     systems, question = conversations(path)
+    http_client()  # built before the first timed turn
     setting = {"LOCALLLM_CACHE_DISK": "4GiB"}
     scenario = f"{CONVERSATIONS} conversations of ~{SYSTEM_TOKENS}-token system prompts on {SLOTS} slots"
     with tempfile.TemporaryDirectory(prefix="localllm-bench-prefix-") as home:

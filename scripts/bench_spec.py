@@ -30,6 +30,7 @@ from localllm.api import LoadOptions, SamplingOptions
 from localllm.backends.llama_cpp import LlamaCppBackend
 from localllm.bench.engine import FOUR_PROMPTS
 from localllm.bench.figures import Bracketed, Figure
+from localllm.bench.rest import http_client
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.engine.speculative.speculation import Speculation
 from localllm.machine import physical_cores
@@ -165,10 +166,8 @@ class LlamaServer:
     def stream(self, prompt: list[int], n: int, received: Callable[[list[int]], None], *,
                ignore_eos: bool = False) -> None:
         """One streamed completion; `received(tokens)` as each chunk arrives (the client's clock)."""
-        import httpx
-
         body = self._body(prompt, n, ignore_eos=ignore_eos, stream=True)
-        with httpx.stream("POST", f"http://127.0.0.1:{self.port}/completion", json=body, timeout=600) as resp:
+        with http_client().stream("POST", f"http://127.0.0.1:{self.port}/completion", json=body, timeout=600) as resp:
             for line in resp.iter_lines():
                 if not line.startswith("data: "):
                     continue
