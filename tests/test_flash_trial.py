@@ -117,3 +117,11 @@ def test_the_pool_runs_the_context_as_the_trial_found(models_home, tmp_path, mon
             assert _context_flash(client) == str(native)
     finally:
         client.close()
+
+
+def test_a_model_too_slow_for_the_trial_keeps_llama_cpp_s_choice(tmp_path, monkeypatch):
+    # A single token slower than the limit (here any token: a big model on a small CPU) stops the trial before it
+    # spends seconds on a sizing chunk, at every thread count.
+    monkeypatch.setattr(flash_trial, "ONE_TOKEN_LIMIT", 0.0)
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    assert flash_trial.run_trial(path, api.LoadOptions()) is None

@@ -28,6 +28,8 @@ TRIAL_SECONDS = 1.0  # the most one setting's prefill to `depth` may take, from 
 MIN_DEPTH = 128  # shallower, attention is too small a share of a step to tell the two apart
 MAX_DEPTH = 256  # deep enough to show the difference clearly (it grows with depth)
 FIRST_CHUNK = 32  # tokens timed first, to size the depth
+# A single token costs more than a token in a batch: slower than this, no batch can reach MIN_DEPTH in time.
+ONE_TOKEN_LIMIT = 8 * TRIAL_SECONDS / MIN_DEPTH
 SHORT_BATCH = 16
 ROUNDS = 3
 OFF_FASTER = 0.8  # off must take at most this share of on's time at depth...
@@ -114,8 +116,7 @@ def run_trial(weights: Path, load: api.LoadOptions) -> Optional[FlashTrial]:
         if not _on_cpu(models[True]):
             return None
         tokens = _tokens(models[True].meta.n_vocab, MAX_DEPTH + SHORT_BATCH)
-        for model in models.values():  # a context's first decodes set up its buffers: not what is measured
-            _timed(model, tokens[:SHORT_BATCH], 0)
+        for model in models.values():  # a context's first decode sets up its buffers: not what is measured
             _timed(model, tokens[:1], 0)
         threads, depth = _affordable(models, tokens)
         if depth == 0:
@@ -141,6 +142,10 @@ def _affordable(models: dict[bool, "LlamaCppModel"], tokens: list[int]) -> tuple
     for threads in dict.fromkeys((first.options.num_thread or physical_cores(), 1)):
         for model in models.values():
             model.set_threads(threads)
+        if _timed(first, tokens[:1], 0) > ONE_TOKEN_LIMIT:  # a big model: even the sizing chunk would cost seconds
+            continue
+        for model in models.values():  # the first batch of a size sets up more than its steps cost later
+            _timed(model, tokens[:SHORT_BATCH], 0)
         depth = affordable_depth(_timed(first, tokens[:FIRST_CHUNK], 0) / FIRST_CHUNK)
         if depth:
             return threads, depth

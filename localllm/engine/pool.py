@@ -177,7 +177,6 @@ class ModelPool:
                                                 n_ctx=load.num_ctx or config.CONTEXT_LENGTH.get(),
                                                 adapters=effective_adapters(model, load))
         seconds = time.perf_counter() - t0
-        measured_flash = context_load.flash_attn if probed.sets(load) else None
         try:
             factory = self._speculation_factory
             speculation = factory(model, load, loaded) if factory is not None else None
@@ -193,7 +192,7 @@ class ModelPool:
                  loaded.n_seq, loaded.n_ctx)
         return Loaded(model=model, options=load, engine=engine, backend=backend_name, load_seconds=seconds,
                       keep_alive=config.KEEP_ALIVE.get() if keep_alive is None else keep_alive,
-                      speculation=speculation, measured_flash_attn=measured_flash)
+                      speculation=speculation, measured_flash_attn=probed.flash_attn_for(load))
 
     def _release(self, entry: Loaded, keep_alive: Optional[float]) -> None:
         with self._lock:

@@ -28,8 +28,8 @@ import signal
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from .. import api
@@ -67,16 +67,14 @@ class Probed:
 
     trial: Optional[FlashTrial] = None
 
-    def sets(self, load: api.LoadOptions) -> bool:
-        """Whether the trial settles flash attention for `load`: left open there, and a clear winner here."""
-        return self.trial is not None and self.trial.flash_attn is not None and flash_trial.wanted(load)
+    def flash_attn_for(self, load: api.LoadOptions) -> Optional[bool]:
+        """The setting the trial found faster, where `load` leaves it open; None where it settles nothing."""
+        return self.trial.flash_attn if self.trial is not None and flash_trial.wanted(load) else None
 
     def applied_to(self, load: api.LoadOptions) -> api.LoadOptions:
         """`load` with flash attention set as the trial found faster, where `load` leaves it open."""
-        if not self.sets(load):
-            return load
-        assert self.trial is not None
-        return load.model_copy(update={"flash_attn": self.trial.flash_attn})
+        found = self.flash_attn_for(load)
+        return load if found is None else load.model_copy(update={"flash_attn": found})
 
 
 class LoadProbe:
