@@ -59,12 +59,12 @@ def env(**values: str) -> Iterator[None]:
         patch.undo()
 
 
-def local_client(models_home: Path):
-    """A LocalClient on the shared, read-only test home."""
+def local_client(home: Path):
+    """A LocalClient on `home`: the shared, read-only test home, or one of a test's own."""
     from localllm.client.local import LocalClient
     from localllm.models.store import Store
 
-    return LocalClient(store=Store(models_home / "models"))
+    return LocalClient(store=Store(home / "models"))
 
 
 def private_home(models_home: Path, target: Path) -> Path:
@@ -101,12 +101,13 @@ def linked_home(models_home: Path, home: Path) -> Path:
 
 
 @contextmanager
-def served(models_home: Path, **settings: str) -> Iterator[str]:
-    """The real app over a LocalClient on the shared test home, with these LOCALLLM_* settings; yields its URL."""
+def served(home: Path, **settings: str) -> Iterator[str]:
+    """The real app over a LocalClient on `home` (the shared test home, or a private_home), with these LOCALLLM_*
+    settings; yields its URL."""
     from localllm.server.app import create_app
 
     with env(**settings):
-        client = local_client(models_home)
+        client = local_client(home)
         try:
             with serve_in_thread(create_app(client)) as url:
                 yield url

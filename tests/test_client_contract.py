@@ -14,8 +14,7 @@ import ollama
 import openai
 import pytest
 
-from localllm.server.app import create_app
-from server_harness import SYSTEM, env, local_client, private_home, serve_in_thread, served
+from server_harness import SYSTEM, env, local_client, private_home, served
 
 pytestmark = pytest.mark.models
 
@@ -141,7 +140,6 @@ def test_timings_add_up_over_a_prompt_longer_than_one_prefill_chunk(api, base_ur
 
 
 def test_create_from_uploaded_files(tmp_path, models_home, tmp_path_factory):
-    from localllm.client.local import LocalClient
     from localllm.models.store import Store
 
     home = private_home(models_home, tmp_path_factory.mktemp("files-home"))
@@ -149,31 +147,27 @@ def test_create_from_uploaded_files(tmp_path, models_home, tmp_path_factory):
     upload = tmp_path / "model.gguf"
     upload.write_bytes(weights.read_bytes())
     weights.unlink()  # the server must receive the bytes
-    client = LocalClient(store=Store(home / "models"))
-    try:
-        with serve_in_thread(create_app(client)) as url:
-            api = ollama.Client(host=url)
-            digest = "sha256:" + hashlib.sha256(upload.read_bytes()).hexdigest()
-            assert httpx.head(f"{url}/api/blobs/{digest}").status_code == 404
-            assert api.create_blob(upload) == digest
-            assert httpx.head(f"{url}/api/blobs/{digest}").status_code == 200
-            wrong = httpx.post(f"{url}/api/blobs/sha256:{'0' * 64}", content=b"other bytes")
-            assert wrong.status_code == 400 and "do not match" in wrong.json()["error"]
-            done = api.create(model="uploaded:1", files={"model.gguf": digest}, system="Answer in French.")
-            assert done.status == "success"
-            shown = httpx.post(url + "/api/show", json={"model": "uploaded:1"}).json()
-            assert shown["details"]["family"] == "llama" and shown["system"] == "Answer in French."
-            assert api.chat(model="uploaded:1", messages=HI, options=SMALL).done
-            assert httpx.request("DELETE", url + "/api/delete", json={"name": "uploaded:1"}).status_code == 200
-            assert "uploaded:1" not in [m.model for m in api.list().models]
-            with pytest.raises(ollama.ResponseError) as missing:
-                api.create(model="nope:1", files={"model.gguf": "sha256:" + "1" * 64})
-            assert missing.value.status_code == 400 and "upload it first" in missing.value.error
-            with pytest.raises(ollama.ResponseError) as safetensors:
-                api.create(model="nope:1", files={"model.safetensors": digest})
-            assert safetensors.value.status_code == 400 and "GGUF" in safetensors.value.error
-    finally:
-        client.close()
+    with served(home) as url:
+        api = ollama.Client(host=url)
+        digest = "sha256:" + hashlib.sha256(upload.read_bytes()).hexdigest()
+        assert httpx.head(f"{url}/api/blobs/{digest}").status_code == 404
+        assert api.create_blob(upload) == digest
+        assert httpx.head(f"{url}/api/blobs/{digest}").status_code == 200
+        wrong = httpx.post(f"{url}/api/blobs/sha256:{'0' * 64}", content=b"other bytes")
+        assert wrong.status_code == 400 and "do not match" in wrong.json()["error"]
+        done = api.create(model="uploaded:1", files={"model.gguf": digest}, system="Answer in French.")
+        assert done.status == "success"
+        shown = httpx.post(url + "/api/show", json={"model": "uploaded:1"}).json()
+        assert shown["details"]["family"] == "llama" and shown["system"] == "Answer in French."
+        assert api.chat(model="uploaded:1", messages=HI, options=SMALL).done
+        assert httpx.request("DELETE", url + "/api/delete", json={"name": "uploaded:1"}).status_code == 200
+        assert "uploaded:1" not in [m.model for m in api.list().models]
+        with pytest.raises(ollama.ResponseError) as missing:
+            api.create(model="nope:1", files={"model.gguf": "sha256:" + "1" * 64})
+        assert missing.value.status_code == 400 and "upload it first" in missing.value.error
+        with pytest.raises(ollama.ResponseError) as safetensors:
+            api.create(model="nope:1", files={"model.safetensors": digest})
+        assert safetensors.value.status_code == 400 and "GGUF" in safetensors.value.error
 
 
 GO_TOOLS_TEMPLATE = """{{- if .Tools }}<|im_start|>system
@@ -186,39 +180,32 @@ You can call these tools: {{ range .Tools }}{{ json . }}{{ end }}<|im_end|>
 
 
 def test_go_templates_at_create_and_request_time(models_home, tmp_path_factory):
-    from localllm.client.local import LocalClient
-    from localllm.models.store import Store
 
     home = private_home(models_home, tmp_path_factory.mktemp("go-home"))
-    client = LocalClient(store=Store(home / "models"))
-    try:
-        with serve_in_thread(create_app(client)) as url:
-            api = ollama.Client(host=url)
-            assert api.create(model="tooly:1", from_=MODEL, template=GO_TOOLS_TEMPLATE).status == "success"
-            # Ollama's deprecated `name` on pull and create, as old clients send it.
-            pulled = httpx.post(url + "/api/pull", json={"name": MODEL, "stream": False}, timeout=60).json()
-            assert pulled["status"] == "success"
-            named = httpx.post(url + "/api/create", json={"name": "named:1", "from": MODEL, "stream": False},
-                               timeout=60).json()
-            assert named["status"] == "success" and "named:1" in [m.model for m in api.list().models]
-            assert "tools" in api.show("tooly:1").capabilities
-            tool = {"type": "function", "function": {"name": "get_time", "description": "The time now",
-                                                     "parameters": {"type": "object", "properties": {}}}}
-            assert api.chat(model="tooly:1", messages=HI, tools=[tool], options=SMALL).done
-            with pytest.raises(ollama.ResponseError) as refused:
-                api.create(model="bad:1", from_=MODEL, template='{{ define "x" }}{{ end }}{{ .Prompt }}')
-            assert refused.value.status_code == 400 and "{{ define }}" in refused.value.error
-            # A request's own template, in Go syntax, is translated too.
-            legacy = "<|im_start|>user\n{{ .Prompt }}<|im_end|>\n<|im_start|>assistant\n{{ .Response }}<|im_end|>"
-            answer = httpx.post(url + "/api/generate", timeout=120, json={
-                "model": MODEL, "prompt": "Say hi", "template": legacy, "stream": False, "options": SMALL}).json()
-            plain = httpx.post(url + "/api/generate", timeout=120, json={
-                "model": MODEL, "stream": False, "options": SMALL, "raw": True,
-                "prompt": "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"}).json()
-            assert answer["response"] == plain["response"] and answer["prompt_eval_count"] == plain[
-                "prompt_eval_count"]
-    finally:
-        client.close()
+    with served(home) as url:
+        api = ollama.Client(host=url)
+        assert api.create(model="tooly:1", from_=MODEL, template=GO_TOOLS_TEMPLATE).status == "success"
+        # Ollama's deprecated `name` on pull and create, as old clients send it.
+        pulled = httpx.post(url + "/api/pull", json={"name": MODEL, "stream": False}, timeout=60).json()
+        assert pulled["status"] == "success"
+        named = httpx.post(url + "/api/create", json={"name": "named:1", "from": MODEL, "stream": False},
+                           timeout=60).json()
+        assert named["status"] == "success" and "named:1" in [m.model for m in api.list().models]
+        assert "tools" in api.show("tooly:1").capabilities
+        tool = {"type": "function", "function": {"name": "get_time", "description": "The time now",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        assert api.chat(model="tooly:1", messages=HI, tools=[tool], options=SMALL).done
+        with pytest.raises(ollama.ResponseError) as refused:
+            api.create(model="bad:1", from_=MODEL, template='{{ define "x" }}{{ end }}{{ .Prompt }}')
+        assert refused.value.status_code == 400 and "{{ define }}" in refused.value.error
+        # A request's own template, in Go syntax, is translated too.
+        legacy = "<|im_start|>user\n{{ .Prompt }}<|im_end|>\n<|im_start|>assistant\n{{ .Response }}<|im_end|>"
+        answer = httpx.post(url + "/api/generate", timeout=120, json={
+            "model": MODEL, "prompt": "Say hi", "template": legacy, "stream": False, "options": SMALL}).json()
+        plain = httpx.post(url + "/api/generate", timeout=120, json={
+            "model": MODEL, "stream": False, "options": SMALL, "raw": True,
+            "prompt": "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"}).json()
+        assert answer["response"] == plain["response"] and answer["prompt_eval_count"] == plain["prompt_eval_count"]
 
 
 # ---------------------------------------------------------------------------------------------------------- OpenAI

@@ -23,9 +23,8 @@ from localllm.errors import LocalLLMError, ModelFormatError
 from localllm.formats.gguf import MAX_STRING_ITEMS, inspect_gguf
 from localllm.models.create import create_model
 from localllm.models.store import Store
-from localllm.server.app import create_app
 
-from server_harness import SMALL, private_home, serve_in_thread
+from server_harness import SMALL, private_home, served
 from tiny_models import write_tiny_llama
 
 # Each of these aborted llama.cpp (SIGABRT from a GGML_ASSERT) at load or first decode before inspection refused it.
@@ -225,15 +224,9 @@ def test_mutated_headers_through_inspection_and_create_give_only_clean_errors(tm
 
 @pytest.fixture(scope="module")
 def server(models_home, tmp_path_factory):
-    from localllm.client.local import LocalClient
-
     home = private_home(models_home, tmp_path_factory.mktemp("files-home"))
-    client = LocalClient(store=Store(home / "models"))
-    try:
-        with serve_in_thread(create_app(client)) as url:
-            yield url, home
-    finally:
-        client.close()
+    with served(home) as url:
+        yield url, home
 
 
 def _answers_a_plain_request(url: str) -> None:

@@ -10,8 +10,7 @@ import jsonschema
 import ollama
 import pytest
 
-from localllm.server.app import create_app
-from server_harness import SMALL, SYSTEM, private_home, serve_in_thread
+from server_harness import SMALL, SYSTEM, private_home, served
 
 pytestmark = pytest.mark.models
 
@@ -191,16 +190,9 @@ def test_keep_alive_zero_unloads(api):
 @pytest.fixture(scope="module")
 def own_api(models_home, tmp_path_factory):
     """A server on a private home, for the tests that change the store."""
-    from localllm.client.local import LocalClient
-    from localllm.models.store import Store
-
     home = private_home(models_home, tmp_path_factory.mktemp("own-home"))
-    client = LocalClient(store=Store(home / "models"))
-    try:
-        with serve_in_thread(create_app(client)) as url:
-            yield ollama.Client(host=url)
-    finally:
-        client.close()
+    with served(home) as url:
+        yield ollama.Client(host=url)
 
 
 def test_pull_copy_delete_create(own_api):
