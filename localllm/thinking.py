@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from .engine.text import held_back
 from .errors import InvalidInput
 
 OPEN_TAG = "<think>"
@@ -181,15 +182,7 @@ class ThinkingSplitter:
             out.thinking += self._pending[:end]
             self._pending, self._state = self._pending[end + len(CLOSE_TAG):], "after"
             return True
-        hold = _partial_tag(self._pending, CLOSE_TAG)
+        hold = held_back(self._pending, CLOSE_TAG)
         out.thinking += self._pending[:len(self._pending) - hold]
         self._pending = self._pending[len(self._pending) - hold:]
         return False
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

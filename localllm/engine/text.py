@@ -30,16 +30,17 @@ def make_stop_matcher(stops: Sequence[str]) -> Callable[[str, bool], TextDelta]:
             return TextDelta(pending[:cut], stopped=True)
         if final:
             return TextDelta(pending)
-        hold = max((_overlap(pending, s) for s in stops), default=0)
+        hold = max((held_back(pending, s) for s in stops), default=0)
         return TextDelta(pending[: len(pending) - hold])
 
     return feed
 
 
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
-    for n in range(min(len(text), len(stop) - 1), 0, -1):
-        if text.endswith(stop[:n]):
+def held_back(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`: what a stream holds back while
+    the marker (a stop sequence, a closing tag) may still be arriving."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:n]):
             return n
     return 0
 
