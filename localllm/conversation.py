@@ -11,7 +11,7 @@ from . import api
 from .errors import InvalidInput, LocalLLMError
 from .models.catalog import find_entry
 from .models.names import parse_ref
-from .thinking import parse_think
+from .chat.thinking import parse_think
 
 
 # ---------------------------------------------------------------------------------------------------------- options

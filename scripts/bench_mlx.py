@@ -18,7 +18,7 @@ def run_mlx_benchmarks(path: Path, *, n: int = 32, n_ctx: int = 1024,
     import tempfile
 
     from localllm.backends import get_backend
-    from localllm.formats.mlx_convert import convert_gguf_to_mlx
+    from localllm.quant.mlx_convert import convert_gguf_to_mlx
 
     with tempfile.TemporaryDirectory(prefix="localllm-mlx-bench-") as tmp:
         log("MLX: converting the GGUF")

@@ -27,14 +27,14 @@ from typing import Callable, Optional
 
 from localllm import config
 from localllm.api import LoadOptions, SamplingOptions
-from localllm.backends.llama_cpp import LlamaCppBackend
+from localllm.backends.llama_cpp.backend import LlamaCppBackend
 from localllm.bench.engine import FOUR_PROMPTS
 from localllm.bench.figures import Bracketed, Figure
 from localllm.bench.rest import http_client
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.engine.speculative.speculation import Speculation
 from localllm.machine import physical_cores
-from localllm.templates import render_chat
+from localllm.chat.templates import render_chat
 
 FUNCTION = '''def summarize_orders(orders, tax_rate, discount=None):
     """Total the orders of one customer and return a small report."""

@@ -21,7 +21,7 @@ from localllm.bench.engine import FOUR_PROMPTS, LONG_STORY, EngineRun, busy_core
 from localllm.bench.figures import Figure
 from localllm.bench.raw import RawLoop, raw_decode_rate
 from localllm.machine import physical_cores
-from localllm.templates import render_chat
+from localllm.chat.templates import render_chat
 
 N_CTX = 4096
 

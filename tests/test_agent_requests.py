@@ -7,8 +7,8 @@ import pytest
 
 from localllm import api
 from localllm.errors import InvalidInput
-from localllm.server import anthropic_requests as anthropic
-from localllm.server import openai_responses_requests as responses
+from localllm.server.anthropic import requests as anthropic
+from localllm.server.openai import responses_requests as responses
 
 
 def messages_body(**fields) -> anthropic.MessagesRequest:

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from localllm.api import LoadOptions, SamplingOptions
-from localllm.backends.llama_cpp import LlamaCppBackend
+from localllm.backends.llama_cpp.backend import LlamaCppBackend
 from localllm.bench.raw import RawLoop
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.errors import ContextOverflow, QueueFull
@@ -275,7 +275,7 @@ def test_sampler_chain_options_take_effect(engine4):
 
 
 def test_greedy_shortcut_picks_what_llama_cpps_chain_picks(model_path):
-    from localllm.backends.llama_cpp import GreedySampler, LlamaCppSampler
+    from localllm.backends.llama_cpp.backend import GreedySampler, LlamaCppSampler
     from localllm.backends.base import Batch
 
     model = LlamaCppBackend().load(model_path, LoadOptions(num_thread=1, num_ctx=256), n_seq=1, n_ctx=256)

@@ -1,4 +1,4 @@
-"""Flash attention on a CPU, chosen per model by the load probe's trial (engine/flash_trial.py): the rule that reads
+"""Flash attention on a CPU, chosen per model by the load probe's trial (llama_cpp/flash_trial.py): the rule that reads
 the timings, the trial itself on a real (tiny) model, its memory beside the probe's, and the pool running the context
 as the trial found, only where the load leaves the choice open."""
 
@@ -10,9 +10,9 @@ import llama_cpp
 import pytest
 
 from localllm import api
-from localllm.engine import flash_trial, probe
-from localllm.engine.flash_trial import FlashTrial, StepTimes, affordable_depth
-from localllm.engine.probe import LoadProbe, Probed, weights_key
+from localllm.backends.llama_cpp import flash_trial, probe
+from localllm.backends.llama_cpp.flash_trial import FlashTrial, StepTimes, affordable_depth
+from localllm.backends.llama_cpp.probe import LoadProbe, Probed, weights_key
 
 from server_harness import linked_home, local_client
 from tiny_models import write_tiny_llama

@@ -13,7 +13,7 @@ import pytest
 
 from localllm import api
 from localllm.errors import ModelFormatError
-from localllm.formats.gguf import GGUFInfo, format_parameter_size, inspect_gguf
+from localllm.quant.gguf import GGUFInfo, format_parameter_size, inspect_gguf
 
 Q = gguf.GGMLQuantizationType
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

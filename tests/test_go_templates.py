@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from localllm.errors import InvalidInput
-from localllm.go_templates import is_go_template
-from localllm.templates import render_chat, validate_template
+from localllm.chat.go_templates import is_go_template
+from localllm.chat.templates import render_chat, validate_template
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

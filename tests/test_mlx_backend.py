@@ -389,13 +389,13 @@ def _write_f32_gguf(src: Path, dst: Path) -> None:
 
 @pytest.fixture(scope="module")
 def smol_mlx(smollm2_path, tmp_path_factory) -> Path:
-    from localllm.formats.mlx_convert import convert_gguf_to_mlx
+    from localllm.quant.mlx_convert import convert_gguf_to_mlx
 
     return convert_gguf_to_mlx(smollm2_path, tmp_path_factory.mktemp("smol") / "mlx")
 
 
 def _load_pair(gguf_path: Path, mlx_folder: Path):
-    from localllm.backends.llama_cpp import LlamaCppBackend
+    from localllm.backends.llama_cpp.backend import LlamaCppBackend
 
     # One thread: llama.cpp collapses when its threads outnumber free cores on a shared machine.
     opts = LoadOptions(num_thread=1, num_batch=128)
@@ -424,7 +424,7 @@ def test_smollm2_converted_answers_paris_with_llama_cpp_tokens(smollm2_path, smo
 @pytest.mark.models
 @pytest.mark.slow
 def test_f32_weights_agree_greedily_with_llama_cpp(smollm2_path, tmp_path):
-    from localllm.formats.mlx_convert import convert_gguf_to_mlx
+    from localllm.quant.mlx_convert import convert_gguf_to_mlx
 
     f32 = tmp_path / "smollm2-f32.gguf"
     _write_f32_gguf(smollm2_path, f32)

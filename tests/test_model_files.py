@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 
 from localllm import api
 from localllm.cli import app
-from localllm.engine.probe import LoadProbe, weights_key
+from localllm.backends.llama_cpp.probe import LoadProbe, weights_key
 from localllm.errors import LocalLLMError, ModelFormatError
-from localllm.formats.gguf import MAX_STRING_ITEMS, inspect_gguf
+from localllm.quant.gguf import MAX_STRING_ITEMS, inspect_gguf
 from localllm.models.create import create_model
 from localllm.models.store import Store
 
@@ -93,7 +93,7 @@ def test_create_refuses_such_a_file_with_exit_1_and_stores_nothing(tmp_path, iso
 # ---------------------------------------------------------------------------------------------------------- probe
 
 def test_a_good_file_is_probed_once_and_remembered(tmp_path, monkeypatch):
-    import localllm.engine.probe as probe
+    import localllm.backends.llama_cpp.probe as probe
 
     path = write_tiny_llama(tmp_path / "ok.gguf")
     memory = LoadProbe(tmp_path / "probes")

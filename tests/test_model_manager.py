@@ -254,7 +254,7 @@ def write_imatrix(path: Path, store: Store, model: str) -> Path:
     """An importance matrix as llama-imatrix writes it: `<tensor>.in_sum2` and `.counts` for each matrix."""
     import gguf
 
-    from localllm.formats.gguf import _read_header
+    from localllm.quant.gguf import _read_header
 
     writer = gguf.GGUFWriter(str(path), "")
     writer.add_string("general.type", "imatrix")
@@ -274,14 +274,14 @@ def write_imatrix(path: Path, store: Store, model: str) -> Path:
 
 @pytest.mark.slow
 def test_an_imatrix_makes_the_low_bit_types_possible(store, f16_model, tmp_path, monkeypatch):
-    from localllm.formats.quantize import read_imatrix, run_quantize
+    from localllm.quant.quantize import read_imatrix, run_quantize
 
     imatrix = write_imatrix(tmp_path / "smol.imatrix.gguf", store, f16_model)
     assert all(values.dtype == np.float32 and values.min() >= 0.1 for values in read_imatrix(imatrix).values())
     out = tmp_path / "q2.gguf"
     _drain(run_quantize(store.resolve(f16_model).weights, out, "q2_K_S", label=f16_model, imatrix=imatrix,
                         threads=1, report_tokens=0))
-    from localllm.formats.gguf import inspect_gguf
+    from localllm.quant.gguf import inspect_gguf
 
     assert "Q2_K" in inspect_gguf(out).tensor_types
     (tmp_path / "not.gguf").write_text("nope")

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 from localllm.api import LoadOptions
 from localllm.cli import app
 from localllm.models.plan import plan_memory
-from localllm.formats.gguf import inspect_gguf
+from localllm.quant.gguf import inspect_gguf
 
 MIB = 2**20
 

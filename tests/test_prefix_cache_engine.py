@@ -10,7 +10,7 @@ import pytest
 
 from localllm import config
 from localllm.api import LoadOptions, SamplingOptions
-from localllm.backends.llama_cpp import LlamaCppBackend
+from localllm.backends.llama_cpp.backend import LlamaCppBackend
 from localllm.engine.prefix_cache import make_prefix_cache
 from localllm.engine.runner import GenerationParams, ModelEngine
 

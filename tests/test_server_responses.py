@@ -14,7 +14,7 @@ import pytest
 
 from localllm import api, config
 from localllm.errors import ResponseNotFound
-from localllm.server import response_store
+from localllm.server.openai import response_store
 from server_harness import SYSTEM
 
 MODEL = "smollm2:135m"

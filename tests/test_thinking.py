@@ -17,7 +17,7 @@ import pytest
 
 from localllm.errors import InvalidInput
 from localllm.models.info import capabilities
-from localllm.thinking import (Think, ThinkingSplitter, parse_think, supports_thinking, think_from_effort,
+from localllm.chat.thinking import (Think, ThinkingSplitter, parse_think, supports_thinking, think_from_effort,
                                thinking_grammar)
 from reasoning_model import REASONING_TEMPLATE, token_id
 

@@ -11,7 +11,7 @@ from .base import Backend
 
 def get_backend(name: str) -> Backend:
     if name == "llama.cpp":
-        from .llama_cpp import LlamaCppBackend
+        from .llama_cpp.backend import LlamaCppBackend
 
         return LlamaCppBackend()
     if name == "mlx":

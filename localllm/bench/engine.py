@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 from ..api import LoadOptions, SamplingOptions
-from ..backends.llama_cpp import LlamaCppBackend
+from ..backends.llama_cpp.backend import LlamaCppBackend
 from ..engine.runner import GenerationParams, ModelEngine
 from ..engine.threads import ThreadTuner
 from ..machine import physical_cores
@@ -109,7 +109,7 @@ def run_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: Opti
     interleaved, so a burst of load from elsewhere on the machine hits both sides alike; four streams, which do the
     raw loop's work, are Bracketed."""
     from .. import config
-    from ..templates import render_chat
+    from ..chat.templates import render_chat
 
     # Same-work figures pin our engine to the raw loop's count (the tuner's own figures are scripts/bench_threads.py).
     ours_threads = threads or config.NUM_THREAD.get() or physical_cores()

@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import llama_cpp
 
-from ..backends.llama_cpp import _init_backend
+from ..backends.llama_cpp.backend import _init_backend
 
 
 class RawLoop:

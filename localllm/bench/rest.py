@@ -122,7 +122,7 @@ def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads:
     yields its name and a function that measures one run of them; ours is Bracketed by its runs too."""
     from .. import config
     from ..machine import physical_cores
-    from ..templates import render_chat
+    from ..chat.templates import render_chat
 
     threads = threads or config.NUM_THREAD.get() or physical_cores()
     loop = RawLoop(path, n_ctx=n_ctx, threads=1)

@@ -24,8 +24,8 @@ from typing import Any, Optional, Sequence
 from jinja2 import TemplateError
 
 
-from .errors import InvalidInput
-from .template_sandbox import RenderBudget, new_environment, render_bounded
+from ..errors import InvalidInput
+from .sandbox import RenderBudget, new_environment, render_bounded
 
 _ACTION = re.compile(r"\{\{(-[ \t\r\n])?(.*?)([ \t\r\n]-)?\}\}", re.S)
 _TOKEN = re.compile(r"""

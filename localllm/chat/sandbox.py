@@ -23,7 +23,7 @@ from jinja2.nodes import EvalContext
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from .errors import Cancelled, InvalidInput, LocalLLMError
+from ..errors import Cancelled, InvalidInput, LocalLLMError
 
 # Bounds on one render. Real chat templates run a few dozen lines per message and print about what they are given.
 MAX_OUTPUT_CHARS = 16 * 2**20  # more prompt text than any model's context holds

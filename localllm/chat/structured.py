@@ -10,8 +10,8 @@ import re
 import uuid
 from typing import Any, Optional
 
-from .api import Format, Tool, ToolCall, ToolCallDelta, ToolCallFunction
-from .errors import InvalidInput
+from ..api import Format, Tool, ToolCall, ToolCallDelta, ToolCallFunction
+from ..errors import InvalidInput
 
 
 def grammar_for_format(fmt: Format) -> Optional[str]:

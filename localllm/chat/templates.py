@@ -1,7 +1,7 @@
 """Chat templates: render a conversation into the prompt text a model was trained on.
 
 The template is the model's own Jinja chat template from GGUF metadata (or a Modelfile TEMPLATE, which overrides it),
-rendered in a bounded jinja2 sandbox (template_sandbox.py): a template is data from a downloaded file or a request, so
+rendered in a bounded jinja2 sandbox (sandbox.py): a template is data from a downloaded file or a request, so
 it must not reach Python internals, mutate what it is given, or run without end. A model without any template (a base
 model) gets a plain transcript. A TEMPLATE in Ollama's Go syntax is translated into the same sandbox
 (go_templates.py)."""
@@ -15,10 +15,10 @@ from typing import Any, Callable, Optional, Sequence
 
 from jinja2 import TemplateError
 
-from . import api
-from .errors import InvalidInput
+from .. import api
+from ..errors import InvalidInput
 from .go_templates import compile_go, is_go_template, render_go
-from .template_sandbox import new_budget, new_environment, render_bounded
+from .sandbox import new_budget, new_environment, render_bounded
 
 # For models that ship no chat template (base models): a transcript the model can continue.
 PLAIN_TEMPLATE = (

@@ -11,8 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from .engine.text import held_back
-from .errors import InvalidInput
+from ..errors import InvalidInput
 
 OPEN_TAG = "<think>"
 CLOSE_TAG = "</think>"
@@ -186,3 +185,12 @@ class ThinkingSplitter:
         out.thinking += self._pending[:len(self._pending) - hold]
         self._pending = self._pending[len(self._pending) - hold:]
         return False
+
+
+def held_back(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`: what a stream holds back while
+    the marker (a stop sequence, a closing tag) may still be arriving."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0

@@ -73,7 +73,7 @@ def _plan_one(model: str, overrides: dict):
     from ..engine.pool import effective_load, resolve_options
     from ..engine.scaleout import placement as place
     from ..errors import InvalidInput
-    from ..formats.gguf import inspect_gguf, inspect_lora
+    from ..quant.gguf import inspect_gguf, inspect_lora
     from ..models.plan import plan_memory, weights_identity
     from ..models.store import Store
 

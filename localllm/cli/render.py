@@ -137,7 +137,7 @@ def print_model_facts(info: api.ShowResponse, *, to: Optional[Console] = None) -
 def _report_text(report: Optional[api.QuantizationReport]) -> str:
     if report is None:
         return ""
-    from ..formats.quality import describe_report
+    from ..quant.quality import describe_report
 
     return "\n".join(line.strip() for line in describe_report(report))
 

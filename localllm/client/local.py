@@ -24,9 +24,9 @@ from ..models.plan import Placement
 from ..models.pull import pull_model
 from ..engine.speculative.speculation import load_speculation
 from ..models.store import ResolvedModel, Store
-from ..structured import ForcedCallStream, grammar_for_format, parse_tool_calls, tool_choice_grammar
-from ..templates import render_chat, transcript_sampling
-from ..thinking import (Split, Think, ThinkingSplitter, check_thinking, opens_thinking, parse_think,
+from ..chat.structured import ForcedCallStream, grammar_for_format, parse_tool_calls, tool_choice_grammar
+from ..chat.templates import render_chat, transcript_sampling
+from ..chat.thinking import (Split, Think, ThinkingSplitter, check_thinking, opens_thinking, parse_think,
                         supports_thinking, thinking_grammar)
 
 

@@ -24,7 +24,7 @@ from ..errors import InvalidInput, QueueFull
 from ..models.options import bound_load, check_memory, model_facts
 from ..models.store import ResolvedModel, Store
 from ..backends.base import LoadedModel
-from .probe import LoadProbe
+from ..backends.llama_cpp.probe import LoadProbe
 from .prefix_cache import make_prefix_cache
 from .runner import ModelEngine
 from ..machine import physical_cores
@@ -92,7 +92,7 @@ class Loaded:
     last_used: float = field(default_factory=time.monotonic)
     expires_at: Optional[datetime] = None
     speculation: Optional[Speculation] = None  # what the speculation factory built for this load, if any
-    measured_flash_attn: Optional[bool] = None  # chosen by the flash trial (engine/flash_trial.py) for an open choice
+    measured_flash_attn: Optional[bool] = None  # chosen by the flash trial (llama_cpp/flash_trial.py), open choice
     # No name stands for these weights any more (`rm` here or in another process, or the last alias deleted): new
     # requests get 404 from the store, and it unloads when its running requests end.
     removed: bool = False

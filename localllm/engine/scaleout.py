@@ -21,12 +21,12 @@ def placement(model: ResolvedModel, load: api.LoadOptions) -> Optional[Placement
 
 def serve_worker(host: str, port: int, *, threads: int, cache_dir: Optional[str]) -> None:
     """Serve this machine's devices to other localllm (or llama.cpp) processes until the process ends."""
-    from ..backends import rpc
+    from ..backends.llama_cpp import rpc
 
     rpc.serve_worker(host, port, threads=threads, cache_dir=cache_dir)
 
 
 def require_rpc() -> None:
-    from ..backends import rpc
+    from ..backends.llama_cpp import rpc
 
     rpc.require_rpc()

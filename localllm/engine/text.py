@@ -10,6 +10,8 @@ import codecs
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..chat.thinking import held_back
+
 
 @dataclass
 class TextDelta:
@@ -34,15 +36,6 @@ def make_stop_matcher(stops: Sequence[str]) -> Callable[[str, bool], TextDelta]:
         return TextDelta(pending[: len(pending) - hold])
 
     return feed
-
-
-def held_back(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`: what a stream holds back while
-    the marker (a stop sequence, a closing tag) may still be arriving."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 class TextStream:

@@ -3,7 +3,7 @@
 The new manifest reuses the parent's weights blob (nothing is copied) and adds layers for what the request sets:
 template, system, parameters, messages, license, draft and adapters. Whatever the request leaves out is inherited
 from the parent, parameters merged name by name, as Ollama does. With `quantize` the weights are new: the parent's
-GGUF quantized by llama.cpp in a worker process (formats/quantize.py), stored with its quality report."""
+GGUF quantized by llama.cpp in a worker process (quant/quantize.py), stored with its quality report."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from typing import Any, Generator, Iterator, Optional
 
 from .. import api, config
 from ..errors import InvalidInput, InvalidName
-from ..formats.gguf import inspect_gguf
+from ..quant.gguf import inspect_gguf
 from .names import parse_digest, parse_ref
 from .pull import make_source, pull_model
 from .store import ResolvedModel, Store, Weights
 from ..machine import physical_cores
-from ..templates import validate_template
+from ..chat.templates import validate_template
 
 Progress = Iterator[api.PullProgress]
 
@@ -98,14 +98,14 @@ def _check_request(request: api.CreateRequest) -> None:
     if request.imatrix and not request.quantize:
         raise InvalidInput("an imatrix is only used when quantizing", hint="add --quantize TYPE")
     if _wants_mlx(request):
-        from ..formats.mlx_convert import check_quantize
+        from ..quant.mlx_convert import check_quantize
 
         check_quantize(request.quantize)
         if request.adapters:
             raise InvalidInput("LoRA adapters are not supported on the MLX backend yet",
                                hint="keep the model and its adapters in GGUF (without --format mlx)")
     elif request.quantize:
-        from ..formats.quantize import quant_type
+        from ..quant.quantize import quant_type
 
         quant_type(request.quantize)  # a type llama.cpp's quantizer offers
     api.split_options(request.parameters)  # an unknown parameter name fails here
@@ -122,8 +122,8 @@ def _describe_weights(weights: Weights) -> str:
 def _quantize(parent: "_Parent", request: api.CreateRequest, store: Store, base: Path
               ) -> Generator[api.PullProgress, None, tuple[str, Optional[api.QuantizationReport]]]:
     """Quantize the parent's GGUF into a new blob; return (digest, quality report)."""
-    from ..formats.quality import describe_report
-    from ..formats.quantize import run_quantize
+    from ..quant.quality import describe_report
+    from ..quant.quantize import run_quantize
 
     if parent.format != "gguf":
         raise InvalidInput(f"{parent.label} is an {parent.format} model; --quantize works on GGUF weights",
@@ -149,7 +149,7 @@ def _quantize(parent: "_Parent", request: api.CreateRequest, store: Store, base:
 def _check_quantize_early(request: api.CreateRequest, store: Store, base: Path) -> None:
     """The quantizer's refusals (a quantized parent, a missing imatrix) for a parent already at hand; a parent that
     must be pulled first is checked once it is (in run_quantize)."""
-    from ..formats.quantize import check_quantize, quant_type
+    from ..quant.quantize import check_quantize, quant_type
 
     ref = parse_ref(request.from_ or "")
     name = str(_relative_to(ref.path or Path(request.from_ or ""), base)) if ref.kind == "file" else ref.display
@@ -163,7 +163,7 @@ def _check_quantize_early(request: api.CreateRequest, store: Store, base: Path) 
 
 
 def _gguf_details(store: Store, digest: Weights) -> api.ModelDetails:
-    from ..formats.gguf import inspect_gguf
+    from ..quant.gguf import inspect_gguf
 
     assert isinstance(digest, str)
     return inspect_gguf(store.blob_path(digest)).details()
@@ -179,7 +179,7 @@ def _convert_to_mlx(gguf: Path, store: Store, quantize: Optional[str]
     """Convert the parent's GGUF into an MLX folder and add its files as blobs; returns {file name: digest}."""
     import tempfile
 
-    from ..formats.mlx_convert import convert_gguf_to_mlx
+    from ..quant.mlx_convert import convert_gguf_to_mlx
 
     yield api.PullProgress(status="converting to MLX")
     with tempfile.TemporaryDirectory(prefix="localllm-mlx-") as tmp:
@@ -243,7 +243,7 @@ def _parent_from_files(files: dict[str, str], store: Store) -> _Parent:
 def _adapter_file(path: str, digest: str, store: Store, base: Path) -> Path:
     """The adapter's file (a path, or a blob already in the store), checked to be a GGUF LoRA before anything is
     copied: a wrong file is refused here, never stored."""
-    from ..formats.gguf import inspect_lora
+    from ..quant.gguf import inspect_lora
 
     if digest:
         if not store.has_blob(digest):
@@ -260,7 +260,7 @@ def _adapter_file(path: str, digest: str, store: Store, base: Path) -> Path:
 
 def _store_adapter(path: str, file: Path, scale: float, store: Store, parent: "_Parent") -> tuple[str, float]:
     """Check the adapter fits the parent's architecture, then store it; (digest, scale) for the manifest."""
-    from ..formats.gguf import inspect_lora
+    from ..quant.gguf import inspect_lora
 
     lora = inspect_lora(file)
     family = parent.model.details.family

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from .. import api
 from ..errors import InvalidInput
-from ..thinking import supports_thinking
+from ..chat.thinking import supports_thinking
 from .store import ResolvedModel, Store
 
 
@@ -26,7 +26,7 @@ def show_model(store: Store, name: str, *, verbose: bool = False) -> api.ShowRes
     template = model.template or (info.chat_template if info else None) or ""
     model_info = info.model_info() if info else {}
     if verbose and model.format == "gguf":
-        from ..formats.gguf import read_arrays
+        from ..quant.gguf import read_arrays
 
         model_info.update(read_arrays(model.weights, VERBOSE_ARRAYS))
     return api.ShowResponse(
@@ -80,10 +80,10 @@ def render_model_modelfile(model: ResolvedModel, *, template: Optional[str]) -> 
 
 def _inspect(model: ResolvedModel):
     if model.format == "mlx":
-        from ..formats.mlx_convert import inspect_mlx_folder
+        from ..quant.mlx_convert import inspect_mlx_folder
 
         return inspect_mlx_folder(model.weights)
-    from ..formats.gguf import inspect_gguf
+    from ..quant.gguf import inspect_gguf
 
     return inspect_gguf(model.weights)
 

@@ -18,7 +18,7 @@ from typing import Optional
 
 from ..api import LoadOptions, SamplingOptions
 from ..errors import InvalidInput, ModelFormatError
-from ..formats.gguf import GGUFInfo, inspect_gguf
+from ..quant.gguf import GGUFInfo, inspect_gguf
 from .plan import plan_memory
 
 log = logging.getLogger(__name__)

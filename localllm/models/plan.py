@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional, Sequence
 
 from ..api import LoadOptions
 from ..errors import ModelFormatError
-from ..formats.gguf import GGUFInfo
+from ..quant.gguf import GGUFInfo
 
 # Bytes per cached element: f16 is 2; q8_0 and q4_0 store 32 values in 34 and 18 bytes.
 KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}

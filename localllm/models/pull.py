@@ -322,7 +322,7 @@ class HFSource:
 
     def _pull_mlx(self, store: Store, hub: _HFApi, revision: str, siblings: list) -> Progress:
         """An MLX repo is a set of files: each becomes a blob, the manifest maps file names to digests."""
-        from ..formats.mlx_convert import mlx_details
+        from ..quant.mlx_convert import mlx_details
 
         wanted = set(mlx_repo_files([s.rfilename for s in siblings]))
         digests: dict[str, str] = {}
@@ -389,7 +389,7 @@ def choose_gguf_parts(filenames: list[str], quant: str, repo: str) -> list[str]:
 
 def _collapse_splits(names: list[str], repo: str) -> dict[str, list[str]]:
     """Group the parts of split GGUFs: {choice label: its files in order}; a lone file is its own choice."""
-    from ..formats.gguf import parse_split_name, split_part_name
+    from ..quant.gguf import parse_split_name, split_part_name
 
     choices: dict[str, list[str]] = {}
     for name in names:
@@ -417,7 +417,7 @@ class URLSource:
         self.url = url
         self.urls = split_urls(url)
         filename = unquote(urlparse(self.urls[0]).path.rsplit("/", 1)[-1])
-        from ..formats.gguf import parse_split_name
+        from ..quant.gguf import parse_split_name
 
         parsed = parse_split_name(filename) if len(self.urls) > 1 else None
         self.stored_name = _name_from_filename(f"{parsed[0]}.gguf" if parsed else filename, url)
@@ -460,7 +460,7 @@ class URLSource:
 
 def split_urls(url: str) -> list[str]:
     """The URLs of every part when `url` names one part of a split GGUF (`...-00002-of-00003.gguf`), else [url]."""
-    from ..formats.gguf import parse_split_name, split_part_name
+    from ..quant.gguf import parse_split_name, split_part_name
 
     parsed = urlparse(url)
     folder, _, filename = parsed.path.rpartition("/")

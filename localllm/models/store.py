@@ -612,7 +612,7 @@ class Store:
             raise ModelFormatError(f"the manifest of {label!r} has no GGUF layer")
         if len(digests) == 1:
             return [self.blob_path(digests[0])]
-        from ..formats.gguf import split_part_name
+        from ..quant.gguf import split_part_name
 
         folder = self._split_folder(digests)
         names = [split_part_name("model", i + 1, len(digests)) for i in range(len(digests))]
@@ -862,7 +862,7 @@ def _resolve_file(ref: ModelRef) -> ResolvedModel:
     stat = path.stat()
     # A path has no manifest: its id names the file as it is now, without hashing gigabytes on every resolve.
     identity = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
-    from ..formats.gguf import split_parts
+    from ..quant.gguf import split_parts
 
     return ResolvedModel(
         name=str(path), digest=f"sha256-{hashlib.sha256(identity).hexdigest()}", weights=path, format="gguf",
@@ -872,7 +872,7 @@ def _resolve_file(ref: ModelRef) -> ResolvedModel:
 
 
 def _inspect_details(path: Path) -> api.ModelDetails:
-    from ..formats.gguf import inspect_gguf
+    from ..quant.gguf import inspect_gguf
 
     return inspect_gguf(path).details()
 

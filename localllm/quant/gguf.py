@@ -367,7 +367,7 @@ def read_arrays(path: Path, keys: frozenset[str]) -> dict[str, list[Any]]:
 # llama.cpp checks some hyperparameters with GGML_ASSERT while it loads a model (llama-model.cpp, load_hparams) or
 # runs it (ggml's norms assert eps >= 0): a file that breaks one aborts the whole process, the server included. These
 # are refused here, at inspection (pull, create, show), with the value and the rule. Anything else llama.cpp would
-# abort on is caught by the load probe (engine/probe.py).
+# abort on is caught by the load probe (backends/llama_cpp/probe.py).
 
 class _Hparams:
     """Typed reads of `<arch>.*` numbers: scalars, or per-layer arrays (their items)."""

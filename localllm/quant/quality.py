@@ -8,7 +8,7 @@ give next-token logits at every position. From them:
     perplexity        exp(mean negative log-likelihood of the text's actual next token), of each model
 
 Decode speed is tokens per second generating one sequence greedily, each model measured in this same process and run,
-so the two figures compare; they are not benchmarks. This runs in the quantize worker process (formats/quantize.py)
+so the two figures compare; they are not benchmarks. This runs in the quantize worker process (quantize.py)
 and drives llama.cpp directly, like the quantizer itself: the engine is not needed to read logits."""
 
 from __future__ import annotations

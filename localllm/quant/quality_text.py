@@ -1,4 +1,4 @@
-"""The fixed text a quantization's quality report is measured on (formats/quality.py). Written for localllm, so it
+"""The fixed text a quantization's quality report is measured on (quality.py). Written for localllm, so it
 appears in no model's training data verbatim; it mixes prose, dialogue, instructions, lists, numbers and code, the
 kinds of text local models are asked to continue. Changing it changes every report: bump TEXT_ID when you do."""
 

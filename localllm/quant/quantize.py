@@ -1,9 +1,9 @@
 """GGUF quantization through llama.cpp's own quantizer (`llama_model_quantize`), what `create --quantize` runs.
 
-The work happens in a worker process (`python -m localllm.formats.quantize JOB`): quantizing takes every core for
+The work happens in a worker process (`python -m localllm.quant.quantize JOB`): quantizing takes every core for
 a while, llama.cpp aborts the process on some malformed inputs, and a process can be stopped when the client goes
 away. The parent (`run_quantize`, a generator the server's pump thread drives) checks the request first, reads the
-worker's JSON lines into progress, and returns the quality report the worker measured (formats/quality.py).
+worker's JSON lines into progress, and returns the quality report the worker measured (quality.py).
 
 Worker lines: {"progress": bytes of source tensors done, "total": all of them}, {"status": text},
 {"report": QuantizationReport}, {"error": message}."""
@@ -96,7 +96,7 @@ def run_quantize(source: Path, out: Path, qtype: str, *, label: str, allow_requa
            "imatrix": str(imatrix) if imatrix else None, "threads": threads, "report_tokens": report_tokens,
            "label": label}
     with tempfile.TemporaryFile() as stderr:
-        process = subprocess.Popen([sys.executable, "-m", "localllm.formats.quantize", json.dumps(job)],
+        process = subprocess.Popen([sys.executable, "-m", "localllm.quant.quantize", json.dumps(job)],
                                    stdout=subprocess.PIPE, stderr=stderr, text=True)
         try:
             result = yield from _follow(process, qtype)

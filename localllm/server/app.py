@@ -18,7 +18,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__, config
 from ..client.protocol import Client
-from . import anthropic_routes, ollama_routes, openai_responses, openai_routes, prompt_cache_routes
+from .anthropic import routes as anthropic_routes
+from . import ollama_routes, prompt_cache_routes
+from .openai import responses_routes as openai_responses, routes as openai_routes
 from .metrics import CONTENT_TYPE, AccessLog, ServerMetrics
 from .responses import install_error_handlers
 from .security import GuardMiddleware, GuardSettings

@@ -21,13 +21,13 @@ from typing import Any, Callable, Hashable, Optional, Sequence, cast
 import llama_cpp
 import numpy as np
 
-from ..api import LoadOptions, LoraAdapter, SamplingOptions
-from ..errors import InvalidInput, LocalLLMError, ModelFormatError, WorkerLost
-from ..machine import physical_cores
-from ..models.plan import Placement
-from .base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead
+from ...api import LoadOptions, LoraAdapter, SamplingOptions
+from ...errors import InvalidInput, LocalLLMError, ModelFormatError, WorkerLost
+from ...machine import physical_cores
+from ...models.plan import Placement
+from ..base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead
 from .rpc import PlacedModel, RpcGuard, place_model
-from .llama_cpp_spec import LlamaGrammarProbe, LlamaMtpHead
+from .speculative import LlamaGrammarProbe, LlamaMtpHead
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ def _load_weights(path: Path, options: LoadOptions, placed: PlacedModel):
 
 
 def _context_params(options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings: bool = False):
-    from .. import config
+    from ... import config
 
     params = llama_cpp.llama_context_default_params()
     # Unpinned, the engine's thread tuner sets each step's count; it starts from every physical core.

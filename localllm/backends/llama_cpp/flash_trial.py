@@ -1,4 +1,4 @@
-"""Flash attention on a CPU: measured once per model and machine, in the load probe's child (engine/probe.py).
+"""Flash attention on a CPU: measured once per model and machine, in the load probe's child (probe.py).
 
 llama.cpp's default ("auto") turns flash attention on wherever the device has the kernel, CPUs included. On a CPU
 that is not always faster: for smollm2 (head size 64) a 16-token batch after 1,000 cached tokens takes 3x as long
@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from .. import api
-from ..machine import physical_cores
+from ... import api
+from ...machine import physical_cores
 
 if TYPE_CHECKING:
-    from ..backends.llama_cpp import LlamaCppModel
+    from .backend import LlamaCppModel
 
 TRIAL_SECONDS = 1.0  # the most one setting's prefill to `depth` may take, from the first chunk's speed
 MIN_DEPTH = 128  # shallower, attention is too small a share of a step to tell the two apart
@@ -103,7 +103,7 @@ def _on_cpu(model: "LlamaCppModel") -> bool:
 def run_trial(weights: Path, load: api.LoadOptions) -> Optional[FlashTrial]:
     """Time both settings on `weights` (loaded twice, sharing the weights); None when layers run off the CPU or no
     useful depth is affordable."""
-    from ..backends.llama_cpp import LlamaCppBackend
+    from .backend import LlamaCppBackend
 
     n_ctx = MAX_DEPTH + 2 * SHORT_BATCH
     options = load.model_copy(update={"num_ctx": n_ctx, "num_parallel": 1, "draft": None, "embedding": False})
@@ -175,7 +175,7 @@ def _timed(model: "LlamaCppModel", tokens: list[int], pos: int) -> float:
 
 
 def _decode(model: "LlamaCppModel", tokens: list[int], pos: int) -> None:
-    from ..backends.base import Batch
+    from ..base import Batch
 
     batch = Batch()
     for i, token in enumerate(tokens):

@@ -7,15 +7,15 @@ request fails, with the assert's own line in its error, and the server lives on.
 so each file pays the probe once per LOCALLLM_HOME and llama.cpp version (about a second for the catalog models;
 their weights stay in the page cache for the real load that follows).
 
-The child also runs the flash attention trial (engine/flash_trial.py) where the choice is open and the CPU runs the
+The child also runs the flash attention trial (flash_trial.py) where the choice is open and the CPU runs the
 model: its finding comes back on the child's stdout, is remembered with the success, and `check` returns it.
 
 Memory: `<store root>/probes/<blob digest>` (a file path outside the store is named by its path, size and mtime),
 holding the llama.cpp and probe versions that passed and the trial. Only the llama.cpp backend is probed: MLX raises
 Python errors.
 
-Run as a module, this file is the child: `python -m localllm.engine.probe WEIGHTS` with the LoadOptions as JSON on
-stdin; its exit status says how it went (EXIT_REFUSED and its neighbours below)."""
+Run as a module, this file is the child: `python -m localllm.backends.llama_cpp.probe WEIGHTS` with the LoadOptions
+as JSON on stdin; its exit status says how it went (EXIT_REFUSED and its neighbours below)."""
 
 from __future__ import annotations
 
@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from .. import api
-from ..errors import LocalLLMError, ModelFormatError
+from ... import api
+from ...errors import LocalLLMError, ModelFormatError
 from . import flash_trial
 from .flash_trial import FlashTrial
 
 if TYPE_CHECKING:
-    from ..models.store import Store
+    from ...models.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def _run_child(weights: Path, load: api.LoadOptions) -> subprocess.CompletedProc
                                       "num_batch": max(load.num_batch, PROBE_TOKENS)})
     # No backtrace: ggml would otherwise try to attach a debugger to the dying child.
     env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
-    command = [sys.executable, "-m", "localllm.engine.probe", str(weights)]
+    command = [sys.executable, "-m", "localllm.backends.llama_cpp.probe", str(weights)]
     try:
         return subprocess.run(command, input=options.model_dump_json(), capture_output=True, text=True,
                               errors="replace", env=env, timeout=_timeout(weights))
@@ -218,8 +218,8 @@ def _probe_tokens(n_vocab: int, bos: int | None) -> list[int]:
 
 def probe_load(weights: Path, load: api.LoadOptions) -> None:
     """Load `weights`, tokenize text of several scripts and decode a few tokens, then one more: what the child runs."""
-    from ..backends.base import Batch
-    from ..backends.llama_cpp import LlamaCppBackend
+    from ..base import Batch
+    from .backend import LlamaCppBackend
 
     model = LlamaCppBackend().load(weights, load, n_seq=1, n_ctx=PROBE_CTX)
     try:

@@ -28,10 +28,10 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import llama_cpp
 
-from ..api import LoadOptions
-from ..errors import BackendUnavailable, InvalidInput, ModelFormatError, WorkerLost
-from ..formats.gguf import inspect_gguf
-from ..models.plan import (DeviceKind, DeviceReport, Placement, available_memory, host_report, place_layers,
+from ...api import LoadOptions
+from ...errors import BackendUnavailable, InvalidInput, ModelFormatError, WorkerLost
+from ...quant.gguf import inspect_gguf
+from ...models.plan import (DeviceKind, DeviceReport, Placement, available_memory, host_report, place_layers,
                            plan_memory, unplanned_placement)
 
 log = logging.getLogger(__name__)
@@ -243,7 +243,7 @@ class PlacedModel:
 
 
 def rpc_endpoints(options: LoadOptions) -> list[str]:
-    from .. import config
+    from ... import config
 
     if options.rpc is None:
         return config.RPC.get()

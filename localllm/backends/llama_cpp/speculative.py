@@ -18,8 +18,8 @@ import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp_ext
 
-from ..errors import InvalidInput, LocalLLMError
-from .base import Batch
+from ...errors import InvalidInput, LocalLLMError
+from ..base import Batch
 
 
 

@@ -7,7 +7,7 @@ how many were accepted. Rejected positions leave the target's KV there, and the 
 
     drafters.py     Drafter (per request: propose, feedback, close); NgramDrafter (prompt lookup: continue the latest
                     earlier occurrence of the text's ending); SourceDrafter over a DraftSource: a small model with
-                    the same vocabulary (DraftModel) or the target's own MTP head (backends/llama_cpp_spec.py)
+                    the same vocabulary (DraftModel) or the target's own MTP head (backends/llama_cpp/speculative.py)
     policy.py       StepCost (what a row costs) and DraftWindow (per request: how many draft tokens are worth
                     verifying this step)
     speculation.py  Speculation: per loaded model, builds each request's drafter from its spec_type

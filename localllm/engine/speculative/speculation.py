@@ -9,7 +9,7 @@ from ...api import LoadOptions, SamplingOptions
 from ...backends.base import Batch, MtpHead
 from ...errors import InvalidInput, LocalLLMError
 from .drafters import DraftModel, Drafter, GrammarCheckedDrafter, NgramDrafter, SourceDrafter, check_same_vocab
-from ..probe import LoadProbe
+from ...backends.llama_cpp.probe import LoadProbe
 from .policy import DraftWindow, StepCost
 
 if TYPE_CHECKING:

@@ -12,10 +12,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from .. import api
-from ..errors import LocalLLMError, QueueFull
-from .chunk_stream import ChunkStream
-from .responses import anthropic_error, error_payload
+from ... import api
+from ...errors import LocalLLMError, QueueFull
+from ..chunk_stream import ChunkStream
+from ..responses import anthropic_error, error_payload
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"

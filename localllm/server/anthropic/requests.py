@@ -1,6 +1,6 @@
 """Anthropic's Messages request body and its translation into our api.ChatRequest.
 
-The wire types live here, as OpenAI's live in openai_requests: only these routes speak them. Content blocks become
+The wire types live here, as OpenAI's live in openai/requests.py: only these routes speak them. Content blocks become
 our messages: text joins into content, a `tool_use` becomes a tool call, a `tool_result` a tool message, a `thinking`
 block the assistant's thinking. `cache_control` is accepted anywhere and ignored: our prefix cache needs no marks.
 What cannot be expressed (images, documents) is a 400 naming the block. Server tools (web search, code execution)
@@ -13,8 +13,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .. import api
-from ..errors import InvalidInput
+from ... import api
+from ...errors import InvalidInput
 
 log = logging.getLogger(__name__)
 

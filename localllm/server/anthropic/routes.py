@@ -1,5 +1,5 @@
-"""Anthropic's Messages API (what Claude Code speaks): translate the request (anthropic_requests), call the same
-client as the other routes, render the answer (anthropic_render). Streams are named server-sent events.
+"""Anthropic's Messages API (what Claude Code speaks): translate the request (requests.py), call the same
+client as the other routes, render the answer (render.py). Streams are named server-sent events.
 
 `anthropic-version` and `anthropic-beta` headers are accepted and not needed; the key may come as `x-api-key` or a
 bearer token (security.py); errors take Anthropic's shape (responses.py)."""
@@ -10,11 +10,11 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from . import anthropic_render as render
-from .anthropic_requests import CountTokensRequest, MessagesRequest, chat_request
-from .chunk_stream import ChunkStream
-from .responses import StreamResponse, client_gone, merge_chat
-from .state import State
+from . import render
+from .requests import CountTokensRequest, MessagesRequest, chat_request
+from ..chunk_stream import ChunkStream
+from ..responses import StreamResponse, client_gone, merge_chat
+from ..state import State
 
 router = APIRouter(prefix="/v1/messages")
 

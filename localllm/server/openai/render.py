@@ -11,9 +11,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from .. import api
-from .chunk_stream import ChunkStream
-from .responses import error_payload, openai_code
+from ... import api
+from ..chunk_stream import ChunkStream
+from ..responses import error_payload, openai_code
 
 FINGERPRINT = "fp_localllm"
 

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .. import api, config
-from ..errors import InvalidInput, ResponseNotFound
+from ... import api, config
+from ...errors import InvalidInput, ResponseNotFound
 
 _ID = re.compile(r"^resp_[0-9a-f]{16,64}$")
 

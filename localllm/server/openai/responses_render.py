@@ -16,10 +16,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
-from .. import api
-from .chunk_stream import ChunkStream
-from .openai_responses_requests import ResponsesRequest
-from .responses import error_payload
+from ... import api
+from ..chunk_stream import ChunkStream
+from .responses_requests import ResponsesRequest
+from ..responses import error_payload
 
 
 def new_id(prefix: str) -> str:

@@ -14,9 +14,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .. import api
-from ..errors import InvalidInput
-from ..thinking import think_from_effort
+from ... import api
+from ...errors import InvalidInput
+from ...chat.thinking import think_from_effort
 
 log = logging.getLogger(__name__)
 

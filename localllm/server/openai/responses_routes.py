@@ -1,6 +1,6 @@
 """OpenAI's Responses API (what Codex speaks): POST /v1/responses, and GET/DELETE /v1/responses/{id} for stored ones.
 
-A turn is translated into a chat request (openai_responses_requests) after the stored conversation named by
+A turn is translated into a chat request (responses_requests.py) after the stored conversation named by
 `previous_response_id`, so the prompt repeats the earlier turns token for token and the prefix cache serves them.
 Answers are stored (response_store) unless the request says `store: false`."""
 
@@ -12,13 +12,13 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from .. import api
-from . import openai_responses_render as render
+from ... import api
+from . import responses_render as render
 from . import response_store
-from .chunk_stream import ChunkStream
-from .openai_responses_requests import ResponsesRequest, chat_request, turn_instructions
-from .responses import StreamResponse, client_gone, merge_chat
-from .state import State
+from ..chunk_stream import ChunkStream
+from .responses_requests import ResponsesRequest, chat_request, turn_instructions
+from ..responses import StreamResponse, client_gone, merge_chat
+from ..state import State
 
 router = APIRouter(prefix="/v1/responses")
 

@@ -1,5 +1,5 @@
-"""OpenAI-compatible routes: translate the request (openai_requests), call the same client as the Ollama routes,
-render the answer (openai_render). Streams are server-sent events ending in `data: [DONE]`."""
+"""OpenAI-compatible routes: translate the request (requests.py), call the same client as the Ollama routes,
+render the answer (render.py). Streams are server-sent events ending in `data: [DONE]`."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from typing import Any, Callable
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from ..errors import ModelNotFound
-from . import openai_render as render
-from .chunk_stream import ChunkStream
-from .openai_requests import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, chat_requests,
+from ...errors import ModelNotFound
+from . import render
+from ..chunk_stream import ChunkStream
+from .requests import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, chat_requests,
                               completion_requests, embed_request)
-from .responses import client_gone, merge_chat, merge_generate, sse_response
-from .state import State
+from ..responses import client_gone, merge_chat, merge_generate, sse_response
+from ..state import State
 
 router = APIRouter(prefix="/v1")
 

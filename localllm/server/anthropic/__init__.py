@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: /v1/messages and count_tokens."""

@@ -1,0 +1,1 @@
+"""OpenAI's API: chat completions, completions, embeddings, models, and the Responses API."""
