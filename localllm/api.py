@@ -10,7 +10,7 @@ import difflib
 import logging
 import math
 from datetime import datetime, timezone
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -52,28 +52,28 @@ class LoraAdapter(_Model):
 class LoadOptions(_Model):
     """Options fixed when a model is loaded; changing any of them reloads the model."""
 
-    num_ctx: Optional[int] = Field(None, ge=16, le=INT32_MAX,
+    num_ctx: int | None = Field(None, ge=16, le=INT32_MAX,
                                    description="context per slot, in tokens (never divided across slots)")
-    num_parallel: Optional[int] = Field(None, ge=1, le=256, description="slots: requests decoded at once")
+    num_parallel: int | None = Field(None, ge=1, le=256, description="slots: requests decoded at once")
     num_batch: int = Field(512, ge=1, le=INT32_MAX, description="most tokens decoded in one step")
-    num_gpu: Optional[int] = Field(None, ge=-1, le=INT32_MAX,
+    num_gpu: int | None = Field(None, ge=-1, le=INT32_MAX,
                                    description="layers offloaded to the GPU; default all that fit")
-    num_thread: Optional[int] = Field(None, ge=1, le=INT32_MAX,
+    num_thread: int | None = Field(None, ge=1, le=INT32_MAX,
                                       description="CPU threads for decoding (unset: chosen as it runs)")
-    flash_attn: Optional[bool] = Field(None, description="flash attention where the backend has it")
-    kv_type: Optional[KVType] = Field(None, description="KV cache element type")
+    flash_attn: bool | None = Field(None, description="flash attention where the backend has it")
+    kv_type: KVType | None = Field(None, description="KV cache element type")
     use_mmap: bool = Field(True, description="map the weights file instead of reading it")
     backend: BackendName = Field("auto", description="auto picks mlx for MLX folders, llama.cpp for GGUF")
-    draft: Optional[str] = Field(None, description="draft model for speculative decoding (Modelfile DRAFT)")
+    draft: str | None = Field(None, description="draft model for speculative decoding (Modelfile DRAFT)")
     embedding: bool = Field(False, description="load for embeddings (pooled output)")
-    adapter_scale: Optional[float] = Field(None, ge=-ADAPTER_SCALE_LIMIT, le=ADAPTER_SCALE_LIMIT,
+    adapter_scale: float | None = Field(None, ge=-ADAPTER_SCALE_LIMIT, le=ADAPTER_SCALE_LIMIT,
                                            description="scale of every LoRA adapter (overrides each ADAPTER line's)")
-    rpc: Optional[str] = Field(None, max_length=1024, description="RPC workers (`localllm worker`) to place layers "
+    rpc: str | None = Field(None, max_length=1024, description="RPC workers (`localllm worker`) to place layers "
                                "on, host:port[,host:port...]; default LOCALLLM_RPC, \"\" for none")
 
     @field_validator("rpc")
     @classmethod
-    def _workers(cls, value: Optional[str]) -> Optional[str]:
+    def _workers(cls, value: str | None) -> str | None:
         from .config import parse_endpoints
 
         return None if value is None else ",".join(parse_endpoints(value))  # ValueError names the bad one
@@ -92,7 +92,7 @@ class SamplingOptions(_Model):
     repeat_last_n: int = Field(64, ge=-1, le=INT32_MAX)
     presence_penalty: float = Field(0.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
-    seed: Optional[int] = None
+    seed: int | None = None
     stop: list[str] = Field(default_factory=list)
     num_predict: int = Field(-1, ge=-2, le=INT32_MAX,
                              description="most tokens to generate; -1 until the context is full")
@@ -187,16 +187,16 @@ class ToolCallFunction(_Model):
 
 class ToolCall(_Model):
     function: ToolCallFunction
-    id: Optional[str] = None
+    id: str | None = None
 
 
 class Message(_Model):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
-    thinking: Optional[str] = None
-    images: Optional[list[str]] = None
-    tool_calls: Optional[list[ToolCall]] = None
-    tool_name: Optional[str] = None
+    thinking: str | None = None
+    images: list[str] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -216,8 +216,8 @@ class ToolCallDelta(_Model):
     name, the next ones pieces of its arguments' JSON text."""
 
     index: int = 0
-    id: Optional[str] = None
-    name: Optional[str] = None
+    id: str | None = None
+    name: str | None = None
     arguments: str = ""
 
 
@@ -226,7 +226,7 @@ class Tool(_Model):
     function: ToolFunction
 
 
-Format = Union[Literal["json", ""], dict[str, Any], None]
+Format = Literal["json", ""] | dict[str, Any] | None
 
 
 # ---------------------------------------------------------------------------------------------------------- requests
@@ -236,8 +236,8 @@ class _InferenceRequest(_Model):
     format: Format = None
     options: dict[str, Any] = Field(default_factory=dict)
     stream: bool = True
-    keep_alive: Union[str, int, float, None] = None
-    think: Union[bool, str, None] = Field(None, description='thinking on a reasoning model: true, false, "low", '
+    keep_alive: str | int | float | None = None
+    think: bool | str | None = Field(None, description='thinking on a reasoning model: true, false, "low", '
                                           '"medium" or "high"; unset leaves the model\'s default')
     truncate: bool = Field(False, description="drop the oldest prompt tokens on overflow instead of failing")
     logprobs: bool = Field(False, description="return each generated token's log-probability")
@@ -251,29 +251,29 @@ class _InferenceRequest(_Model):
 
 class GenerateRequest(_InferenceRequest):
     prompt: str = ""
-    suffix: Optional[str] = None
-    system: Optional[str] = None
-    template: Optional[str] = None
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
     raw: bool = False
-    images: Optional[list[str]] = None
-    context: Optional[list[int]] = None
+    images: list[str] | None = None
+    context: list[int] | None = None
 
 
 class ChatRequest(_InferenceRequest):
     messages: list[Message] = Field(default_factory=list)
-    tools: Optional[list[Tool]] = None
-    tool_choice: Union[str, dict[str, Any], None] = Field(None, description="auto, none, required or a function")
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = Field(None, description="auto, none, required or a function")
 
 
 class EmbedRequest(_Model):
     model: str
-    input: Union[str, list[str]] = Field(description='text(s) to embed; "" or [] only loads the model')
-    input_tokens: Optional[list[list[int]]] = Field(None, description="inputs as token ids instead of text (OpenAI's "
+    input: str | list[str] = Field(description='text(s) to embed; "" or [] only loads the model')
+    input_tokens: list[list[int]] | None = Field(None, description="inputs as token ids instead of text (OpenAI's "
                                                     "int[] / int[][] input; localllm extension)")
-    dimensions: Optional[int] = Field(None, ge=1, description="keep the first n dimensions, re-normalized")
+    dimensions: int | None = Field(None, ge=1, description="keep the first n dimensions, re-normalized")
     truncate: bool = True
     options: dict[str, Any] = Field(default_factory=dict)
-    keep_alive: Union[str, int, float, None] = None
+    keep_alive: str | int | float | None = None
 
 
 class EmbedResponse(_Model):
@@ -305,7 +305,7 @@ class Timings(_Model):
 class TopLogprob(_Model):
     token: str
     logprob: float
-    bytes: Optional[list[int]] = None
+    bytes: list[int] | None = None
 
 
 class TokenLogprob(TopLogprob):
@@ -319,13 +319,13 @@ class GenerateChunk(Timings):
     model: str
     created_at: datetime = Field(default_factory=now)
     response: str = ""
-    thinking: Optional[str] = None
+    thinking: str | None = None
     done: bool = False
-    done_reason: Optional[DoneReason] = None
-    context: Optional[list[int]] = None
-    tokens: Optional[list[int]] = Field(None, description="token ids in this chunk (localllm extension)")
-    logprobs: Optional[list[TokenLogprob]] = None
-    stop_sequence: Optional[str] = Field(None, description="the stop string that ended the answer (extension)")
+    done_reason: DoneReason | None = None
+    context: list[int] | None = None
+    tokens: list[int] | None = Field(None, description="token ids in this chunk (localllm extension)")
+    logprobs: list[TokenLogprob] | None = None
+    stop_sequence: str | None = Field(None, description="the stop string that ended the answer (extension)")
 
 
 class ChatChunk(Timings):
@@ -333,13 +333,13 @@ class ChatChunk(Timings):
     created_at: datetime = Field(default_factory=now)
     message: Message = Field(default_factory=lambda: Message(role="assistant"))
     done: bool = False
-    done_reason: Optional[DoneReason] = None
-    tool_call_deltas: Optional[list[ToolCallDelta]] = Field(None, description="a forced tool call as it is "
+    done_reason: DoneReason | None = None
+    tool_call_deltas: list[ToolCallDelta] | None = Field(None, description="a forced tool call as it is "
                                                             "generated (localllm extension; the last chunk's "
                                                             "message carries the whole call)")
-    tokens: Optional[list[int]] = Field(None, description="token ids in this chunk (localllm extension)")
-    logprobs: Optional[list[TokenLogprob]] = None
-    stop_sequence: Optional[str] = Field(None, description="the stop string that ended the answer (extension)")
+    tokens: list[int] | None = Field(None, description="token ids in this chunk (localllm extension)")
+    logprobs: list[TokenLogprob] | None = None
+    stop_sequence: str | None = Field(None, description="the stop string that ended the answer (extension)")
 
 
 # ---------------------------------------------------------------------------------------------------------- models
@@ -348,7 +348,7 @@ class ModelDetails(_Model):
     parent_model: str = ""
     format: str = "gguf"
     family: str = ""
-    families: Optional[list[str]] = None
+    families: list[str] | None = None
     parameter_size: str = ""
     quantization_level: str = ""
 
@@ -400,12 +400,12 @@ class ShowResponse(_Model):
     details: ModelDetails = Field(default_factory=ModelDetails)
     model_info: dict[str, Any] = Field(default_factory=dict)
     capabilities: list[str] = Field(default_factory=list)
-    modified_at: Optional[datetime] = None
-    path: Optional[str] = Field(None, description="weights file or folder on disk (localllm extension)")
-    draft: Optional[str] = None
+    modified_at: datetime | None = None
+    path: str | None = Field(None, description="weights file or folder on disk (localllm extension)")
+    draft: str | None = None
     parts: list[str] = Field(default_factory=list, description="every file of a split GGUF, in order")
     adapters: list[LoraAdapter] = Field(default_factory=list, description="LoRA adapters applied at load")
-    quantization_report: Optional[QuantizationReport] = None
+    quantization_report: QuantizationReport | None = None
 
 
 class PullRequest(_Model):
@@ -418,29 +418,29 @@ class PullProgress(_Model):
     """One value of a pull's progress stream, shared by the CLI bar and /api/pull."""
 
     status: str
-    digest: Optional[str] = None
-    total: Optional[int] = None
-    completed: Optional[int] = None
+    digest: str | None = None
+    total: int | None = None
+    completed: int | None = None
 
 
 class CreateRequest(_Model):
     """What a Modelfile says, and what /api/create accepts."""
 
     model: str = Field(validation_alias=AliasChoices("model", "name"))  # `name`: Ollama's deprecated spelling
-    from_: Optional[str] = Field(None, alias="from")
-    modelfile: Optional[str] = None
-    template: Optional[str] = None
-    system: Optional[str] = None
-    license: Union[str, list[str], None] = None
+    from_: str | None = Field(None, alias="from")
+    modelfile: str | None = None
+    template: str | None = None
+    system: str | None = None
+    license: str | list[str] | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
     messages: list[Message] = Field(default_factory=list)
     adapters: dict[str, str] = Field(default_factory=dict)
     adapter_scales: dict[str, float] = Field(default_factory=dict, description="adapter path -> scale (default 1)")
-    draft: Optional[str] = None
-    quantize: Optional[str] = None
+    draft: str | None = None
+    quantize: str | None = None
     allow_requantize: bool = Field(False, description="quantize weights that are already quantized (loses quality)")
-    imatrix: Optional[str] = Field(None, description="importance matrix file (GGUF, from llama-imatrix) for quantize")
-    format: Optional[Literal["gguf", "mlx"]] = None
+    imatrix: str | None = Field(None, description="importance matrix file (GGUF, from llama-imatrix) for quantize")
+    format: Literal["gguf", "mlx"] | None = None
     files: dict[str, str] = Field(default_factory=dict, description="uploaded blobs by file name (Ollama's "
                                   "create(files=...)): {\"model.gguf\": \"sha256:...\"}")
     stream: bool = True
@@ -472,7 +472,7 @@ class ProcessModel(_Model):
     size: int = 0
     digest: str = ""
     details: ModelDetails = Field(default_factory=ModelDetails)
-    expires_at: Optional[datetime] = None
+    expires_at: datetime | None = None
     size_vram: int = 0
     context_length: int = 0
     backend: str = "llama.cpp"
@@ -484,12 +484,12 @@ class ProcessModel(_Model):
     speculation: str = "none"
     threads: int = 0  # CPU threads of its decode steps now (llama.cpp; 0 where the backend chooses)
     threads_auto: bool = False  # chosen as it runs (LOCALLLM_NUM_THREAD auto), not pinned
-    flash_attn: Optional[bool] = Field(None, description="flash attention as its context runs: on, off, or null "
+    flash_attn: bool | None = Field(None, description="flash attention as its context runs: on, off, or null "
                                        "where the backend decides")
     flash_attn_measured: bool = Field(False, description="flash_attn was chosen by timing both on this machine")
     draft_count: int = 0
     draft_accepted: int = 0
-    status: Optional[str] = None  # "removed": its model was deleted; it unloads when its running requests end
+    status: str | None = None  # "removed": its model was deleted; it unloads when its running requests end
     cache_ram_bytes: int = Field(0, description="prefix cache: saved prompt prefixes held in host RAM")
     cache_ram_limit: int = Field(0, description="LOCALLLM_CACHE_RAM for this model")
     cache_disk_bytes: int = Field(0, description="prefix cache: saved prompt prefixes on disk")
@@ -507,7 +507,7 @@ class PromptCacheSession(_Model):
     in the file."""
 
     model: str
-    system: Optional[str] = None
+    system: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
     messages: list[Message] = Field(default_factory=list)
     format: Format = None

@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Generic, Optional, TypeVar
+from typing import Generic, TypeVar
 
 from .errors import ConfigError
 
@@ -136,7 +137,7 @@ def _default_parallel() -> int:
     return 4
 
 
-def parse_threads(raw: str) -> Optional[int]:
+def parse_threads(raw: str) -> int | None:
     """A fixed thread count, or `auto` (None): the engine measures which count is fastest as it runs."""
     return None if raw.strip().lower() == "auto" else parse_positive_int(raw)
 

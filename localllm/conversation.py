@@ -4,15 +4,15 @@ them is the surface's business, through a Client."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 from . import api
+from .chat.thinking import parse_think
 from .errors import InvalidInput, LocalLLMError
 from .models.catalog import find_entry
 from .models.names import parse_ref
-from .chat.thinking import parse_think
-
 
 # ---------------------------------------------------------------------------------------------------------- options
 
@@ -57,7 +57,7 @@ class AnswerFigures:
     eval_seconds: float = 0.0
     drafted: int = 0
     accepted: int = 0
-    last: Optional[api.Timings] = None
+    last: api.Timings | None = None
 
     def add(self, timings: api.Timings) -> None:
         self.answers += 1
@@ -70,21 +70,21 @@ class AnswerFigures:
         self.last = api.Timings.model_validate(timings.model_dump())
 
     @property
-    def tokens_per_second(self) -> Optional[float]:
+    def tokens_per_second(self) -> float | None:
         return self.generated_tokens / self.eval_seconds if self.eval_seconds > 0 else None
 
     @property
-    def cache_share(self) -> Optional[float]:
+    def cache_share(self) -> float | None:
         """The share of prompt tokens that were reused from the prefix cache instead of evaluated."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
     @property
-    def acceptance(self) -> Optional[float]:
+    def acceptance(self) -> float | None:
         """The share of drafted tokens the target model accepted; None while nothing was drafted."""
         return self.accepted / self.drafted if self.drafted else None
 
 
-def rate(count: int, duration_ns: int) -> Optional[float]:
+def rate(count: int, duration_ns: int) -> float | None:
     """Tokens per second from a count and a duration in nanoseconds (Ollama's timing fields)."""
     return count / (duration_ns / 1e9) if duration_ns > 0 else None
 
@@ -96,12 +96,12 @@ class Conversation:
     """What the user has said and set in one chat with one model."""
 
     model: str
-    system: Optional[str] = None
+    system: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
     messages: list[api.Message] = field(default_factory=list)
     format: api.Format = None
-    keep_alive: Union[str, int, float, None] = None
-    think: Union[bool, str, None] = None  # Ollama's think: None leaves the model's default
+    keep_alive: str | int | float | None = None
+    think: bool | str | None = None  # Ollama's think: None leaves the model's default
     figures: AnswerFigures = field(default_factory=AnswerFigures)
 
     def ask(self, text: str) -> api.ChatRequest:
@@ -120,7 +120,7 @@ class Conversation:
         """A request with no messages: it loads the model (with the load options set so far) and answers done."""
         return api.ChatRequest(model=self.model, options=dict(self.options), keep_alive=self.keep_alive)
 
-    def answered(self, content: str, timings: Optional[api.Timings] = None, *, thinking: str = "") -> None:
+    def answered(self, content: str, timings: api.Timings | None = None, *, thinking: str = "") -> None:
         """Record an answer (and its thinking); an interrupted one (no timings) is kept too, so the history still
         alternates."""
         if content or thinking:
@@ -133,7 +133,7 @@ class Conversation:
         if self.messages and self.messages[-1].role == "user":
             self.messages.pop()
 
-    def set_think(self, value: Union[bool, str, None]) -> None:
+    def set_think(self, value: bool | str | None) -> None:
         """Think (True or a level), not (False), or the model's default (None); a bad level is an InvalidInput."""
         self.think = parse_think(value).level or parse_think(value).enabled
 

@@ -17,15 +17,16 @@ import platform
 import re
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_mlx import run_mlx_benchmarks  # noqa: E402
+
 from localllm.bench import engine, rest  # noqa: E402
 from localllm.bench.figures import Figure  # noqa: E402
 
@@ -47,6 +48,7 @@ def llama_server_streams(binary: str, path: Path, args: argparse.Namespace, prom
     """llama.cpp's own server with 4 slots, measured on the same prompts as ours: the four requests streamed at once
     and timed on the client's clock, after every stream's first token."""
     import bench_spec
+
     from localllm import config
     from localllm.machine import physical_cores
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from localllm.api import LoadOptions
 from localllm.bench.engine import LONG_STORY, engine_run

@@ -22,9 +22,9 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 from localllm.bench.figures import Figure
 from localllm.bench.raw import RawLoop
@@ -77,7 +77,7 @@ def conversations(path: Path) -> tuple[list[list[int]], Callable[[int, int], lis
     return systems, lambda i, r: questions[(i, r)]
 
 
-def play(turn: Turn, systems: list[list[int]], question, histories: Optional[list[list[int]]], rounds: range
+def play(turn: Turn, systems: list[list[int]], question, histories: list[list[int]] | None, rounds: range
          ) -> tuple[dict[int, list[float]], list[list[int]]]:
     """Round-robin turns: {round: each conversation's time to first token}, and the histories to go on from."""
     histories = histories or [list(s) for s in systems]
@@ -137,7 +137,7 @@ def llama_server(binary: str, path: Path, threads: int) -> Iterator[object]:
         server.close()
 
 
-def prefix_figures(path: Path, *, threads: Optional[int], llama_server_binary: Optional[str],
+def prefix_figures(path: Path, *, threads: int | None, llama_server_binary: str | None,
                    log: Callable[[str], None] = print) -> list[Figure]:
     from localllm import config
     from localllm.machine import physical_cores

@@ -7,8 +7,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from localllm.api import LoadOptions
 from localllm.bench.engine import LONG_STORY, engine_run
@@ -38,13 +38,13 @@ def _start_worker(port: int, threads: int) -> subprocess.Popen:
     raise RuntimeError("`localllm worker` did not start listening")
 
 
-def run_rpc_benchmarks(path: Path, *, n: int = 64, n_ctx: int = 1024, threads: Optional[int] = None,
+def run_rpc_benchmarks(path: Path, *, n: int = 64, n_ctx: int = 1024, threads: int | None = None,
                        repeats: int = 3, log: Callable[[str], None] = print) -> list[Figure]:
     """Single-stream decode, greedy, the same prompt: ours with every layer on a loopback worker (given the same
     threads) against ours on this machine alone; best of `repeats`, the two interleaved."""
     from localllm import config
-    from localllm.machine import physical_cores
     from localllm.backends import get_backend
+    from localllm.machine import physical_cores
 
     threads = threads or config.NUM_THREAD.get() or physical_cores()
     port = _free_port()

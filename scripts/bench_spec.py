@@ -22,8 +22,8 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from localllm import config
 from localllm.api import LoadOptions, SamplingOptions
@@ -31,10 +31,10 @@ from localllm.backends.llama_cpp.backend import LlamaCppBackend
 from localllm.bench.engine import FOUR_PROMPTS
 from localllm.bench.figures import Bracketed, Figure
 from localllm.bench.rest import http_client
+from localllm.chat.templates import render_chat
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.engine.speculative.speculation import Speculation
 from localllm.machine import physical_cores
-from localllm.chat.templates import render_chat
 
 FUNCTION = '''def summarize_orders(orders, tax_rate, discount=None):
     """Total the orders of one customer and return a small report."""
@@ -120,7 +120,7 @@ class SpecEngine:
 class LlamaServer:
     """llama.cpp's own server on a free loopback port, fed token ids so it sees exactly our prompt."""
 
-    def __init__(self, binary: str, path: Path, *, threads: int, spec: Optional[str], slots: int = 1,
+    def __init__(self, binary: str, path: Path, *, threads: int, spec: str | None, slots: int = 1,
                  ctx_per_slot: int = N_CTX, defaults: bool = False):
         """`defaults`: llama-server as a user starts it (`-m MODEL`): its own threads, slots and context."""
         with socket.socket() as s:
@@ -216,7 +216,7 @@ def _draft_note(timings) -> str:
     return f"{accepted}/{drafted} drafts accepted, {mean:.1f} per verify step"
 
 
-def spec_figures(path: Path, *, n: int, threads: Optional[int], repeats: int, llama_server: Optional[str],
+def spec_figures(path: Path, *, n: int, threads: int | None, repeats: int, llama_server: str | None,
                  log=print) -> list[Figure]:
     threads = threads or config.NUM_THREAD.get() or physical_cores()
     figures = _single_slot(path, n=n, threads=threads, repeats=repeats, llama_server=llama_server, log=log)
@@ -224,7 +224,7 @@ def spec_figures(path: Path, *, n: int, threads: Optional[int], repeats: int, ll
     return figures
 
 
-def _single_slot(path: Path, *, n: int, threads: int, repeats: int, llama_server: Optional[str],
+def _single_slot(path: Path, *, n: int, threads: int, repeats: int, llama_server: str | None,
                  log) -> list[Figure]:
     ours = SpecEngine(path, threads=threads, slots=1)
     servers: dict[str, LlamaServer] = {}
@@ -308,5 +308,5 @@ def _busy_figure(ours: SpecEngine, mix: str, prompts: list[list[int]], *, n: int
                           note=f"{n} tokens per stream; {_draft_note(on_timings)}; {same}/4 outputs identical; {known}")
 
 
-def default_llama_server() -> Optional[str]:
+def default_llama_server() -> str | None:
     return os.environ.get("LLAMA_SERVER") or None

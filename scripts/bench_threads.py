@@ -11,22 +11,29 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 from localllm.bench import rest
-from localllm.bench.engine import FOUR_PROMPTS, LONG_STORY, EngineRun, busy_core, concurrent_streams, engine_run, \
-    make_engine
+from localllm.bench.engine import (
+    FOUR_PROMPTS,
+    LONG_STORY,
+    EngineRun,
+    busy_core,
+    concurrent_streams,
+    engine_run,
+    make_engine,
+)
 from localllm.bench.figures import Figure
 from localllm.bench.raw import RawLoop, raw_decode_rate
-from localllm.machine import physical_cores
 from localllm.chat.templates import render_chat
+from localllm.machine import physical_cores
 
 N_CTX = 4096
 
 
-def thread_figures(path: Path, *, n: int, llama_server: Optional[str], repeats: int = 3,
+def thread_figures(path: Path, *, n: int, llama_server: str | None, repeats: int = 3,
                    log: Callable[[str], None] = print) -> list[Figure]:
     os.environ.pop("LOCALLLM_NUM_THREAD", None)  # defaults: nothing pinned
     story, four = _prompts(path)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from rich.console import Console
 
@@ -25,8 +25,9 @@ QUESTION = "Give me three tips for writing readable Python code."
 # ---------------------------------------------------------------------------------------------------------- TUI
 
 async def save_tui(client) -> None:
-    from localllm.tui.app import LocalLLMApp
     from textual.widgets import TextArea
+
+    from localllm.tui.app import LocalLLMApp
 
     app = LocalLLMApp(client, model=MODEL, system=SYSTEM, options=OPTIONS)
     async with app.run_test(size=(110, 34)) as pilot:

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -64,20 +63,20 @@ class Hub:
 
     repos: dict[str, dict[str, bytes]] = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict)
-    drop_after: Optional[int] = None
+    drop_after: int | None = None
     drops_left: int = 0
     corrupt: bool = False
     delay: float = 0.0
     chunk: int = 64 * 1024
-    gate: Optional[threading.Event] = None
+    gate: threading.Event | None = None
     gate_after: int = 0
     validators: bool = True
     if_range: bool = True
     send_length: bool = True
-    requests: list[tuple[str, str, Optional[str]]] = field(default_factory=list)
+    requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def ranges(self) -> list[Optional[str]]:
+    def ranges(self) -> list[str | None]:
         """The Range headers of the file downloads, in order."""
         return [rng for method, path, rng in self.requests if method == "GET" and "/api/" not in path]
 
@@ -175,7 +174,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self.hub.delay:
                 time.sleep(self.hub.delay)
 
-    def _take_drop(self) -> Optional[int]:
+    def _take_drop(self) -> int | None:
         with self.hub.lock:
             if self.hub.drops_left <= 0:
                 return None

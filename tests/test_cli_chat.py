@@ -19,12 +19,12 @@ from pathlib import Path
 import httpx
 import pexpect
 import pytest
+from server_harness import free_port, linked_home
 
 from localllm.cli.render import split_finished
 from localllm.cli.repl import read_message, unquote
 from localllm.conversation import parse_parameter
 from localllm.errors import InvalidInput
-from server_harness import free_port, linked_home
 
 PROMPT = ">>> "
 SYSTEM = "You are a helpful AI assistant."

@@ -21,13 +21,13 @@ import httpx
 import pexpect
 import pytest
 from rich.console import Console
-
-from localllm import api
-from localllm.cli.render import ps_table, ps_text, render_pull, timing_rows
-from localllm.models.catalog import CATALOG, did_you_mean
-from localllm.chat.templates import TRANSCRIPT_NUM_PREDICT, TRANSCRIPT_STOPS, transcript_sampling
 from server_harness import free_port, linked_home
 from test_cli_chat import PROMPT, _as_in_a_terminal, _child_env, _kill_server, localllm, say
+
+from localllm import api
+from localllm.chat.templates import TRANSCRIPT_NUM_PREDICT, TRANSCRIPT_STOPS, transcript_sampling
+from localllm.cli.render import ps_table, ps_text, render_pull, timing_rows
+from localllm.models.catalog import CATALOG, did_you_mean
 
 MODELFILES = sorted((Path(__file__).parent.parent / "modelfiles").glob("*.Modelfile"))
 

@@ -10,14 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+from hfserver import Hub, HubServer, write_tiny_gguf
 from typer.testing import CliRunner
 
 from localllm import api
 from localllm.cli import app
 from localllm.models.modelfile import parse_modelfile
 from localllm.models.store import Store
-
-from hfserver import Hub, HubServer, write_tiny_gguf
 
 runner = CliRunner()
 

@@ -13,7 +13,6 @@ import httpx
 import ollama
 import openai
 import pytest
-
 from server_harness import SYSTEM, env, local_client, private_home, served
 
 pytestmark = pytest.mark.models

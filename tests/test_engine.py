@@ -275,8 +275,8 @@ def test_sampler_chain_options_take_effect(engine4):
 
 
 def test_greedy_shortcut_picks_what_llama_cpps_chain_picks(model_path):
-    from localllm.backends.llama_cpp.backend import GreedySampler, LlamaCppSampler
     from localllm.backends.base import Batch
+    from localllm.backends.llama_cpp.backend import GreedySampler, LlamaCppSampler
 
     model = LlamaCppBackend().load(model_path, LoadOptions(num_thread=1, num_ctx=256), n_seq=1, n_ctx=256)
     try:

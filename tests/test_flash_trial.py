@@ -8,14 +8,13 @@ import json
 
 import llama_cpp
 import pytest
+from server_harness import linked_home, local_client
+from tiny_models import write_tiny_llama
 
 from localllm import api
 from localllm.backends.llama_cpp import flash_trial, probe
 from localllm.backends.llama_cpp.flash_trial import FlashTrial, StepTimes, affordable_depth
 from localllm.backends.llama_cpp.probe import LoadProbe, Probed, weights_key
-
-from server_harness import linked_home, local_client
-from tiny_models import write_tiny_llama
 
 
 def _trial(on: tuple[float, float, float], off: tuple[float, float, float]) -> FlashTrial:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from localllm.errors import InvalidInput
 from localllm.chat.go_templates import is_go_template
 from localllm.chat.templates import render_chat, validate_template
+from localllm.errors import InvalidInput
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

@@ -7,12 +7,12 @@ import time
 
 import httpx
 import pytest
+from server_harness import SMALL, SYSTEM, env, free_port, local_client, private_home, serve_in_thread
 
 from localllm import api
-from localllm.errors import InvalidInput, ModelNotFound, ServerUnreachable, Unauthorized
 from localllm.client.http import HttpClient, server_running
+from localllm.errors import InvalidInput, ModelNotFound, ServerUnreachable, Unauthorized
 from localllm.server.app import create_app
-from server_harness import SMALL, SYSTEM, env, free_port, local_client, private_home, serve_in_thread
 
 pytestmark = pytest.mark.models
 

@@ -8,14 +8,13 @@ import gc
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import httpx
 import ollama
 import openai
 import pytest
-
 from server_harness import served
 
 pytestmark = [pytest.mark.models, pytest.mark.slow]
@@ -30,7 +29,7 @@ MESSAGES = [{"role": "user", "content": "Name a color."}]
 class Outcome:
     completed: bool = False
     refused: bool = False  # 503 with Retry-After
-    problem: Optional[str] = None
+    problem: str | None = None
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +62,14 @@ def via_ollama(url: str) -> Outcome:
     return Outcome(completed=True) if ok else Outcome(problem=repr(last))
 
 
-def refused(status: int, retry_after: Optional[str], *, headers_seen: bool = True) -> Outcome:
+def refused(status: int, retry_after: str | None, *, headers_seen: bool = True) -> Outcome:
     if status == 503 and (retry_after or not headers_seen):
         return Outcome(refused=True)
     return Outcome(problem=f"status {status}, Retry-After {retry_after!r}")
 
 
 def run_round(url: str) -> list[Outcome]:
-    outcomes: list[Optional[Outcome]] = [None] * CLIENTS
+    outcomes: list[Outcome | None] = [None] * CLIENTS
     start = threading.Barrier(CLIENTS)
 
     def client(i: int, call: Callable[[str], Outcome]) -> None:

@@ -25,8 +25,7 @@ from localllm.api import LoadOptions  # noqa: E402
 from localllm.backends.base import Batch  # noqa: E402
 from localllm.backends.mlx import MlxBackend  # noqa: E402
 from localllm.errors import InvalidInput, ModelFormatError  # noqa: E402
-from localllm.quant.mlx_convert import (convert_gguf_to_mlx, repack_q4_0, repack_q4_1, repack_q8_0,  # noqa: E402
-                                        unpermute_rows)
+from localllm.quant.mlx_convert import convert_gguf_to_mlx, repack_q4_0, repack_q4_1, repack_q8_0, unpermute_rows  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 

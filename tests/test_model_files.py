@@ -14,18 +14,17 @@ from pathlib import Path
 import gguf
 import httpx
 import pytest
+from server_harness import SMALL, private_home, served
+from tiny_models import write_tiny_llama
 from typer.testing import CliRunner
 
 from localllm import api
-from localllm.cli import app
 from localllm.backends.llama_cpp.probe import LoadProbe, weights_key
+from localllm.cli import app
 from localllm.errors import LocalLLMError, ModelFormatError
-from localllm.quant.gguf import MAX_STRING_ITEMS, inspect_gguf
 from localllm.models.create import create_model
 from localllm.models.store import Store
-
-from server_harness import SMALL, private_home, served
-from tiny_models import write_tiny_llama
+from localllm.quant.gguf import MAX_STRING_ITEMS, inspect_gguf
 
 # Each of these aborted llama.cpp (SIGABRT from a GGML_ASSERT) at load or first decode before inspection refused it.
 ABORTS = {

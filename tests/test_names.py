@@ -64,7 +64,7 @@ def test_home_paths_expand():
 
 def test_a_file_path_has_no_manifest():
     with pytest.raises(InvalidName, match="file path"):
-        parse_ref("./x.gguf").manifest_parts
+        _ = parse_ref("./x.gguf").manifest_parts
 
 
 INVALID = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from localllm.models.plan import (MARGIN_MIN, DeviceReport, MemoryPlan, layer_devices, place_layers)
+from localllm.models.plan import MARGIN_MIN, DeviceReport, MemoryPlan, layer_devices, place_layers
 
 MIB = 2**20
 GIB = 2**30
@@ -98,10 +98,9 @@ def test_our_split_points_give_llama_cpp_exactly_our_counts(counts):
 
 
 def test_workers_are_checked_where_they_are_named_and_count_in_the_load_identity(monkeypatch):
-    from localllm import api
+    from localllm import api, config
     from localllm.engine.pool import effective_load, validate_options
     from localllm.errors import ConfigError, InvalidInput
-    from localllm import config
 
     assert validate_options(api.LoadOptions, {"rpc": " 10.0.0.2:50052, [::1]:7,10.0.0.2:50052"}).rpc == \
         "10.0.0.2:50052,[::1]:7"

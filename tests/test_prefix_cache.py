@@ -9,8 +9,15 @@ import pytest
 
 from localllm import config
 from localllm.backends.base import CacheShape
-from localllm.engine.prefix_cache import (RESTORE_MIN_GAIN, SAVE_MIN_TOKENS, CacheFileError, DiskTier, PrefixCache,
-                                          RestorePrice, as_tokens)
+from localllm.engine.prefix_cache import (
+    RESTORE_MIN_GAIN,
+    SAVE_MIN_TOKENS,
+    CacheFileError,
+    DiskTier,
+    PrefixCache,
+    RestorePrice,
+    as_tokens,
+)
 from localllm.engine.scheduler import Request, Scheduler, Step
 from localllm.errors import ConfigError
 

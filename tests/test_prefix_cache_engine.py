@@ -163,9 +163,8 @@ LONG_SYSTEM = "You are a careful assistant for a lighthouse keeper. " + "Keep th
 
 @pytest.mark.parametrize("pinned", [True, False])
 def test_keep_prefix_pins_a_conversation_against_eviction(models_home, monkeypatch, pinned):
-    from tests.server_harness import local_client
-
     from localllm import api
+    from tests.server_harness import local_client
 
     # Room for two saved conversations (~23 kB of KV per token on smollm2: ~3.5 MB for X's, ~6 MB for the others').
     monkeypatch.setenv("LOCALLLM_CACHE_RAM", "12MiB")
@@ -196,13 +195,12 @@ def test_keep_prefix_pins_a_conversation_against_eviction(models_home, monkeypat
 
 
 def test_a_chat_saved_with_its_prompt_cache_comes_back_in_a_new_server(models_home, tmp_path, monkeypatch):
-    from tests.server_harness import local_client, serve_in_thread
-
     from localllm.cli.repl import Repl
     from localllm.client.http import HttpClient
     from localllm.conversation import Conversation
     from localllm.errors import InvalidInput
     from localllm.server.app import create_app
+    from tests.server_harness import local_client, serve_in_thread
 
     monkeypatch.setenv("LOCALLLM_NUM_PARALLEL", "1")
     monkeypatch.setenv("LOCALLLM_CONTEXT_LENGTH", str(N_CTX))

@@ -7,7 +7,7 @@ answer or an error."""
 from __future__ import annotations
 
 import pickle
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -39,11 +39,11 @@ class ToyModel:
     n_batch = 512
     kv_pad = 1
 
-    def __init__(self, n_seq: int, *, shape: CacheShape = CacheShape(fingerprint="toy")):
+    def __init__(self, n_seq: int, *, shape: CacheShape | None = None):
         self.n_seq, self.n_ctx = n_seq, 1024
         self.cells: list[list[int]] = [[] for _ in range(n_seq)]  # each sequence's cached tokens, position order
         self.rows: list[np.ndarray] = []
-        self.shape = shape
+        self.shape = shape or CacheShape(fingerprint="toy")
         self.fail_restore = False
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -57,7 +57,7 @@ class ToyModel:
 
     def decode(self, batch: Batch) -> None:
         self.rows = []
-        for tok, pos, seq, want in zip(batch.tokens, batch.positions, batch.seqs, batch.logits):
+        for tok, pos, seq, _want in zip(batch.tokens, batch.positions, batch.seqs, batch.logits):
             if pos != len(self.cells[seq]):
                 raise LocalLLMError(f"position {pos} does not follow sequence {seq}'s {len(self.cells[seq])} cells")
             self.cells[seq].append(tok)
@@ -68,7 +68,7 @@ class ToyModel:
     def logits(self, row: int) -> np.ndarray:
         return self.rows[row]
 
-    def make_sampler(self, options: SamplingOptions, *, grammar: Optional[str] = None):
+    def make_sampler(self, options: SamplingOptions, *, grammar: str | None = None):
         model = self
 
         class Greedy:
@@ -93,7 +93,7 @@ class ToyModel:
     def cache_shape(self) -> CacheShape:
         return self.shape
 
-    def save_seq(self, seq: int) -> Optional[bytes]:
+    def save_seq(self, seq: int) -> bytes | None:
         return pickle.dumps(self.cells[seq]) + bytes(1000)  # padded: a state has a size to budget
 
     def restore_seq(self, seq: int, data: bytes) -> None:

@@ -6,13 +6,12 @@ from __future__ import annotations
 import socket
 
 import pytest
+from hfserver import Hub, HubServer, sha256_of, write_tiny_gguf
 
-from localllm.models.catalog import CATALOG, CatalogEntry, HFFile
 from localllm.errors import IntegrityError, ModelNotFound, NetworkError
+from localllm.models.catalog import CATALOG, CatalogEntry, HFFile
 from localllm.models.pull import CatalogSource, choose_gguf, ensure_model, pull_model
 from localllm.models.store import Store
-
-from hfserver import Hub, HubServer, sha256_of, write_tiny_gguf
 
 REPO = "test-org/tiny-GGUF"
 

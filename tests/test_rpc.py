@@ -11,16 +11,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
+from server_harness import free_port, private_home
 from typer.testing import CliRunner
 
 from localllm.cli import app
-from server_harness import free_port, private_home
 
 pytestmark = [pytest.mark.models, pytest.mark.slow]
 
@@ -129,7 +129,7 @@ def test_a_worker_that_goes_away_mid_answer_ends_that_request_and_the_server_liv
                         worker.kill()  # the worker dies mid-answer
             assert "error" not in lines[0]
             last = lines[-1]
-            assert "RPC worker at 127.0.0.1:%d went away" % worker_port in last.get("error", ""), last
+            assert f"RPC worker at 127.0.0.1:{worker_port} went away" in last.get("error", ""), last
             assert not any(line.get("done") for line in lines[:-1])
 
         assert server.poll() is None  # the server lives on
@@ -137,7 +137,7 @@ def test_a_worker_that_goes_away_mid_answer_ends_that_request_and_the_server_liv
         assert len(_generate(url, rpc="")) > 0  # and answers from this machine alone
         again = httpx.post(f"{url}/api/generate", timeout=60, json={
             "model": "smollm2:135m", "prompt": PROMPT, "stream": False, "options": GREEDY})
-        assert again.status_code == 502 and "127.0.0.1:%d" % worker_port in again.json()["error"]
+        assert again.status_code == 502 and f"127.0.0.1:{worker_port}" in again.json()["error"]
 
 
 def test_an_unreachable_worker_is_one_clear_error(home, tmp_path):

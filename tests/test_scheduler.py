@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from localllm.errors import QueueFull
 from localllm.engine.scheduler import Request, Scheduler
 from localllm.engine.slots import SlotState, common_prefix
+from localllm.errors import QueueFull
 
 
 def _sched(slots=2, n_batch=8, n_ctx=64, max_queue=2) -> Scheduler:

@@ -8,11 +8,11 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from server_harness import SYSTEM, env, local_client, serve_in_thread
 
 from localllm import api
 from localllm.client.http import HttpClient
 from localllm.server.app import create_app
-from server_harness import SYSTEM, env, local_client, serve_in_thread
 
 pytestmark = pytest.mark.models
 

@@ -9,12 +9,12 @@ import sys
 import time
 
 import httpx
+from server_harness import free_port
 from typer.testing import CliRunner
 
 from localllm import config
 from localllm.cli import app
 from localllm.client.http import server_running
-from server_harness import free_port
 
 
 def test_help_lists_every_setting():

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
+from server_harness import env, local_client, private_home, serve_in_thread
 
 from localllm import api
 from localllm.server.app import create_app
-from server_harness import env, local_client, private_home, serve_in_thread
 
 pytestmark = [pytest.mark.models, pytest.mark.slow]
 

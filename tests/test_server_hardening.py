@@ -11,10 +11,10 @@ import time
 
 import httpx
 import pytest
+from server_harness import private_home, served
 
 from localllm.client.http import HttpClient
 from localllm.errors import InvalidInput
-from server_harness import private_home, served
 
 pytestmark = pytest.mark.models
 

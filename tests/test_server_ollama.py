@@ -9,7 +9,6 @@ import httpx
 import jsonschema
 import ollama
 import pytest
-
 from server_harness import SMALL, SYSTEM, private_home, served
 
 pytestmark = pytest.mark.models

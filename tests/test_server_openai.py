@@ -8,7 +8,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-
 from server_harness import SYSTEM
 
 pytestmark = pytest.mark.models

@@ -11,11 +11,11 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from server_harness import SYSTEM
 
 from localllm import api, config
 from localllm.errors import ResponseNotFound
 from localllm.server.openai import response_store
-from server_harness import SYSTEM
 
 MODEL = "smollm2:135m"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",

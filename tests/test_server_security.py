@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from server_harness import serve_in_thread
 
 from localllm.client.local import LocalClient
 from localllm.server.app import create_app
-from server_harness import serve_in_thread
 
 
 @pytest.fixture

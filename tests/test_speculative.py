@@ -14,11 +14,11 @@ import pytest
 from localllm import api
 from localllm.api import LoadOptions, SamplingOptions
 from localllm.backends.llama_cpp.backend import LlamaCppBackend
-from localllm.engine.runner import GenerationParams, ModelEngine
-from localllm.errors import InvalidInput
-from localllm.engine.speculative.speculation import Speculation, open_draft_model, open_mtp_head
-from localllm.engine.speculative.policy import FixedWindow
 from localllm.chat.structured import grammar_for_format
+from localllm.engine.runner import GenerationParams, ModelEngine
+from localllm.engine.speculative.policy import FixedWindow
+from localllm.engine.speculative.speculation import Speculation, open_draft_model, open_mtp_head
+from localllm.errors import InvalidInput
 
 # ---------------------------------------------------------------------------------------------------------- engines
 

@@ -8,12 +8,11 @@ import os
 from pathlib import Path
 
 import pytest
+from hfserver import sha256_of, write_tiny_gguf
 
 from localllm import api
 from localllm.errors import IntegrityError, InvalidInput, InvalidName, ModelFormatError, ModelNotFound
 from localllm.models.store import Store
-
-from hfserver import sha256_of, write_tiny_gguf
 
 
 @pytest.fixture

@@ -15,14 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hfserver import Hub, HubServer, sha256_of, write_tiny_gguf
 from typer.testing import CliRunner
 
 from localllm.cli import app
 from localllm.errors import ModelNotFound, NetworkError
 from localllm.models.pull import DOWNLOAD_ATTEMPTS, pull_model
 from localllm.models.store import Store
-
-from hfserver import Hub, HubServer, sha256_of, write_tiny_gguf
 
 runner = CliRunner()
 ROUNDS = 200
@@ -178,9 +177,10 @@ def test_a_pull_onto_a_full_disk_is_one_line_and_leaves_the_disk_usable(server, 
 
 
 def test_the_api_answers_507_when_the_disk_is_full(server, hub, ggufs, small_disk):
+    from server_harness import serve_in_thread
+
     from localllm.client.local import LocalClient
     from localllm.server.app import create_app
-    from server_harness import serve_in_thread
 
     hub.files["model.gguf"] = ggufs["big"]
     client = LocalClient(store=Store(small_disk / "models"))
@@ -312,10 +312,11 @@ def test_verify_repair_downloads_corrupt_blobs_again_in_place(server, hub, store
 
 @pytest.mark.models
 def test_the_server_notices_a_model_removed_from_the_command_line(models_home, tmp_path):
+    from server_harness import private_home, serve_in_thread
+
     from localllm.client.local import LocalClient
     from localllm.engine.pool import resolve_options
     from localllm.server.app import create_app
-    from server_harness import private_home, serve_in_thread
 
     home = private_home(models_home, tmp_path / "home")
     client = LocalClient(store=Store(home / "models"))

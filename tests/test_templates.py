@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from localllm.errors import InvalidInput
 from localllm.chat.templates import PLAIN_TEMPLATE, render_chat
+from localllm.errors import InvalidInput
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")

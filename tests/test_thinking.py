@@ -14,12 +14,18 @@ import httpx
 import ollama
 import openai
 import pytest
+from reasoning_model import REASONING_TEMPLATE, token_id
 
+from localllm.chat.thinking import (
+    Think,
+    ThinkingSplitter,
+    parse_think,
+    supports_thinking,
+    think_from_effort,
+    thinking_grammar,
+)
 from localllm.errors import InvalidInput
 from localllm.models.info import capabilities
-from localllm.chat.thinking import (Think, ThinkingSplitter, parse_think, supports_thinking, think_from_effort,
-                               thinking_grammar)
-from reasoning_model import REASONING_TEMPLATE, token_id
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city"],

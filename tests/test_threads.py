@@ -11,7 +11,6 @@ import pytest
 from localllm.engine.threads import TRIAL_SHAPES, ThreadTuner
 from localllm.machine import _linux_cores, physical_cores
 
-
 ROUND = TRIAL_SHAPES["decode"].steps  # steps of one count in a round of a decode trial: a warm-up, then measured
 TRIAL = 3 * ROUND  # steps of one count in a whole trial of three rounds (two when the counts stand apart)
 
@@ -156,8 +155,9 @@ def test_a_load_that_passes_during_the_first_trial_is_corrected_soon():
 @pytest.mark.models
 def test_a_model_loaded_at_the_defaults_tunes_its_threads(models_home, monkeypatch):
     # The server's path: options bounded against the machine, the pool's engine; ps says the count is chosen as it runs.
-    from localllm import api
     from server_harness import local_client
+
+    from localllm import api
 
     monkeypatch.delenv("LOCALLLM_NUM_THREAD", raising=False)
     client = local_client(models_home)

@@ -10,8 +10,8 @@ import http.server
 import os
 import socket
 import threading
+from collections.abc import Iterator
 from datetime import datetime, timezone
-from typing import Iterator
 
 import pytest
 from textual import events

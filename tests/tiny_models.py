@@ -4,7 +4,7 @@ the `gguf` package; its hyperparameters and tensor types can be changed to make 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import gguf
 import numpy as np
@@ -14,7 +14,7 @@ HPARAMS: dict[str, Any] = {"context_length": 512, "embedding_length": 64, "feed_
                            "rope_freq_base": 10000.0, "rope_dimension_count": 16}
 
 
-def write_tiny_llama(path: Path, *, hparams: Optional[dict[str, Any]] = None, raw: Optional[dict[str, Any]] = None,
+def write_tiny_llama(path: Path, *, hparams: dict[str, Any] | None = None, raw: dict[str, Any] | None = None,
                      half: tuple[str, ...] = (), byte_tokens: bool = True, seed: int = 0) -> Path:
     """`hparams` override HPARAMS (by GGUFWriter.add_<name>); `raw` adds keys as they are (e.g. a string where a
     number belongs); tensors named in `half` are stored as F16. Without `byte_tokens` the vocabulary lacks the

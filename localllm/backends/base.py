@@ -6,9 +6,10 @@ Rows of a Batch are addressed by their index: `decode(batch)` computes outputs f
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Hashable, Optional, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -31,10 +32,10 @@ class ModelMeta:
     n_vocab: int
     n_ctx_train: int
     n_embd: int
-    bos_token: Optional[int]
-    eos_token: Optional[int]
+    bos_token: int | None
+    eos_token: int | None
     add_bos: bool
-    chat_template: Optional[str]
+    chat_template: str | None
     n_params: int = 0
     size_bytes: int = 0
     has_mtp: bool = False
@@ -140,7 +141,7 @@ class LoadedModel(Protocol):
     kv_pad: int  # the backend attends over its cache in spans of this many cells (1: exactly)
     adjustable_threads: bool  # set_threads takes effect (the engine then tunes the count as it runs)
     weights: Hashable  # equal for loads that share one copy of the weights in memory
-    placement: Optional[Placement]  # where its layers went (CPU, GPUs, RPC workers); None where not placed
+    placement: Placement | None  # where its layers went (CPU, GPUs, RPC workers); None where not placed
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
 
@@ -156,7 +157,7 @@ class LoadedModel(Protocol):
     def logits(self, row: int) -> np.ndarray:
         """Raw logits of `row` of the last decode, shape [n_vocab]."""
 
-    def make_sampler(self, options: SamplingOptions, *, grammar: Optional[str] = None) -> Sampler: ...
+    def make_sampler(self, options: SamplingOptions, *, grammar: str | None = None) -> Sampler: ...
 
     def remove(self, seq: int, start: int, end: int = -1) -> None:
         """Forget cached tokens [start, end) of sequence `seq` (end -1: to the end)."""
@@ -167,7 +168,7 @@ class LoadedModel(Protocol):
     def cache_shape(self) -> CacheShape:
         """How this model's sequence states may be cut, saved and restored (engine/prefix_cache.py)."""
 
-    def save_seq(self, seq: int) -> Optional[bytes]:
+    def save_seq(self, seq: int) -> bytes | None:
         """Sequence `seq`'s whole cached state as bytes, or None where the backend cannot save one (the engine then
         re-prefills instead of restoring)."""
 
@@ -181,10 +182,10 @@ class LoadedModel(Protocol):
     def set_threads(self, n: int) -> None:
         """CPU threads for the next decodes (a no-op where the backend schedules its own)."""
 
-    def mtp_head(self) -> Optional[MtpHead]:
+    def mtp_head(self) -> MtpHead | None:
         """The weights' MTP head in a context of its own, or None where the weights or the backend have none."""
 
-    def grammar_probe(self, grammar: str) -> Optional[GrammarProbe]:
+    def grammar_probe(self, grammar: str) -> GrammarProbe | None:
         """A probe of `grammar` for checking drafts, or None where the backend samples without grammars."""
 
     def close(self) -> None: ...
@@ -198,5 +199,5 @@ class Backend(Protocol):
         """Load the weights at `path` (a split GGUF's first part) with `adapters` applied; a backend that cannot
         apply adapters raises InvalidInput."""
 
-    def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> Optional[Placement]:
+    def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> Placement | None:
         """Where load() would put the layers with these options, by the devices' free memory now."""

@@ -14,16 +14,17 @@ import json
 import logging
 import re
 import secrets
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Hashable, Optional, Sequence, cast
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from ..api import LoadOptions, LoraAdapter, SamplingOptions
-from ..models.plan import Placement
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
+from ..models.plan import Placement
 from .base import Batch, CacheShape, ModelMeta
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class MlxBackend:
         return None  # one device, unified memory: nothing to place
 
     def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int,
-             adapters: Sequence[LoraAdapter] = ()) -> "MlxModel":
+             adapters: Sequence[LoraAdapter] = ()) -> MlxModel:
         import mlx_lm
 
         if adapters:
@@ -117,14 +118,14 @@ def _read_meta(path: Path, model, tokenizer, config: dict) -> ModelMeta:
     )
 
 
-def _first_eos(config: dict, hf) -> Optional[int]:
+def _first_eos(config: dict, hf) -> int | None:
     eos = config.get("eos_token_id")
     if isinstance(eos, list):
         return int(eos[0]) if eos else hf.eos_token_id
     return int(eos) if eos is not None else hf.eos_token_id
 
 
-def _chat_template(hf) -> Optional[str]:
+def _chat_template(hf) -> str | None:
     template = getattr(hf, "chat_template", None)
     if isinstance(template, dict):  # named templates: the default one is what a chat uses
         template = template.get("default") or next(iter(template.values()), None)
@@ -166,7 +167,7 @@ class MlxModel:
     n_batch = 512  # prefill chunk: the scheduler's token budget per step
     kv_pad = 1  # attention spans the cache exactly (no padded grid as in llama.cpp)
     adjustable_threads = False  # MLX schedules its own threads: the engine's thread tuner leaves it alone
-    placement: Optional[Placement] = None  # MLX runs the whole model on its one device
+    placement: Placement | None = None  # MLX runs the whole model on its one device
 
     def __init__(self, path: Path, model, tokenizer, config: dict, *, n_seq: int, n_ctx: int):
         self.path = path
@@ -285,7 +286,7 @@ class MlxModel:
     def logits(self, row: int) -> np.ndarray:
         return np.array(self.row_logits(row), dtype=np.float32)
 
-    def make_sampler(self, options: SamplingOptions, *, grammar: Optional[str] = None) -> "MlxSampler":
+    def make_sampler(self, options: SamplingOptions, *, grammar: str | None = None) -> MlxSampler:
         if grammar is not None:
             raise InvalidInput(GRAMMAR_UNSUPPORTED, hint="use a GGUF model on llama.cpp for format / response_format")
         return MlxSampler(self, options)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
 
 from ..api import LoadOptions, SamplingOptions
 from ..backends.llama_cpp.backend import LlamaCppBackend
@@ -16,7 +16,6 @@ from ..engine.threads import ThreadTuner
 from ..machine import physical_cores
 from .figures import BRACKET_REPEATS, Bracketed, Figure
 from .raw import raw_batched_rate, raw_decode_rate, raw_prefill_rate
-
 
 LONG_STORY = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
 FOUR_PROMPTS = ("Write a long story about a dragon.", "Explain how a steam engine works, in detail.",
@@ -58,7 +57,7 @@ class EngineRun:
     submitted: float = 0.0
 
     @classmethod
-    def start(cls, streams: int) -> "EngineRun":
+    def start(cls, streams: int) -> EngineRun:
         return cls(tokens=[[] for _ in range(streams)], arrivals=[[] for _ in range(streams)],
                    submitted=time.perf_counter())
 
@@ -78,7 +77,7 @@ class EngineRun:
         return min(chunks[0][0] for chunks in self.arrivals) - self.submitted
 
 
-def make_engine(path: Path, *, threads: Optional[int], n_ctx: int, n_slots: int = 1) -> ModelEngine:
+def make_engine(path: Path, *, threads: int | None, n_ctx: int, n_slots: int = 1) -> ModelEngine:
     """Our engine on `path`; `threads` pins the count, None tunes it as it runs (the server's default)."""
     opts = LoadOptions(num_thread=threads, num_ctx=n_ctx, num_parallel=n_slots)
     model = LlamaCppBackend().load(path, opts, n_seq=n_slots, n_ctx=n_ctx)
@@ -101,7 +100,7 @@ def _drain(stream, run: EngineRun, i: int) -> None:
             run.received(i, chunk.tokens)
 
 
-def run_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: Optional[int] = None,
+def run_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: int | None = None,
                    repeats: int = 3, log: Callable[[str], None] = print) -> list[Figure]:
     """Every figure of the engine benchmark for one GGUF model. `threads`: our engine's (default: LOCALLLM_NUM_THREAD,
     else the physical cores), pinned; the raw reference runs at the same count, and once at the other count of a

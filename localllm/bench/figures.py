@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 
 @dataclass
@@ -14,19 +14,19 @@ class Figure:
     ours: float
     reference: float
     unit: str
-    target: Optional[float]  # the ratio ours/reference must reach (or stay under); None: informational
+    target: float | None  # the ratio ours/reference must reach (or stay under); None: informational
     lower_is_better: bool = False
     note: str = ""
     # For "no slower than" targets where both sides do the same work: how far the reference measured a second time
     # in the same run fell from itself (|1 - again/reference|). A shortfall inside that is not one the run can see.
-    noise: Optional[float] = None
+    noise: float | None = None
 
     @property
     def ratio(self) -> float:
         return self.ours / self.reference if self.reference else float("nan")
 
     @property
-    def met(self) -> Optional[bool]:
+    def met(self) -> bool | None:
         if self.target is None:
             return None
         slack = self.noise or 0.0
@@ -60,7 +60,7 @@ class Bracketed:
     spread: list[float]
 
     @classmethod
-    def measure(cls, reference: Callable[[], float], ours: Callable[[], float], *, repeats: int) -> "Bracketed":
+    def measure(cls, reference: Callable[[], float], ours: Callable[[], float], *, repeats: int) -> Bracketed:
         run = cls([], [], [])
         for _ in range(repeats):
             before, mine, after = reference(), ours(), reference()

@@ -4,8 +4,8 @@ sampling, timed on the same clock as our runs."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
 
 import llama_cpp
 
@@ -64,16 +64,16 @@ class RawLoop:
             chunk = prompt[start:start + self.n_batch]
             self._decode([(t, start + i, seq, start + i == len(prompt) - 1) for i, t in enumerate(chunk)])
 
-    def _sample(self, row: int) -> Optional[int]:
+    def _sample(self, row: int) -> int | None:
         tok = llama_cpp.llama_sampler_sample(self.sampler, self.ctx, row)
         return None if llama_cpp.llama_vocab_is_eog(self.vocab, tok) else tok
 
-    def generate(self, prompt: Sequence[int], n: int, *, on_token: Optional[Callable[[], None]] = None) -> list[int]:
+    def generate(self, prompt: Sequence[int], n: int, *, on_token: Callable[[], None] | None = None) -> list[int]:
         """Greedy tokens for one sequence (stops at end-of-generation)."""
         return self.generate_batched([prompt], n, on_token=on_token)[0]
 
     def generate_batched(self, prompts: Sequence[Sequence[int]], n: int, *, together: bool = False,
-                         on_token: Optional[Callable[[], None]] = None) -> list[list[int]]:
+                         on_token: Callable[[], None] | None = None) -> list[list[int]]:
         """Greedy tokens for several sequences decoded together: one token per live sequence per llama_decode.
         `together` prefills all prompts in one batch (as our scheduler does when they arrive at once) instead of one
         after another; llama.cpp's numerics depend on the batch's make-up for some models (gemma3).
@@ -104,7 +104,7 @@ class RawLoop:
             if on_token:
                 on_token()
 
-    def _prefill_all(self, prompts: Sequence[Sequence[int]], together: bool) -> Iterator[tuple[int, Optional[int]]]:
+    def _prefill_all(self, prompts: Sequence[Sequence[int]], together: bool) -> Iterator[tuple[int, int | None]]:
         """Prefill every prompt and yield (seq, first token), sampled before the next decode overwrites logits."""
         if not together:
             for seq, prompt in enumerate(prompts):

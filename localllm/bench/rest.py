@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING
 
 import llama_cpp
 
@@ -19,8 +21,8 @@ if TYPE_CHECKING:
     import httpx
 
 
-@lru_cache(maxsize=None)
-def http_client() -> "httpx.Client":
+@cache
+def http_client() -> httpx.Client:
     """One client for every streamed request the benchmarks time, ours and llama-server's alike. A new httpx client
     builds an SSL context (about 18 ms here), which the top-level httpx.stream did inside every timed request; a
     client keeps one, as IDE plugins and SDKs do. No keep-alive: each request still opens its own connection."""
@@ -30,8 +32,8 @@ def http_client() -> "httpx.Client":
 
 
 @contextmanager
-def served_model(path: Path, *, slots: int, threads: Optional[int], n_ctx: int, home: Optional[Path] = None,
-                 env: Optional[dict[str, str]] = None) -> Iterator[str]:
+def served_model(path: Path, *, slots: int, threads: int | None, n_ctx: int, home: Path | None = None,
+                 env: dict[str, str] | None = None) -> Iterator[str]:
     """`localllm serve` in a subprocess over a home that holds `path` as model "bench:latest": a private one, or
     `home` (kept, so a second server on it is a restart), with `env`'s settings on top."""
     import tempfile
@@ -112,17 +114,17 @@ def rest_run(base: str, prompts: list[list[int]], n: int) -> EngineRun:
 
 
 
-def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: Optional[int] = None,
+def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: int | None = None,
                         repeats: int = 3,
-                        other_server: Optional[Callable[[list[list[int]], int], ContextManager[OtherServer]]] = None,
+                        other_server: Callable[[list[list[int]], int], ContextManager[OtherServer]] | None = None,
                         log: Callable[[str], None] = print) -> list[Figure]:
     """One stream and four streams through the REST server against the raw loop (single and batched) at the same
     thread count: one stream the best of `repeats` runs interleaved with the raw loop's, four streams Bracketed.
     `other_server(prompts, n)` starts another server for the same four streams (llama.cpp's llama-server -np 4) and
     yields its name and a function that measures one run of them; ours is Bracketed by its runs too."""
     from .. import config
-    from ..machine import physical_cores
     from ..chat.templates import render_chat
+    from ..machine import physical_cores
 
     threads = threads or config.NUM_THREAD.get() or physical_cores()
     loop = RawLoop(path, n_ctx=n_ctx, threads=1)

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import date, timedelta
 from functools import lru_cache
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from jinja2 import TemplateError
-
 
 from ..errors import InvalidInput
 from .sandbox import RenderBudget, new_environment, render_bounded
@@ -181,7 +181,7 @@ class _Translator:
             result = self._command(command, result)
         return result
 
-    def _command(self, tokens: list[tuple[str, str]], piped: Optional[str]) -> str:
+    def _command(self, tokens: list[tuple[str, str]], piped: str | None) -> str:
         operands = _operands(tokens)
         first = operands[0]
         if len(first) == 1 and first[0][0] == "word" and first[0][1] not in _CONSTANTS:
@@ -458,7 +458,7 @@ def compile_go(source: str):
         raise InvalidInput(f"the Go template does not translate to a valid template: {exc}", hint=_HINT) from None
 
 
-def render_go(source: str, messages: Sequence[dict[str, Any]], *, tools: Optional[list] = None,
+def render_go(source: str, messages: Sequence[dict[str, Any]], *, tools: list | None = None,
               budget: RenderBudget) -> str:
     """Render as Ollama does: a template that reads .Messages gets the whole conversation at once; an older one
     (.System/.Prompt/.Response) is run once per turn, and the last turn stops at its {{ .Response }}. Every turn is

@@ -15,8 +15,9 @@ import functools
 import re
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
 from jinja2 import Environment, TemplateError
 from jinja2.nodes import EvalContext
@@ -47,7 +48,7 @@ class RenderBudget:
 
     max_steps: int
     deadline: float
-    cancelled: Optional[Callable[[], bool]] = None
+    cancelled: Callable[[], bool] | None = None
     steps: int = 0
     made: int = 0
     output: int = field(default=0)
@@ -82,7 +83,7 @@ def _too_costly(what: str) -> TemplateTooCostly:
                              hint="fix the template: the request's, the Modelfile's TEMPLATE or the model's own")
 
 
-_BUDGET: contextvars.ContextVar[Optional[RenderBudget]] = contextvars.ContextVar("localllm_render_budget",
+_BUDGET: contextvars.ContextVar[RenderBudget | None] = contextvars.ContextVar("localllm_render_budget",
                                                                                  default=None)
 
 
@@ -237,7 +238,7 @@ def _render_bounded(compiled: Any, context: dict[str, Any], budget: RenderBudget
     return "".join(parts)
 
 
-def new_environment(*, filters: Optional[dict[str, Callable]] = None, **options: Any) -> BoundedSandbox:
+def new_environment(*, filters: dict[str, Callable] | None = None, **options: Any) -> BoundedSandbox:
     """A bounded sandbox: `filters` added, every filter's result charged, lipsum gone (paragraphs of filler by the
     million: no chat template needs it)."""
     env = BoundedSandbox(**options)
@@ -247,7 +248,7 @@ def new_environment(*, filters: Optional[dict[str, Callable]] = None, **options:
     return env
 
 
-def new_budget(items: int, cancelled: Optional[Callable[[], bool]] = None) -> RenderBudget:
+def new_budget(items: int, cancelled: Callable[[], bool] | None = None) -> RenderBudget:
     """The budget of one render over `items` messages and tools."""
     return RenderBudget(max_steps=BASE_STEPS + STEPS_PER_ITEM * items, deadline=time.monotonic() + MAX_SECONDS,
                         cancelled=cancelled)

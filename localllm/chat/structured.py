@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 from ..api import Format, Tool, ToolCall, ToolCallDelta, ToolCallFunction
 from ..errors import InvalidInput
 
 
-def grammar_for_format(fmt: Format) -> Optional[str]:
+def grammar_for_format(fmt: Format) -> str | None:
     """GBNF for Ollama's `format`: None/"" no constraint, "json" any JSON object, a dict a JSON schema."""
     if fmt in (None, ""):
         return None
@@ -36,7 +36,7 @@ def schema_grammar(schema: dict[str, Any]) -> str:
         raise InvalidInput(f"the JSON schema cannot be turned into a grammar: {exc}") from None
 
 
-def tool_call_schema(tools: list[Tool], *, name: Optional[str] = None) -> dict[str, Any]:
+def tool_call_schema(tools: list[Tool], *, name: str | None = None) -> dict[str, Any]:
     """Schema of one call {"name": ..., "arguments": {...}} to any of `tools` (or only to `name`)."""
     chosen = [t for t in tools if name is None or t.function.name == name]
     if not chosen:
@@ -48,7 +48,7 @@ def tool_call_schema(tools: list[Tool], *, name: Optional[str] = None) -> dict[s
     return variants[0] if len(variants) == 1 else {"oneOf": variants}
 
 
-def tool_choice_grammar(tools: Optional[list[Tool]], tool_choice: Any) -> Optional[str]:
+def tool_choice_grammar(tools: list[Tool] | None, tool_choice: Any) -> str | None:
     """A grammar forcing a tool call when tool_choice is "required" or names a function; else None."""
     if not tools or tool_choice in (None, "auto", "none"):
         return None
@@ -63,7 +63,7 @@ def tool_choice_grammar(tools: Optional[list[Tool]], tool_choice: Any) -> Option
 _TAGGED = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
-def parse_tool_calls(text: str, tools: Optional[list[Tool]]) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, tools: list[Tool] | None) -> tuple[str, list[ToolCall]]:
     """Split model output into (content, tool calls). Understands Hermes-style <tool_call>{...}</tool_call> blocks
     and a bare JSON object or list of {"name", "arguments"} naming a known tool (what forced calls produce)."""
     if not tools:
@@ -85,7 +85,7 @@ def parse_tool_calls(text: str, tools: Optional[list[Tool]]) -> tuple[str, list[
     return text, []
 
 
-def _as_call(raw: str, known: set[str]) -> Optional[ToolCall]:
+def _as_call(raw: str, known: set[str]) -> ToolCall | None:
     try:
         data = json.loads(raw)
     except ValueError:
@@ -114,7 +114,7 @@ class ForcedCallStream:
     def __init__(self) -> None:
         self.text = ""
         self.id = f"call_{uuid.uuid4().hex[:12]}"
-        self.name: Optional[str] = None
+        self.name: str | None = None
         self._args_start = 0
         self._sent = 0  # characters of the arguments already sent
 
@@ -152,7 +152,7 @@ class ForcedCallStream:
             return json.dumps(complete.function.arguments) if not raw else raw.rstrip().removesuffix("}").rstrip()
         return raw
 
-    def complete(self) -> Optional[ToolCall]:
+    def complete(self) -> ToolCall | None:
         """The call, when the text is one whole call; None when it was cut off."""
         try:
             data = json.loads(self.text)

@@ -9,9 +9,10 @@ model) gets a plain transcript. A TEMPLATE in Ollama's Go syntax is translated i
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from jinja2 import TemplateError
 
@@ -55,7 +56,7 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, indent: Optional[int] = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
     if indent is not None and not 0 <= indent <= 16:  # every line of the output pays it
         raise InvalidInput(f"tojson indent {indent} is outside 0..16")
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
@@ -81,9 +82,9 @@ def validate_template(source: str) -> None:
         _compile(source)
 
 
-def render_chat(template: Optional[str], messages: Sequence[dict[str, Any]], *, tools: Optional[list] = None,
+def render_chat(template: str | None, messages: Sequence[dict[str, Any]], *, tools: list | None = None,
                 add_generation_prompt: bool = True, bos_token: str = "", eos_token: str = "",
-                extra: Optional[dict[str, Any]] = None, cancelled: Optional[Callable[[], bool]] = None) -> str:
+                extra: dict[str, Any] | None = None, cancelled: Callable[[], bool] | None = None) -> str:
     """Render `messages` (dicts with role/content/...) with `template` (None: the plain transcript).
 
     Raises InvalidInput when the template fails or goes past a bound (TemplateTooCostly), Cancelled when

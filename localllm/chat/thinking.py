@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any
 
 from ..errors import InvalidInput
 
@@ -22,7 +22,7 @@ LEVELS = ("low", "medium", "high")
 _THINKING_MARKS = (OPEN_TAG, "enable_thinking", "reasoning_effort", "reasoning_content", ".Thinking", ".Think")
 
 
-def supports_thinking(template: Optional[str]) -> bool:
+def supports_thinking(template: str | None) -> bool:
     """Whether a chat template belongs to a reasoning model (the `thinking` capability)."""
     return bool(template) and any(mark in template for mark in _THINKING_MARKS)  # type: ignore[operator]
 
@@ -33,8 +33,8 @@ def supports_thinking(template: Optional[str]) -> bool:
 class Think:
     """What a request asked for: on or off (None: the model's default) and how hard (a level, or None)."""
 
-    enabled: Optional[bool] = None
-    level: Optional[str] = None
+    enabled: bool | None = None
+    level: str | None = None
 
     @property
     def requested(self) -> bool:
@@ -50,7 +50,7 @@ class Think:
         return variables
 
 
-def parse_think(value: Union[bool, str, None], *, field_name: str = "think") -> Think:
+def parse_think(value: bool | str | None, *, field_name: str = "think") -> Think:
     """Ollama's `think`: true, false, or a level ("low", "medium", "high"); None leaves the model's default."""
     if value is None:
         return Think()
@@ -64,7 +64,7 @@ def parse_think(value: Union[bool, str, None], *, field_name: str = "think") -> 
     raise InvalidInput(f"{field_name} {value!r} is not valid", hint='use true, false, "low", "medium" or "high"')
 
 
-def think_from_effort(effort: Optional[str], *, field_name: str = "reasoning_effort") -> Optional[Union[bool, str]]:
+def think_from_effort(effort: str | None, *, field_name: str = "reasoning_effort") -> bool | str | None:
     """OpenAI's reasoning effort as Ollama's `think`: "none" turns thinking off, "minimal" is the lowest level."""
     if effort is None:
         return None
@@ -78,7 +78,7 @@ def think_from_effort(effort: Optional[str], *, field_name: str = "reasoning_eff
     raise InvalidInput(f"{field_name} {effort!r} is not valid", hint="use none, minimal, low, medium or high")
 
 
-def check_thinking(model: str, template: Optional[str], think: Think) -> None:
+def check_thinking(model: str, template: str | None, think: Think) -> None:
     """Ollama's 400 for a request that asks a model without the capability to think."""
     if think.requested and not supports_thinking(template):
         raise InvalidInput(f'"{model}" does not support thinking',

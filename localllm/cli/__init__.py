@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from . import bench, chat, models, plan, serve, worker  # noqa: E402,F401  (registration by import)
 from .app import app
-from . import models, chat, serve, bench, plan, worker  # noqa: E402,F401  (registration by import)
 
 
 def main() -> None:

@@ -4,8 +4,6 @@ exits 0, `-h` is `--help`, `-v` is `--version`, and `localllm help [COMMAND]`.""
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import typer
 import typer.core
 from rich.console import Console
@@ -64,7 +62,7 @@ def _main(ctx: typer.Context,
 
 @app.command("help")
 def help_command(ctx: typer.Context,
-                 command: Optional[List[str]] = typer.Argument(None, help="a command, e.g. run")) -> None:
+                 command: list[str] | None = typer.Argument(None, help="a command, e.g. run")) -> None:
     """Show the help of localllm or of one command."""
     group = ctx.parent.command if ctx.parent is not None else ctx.command
     parent = ctx.parent or ctx

@@ -15,9 +15,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import httpx
 
@@ -44,15 +45,15 @@ class ServerHealth:
     (an older localllm, or Ollama itself)."""
 
     url: str
-    home: Optional[str]
-    pid: Optional[int]
+    home: str | None
+    pid: int | None
 
     @property
     def ours(self) -> bool:
         return self.home is None or self.home == config.home_id()
 
 
-def server_health(url: str) -> Optional[ServerHealth]:
+def server_health(url: str) -> ServerHealth | None:
     """The /health of the server at `url`, or None when nothing answers there."""
     from ..client.http import server_running
 
@@ -68,7 +69,7 @@ def server_health(url: str) -> Optional[ServerHealth]:
     return ServerHealth(url, home if isinstance(home, str) else None, pid if isinstance(pid, int) else None)
 
 
-def ensure_server(*, timeout: float = START_TIMEOUT, on_start: Optional[Callable[[str], None]] = None) -> str:
+def ensure_server(*, timeout: float = START_TIMEOUT, on_start: Callable[[str], None] | None = None) -> str:
     """Return the base URL of a running server for this LOCALLLM_HOME, starting one in the background first when
     none answers; `on_start(url)` is called when one is started (to say so once).
 
@@ -104,7 +105,7 @@ def started_notice(url: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- pid file
 
-def read_pid_file() -> Optional[int]:
+def read_pid_file() -> int | None:
     try:
         return int(server_pid_path().read_text(encoding="utf-8").strip())
     except (OSError, ValueError):
@@ -206,7 +207,7 @@ def _write_pid(pid: int) -> None:
     os.replace(temporary, path)
 
 
-def _last_line(path: Path) -> Optional[str]:
+def _last_line(path: Path) -> str | None:
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
     except OSError:

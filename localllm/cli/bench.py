@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import typer
 from rich.table import Table
@@ -15,7 +14,7 @@ from .app import app, console, err_console
 def bench(
     model: str = typer.Argument(..., help="a pulled model name or a .gguf path"),
     tokens: int = typer.Option(128, "--tokens", "-n", min=8, help="tokens generated per stream"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="our engine's threads (default: ours)"),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="our engine's threads (default: ours)"),
     rest: bool = typer.Option(False, "--rest", help="also measure through `localllm serve`"),
     as_json: bool = typer.Option(False, "--json", help="print the figures as JSON"),
 ) -> None:

@@ -7,8 +7,8 @@ in the command's own process instead."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, List, Optional
 
 import typer
 
@@ -69,13 +69,13 @@ def _start_server() -> None:
 
 @app.command()
 def run(model: str = typer.Argument(..., help="model name (pulled first if missing) or a .gguf path"),
-        prompt: Optional[List[str]] = typer.Argument(None, help="ask once and print the answer; piped stdin is "
+        prompt: list[str] | None = typer.Argument(None, help="ask once and print the answer; piped stdin is "
                                                                "read as (the start of) the prompt"),
         verbose: bool = typer.Option(False, "--verbose", help="print timings after each answer"),
-        keepalive: Optional[str] = typer.Option(None, "--keepalive", help="how long the model stays loaded after "
+        keepalive: str | None = typer.Option(None, "--keepalive", help="how long the model stays loaded after "
                                                                           "the last request (5m, 1h, -1 forever)"),
-        format: Optional[str] = typer.Option(None, "--format", help="json: answer in JSON"),
-        think: Optional[str] = typer.Option(None, "--think", help="a reasoning model thinks first: --think, "
+        format: str | None = typer.Option(None, "--format", help="json: answer in JSON"),
+        think: str | None = typer.Option(None, "--think", help="a reasoning model thinks first: --think, "
                                                                   "--think=false, --think=low|medium|high"),
         hidethinking: bool = typer.Option(False, "--hidethinking", help="do not show the thinking"),
         in_process: bool = typer.Option(False, "--in-process", help=IN_PROCESS_HELP)):
@@ -98,7 +98,7 @@ def run(model: str = typer.Argument(..., help="model name (pulled first if missi
             _answer_once(client, conversation, text, verbose=verbose, hide_thinking=hidethinking)
 
 
-def _one_shot_prompt(words: Optional[List[str]]) -> Optional[str]:
+def _one_shot_prompt(words: list[str] | None) -> str | None:
     """The prompt of a one-shot run (piped stdin, then the arguments), or None for the interactive chat."""
     piped = None if sys.stdin.isatty() else sys.stdin.read()
     if piped is None and not words:
@@ -123,7 +123,7 @@ def _answer_once(client: Client, conversation: Conversation, text: str, *, verbo
         print_timings(final, to=err_console)
 
 
-def _keep_alive(value: Optional[str]) -> Optional[str]:
+def _keep_alive(value: str | None) -> str | None:
     if value is None:
         return None
     try:
@@ -133,7 +133,7 @@ def _keep_alive(value: Optional[str]) -> Optional[str]:
     return value
 
 
-def _set_think(conversation: Conversation, value: Optional[str]) -> None:
+def _set_think(conversation: Conversation, value: str | None) -> None:
     try:
         conversation.set_think(value)
     except InvalidInput:
@@ -141,7 +141,7 @@ def _set_think(conversation: Conversation, value: Optional[str]) -> None:
                                                                "--think=low|medium|high") from None
 
 
-def _format(value: Optional[str]) -> api.Format:
+def _format(value: str | None) -> api.Format:
     if value not in (None, "json"):
         raise InvalidInput(f"--format {value!r} is not supported", hint="use --format json")
     return "json" if value else None
@@ -185,7 +185,7 @@ def stop(model: str = typer.Argument(..., help="a loaded model (see `localllm ps
 # ---------------------------------------------------------------------------------------------------------- tui
 
 @app.command()
-def tui(model: Optional[str] = typer.Argument(None, help="model to chat with at start (F2 picks another)"),
+def tui(model: str | None = typer.Argument(None, help="model to chat with at start (F2 picks another)"),
         in_process: bool = typer.Option(False, "--in-process", help=IN_PROCESS_HELP)):
     """Open the terminal UI: chat, models, live engine figures."""
     from ..tui import run_tui

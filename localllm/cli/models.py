@@ -4,7 +4,6 @@ create functions and renders the result; errors are raised as errors.* and mappe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 from rich.table import Table
@@ -84,7 +83,7 @@ def show(model: str = typer.Argument(..., help="stored model name or .gguf path"
 # ---------------------------------------------------------------------------------------------------------- rm, cp
 
 @app.command()
-def rm(models: List[str] = typer.Argument(..., help="stored model names")):
+def rm(models: list[str] = typer.Argument(..., help="stored model names")):
     """Remove models (blobs no other model uses are deleted)."""
     store = _store()
     for name in models:  # every name is checked before anything is removed
@@ -119,16 +118,16 @@ def cp(source: str = typer.Argument(..., help="stored model"),
 
 @app.command()
 def create(name: str = typer.Argument(..., help="name of the new model, e.g. me/assistant:v1"),
-           file: Optional[Path] = typer.Option(None, "--file", "-f", help="the Modelfile (default ./Modelfile)"),
-           from_: Optional[str] = typer.Option(None, "--from", help="the model to build on (FROM, without a "
+           file: Path | None = typer.Option(None, "--file", "-f", help="the Modelfile (default ./Modelfile)"),
+           from_: str | None = typer.Option(None, "--from", help="the model to build on (FROM, without a "
                                                                    "Modelfile)"),
-           fmt: Optional[str] = typer.Option(None, "--format", help="weights format: gguf, or mlx to convert"),
-           quantize: Optional[str] = typer.Option(None, "--quantize", "-q", help="quantize to TYPE: q4_K_M, q5_K_M, "
+           fmt: str | None = typer.Option(None, "--format", help="weights format: gguf, or mlx to convert"),
+           quantize: str | None = typer.Option(None, "--quantize", "-q", help="quantize to TYPE: q4_K_M, q5_K_M, "
                                                   "q6_K, q8_0, q4_0, iq4_xs, f16, ... (with --format mlx: f32, f16, "
                                                   "bf16, q8, q4)"),
            allow_requantize: bool = typer.Option(False, "--allow-requantize", help="quantize weights that are "
                                                  "already quantized (loses more quality than quantizing F16)"),
-           imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="importance matrix (GGUF from "
+           imatrix: Path | None = typer.Option(None, "--imatrix", help="importance matrix (GGUF from "
                                                   "llama-imatrix) for --quantize")):
     """Create a model from a Modelfile (or --from another model).
 
@@ -154,7 +153,7 @@ def create(name: str = typer.Argument(..., help="name of the new model, e.g. me/
 # ---------------------------------------------------------------------------------------------------------- verify
 
 @app.command()
-def verify(model: Optional[str] = typer.Argument(None, help="one stored model (default: all)"),
+def verify(model: str | None = typer.Argument(None, help="one stored model (default: all)"),
            repair: bool = typer.Option(False, "--repair", help="download corrupt or missing catalog and Hugging "
                                                               "Face blobs again in place, then prune")):
     """Re-hash the blobs of one model or all; exit 1 if any is bad.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
@@ -24,13 +24,13 @@ def _mib(n: int) -> str:
 
 @app.command()
 def plan(
-    models: List[str] = typer.Argument(..., help="pulled model names or .gguf paths (several: loaded together)"),
-    num_ctx: Optional[int] = typer.Option(None, "--num-ctx", min=16, help="context per slot"),
-    num_parallel: Optional[int] = typer.Option(None, "--num-parallel", min=1, help="slots"),
-    kv_type: Optional[str] = typer.Option(None, "--kv-type", help="f16, q8_0 or q4_0"),
-    num_gpu: Optional[int] = typer.Option(None, "--num-gpu", min=-1, max=100_000,
+    models: list[str] = typer.Argument(..., help="pulled model names or .gguf paths (several: loaded together)"),
+    num_ctx: int | None = typer.Option(None, "--num-ctx", min=16, help="context per slot"),
+    num_parallel: int | None = typer.Option(None, "--num-parallel", min=1, help="slots"),
+    kv_type: str | None = typer.Option(None, "--kv-type", help="f16, q8_0 or q4_0"),
+    num_gpu: int | None = typer.Option(None, "--num-gpu", min=-1, max=100_000,
                                           help="layers to offload (default: all that fit)"),
-    rpc: Optional[str] = typer.Option(None, "--rpc", help="RPC workers host:port,... (default LOCALLLM_RPC)"),
+    rpc: str | None = typer.Option(None, "--rpc", help="RPC workers host:port,... (default LOCALLLM_RPC)"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
 ) -> None:
     """Show the memory a load will take, before loading.
@@ -73,9 +73,9 @@ def _plan_one(model: str, overrides: dict):
     from ..engine.pool import effective_load, resolve_options
     from ..engine.scaleout import placement as place
     from ..errors import InvalidInput
-    from ..quant.gguf import inspect_gguf, inspect_lora
     from ..models.plan import plan_memory, weights_identity
     from ..models.store import Store
+    from ..quant.gguf import inspect_gguf, inspect_lora
 
     resolved = Store().resolve(model)
     if resolved.format != "gguf":
@@ -107,7 +107,7 @@ def _table(name: str, mem: MemoryPlan, *, shared: bool, cache_ram: int, cache_di
     return table
 
 
-def _placement_json(placement: Optional[Placement]) -> Optional[dict]:
+def _placement_json(placement: Placement | None) -> dict | None:
     if placement is None:
         return None
     return {"n_gpu_layers": placement.n_gpu_layers, "fits": placement.fits, "devices": [

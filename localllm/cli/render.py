@@ -7,14 +7,21 @@ draw on (`to`), stdout's by default: `run` draws progress on stderr so that stdo
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from datetime import datetime, timezone
-from typing import Iterable, Optional
 
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.live import Live
 from rich.markdown import Markdown
-from rich.progress import (BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.segment import Segment
 from rich.spinner import Spinner
 from rich.table import Table
@@ -24,10 +31,9 @@ from .. import api
 from ..conversation import rate
 from .app import console as stdout_console
 
-
 # ---------------------------------------------------------------------------------------------------------- pull
 
-def render_pull(stream: Iterable[api.PullProgress], *, to: Optional[Console] = None) -> None:
+def render_pull(stream: Iterable[api.PullProgress], *, to: Console | None = None) -> None:
     """Show a pull (or create) stream: byte counts as a progress bar with rate and ETA, other steps as lines."""
     console = to or stdout_console
     bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -74,7 +80,7 @@ def human_age(moment: datetime) -> str:
     return "just now"
 
 
-def human_until(moment: Optional[datetime], *, busy: bool) -> str:
+def human_until(moment: datetime | None, *, busy: bool) -> str:
     """How long until a loaded model is unloaded: "4 minutes"; no expiry means in use, or kept forever."""
     if moment is None:
         return "in use" if busy else "forever"
@@ -100,7 +106,7 @@ def human_duration(nanoseconds: int) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- show
 
-def print_show(info: api.ShowResponse, *, to: Optional[Console] = None) -> None:
+def print_show(info: api.ShowResponse, *, to: Console | None = None) -> None:
     """`localllm show MODEL` without flags: the model's facts, then capabilities, template, system, parameters and
     license."""
     console = to or stdout_console
@@ -115,7 +121,7 @@ def print_show(info: api.ShowResponse, *, to: Optional[Console] = None) -> None:
             console.print(_indent(text), markup=False, highlight=False, soft_wrap=True)
 
 
-def print_model_facts(info: api.ShowResponse, *, to: Optional[Console] = None) -> None:
+def print_model_facts(info: api.ShowResponse, *, to: Console | None = None) -> None:
     """The "Model" block of `show`: architecture, size, quantization, context, format, parent, draft, path."""
     from ..models.info import context_length
 
@@ -134,7 +140,7 @@ def print_model_facts(info: api.ShowResponse, *, to: Optional[Console] = None) -
     console.print(facts)
 
 
-def _report_text(report: Optional[api.QuantizationReport]) -> str:
+def _report_text(report: api.QuantizationReport | None) -> str:
     if report is None:
         return ""
     from ..quant.quality import describe_report
@@ -176,7 +182,7 @@ def timing_rows(t: api.Timings) -> list[tuple[str, str]]:
     return rows
 
 
-def print_timings(t: api.Timings, *, to: Optional[Console] = None) -> None:
+def print_timings(t: api.Timings, *, to: Console | None = None) -> None:
     console = to or stdout_console
     for label, value in timing_rows(t):
         console.print(f"{label + ':':<22}{value}", highlight=False, markup=False)
@@ -346,7 +352,7 @@ class MarkdownStream:
         self._live = Live(Spinner("dots", text=waiting, style="dim"), console=console, transient=True,
                           refresh_per_second=8)
 
-    def __enter__(self) -> "MarkdownStream":
+    def __enter__(self) -> MarkdownStream:
         self._live.start()
         return self
 
@@ -395,7 +401,7 @@ class RawStream:
         self._console = console
         self._ended_line = True
 
-    def __enter__(self) -> "RawStream":
+    def __enter__(self) -> RawStream:
         return self
 
     def __exit__(self, *exc_info) -> None:

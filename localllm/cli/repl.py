@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Protocol
 
 from rich.console import Console
 
@@ -19,8 +20,8 @@ from .. import api
 from ..client.protocol import Client
 from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
-from .interrupts import interrupt_handled, raise_noted_interrupt
 from .app import console, err_console, print_error
+from .interrupts import interrupt_handled, raise_noted_interrupt
 from .prompt_cache_file import is_prompt_cache_file, read_prompt_cache, write_prompt_cache
 from .render import MarkdownStream, RawStream, print_model_facts, print_timings, render_pull, timing_rows
 
@@ -114,7 +115,7 @@ class LineReader:
     Such a Ctrl-C is taken out of the typed-ahead keys here and reported by `take_interrupt`, so the answer it was
     meant for is stopped instead."""
 
-    def __init__(self, history_file: Optional[Path]):
+    def __init__(self, history_file: Path | None):
         from prompt_toolkit import PromptSession
         from prompt_toolkit.formatted_text import FormattedText
         from prompt_toolkit.history import InMemoryHistory
@@ -224,7 +225,7 @@ def keys_not_echoed() -> Iterator[None]:
         termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
-def make_line_reader(history_file: Optional[Path]) -> LineReader:
+def make_line_reader(history_file: Path | None) -> LineReader:
     return LineReader(history_file)
 
 
@@ -253,7 +254,7 @@ def unquote(text: str) -> str:
 # ---------------------------------------------------------------------------------------------------------- answers
 
 def stream_reply(stream: Iterator[api.ChatChunk], on_text: Callable[[str], None],
-                 on_thinking: Optional[Callable[[str], None]] = None) -> Optional[api.ChatChunk]:
+                 on_thinking: Callable[[str], None] | None = None) -> api.ChatChunk | None:
     """Feed each piece of an answer to `on_text` (and of its thinking to `on_thinking`) and return its last chunk
     (which carries the timings).
 
@@ -300,7 +301,7 @@ class Repl:
         self.verbose = verbose
         self.wordwrap = True
         self.hide_thinking = hide_thinking
-        self._commands: dict[str, Callable[[str], Optional[bool]]] = {
+        self._commands: dict[str, Callable[[str], bool | None]] = {
             "/set": self._set, "/show": self._show, "/load": self._load, "/save": self._save, "/clear": self._clear,
             "/stats": self._stats, "/help": self._help, "/?": self._help, "/bye": self._bye, "/exit": self._bye,
         }

@@ -96,7 +96,7 @@ def _stop() -> None:
         console.print(f"no background localllm server is running for {config.HOME.get()}", highlight=False)
 
 
-def _background_pid(reported: "int | None") -> "int | None":
+def _background_pid(reported: int | None) -> int | None:
     """The pid in server.pid when it is the server answering (never signal a pid the server does not confirm:
     after a reboot the number may belong to anything)."""
     from .background import read_pid_file

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -30,9 +29,9 @@ def worker(
     host: str = typer.Option("127.0.0.1", "--host", help="address to bind; anything but loopback is reachable by "
                              "others, with no authentication"),
     port: int = typer.Option(DEFAULT_PORT, "--port", min=1, max=65535, help="port to bind"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, max=1024,
+    threads: int | None = typer.Option(None, "--threads", min=1, max=1024,
                                           help="CPU threads when serving the CPU (default: LOCALLLM_NUM_THREAD)"),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="keep received weights here, so a model "
+    cache_dir: Path | None = typer.Option(None, "--cache-dir", help="keep received weights here, so a model "
                                              "loads faster the next time (llama.cpp's rpc-server --cache)"),
 ) -> None:
     """Lend this machine's GPUs (or CPU) to a localllm elsewhere, over RPC.
@@ -45,10 +44,10 @@ def worker(
     require_rpc()
     if not _is_loopback(host):
         err_console.print(
-            "[bold red]!!! WARNING: the RPC worker listens on %s:%d, beyond this machine.[/]\n"
+            f"[bold red]!!! WARNING: the RPC worker listens on {host}:{port}, beyond this machine.[/]\n"
             "[bold red]!!! llama.cpp's RPC protocol has no authentication and no encryption: anyone who can reach "
             "this port can use these devices and read what they hold. Never expose it to an open network; bind a "
-            "private interface behind a firewall.[/]" % (host, port), highlight=False)
+            "private interface behind a firewall.[/]", highlight=False)
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"localllm worker on {host}:{port} (Ctrl+C stops it); on the other machine: "

@@ -8,15 +8,27 @@ ServerUnreachable naming the address."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, BinaryIO, Iterator, Optional, TypeVar, Union
+from typing import Any, BinaryIO, TypeVar
 
 import httpx
 from pydantic import BaseModel
 
 from .. import api, config
-from ..errors import (BackendUnavailable, Cancelled, Forbidden, InvalidInput, LocalLLMError, ModelNotFound,
-                     NetworkError, PayloadTooLarge, QueueFull, ServerUnreachable, Unauthorized)
+from ..errors import (
+    BackendUnavailable,
+    Cancelled,
+    Forbidden,
+    InvalidInput,
+    LocalLLMError,
+    ModelNotFound,
+    NetworkError,
+    PayloadTooLarge,
+    QueueFull,
+    ServerUnreachable,
+    Unauthorized,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -29,7 +41,7 @@ _ERRORS_BY_STATUS: dict[int, type[LocalLLMError]] = {
 }
 
 
-def normalize_url(base_url: Optional[str]) -> str:
+def normalize_url(base_url: str | None) -> str:
     url = (base_url or config.base_url()).rstrip("/")
     return url if "://" in url else f"http://{url}"
 
@@ -47,7 +59,7 @@ def error_for(response: httpx.Response) -> LocalLLMError:
     return exc
 
 
-def server_running(base_url: Optional[str] = None) -> bool:
+def server_running(base_url: str | None = None) -> bool:
     """True when something answers `GET /` with 200 at the address (default: LOCALLLM_HOST)."""
     try:
         return httpx.get(normalize_url(base_url) + "/", timeout=1.0).status_code == 200
@@ -58,8 +70,8 @@ def server_running(base_url: Optional[str] = None) -> bool:
 class HttpClient:
     """Client over a running server. Use as a context manager, or call close()."""
 
-    def __init__(self, base_url: Optional[str] = None, *, api_key: Optional[str] = None,
-                 timeout: Union[httpx.Timeout, float, None] = DEFAULT_TIMEOUT):
+    def __init__(self, base_url: str | None = None, *, api_key: str | None = None,
+                 timeout: httpx.Timeout | float | None = DEFAULT_TIMEOUT):
         self.base_url = normalize_url(base_url)
         key = config.API_KEY.get() if api_key is None else api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -68,7 +80,7 @@ class HttpClient:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "HttpClient":
+    def __enter__(self) -> HttpClient:
         return self
 
     def __exit__(self, *_: Any) -> None:
@@ -87,7 +99,7 @@ class HttpClient:
             raise ServerUnreachable(f"lost the connection to the server at {self.base_url}: {exc!r}",
                                     hint="is `localllm serve` still running?") from None
 
-    def _call(self, method: str, path: str, body: Optional[dict] = None) -> httpx.Response:
+    def _call(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
         with self._reaching_server():
             response = self._http.request(method, path, json=body)
         if response.status_code >= 400:

@@ -9,26 +9,34 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, BinaryIO, Callable, Generic, Iterator, Optional, TypeVar
+from typing import Any, BinaryIO, Generic, TypeVar
 
 from .. import __version__, api, config
-from ..models.create import create_model
+from ..chat.structured import ForcedCallStream, grammar_for_format, parse_tool_calls, tool_choice_grammar
+from ..chat.templates import render_chat, transcript_sampling
+from ..chat.thinking import (
+    Split,
+    Think,
+    ThinkingSplitter,
+    check_thinking,
+    opens_thinking,
+    parse_think,
+    supports_thinking,
+    thinking_grammar,
+)
 from ..engine.pool import Loaded, ModelPool, resolve_options
 from ..engine.runner import EngineChunk, GenerationParams, Stream
+from ..engine.speculative.speculation import load_speculation
 from ..errors import ContextOverflow, InvalidInput
+from ..models.create import create_model
 from ..models.info import show_model
 from ..models.options import bound_sampling
 from ..models.plan import Placement
 from ..models.pull import pull_model
-from ..engine.speculative.speculation import load_speculation
 from ..models.store import ResolvedModel, Store
-from ..chat.structured import ForcedCallStream, grammar_for_format, parse_tool_calls, tool_choice_grammar
-from ..chat.templates import render_chat, transcript_sampling
-from ..chat.thinking import (Split, Think, ThinkingSplitter, check_thinking, opens_thinking, parse_think,
-                        supports_thinking, thinking_grammar)
-
 
 T = TypeVar("T")
 
@@ -62,7 +70,7 @@ class RequestStream(Generic[T]):
         self._token = CancelToken()
         self._chunks = run(self._token)
 
-    def __iter__(self) -> "RequestStream[T]":
+    def __iter__(self) -> RequestStream[T]:
         return self
 
     def __next__(self) -> T:
@@ -77,7 +85,7 @@ class RequestStream(Generic[T]):
         self._token.cancel()
 
 
-def _keep_alive(value: Any) -> Optional[float]:
+def _keep_alive(value: Any) -> float | None:
     if value is None:
         return None
     try:
@@ -97,7 +105,7 @@ def _timing_fields(chunk: EngineChunk, load_seconds: float) -> dict[str, Any]:
 
 
 class LocalClient:
-    def __init__(self, store: Optional[Store] = None, pool: Optional[ModelPool] = None):
+    def __init__(self, store: Store | None = None, pool: ModelPool | None = None):
         self.store = store or Store()
         self.pool = pool or ModelPool(self.store, speculation_factory=partial(load_speculation, self.store))
 
@@ -201,7 +209,7 @@ class LocalClient:
                 for stream in streams:
                     stream.cancel()
 
-    def _batch_model(self, requests: list[Any]) -> tuple[ResolvedModel, api.LoadOptions, Optional[float]]:
+    def _batch_model(self, requests: list[Any]) -> tuple[ResolvedModel, api.LoadOptions, float | None]:
         names = {request.model for request in requests}
         if len(names) != 1:
             raise InvalidInput(f"a batch of requests must name one model, not {sorted(names)}")
@@ -210,7 +218,7 @@ class LocalClient:
         return model, load, _keep_alive(requests[0].keep_alive)
 
     def _prepare_generate(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest,
-                          ready: float, token: CancelToken) -> tuple[GenerationParams, "_Answer"]:
+                          ready: float, token: CancelToken) -> tuple[GenerationParams, _Answer]:
         sampling = _bound_sampling(loaded, _generate_sampling(loaded, model, request))
         think = parse_think(request.think)
         template = _template(loaded, model, request.template)
@@ -225,7 +233,7 @@ class LocalClient:
         return params, answer
 
     def _generate_text(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest,
-                       template: Optional[str], think: Think, token: CancelToken) -> str:
+                       template: str | None, think: Think, token: CancelToken) -> str:
         if request.raw:
             return request.prompt
         messages = _messages_with_system(model, request.system, [api.Message(role="user", content=request.prompt)])
@@ -233,7 +241,7 @@ class LocalClient:
 
     @staticmethod
     def _generate_chunk(name: str, chunk: EngineChunk, loaded: Loaded, load_seconds: float,
-                        context: Optional[list[int]], answer: "_Answer") -> api.GenerateChunk:
+                        context: list[int] | None, answer: _Answer) -> api.GenerateChunk:
         split = answer.feed(chunk)
         if not chunk.done:
             return api.GenerateChunk(model=name, response=split.content, thinking=split.thinking or None,
@@ -276,7 +284,7 @@ class LocalClient:
                     yield index, chunk
 
     def _prepare_chat(self, loaded: Loaded, model: ResolvedModel, request: api.ChatRequest, ready: float,
-                      token: CancelToken) -> tuple[GenerationParams, Optional[list[api.Tool]], "_Answer"]:
+                      token: CancelToken) -> tuple[GenerationParams, list[api.Tool] | None, _Answer]:
         _, sampling = resolve_options(model, request.options)
         grammar = grammar_for_format(request.format) or tool_choice_grammar(request.tools, request.tool_choice)
         tools = request.tools if request.tool_choice != "none" else None
@@ -301,7 +309,7 @@ class LocalClient:
 
     def _chat_prompt(self, loaded: Loaded, model: ResolvedModel, request: api.ChatRequest, tools,
                      think: Think, stops: list[str],
-                     token: Optional[CancelToken] = None) -> tuple[list[int], "_Answer"]:
+                     token: CancelToken | None = None) -> tuple[list[int], _Answer]:
         template = _template(loaded, model)
         check_thinking(request.model, template, think)
         messages = _messages_with_system(model, None, request.messages)
@@ -311,7 +319,7 @@ class LocalClient:
         return tokens, _Answer.start(loaded, template, text, think, stops, prompt_tokens=len(tokens))
 
     def _chat_with_tools(self, name: str, stream, loaded: Loaded, load_seconds: float, tools,
-                         answer: "_Answer") -> Iterator[api.ChatChunk]:
+                         answer: _Answer) -> Iterator[api.ChatChunk]:
         # Tool calls can only be recognised once the whole answer is known, so the text is held until the end.
         parts: list[str] = []
         thinking: list[str] = []
@@ -327,7 +335,7 @@ class LocalClient:
                                     stop_sequence=answer.stop_sequence, **_timing_fields(chunk, load_seconds))
 
     def _chat_forced_call(self, name: str, stream, loaded: Loaded, load_seconds: float,
-                          answer: "_Answer") -> Iterator[api.ChatChunk]:
+                          answer: _Answer) -> Iterator[api.ChatChunk]:
         """A call the grammar forces ({"name": ..., "arguments": {...}}) streams as it is generated: its id and name
         first, then pieces of its arguments' JSON; one cut off by num_predict ends with its partial arguments. A
         thinking model's thinking comes first, apart."""
@@ -352,7 +360,7 @@ class LocalClient:
 
     @staticmethod
     def _chat_chunk(name: str, chunk: EngineChunk, loaded: Loaded, load_seconds: float,
-                    answer: "_Answer") -> api.ChatChunk:
+                    answer: _Answer) -> api.ChatChunk:
         split = answer.feed(chunk)
         message = api.Message(role="assistant", content=split.content, thinking=split.thinking or None)
         if not chunk.done:
@@ -417,7 +425,7 @@ class LocalClient:
 
     # ----------------------------------------------------------------------------------------------- helpers
 
-    def _load_only(self, model: ResolvedModel, load: api.LoadOptions, keep_alive: Optional[float],
+    def _load_only(self, model: ResolvedModel, load: api.LoadOptions, keep_alive: float | None,
                    name: str) -> Iterator[api.GenerateChunk]:
         with self.pool.acquire(model, load, keep_alive=keep_alive):
             pass
@@ -425,8 +433,8 @@ class LocalClient:
         yield api.GenerateChunk(model=name, done=True, done_reason=reason)
 
     def _render(self, loaded: Loaded, model: ResolvedModel, messages: list[api.Message], *,
-                template: Optional[str] = None, tools: Optional[list] = None,
-                extra: Optional[dict[str, Any]] = None, token: Optional[CancelToken] = None) -> str:
+                template: str | None = None, tools: list | None = None,
+                extra: dict[str, Any] | None = None, token: CancelToken | None = None) -> str:
         meta = loaded.engine.model.meta
         return render_chat(_template(loaded, model, template), [m.model_dump(exclude_none=True) for m in messages],
                            tools=tools, bos_token=_token_text(loaded, meta.bos_token),
@@ -442,7 +450,7 @@ class LocalClient:
         return loaded.engine.tokenize(text, add_special=add_special, parse_special=True)
 
 
-def _template(loaded: Loaded, model: ResolvedModel, override: Optional[str] = None) -> Optional[str]:
+def _template(loaded: Loaded, model: ResolvedModel, override: str | None = None) -> str | None:
     """The chat template a prompt is rendered with; None means the plain transcript (a base model)."""
     return override or model.template or loaded.engine.model.meta.chat_template
 
@@ -450,7 +458,7 @@ def _template(loaded: Loaded, model: ResolvedModel, override: Optional[str] = No
 class _Answer:
     """One answer on its way out: its thinking split from its content, and which stop string ended it."""
 
-    def __init__(self, loaded: Loaded, splitter: Optional[ThinkingSplitter], thinks: bool, stops: list[str],
+    def __init__(self, loaded: Loaded, splitter: ThinkingSplitter | None, thinks: bool, stops: list[str],
                  prompt_tokens: int = 0):
         self._loaded = loaded
         self._prompt_tokens = prompt_tokens
@@ -459,11 +467,11 @@ class _Answer:
         self._stops = sorted(s for s in stops if s)
         self._text: list[str] = []
         self._tokens: list[int] = []
-        self.stop_sequence: Optional[str] = None
+        self.stop_sequence: str | None = None
 
     @classmethod
-    def start(cls, loaded: Loaded, template: Optional[str], prompt: str, think: Think, stops: list[str], *,
-              prompt_tokens: int = 0) -> "_Answer":
+    def start(cls, loaded: Loaded, template: str | None, prompt: str, think: Think, stops: list[str], *,
+              prompt_tokens: int = 0) -> _Answer:
         # A reasoning model's tags are always split off, even when thinking was turned off and it thinks anyway.
         capable = supports_thinking(template)
         splitter = ThinkingSplitter(opened=opens_thinking(prompt)) if capable else None
@@ -474,7 +482,7 @@ class _Answer:
         count, self._prompt_tokens = self._prompt_tokens, 0
         return count
 
-    def grammar(self, grammar: Optional[str]) -> Optional[str]:
+    def grammar(self, grammar: str | None) -> str | None:
         """Structured output on a thinking answer applies after the think block (as Ollama does)."""
         if grammar is None or not self._thinks or self._splitter is None:
             return grammar
@@ -494,7 +502,7 @@ class _Answer:
             self.stop_sequence = self._matched_stop()
         return split
 
-    def _matched_stop(self) -> Optional[str]:
+    def _matched_stop(self) -> str | None:
         # The engine hides the stop string; what the answer's tokens spell beyond the text shown begins with it.
         spelled = b"".join(self._loaded.engine.model.token_bytes(t) for t in self._tokens).decode("utf-8", "replace")
         rest = spelled[len("".join(self._text)):]
@@ -505,11 +513,11 @@ def _bound_sampling(loaded: Loaded, sampling: api.SamplingOptions) -> api.Sampli
     return bound_sampling(sampling, n_ctx=loaded.engine.n_ctx, n_vocab=loaded.engine.model.meta.n_vocab)
 
 
-def _logprobs_wanted(request: api.GenerateRequest | api.ChatRequest) -> Optional[int]:
+def _logprobs_wanted(request: api.GenerateRequest | api.ChatRequest) -> int | None:
     return request.top_logprobs if request.logprobs or request.top_logprobs else None
 
 
-def _logprobs(loaded: Loaded, chunk: EngineChunk) -> Optional[list[api.TokenLogprob]]:
+def _logprobs(loaded: Loaded, chunk: EngineChunk) -> list[api.TokenLogprob] | None:
     if not chunk.logprobs:
         return None
     piece = loaded.engine.model.token_bytes
@@ -522,7 +530,7 @@ def _logprobs(loaded: Loaded, chunk: EngineChunk) -> Optional[list[api.TokenLogp
             for lp in chunk.logprobs]
 
 
-def _token_text(loaded: Loaded, token: Optional[int]) -> str:
+def _token_text(loaded: Loaded, token: int | None) -> str:
     if token is None:
         return ""
     model = loaded.engine.model
@@ -530,7 +538,7 @@ def _token_text(loaded: Loaded, token: Optional[int]) -> str:
     return piece(token) if piece else model.token_bytes(token).decode("utf-8", "replace")
 
 
-def _messages_with_system(model: ResolvedModel, system: Optional[str],
+def _messages_with_system(model: ResolvedModel, system: str | None,
                           messages: list[api.Message]) -> list[api.Message]:
     """Modelfile MESSAGEs first, then the system prompt (the request's, else the Modelfile's) unless the conversation
     brings its own."""
@@ -560,7 +568,7 @@ def _shorten(vector: list[float], dimensions: int) -> list[float]:
     return [v / norm for v in head] if norm > 0 else head
 
 
-def _refuse_images(images: Optional[list[str]]) -> None:
+def _refuse_images(images: list[str] | None) -> None:
     if images:
         raise InvalidInput("images are not supported yet: no vision model backend exists in localllm",
                            hint="send text only")
@@ -605,7 +613,7 @@ def _gpu_layers(entry: Loaded) -> int:
     return placement.n_gpu_layers
 
 
-def _placement_rows(placement: Optional[Placement]) -> list[api.DeviceLayers]:
+def _placement_rows(placement: Placement | None) -> list[api.DeviceLayers]:
     if placement is None:
         return []
     return [api.DeviceLayers(device=s.device.name, description=s.device.description, layers=s.layers,

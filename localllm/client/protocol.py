@@ -7,10 +7,22 @@ while its request is queued, since closing a generator that is running elsewhere
 
 from __future__ import annotations
 
-from typing import BinaryIO, Iterator, Protocol, runtime_checkable
+from collections.abc import Iterator
+from typing import BinaryIO, Protocol, runtime_checkable
 
-from ..api import (ChatChunk, ChatRequest, CreateRequest, EmbedRequest, EmbedResponse, GenerateChunk,
-                  GenerateRequest, ListResponse, ProcessResponse, PullProgress, ShowResponse)
+from ..api import (
+    ChatChunk,
+    ChatRequest,
+    CreateRequest,
+    EmbedRequest,
+    EmbedResponse,
+    GenerateChunk,
+    GenerateRequest,
+    ListResponse,
+    ProcessResponse,
+    PullProgress,
+    ShowResponse,
+)
 
 
 @runtime_checkable

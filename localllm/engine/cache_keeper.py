@@ -6,19 +6,25 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
 
 from ..backends.base import LoadedModel
 from ..errors import InvalidInput, LocalLLMError
-from .prefix_cache import SAVE_MIN_TOKENS, CacheFileError, PrefixCache, as_tokens, decode_state, encode_state, \
-    shared_length
+from .prefix_cache import (
+    SAVE_MIN_TOKENS,
+    CacheFileError,
+    PrefixCache,
+    as_tokens,
+    decode_state,
+    encode_state,
+    shared_length,
+)
 from .scheduler import Restore, Save, Scheduler, Step
 
 log = logging.getLogger(__name__)
 
 
 class CacheKeeper:
-    def __init__(self, model: LoadedModel, cache: Optional[PrefixCache], scheduler: Scheduler):
+    def __init__(self, model: LoadedModel, cache: PrefixCache | None, scheduler: Scheduler):
         self.model = model
         self.cache = cache
         self._scheduler = scheduler
@@ -37,7 +43,7 @@ class CacheKeeper:
                 self._scheduler.restored(restore.request, ok=False)
         return bool(step.saves or step.restores)
 
-    def _read(self, restore: Restore) -> tuple[Optional[bytes], float]:
+    def _read(self, restore: Restore) -> tuple[bytes | None, float]:
         """The entry's state, and the seconds it took (a disk tier's read is part of a restore's price)."""
         assert self.cache is not None
         started = time.perf_counter()

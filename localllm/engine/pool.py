@@ -11,23 +11,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 from pydantic import ValidationError
 
 from .. import api, config
 from ..backends import choose_backend, get_backend
-from ..errors import InvalidInput, QueueFull
-from ..models.options import bound_load, check_memory, model_facts
-from ..models.store import ResolvedModel, Store
 from ..backends.base import LoadedModel
 from ..backends.llama_cpp.probe import LoadProbe
+from ..errors import InvalidInput, QueueFull
+from ..machine import physical_cores
+from ..models.options import bound_load, check_memory, model_facts
+from ..models.store import ResolvedModel, Store
 from .prefix_cache import make_prefix_cache
 from .runner import ModelEngine
-from ..machine import physical_cores
 from .speculative.speculation import Speculation
 from .threads import ThreadTuner
 
@@ -90,9 +91,9 @@ class Loaded:
     keep_alive: float
     users: int = 0
     last_used: float = field(default_factory=time.monotonic)
-    expires_at: Optional[datetime] = None
-    speculation: Optional[Speculation] = None  # what the speculation factory built for this load, if any
-    measured_flash_attn: Optional[bool] = None  # chosen by the flash trial (llama_cpp/flash_trial.py), open choice
+    expires_at: datetime | None = None
+    speculation: Speculation | None = None  # what the speculation factory built for this load, if any
+    measured_flash_attn: bool | None = None  # chosen by the flash trial (llama_cpp/flash_trial.py), open choice
     # No name stands for these weights any more (`rm` here or in another process, or the last alias deleted): new
     # requests get 404 from the store, and it unloads when its running requests end.
     removed: bool = False
@@ -103,7 +104,7 @@ class Loaded:
 
 
 class ModelPool:
-    def __init__(self, store: Optional[Store] = None, *, speculation_factory: Optional[SpeculationFactory] = None):
+    def __init__(self, store: Store | None = None, *, speculation_factory: SpeculationFactory | None = None):
         self.store = store or Store()
         self._loaded: dict[str, Loaded] = {}
         self._lock = threading.RLock()
@@ -116,7 +117,7 @@ class ModelPool:
 
     @contextmanager
     def acquire(self, model: ResolvedModel, load: api.LoadOptions, *,
-                keep_alive: Optional[float] = None) -> Iterator[Loaded]:
+                keep_alive: float | None = None) -> Iterator[Loaded]:
         """Hold a loaded model for one request; keep_alive (seconds, inf forever) starts counting on release.
         The options are checked against the model and the machine first (models/options.py)."""
         facts = model_facts(model.weights, model.format)
@@ -126,7 +127,7 @@ class ModelPool:
         finally:
             self._release(entry, keep_alive)
 
-    def _get_or_load(self, model: ResolvedModel, load: api.LoadOptions, keep_alive: Optional[float]) -> Loaded:
+    def _get_or_load(self, model: ResolvedModel, load: api.LoadOptions, keep_alive: float | None) -> Loaded:
         with self._load_lock:  # one load at a time: loading twice would double the memory
             with self._lock:
                 entry = self._loaded.get(model.digest)
@@ -165,7 +166,7 @@ class ModelPool:
                                 hint="retry shortly or raise LOCALLLM_MAX_LOADED_MODELS")
             self._unload(min(idle, key=lambda e: e.last_used))
 
-    def _load(self, model: ResolvedModel, load: api.LoadOptions, keep_alive: Optional[float]) -> Loaded:
+    def _load(self, model: ResolvedModel, load: api.LoadOptions, keep_alive: float | None) -> Loaded:
         backend_name = choose_backend(load.backend, model.weights)
         check_memory(load, model_facts(model.weights, model.format), model.name)
         t0 = time.perf_counter()
@@ -194,7 +195,7 @@ class ModelPool:
                       keep_alive=config.KEEP_ALIVE.get() if keep_alive is None else keep_alive,
                       speculation=speculation, measured_flash_attn=probed.flash_attn_for(load))
 
-    def _release(self, entry: Loaded, keep_alive: Optional[float]) -> None:
+    def _release(self, entry: Loaded, keep_alive: float | None) -> None:
         with self._lock:
             entry.users -= 1
             entry.last_used = time.monotonic()

@@ -25,9 +25,9 @@ import json
 import logging
 import os
 import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -58,8 +58,8 @@ class Entry:
     tokens: np.ndarray  # int32
     floor: int
     size: int  # bytes of the state
-    data: Optional[bytes] = None  # held in RAM
-    path: Optional[Path] = None  # written to disk
+    data: bytes | None = None  # held in RAM
+    path: Path | None = None  # written to disk
     hits: int = 0
     priority: float = 0.0
     pinned: bool = False
@@ -92,7 +92,7 @@ class RestorePrice:
     a CPU a prefilled token costs milliseconds and its state a few microseconds to copy; on a GPU, or from a slow
     disk, the two come closer. Until both are measured a restore is taken: it is tried, and so priced."""
 
-    prefill_per_token: Optional[float] = None
+    prefill_per_token: float | None = None
     restore_per_byte: dict[str, float] = field(default_factory=dict)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -103,7 +103,7 @@ class RestorePrice:
         if size > 0 and seconds > 0:
             self.restore_per_byte[tier] = _moving(self.restore_per_byte.get(tier), seconds / size)
 
-    def pays(self, match: "Match", gain: int) -> bool:
+    def pays(self, match: Match, gain: int) -> bool:
         """Whether restoring `match` beats prefilling the `gain` tokens it adds to what the best slot holds."""
         if gain < RESTORE_MIN_GAIN:
             return False
@@ -113,7 +113,7 @@ class RestorePrice:
         return per_byte * match.entry.size < self.prefill_per_token * gain
 
 
-def _moving(old: Optional[float], new: float, weight: float = 0.2) -> float:
+def _moving(old: float | None, new: float, weight: float = 0.2) -> float:
     return new if old is None else old + weight * (new - old)
 
 
@@ -167,7 +167,7 @@ class PrefixCache:
     """The RAM tier and, when given, the disk tier below it. The index is read by the scheduler; everything that
     moves bytes runs on the engine thread."""
 
-    def __init__(self, shape: CacheShape, *, ram_limit: int, disk: Optional["DiskTier"] = None, digest: str = ""):
+    def __init__(self, shape: CacheShape, *, ram_limit: int, disk: DiskTier | None = None, digest: str = ""):
         self.shape = shape
         self.digest = digest  # the model's, written into exported states (prompt-cache files)
         self.ram_limit = max(0, ram_limit)
@@ -184,12 +184,12 @@ class PrefixCache:
 
     # ----------------------------------------------------------------------------------------------- index
 
-    def lookup(self, prompt: Sequence[int]) -> Optional[Match]:
+    def lookup(self, prompt: Sequence[int]) -> Match | None:
         """The saved prefix that lets `prompt` skip the most tokens (RAM before disk on ties); None if none does."""
         if not self.entries or len(prompt) < 2:
             return None
         wanted = as_tokens(prompt)
-        best: Optional[Match] = None
+        best: Match | None = None
         for entry in self.entries:
             # Keep the prompt's last token to decode: its output is the first generated token.
             shared = min(shared_length(entry.tokens, wanted), len(prompt) - 1)
@@ -211,7 +211,7 @@ class PrefixCache:
 
     # ----------------------------------------------------------------------------------------------- engine thread
 
-    def put(self, tokens: Sequence[int], data: bytes, *, pinned: bool = False) -> Optional[Entry]:
+    def put(self, tokens: Sequence[int], data: bytes, *, pinned: bool = False) -> Entry | None:
         """Keep a state saved after `tokens`; entries it makes redundant go. None when no tier has room."""
         arr = as_tokens(tokens)
         entry = Entry(tokens=arr, floor=self.shape.saved_floor(len(tokens)), size=len(data), data=data, pinned=pinned)
@@ -343,7 +343,7 @@ class DiskTier:
         self.fingerprint = fingerprint
 
     @classmethod
-    def under(cls, root: Path, *, limit: int, digest: str, fingerprint: str) -> "DiskTier":
+    def under(cls, root: Path, *, limit: int, digest: str, fingerprint: str) -> DiskTier:
         """The tier's folder: root/<model digest>/<hash of the fingerprint>."""
         key = hashlib.blake2b(fingerprint.encode(), digest_size=8).hexdigest()
         return cls(root / digest / key, limit=limit, digest=digest, fingerprint=fingerprint)
@@ -363,7 +363,7 @@ class DiskTier:
                 _unlink(path)
         return entries
 
-    def write(self, entry: Entry, data: bytes) -> Optional[Path]:
+    def write(self, entry: Entry, data: bytes) -> Path | None:
         tokens = entry.tokens.astype("<i4").tobytes()
         path = self.folder / f"{hashlib.blake2b(tokens, digest_size=16).hexdigest()}.kv"
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

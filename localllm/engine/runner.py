@@ -11,11 +11,11 @@ import math
 import queue
 import threading
 import time
-
-import numpy as np
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence, Union
+
+import numpy as np
 
 from ..api import SamplingOptions, Timings
 from ..backends.base import LoadedModel
@@ -37,9 +37,9 @@ class EngineChunk:
     text: str = ""
     tokens: tuple[int, ...] = ()
     done: bool = False
-    done_reason: Optional[str] = None
-    timings: Optional[Timings] = None
-    logprobs: tuple["TokenLogprob", ...] = ()
+    done_reason: str | None = None
+    timings: Timings | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,10 @@ class TokenLogprob:
 class GenerationParams:
     prompt: list[int]
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
-    grammar: Optional[str] = None
+    grammar: str | None = None
     truncate: bool = False
-    logprobs: Optional[int] = None  # None: none; n: the chosen token's and the n most likely alternatives
-    started: Optional[float] = None  # perf_counter when the request began (prompt_eval counts from here); None: now
+    logprobs: int | None = None  # None: none; n: the chosen token's and the n most likely alternatives
+    started: float | None = None  # perf_counter when the request began (prompt_eval counts from here); None: now
     keep_prefix: bool = False  # pin the prompt and answer in the prefix cache when the request ends
 
 
@@ -88,7 +88,7 @@ class EngineStats:
 class Stream:
     """What submit() returns: iterate for chunks; cancel() (or closing the iterator) frees the slot next step."""
 
-    def __init__(self, request: Request, outbox: "queue.SimpleQueue"):
+    def __init__(self, request: Request, outbox: queue.SimpleQueue):
         self._request = request
         self._outbox = outbox
         self.done = False
@@ -114,10 +114,10 @@ class Stream:
 class _Output:
     """Per-request engine-side state: where chunks go, the text stream, and timing marks."""
 
-    outbox: "queue.SimpleQueue"
+    outbox: queue.SimpleQueue
     text: TextStream
     truncated: int = 0
-    logprobs: Optional[int] = None
+    logprobs: int | None = None
     pending_logprobs: list = field(default_factory=list)
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
@@ -135,19 +135,19 @@ class _Submit:
 @dataclass(frozen=True)
 class _Embed:
     inputs: list[list[int]]
-    future: "Future[list[list[float]]]"
+    future: Future[list[list[float]]]
 
 
 @dataclass(frozen=True)
 class _Export:
     tokens: list[int]
-    future: "Future[bytes]"
+    future: Future[bytes]
 
 
 @dataclass(frozen=True)
 class _Import:
     blob: bytes
-    future: "Future[int]"
+    future: Future[int]
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ class _Close:
     pass
 
 
-_Command = Union[_Submit, _Embed, _Export, _Import, _Close]
+_Command = _Submit | _Embed | _Export | _Import | _Close
 
 
 def _top_indices(logits: np.ndarray, n: int) -> np.ndarray:
@@ -178,10 +178,10 @@ def _share_prefills(requests: list[Request]) -> None:
 
 
 class ModelEngine:
-    def __init__(self, model: LoadedModel, *, max_queue: int, num_batch: Optional[int] = None,
-                 load_seconds: float = 0.0, speculation: Optional[Speculation] = None,
-                 threads: Optional[ThreadTuner] = None, pinned_threads: int = 0,
-                 prefix_cache: Optional[PrefixCache] = None):
+    def __init__(self, model: LoadedModel, *, max_queue: int, num_batch: int | None = None,
+                 load_seconds: float = 0.0, speculation: Speculation | None = None,
+                 threads: ThreadTuner | None = None, pinned_threads: int = 0,
+                 prefix_cache: PrefixCache | None = None):
         self.model = model
         self.n_slots = model.n_seq
         self.n_ctx = model.n_ctx
@@ -196,7 +196,7 @@ class ModelEngine:
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         self._scheduler = Scheduler(n_slots=model.n_seq, n_ctx=model.n_ctx, n_batch=num_batch or model.n_batch,
                                     max_queue=max_queue, kv_pad=model.kv_pad, prefix_cache=self.prefix_cache)
-        self._inbox: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._outstanding = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -244,20 +244,20 @@ class ModelEngine:
         return Request(prompt=prompt, max_tokens=max_tokens, sink=sink, keep_prefix=params.keep_prefix), params
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
-        future: "Future[list[list[float]]]" = Future()
+        future: Future[list[list[float]]] = Future()
         self._inbox.put(_Embed(list(map(list, inputs)), future))
         return future.result()
 
     def export_prefix(self, tokens: Sequence[int]) -> bytes:
         """The saved state of the longest cached prefix of `tokens` (a slot's or the prefix cache's), as a
         prompt-cache file's bytes; InvalidInput when nothing of them is cached."""
-        future: "Future[bytes]" = Future()
+        future: Future[bytes] = Future()
         self._inbox.put(_Export(list(tokens), future))
         return future.result()
 
     def import_prefix(self, blob: bytes) -> int:
         """Put a state from export_prefix into the prefix cache, pinned; the number of tokens it holds."""
-        future: "Future[int]" = Future()
+        future: Future[int] = Future()
         self._inbox.put(_Import(blob, future))
         return future.result()
 
@@ -348,7 +348,7 @@ class ModelEngine:
             log.exception("could not start a request")
             self._close_request(request, LocalLLMError(f"could not start the request: {exc}"))
 
-    def _embed(self, inputs: list[list[int]], future: "Future[list[list[float]]]") -> None:
+    def _embed(self, inputs: list[list[int]], future: Future[list[list[float]]]) -> None:
         try:
             future.set_result([self.model.embed(tokens) for tokens in inputs])
         except BaseException as exc:

@@ -3,8 +3,6 @@ llama.cpp's RPC server (`localllm worker`)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 from .. import api
 from ..backends import choose_backend, get_backend
 from ..models.plan import Placement
@@ -12,14 +10,14 @@ from ..models.store import ResolvedModel
 from .pool import effective_load
 
 
-def placement(model: ResolvedModel, load: api.LoadOptions) -> Optional[Placement]:
+def placement(model: ResolvedModel, load: api.LoadOptions) -> Placement | None:
     """What the loader would do now with these options: the same function, the same devices' free memory."""
     load = effective_load(load)
     backend = get_backend(choose_backend(load.backend, model.weights))
     return backend.placement(model.weights, load, n_seq=load.num_parallel or 1, n_ctx=load.num_ctx or 0)
 
 
-def serve_worker(host: str, port: int, *, threads: int, cache_dir: Optional[str]) -> None:
+def serve_worker(host: str, port: int, *, threads: int, cache_dir: str | None) -> None:
     """Serve this machine's devices to other localllm (or llama.cpp) processes until the process ends."""
     from ..backends.llama_cpp import rpc
 

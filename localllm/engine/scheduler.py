@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Generic, Optional, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..backends.base import Batch, Sampler
 from ..errors import QueueFull
@@ -41,22 +41,22 @@ class Request(Generic[SinkT]):
     prompt: list[int]
     max_tokens: float  # math.inf: until the context is full
     sink: SinkT
-    sampler: Optional[Sampler] = None
-    drafter: Optional[Drafter] = None
+    sampler: Sampler | None = None
+    drafter: Drafter | None = None
     id: int = field(default_factory=lambda: next(_ids))
-    slot: Optional[Slot[Request[Any]]] = None
+    slot: Slot[Request[Any]] | None = None
     generated: list[int] = field(default_factory=list)
     n_cached: int = 0  # prompt tokens reused from the cache
     n_prefilled: int = 0  # prompt tokens now in the slot's KV (cached ones included)
     cancelled: bool = False
-    done_reason: Optional[str] = None
+    done_reason: str | None = None
     draft: list[int] = field(default_factory=list)  # draft tokens in the current step
     n_drafted: int = 0
     n_accepted: int = 0
     n_draft_steps: int = 0  # steps whose decode row carried drafts
-    follows: Optional["Request"] = None  # a request with the same prompt whose prefill this one waits for and copies
+    follows: Request | None = None  # a request with the same prompt whose prefill this one waits for and copies
     keep_prefix: bool = False  # when it ends, save its slot as a pinned prefix (the API's keep_prefix)
-    cache_tier: Optional[str] = None  # where its reused prefix came from: "slot", "ram" or "disk"
+    cache_tier: str | None = None  # where its reused prefix came from: "slot", "ram" or "disk"
     restoring: bool = False  # waiting for the engine to restore a saved prefix into its slot
 
     @property
@@ -111,7 +111,7 @@ class Step:
         return bool(self.saves or self.restores or self.trims or self.copies)
 
 
-def _prefilling(request: Optional[Request]) -> bool:
+def _prefilling(request: Request | None) -> bool:
     """Whether `request` still has prompt to prefill (waiting for a slot, or in its prefill)."""
     if request is None or request.finished:
         return False
@@ -120,7 +120,7 @@ def _prefilling(request: Optional[Request]) -> bool:
 
 class Scheduler:
     def __init__(self, *, n_slots: int, n_ctx: int, n_batch: int, max_queue: int, kv_pad: int = 1,
-                 prefix_cache: Optional[PrefixCache] = None):
+                 prefix_cache: PrefixCache | None = None):
         recurrent = prefix_cache is not None and prefix_cache.shape.recurrent
         self.table: SlotTable[Request[Any]] = SlotTable(n_slots, recurrent=recurrent)
         self.cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
@@ -214,7 +214,7 @@ class Scheduler:
             slot.state, slot.request, slot.last_used = SlotState.PREFILL, req, self._steps
             req.slot, req.n_cached, req.n_prefilled = slot, reuse, reuse
 
-    def _saved_prefix(self, prompt: list[int], *, beats: int) -> Optional[Match]:
+    def _saved_prefix(self, prompt: list[int], *, beats: int) -> Match | None:
         """A saved prefix worth restoring: one that skips more tokens than the best slot, at a price that pays."""
         if self.cache is None:
             return None

@@ -6,9 +6,10 @@ in the request (scheduler.Request)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Generic, Optional, Sequence, TypeVar
+from typing import Generic, TypeVar
 
 R = TypeVar("R")  # the request a slot serves (scheduler.Request)
 
@@ -24,7 +25,7 @@ class Slot(Generic[R]):
     seq: int
     state: SlotState = SlotState.IDLE
     cached: list[int] = field(default_factory=list)  # tokens whose KV this sequence holds, in position order
-    request: Optional[R] = None  # the request being served
+    request: R | None = None  # the request being served
     last_used: int = 0  # step counter, to prefer evicting the coldest cache
     # The shortest prefix this cache can be cut to and continued (0: any). Above 0 after restoring a state that holds
     # only the last window of sliding-window layers (backends.base.CacheShape.saved_floor).
@@ -51,7 +52,7 @@ class SlotChoice(Generic[R]):
 
     slot: Slot[R]
     reuse: int
-    copy_from: Optional[Slot[R]] = None
+    copy_from: Slot[R] | None = None
 
 
 def usable_prefix(shared: int, held: int, floor: int, *, recurrent: bool = False) -> int:
@@ -84,7 +85,7 @@ class SlotTable(Generic[R]):
         """Each busy slot with the request it serves."""
         return [(s, s.request) for s in self.slots if s.busy and s.request is not None]
 
-    def choose(self, prompt: Sequence[int]) -> Optional[SlotChoice[R]]:
+    def choose(self, prompt: Sequence[int]) -> SlotChoice[R] | None:
         """The free slot whose cache shares the longest prefix with `prompt` (ties: the least recently used), and
         a donor slot when another one, busy or not, holds a longer shared prefix (a common system prompt)."""
         free = self.free()
@@ -100,7 +101,7 @@ class SlotTable(Generic[R]):
             return SlotChoice(slot=slot, reuse=shared, copy_from=donor)
         return SlotChoice(slot=slot, reuse=own)
 
-    def _best_donor(self, prompt: Sequence[int], *, exclude: Slot[R]) -> tuple[Optional[Slot[R]], int]:
+    def _best_donor(self, prompt: Sequence[int], *, exclude: Slot[R]) -> tuple[Slot[R] | None, int]:
         best, best_len = None, 0
         for s in self.slots:
             if s is exclude:

@@ -7,8 +7,8 @@ the stop string (generation ends, the stop string is not shown) or stops matchin
 from __future__ import annotations
 
 import codecs
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from ..chat.thinking import held_back
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 StepKind = Literal["decode", "batch"]  # batch: the step carries a prefill chunk (llama.cpp's n_threads_batch)
 
@@ -21,7 +21,7 @@ class _Tuning:
     """One kind of step: the counts under trial, or the settled count and how its steps compare with when it won."""
 
     candidates: list[int]
-    shape: "TrialShape"
+    shape: TrialShape
     trials: list[tuple[int, bool]] = field(default_factory=list)  # (count, measured) still to run, in order
     samples: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # per count: (rows bucket, s/row)
     best: int = 0
@@ -87,7 +87,7 @@ class ThreadTuner:
         if tuning.slow >= self.patience or tuning.since >= tuning.interval:
             self._start_trial(tuning)
 
-    def settled(self, kind: StepKind) -> Optional[int]:
+    def settled(self, kind: StepKind) -> int | None:
         """The count in use for `kind` once a trial has settled it; None while the first trial runs."""
         tuning = self._kinds.get(kind)
         return tuning.best if tuning is not None and tuning.settles else None
@@ -160,7 +160,7 @@ TRIAL_SHAPES: dict[str, TrialShape] = {
 BASELINE_STEPS = 3  # steps of a batch shape that set the settled count's baseline for it
 
 
-def _standing_apart(samples: dict[int, list[tuple[int, float]]]) -> Optional[int]:
+def _standing_apart(samples: dict[int, list[tuple[int, float]]]) -> int | None:
     """The count whose slowest step beat every other count's fastest; None when no count stands apart."""
     if len(samples) < 2:
         return None

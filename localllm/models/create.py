@@ -8,30 +8,31 @@ GGUF quantized by llama.cpp in a worker process (quant/quantize.py), stored with
 from __future__ import annotations
 
 import shutil
+from collections.abc import Generator, Iterator
 from contextlib import suppress
 from pathlib import Path
-from typing import Any, Generator, Iterator, Optional
+from typing import Any
 
 from .. import api, config
+from ..chat.templates import validate_template
 from ..errors import InvalidInput, InvalidName
+from ..machine import physical_cores
 from ..quant.gguf import inspect_gguf
 from .names import parse_digest, parse_ref
 from .pull import make_source, pull_model
 from .store import ResolvedModel, Store, Weights
-from ..machine import physical_cores
-from ..chat.templates import validate_template
 
 Progress = Iterator[api.PullProgress]
 
 
-def create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional[Path] = None) -> Progress:
+def create_model(request: api.CreateRequest, store: Store, *, base_dir: Path | None = None) -> Progress:
     """Store the model `request` describes, yielding progress (the parent is pulled first if it is missing); see
     _create_model. Blobs it adds are safe from `prune` until its manifest names them."""
     with store.writing():
         yield from _create_model(request, store, base_dir=base_dir)
 
 
-def _create_model(request: api.CreateRequest, store: Store, *, base_dir: Optional[Path] = None) -> Progress:
+def _create_model(request: api.CreateRequest, store: Store, *, base_dir: Path | None = None) -> Progress:
     """Store the model `request` describes, yielding progress (the parent is pulled first if it is missing).
 
     Args:
@@ -119,8 +120,8 @@ def _describe_weights(weights: Weights) -> str:
     return f"{len(weights)} GGUF parts" if isinstance(weights, list) else "mlx files"
 
 
-def _quantize(parent: "_Parent", request: api.CreateRequest, store: Store, base: Path
-              ) -> Generator[api.PullProgress, None, tuple[str, Optional[api.QuantizationReport]]]:
+def _quantize(parent: _Parent, request: api.CreateRequest, store: Store, base: Path
+              ) -> Generator[api.PullProgress, None, tuple[str, api.QuantizationReport | None]]:
     """Quantize the parent's GGUF into a new blob; return (digest, quality report)."""
     from ..quant.quality import describe_report
     from ..quant.quantize import run_quantize
@@ -174,7 +175,7 @@ def _wants_mlx(request: api.CreateRequest) -> bool:
     return request.format == "mlx" or request.parameters.get("backend") == "mlx"
 
 
-def _convert_to_mlx(gguf: Path, store: Store, quantize: Optional[str]
+def _convert_to_mlx(gguf: Path, store: Store, quantize: str | None
                     ) -> Generator[api.PullProgress, None, dict[str, str]]:
     """Convert the parent's GGUF into an MLX folder and add its files as blobs; returns {file name: digest}."""
     import tempfile
@@ -202,7 +203,7 @@ class _Parent:
         self.label = label
 
 
-def _resolve_parent(from_: str, store: Store, base: Path) -> Generator[api.PullProgress, None, "_Parent"]:
+def _resolve_parent(from_: str, store: Store, base: Path) -> Generator[api.PullProgress, None, _Parent]:
     """FROM is a .gguf path (relative to the Modelfile), a stored model, or a name to pull."""
     ref = parse_ref(from_)
     if ref.kind == "file":
@@ -258,7 +259,7 @@ def _adapter_file(path: str, digest: str, store: Store, base: Path) -> Path:
     return file
 
 
-def _store_adapter(path: str, file: Path, scale: float, store: Store, parent: "_Parent") -> tuple[str, float]:
+def _store_adapter(path: str, file: Path, scale: float, store: Store, parent: _Parent) -> tuple[str, float]:
     """Check the adapter fits the parent's architecture, then store it; (digest, scale) for the manifest."""
     from ..quant.gguf import inspect_lora
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import errno
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
 
 from ..errors import DiskFull
 
@@ -33,8 +33,8 @@ def check_free_space(folder: Path, needed: int, what: str) -> None:
 
 
 @contextmanager
-def disk_full_as_error(what: str, folder: Path, needed: Optional[int] = None, *,
-                       written: Optional[int] = None) -> Iterator[None]:
+def disk_full_as_error(what: str, folder: Path, needed: int | None = None, *,
+                       written: int | None = None) -> Iterator[None]:
     """Within the block, a write that finds the disk (or the quota) full raises DiskFull instead of OSError.
 
     Args:
@@ -55,7 +55,7 @@ def disk_full_as_error(what: str, folder: Path, needed: Optional[int] = None, *,
 _HINT = "free some space (`localllm prune` removes unused blobs) or set LOCALLLM_HOME to a larger disk"
 
 
-def _disk_full(what: str, folder: Path, *, needed: Optional[int], free: int) -> DiskFull:
+def _disk_full(what: str, folder: Path, *, needed: int | None, free: int) -> DiskFull:
     amount = f"needs {size_text(needed)}, " if needed is not None else ""
     return DiskFull(f"not enough disk space for {what}: {amount}{size_text(free)} free in {folder}", hint=_HINT)
 

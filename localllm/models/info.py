@@ -6,11 +6,11 @@ system, parameters, license) overrides what the weights carry."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 from .. import api
-from ..errors import InvalidInput
 from ..chat.thinking import supports_thinking
+from ..errors import InvalidInput
 from .store import ResolvedModel, Store
 
 
@@ -47,7 +47,7 @@ def show_model(store: Store, name: str, *, verbose: bool = False) -> api.ShowRes
     )
 
 
-def context_length(show: api.ShowResponse) -> Optional[int]:
+def context_length(show: api.ShowResponse) -> int | None:
     """The trained context length from model_info (`<architecture>.context_length`)."""
     arch = show.model_info.get("general.architecture")
     value = show.model_info.get(f"{arch}.context_length")
@@ -63,7 +63,7 @@ def render_parameters(parameters: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render_model_modelfile(model: ResolvedModel, *, template: Optional[str]) -> str:
+def render_model_modelfile(model: ResolvedModel, *, template: str | None) -> str:
     """A Modelfile that `localllm create NEW -f FILE` accepts as it is, and that rebuilds `model`: FROM names the
     model itself (whose weights and adapters the new one shares), then every field spelled out to edit."""
     from .modelfile import render_modelfile

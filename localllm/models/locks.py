@@ -10,9 +10,9 @@ the locks are then no-ops and the sha256 checks alone guard the bytes."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 _held = threading.local()  # per thread: {lock path: [depth, shared]}
 

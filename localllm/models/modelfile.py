@@ -20,8 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
-
+from typing import Any
 
 from .. import api
 from ..errors import InvalidInput, ModelfileError
@@ -210,7 +209,7 @@ def _add_adapter(ins: _Instruction, collected: _Collected) -> None:
     collected.adapters[path] = ""
 
 
-def _license_field(licenses: list[str]) -> Union[str, list[str], None]:
+def _license_field(licenses: list[str]) -> str | list[str] | None:
     if not licenses:
         return None
     return licenses[0] if len(licenses) == 1 else licenses
@@ -283,13 +282,13 @@ def _render_parameter(name: str, value: Any) -> Iterator[str]:
         yield f"PARAMETER {name} {quote_value(text, what=f'parameter {name}')}"
 
 
-def _message_parts(message: Union[api.Message, Mapping[str, Any]]) -> tuple[str, str]:
+def _message_parts(message: api.Message | Mapping[str, Any]) -> tuple[str, str]:
     if isinstance(message, api.Message):
         return message.role, message.content
     return message["role"], message.get("content", "")
 
 
-def _as_list(value: Union[str, Iterable[str], None]) -> list[str]:
+def _as_list(value: str | Iterable[str] | None) -> list[str]:
     if value is None:
         return []
     return [value] if isinstance(value, str) else list(value)
@@ -297,9 +296,9 @@ def _as_list(value: Union[str, Iterable[str], None]) -> list[str]:
 
 def render_modelfile(*, from_: str, template: str | None = None, system: str | None = None,
                      parameters: Mapping[str, Any] | None = None,
-                     messages: Iterable[Union[api.Message, Mapping[str, Any]]] = (),
-                     license: Union[str, Iterable[str], None] = None, draft: str | None = None,
-                     adapters: Union[Mapping[str, str], Iterable[str], None] = None,
+                     messages: Iterable[api.Message | Mapping[str, Any]] = (),
+                     license: str | Iterable[str] | None = None, draft: str | None = None,
+                     adapters: Mapping[str, str] | Iterable[str] | None = None,
                      adapter_scales: Mapping[str, float] | None = None) -> str:
     """Write a Modelfile that parse_modelfile reads back to the same request.
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from ..errors import InvalidName
 
@@ -44,7 +44,7 @@ class ModelRef:
     namespace: str = DEFAULT_NAMESPACE
     name: str = ""
     tag: str = DEFAULT_TAG
-    path: Optional[Path] = None
+    path: Path | None = None
     explicit_tag: bool = False
 
     @property

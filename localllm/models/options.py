@@ -14,7 +14,6 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
 
 from ..api import LoadOptions, SamplingOptions
 from ..errors import InvalidInput, ModelFormatError
@@ -32,9 +31,9 @@ MAX_CONTEXT_CELLS = 2**32 - 1
 class ModelFacts:
     """What the bounds need from the weights' header; None where the format does not say (MLX folders)."""
 
-    context_length: Optional[int] = None
-    vocab_size: Optional[int] = None
-    info: Optional[GGUFInfo] = None
+    context_length: int | None = None
+    vocab_size: int | None = None
+    info: GGUFInfo | None = None
 
 
 def model_facts(weights: Path, format: str) -> ModelFacts:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal
 
 from ..api import LoadOptions
 from ..errors import ModelFormatError
@@ -36,7 +37,7 @@ class MemoryPlan:
     num_ctx: int
     num_parallel: int
     kv_type: str
-    available: Optional[int]  # memory the OS reports as available now, when it can tell
+    available: int | None  # memory the OS reports as available now, when it can tell
     # By layer, for placement: weights of each repeating block, KV of each block over all slots; the input
     # embedding (always on the CPU) and the output head (placed like one more layer, after the blocks).
     layer_weights: tuple[int, ...] = ()
@@ -50,7 +51,7 @@ class MemoryPlan:
         return self.weights + self.adapters + self.kv_total + self.compute
 
     @property
-    def fits(self) -> Optional[bool]:
+    def fits(self) -> bool | None:
         return None if self.available is None else self.total <= self.available
 
 
@@ -129,13 +130,13 @@ def kv_elements_by_layer(info: GGUFInfo) -> list[int]:
     return [kv * (key_len + value_len) for kv in kv_heads]
 
 
-def _per_layer(value: Any, layers: Optional[int]) -> list[int]:
+def _per_layer(value: Any, layers: int | None) -> list[int]:
     if value is None or not layers:
         return []
     return [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
 
 
-def available_memory() -> Optional[int]:
+def available_memory() -> int | None:
     try:
         with open("/proc/meminfo") as handle:
             for line in handle:
@@ -217,7 +218,7 @@ class Placement:
 
 
 def place_layers(plan: MemoryPlan, host: DeviceReport, devices: Sequence[DeviceReport],
-                 num_gpu: Optional[int] = None) -> Placement:
+                 num_gpu: int | None = None) -> Placement:
     """Place a model's layers on `devices` (offload devices, in llama.cpp's order) and the host.
 
     num_gpu None or -1: as many layers as fit, leaving each device its margin, and the rest on the host; llama.cpp
@@ -245,7 +246,7 @@ def place_layers(plan: MemoryPlan, host: DeviceReport, devices: Sequence[DeviceR
 
 
 def unplanned_placement(host: DeviceReport, devices: Sequence[DeviceReport],
-                        num_gpu: Optional[int] = None) -> Placement:
+                        num_gpu: int | None = None) -> Placement:
     """For weights without the metadata a plan needs: llama.cpp splits by free memory itself (a zero tensor_split),
     and how many layers each device got is not known here."""
     n_gpu = 0 if not devices else 999 if num_gpu is None or num_gpu < 0 else num_gpu
@@ -331,14 +332,14 @@ def _share(device: DeviceReport, plan: MemoryPlan, costs: list[int], first: int,
     return DeviceShare(device=device, layers=end - first, weights=weights, kv=kv, compute=plan.compute)
 
 
-def host_report(plan: MemoryPlan, total: Optional[int] = None) -> DeviceReport:
+def host_report(plan: MemoryPlan, total: int | None = None) -> DeviceReport:
     """The host as placement sees it: the memory the OS calls available now."""
     free = plan.available if plan.available is not None else 0
     return DeviceReport(name="CPU", description="", kind="cpu", free=free,
                         total=total or _total_memory() or free)
 
 
-def _total_memory() -> Optional[int]:
+def _total_memory() -> int | None:
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

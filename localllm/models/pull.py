@@ -25,15 +25,15 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable, Generator, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable, Generator, Iterator, Optional, Protocol
+from typing import Protocol
 from urllib.parse import unquote, urlparse
 
 from .. import api, config
+from ..errors import IntegrityError, InvalidName, LocalLLMError, ModelFormatError, ModelNotFound, NetworkError
 from .catalog import CatalogEntry, Mirror, WheelMember, WheelMembers, did_you_mean, find_entry
-from ..errors import IntegrityError, InvalidName, LocalLLMError, ModelFormatError, ModelNotFound, \
-    NetworkError
 from .diskspace import size_text
 from .names import ModelRef, parse_ref
 from .store import CHUNK, PartialBlob, ResolvedModel, Store
@@ -58,7 +58,7 @@ def pull_model(name: str, store: Store) -> Progress:
 
 
 def ensure_model(name: str, store: Store,
-                 on_progress: Optional[Callable[[api.PullProgress], None]] = None) -> ResolvedModel:
+                 on_progress: Callable[[api.PullProgress], None] | None = None) -> ResolvedModel:
     """Resolve `name`, pulling it first when the store lacks it."""
     if not _is_url(name) and store.exists(name):
         return store.resolve(name)
@@ -71,7 +71,7 @@ def ensure_model(name: str, store: Store,
     return store.resolve(source.stored_name)
 
 
-def make_source(name: str, store: Optional[Store] = None) -> Source:
+def make_source(name: str, store: Store | None = None) -> Source:
     """The source a name stands for; an invalid name raises InvalidName before anything is fetched, and an unknown
     one ModelNotFound suggesting the closest catalog (and, given `store`, stored) names."""
     if _is_url(name):
@@ -242,7 +242,7 @@ class _HFApi:
             raise NetworkError(f"cannot reach {self.endpoint} for hf.co/{repo}: {exc}") from None
         return info.sha, list(info.siblings or [])
 
-    def file_url(self, repo: str, filename: str, revision: Optional[str] = None) -> str:
+    def file_url(self, repo: str, filename: str, revision: str | None = None) -> str:
         from huggingface_hub import hf_hub_url
 
         return hf_hub_url(repo, filename, revision=revision, endpoint=self.endpoint)
@@ -284,7 +284,7 @@ class HFSource:
         self.source = {"hf": self.repo, "quant": self.quant}
 
     @classmethod
-    def from_record(cls, record: dict) -> "HFSource":
+    def from_record(cls, record: dict) -> HFSource:
         """The source a manifest's recorded {"hf": repo, "quant": tag} names."""
         return cls(parse_ref(f"hf.co/{record['hf']}:{record['quant']}"))
 
@@ -446,7 +446,7 @@ class URLSource:
             store.write_model(self.stored_name, weights=digests[0] if len(digests) == 1 else digests, source=source)
         yield api.PullProgress(status="success")
 
-    def _pulled_meanwhile(self, store: Store, before: Optional[str]) -> bool:
+    def _pulled_meanwhile(self, store: Store, before: str | None) -> bool:
         """Whether another pull of this URL stored it while this one waited for the lock."""
         after = store.manifest_digest(self.stored_name)
         if after is None or after == before or (store.source_of(self.stored_name) or {}).get("url") != self.url:
@@ -499,8 +499,8 @@ def _name_from_filename(filename: str, origin: str) -> str:
 
 # ------------------------------------------------------------------------------------------------------- HTTP
 
-def _download_blob(store: Store, url: str, digest: Optional[str], size: Optional[int], *, source: str,
-                   headers: Optional[dict[str, str]] = None):
+def _download_blob(store: Store, url: str, digest: str | None, size: int | None, *, source: str,
+                   headers: dict[str, str] | None = None):
     """Download `url` into the store (resuming a partial file); return the blob's digest."""
     with store.open_partial(digest, key=url, size=size) as partial:
         if not partial.done:
@@ -586,7 +586,7 @@ def _accept_response(response, partial: PartialBlob, url: str) -> None:
     raise NetworkError(f"{url} answered HTTP {response.status_code}")
 
 
-def _validator(response) -> Optional[str]:
+def _validator(response) -> str | None:
     """What identifies this version of the file for If-Range: a strong ETag, else Last-Modified (RFC 9110 13.1.5)."""
     etag = response.headers.get("etag")
     if etag and not etag.startswith("W/"):
@@ -603,19 +603,19 @@ def _same_file(response, partial: PartialBlob) -> bool:
     return total is None or partial.size is None or int(total.group(1)) == partial.size
 
 
-def _full_length(response) -> Optional[int]:
+def _full_length(response) -> int | None:
     length = response.headers.get("content-length")
     if length is None or "content-encoding" in response.headers or not length.isdigit():
         return None
     return int(length)
 
 
-def _range_start(response) -> Optional[int]:
+def _range_start(response) -> int | None:
     match = re.match(r"bytes (\d+)-", response.headers.get("content-range", ""))
     return int(match.group(1)) if match else None
 
 
-def _expected_end(response, partial: PartialBlob) -> Optional[int]:
+def _expected_end(response, partial: PartialBlob) -> int | None:
     length = response.headers.get("content-length")
     if response.status_code not in (200, 206) or length is None or "content-encoding" in response.headers:
         return partial.size

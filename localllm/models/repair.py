@@ -4,7 +4,7 @@ in place, so every model naming that blob is whole again, copies included."""
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from .. import api
 from .catalog import CATALOG
@@ -15,7 +15,7 @@ from .store import Store
 Progress = Iterator[api.PullProgress]
 
 
-def repair_blobs(store: Store, name: Optional[str] = None) -> Progress:
+def repair_blobs(store: Store, name: str | None = None) -> Progress:
     """Fetch each damaged blob of `name` (or of every model) again; a blob with no known source is named in a
     progress line and left for the caller's verify to report."""
     with store.writing():
@@ -23,7 +23,7 @@ def repair_blobs(store: Store, name: Optional[str] = None) -> Progress:
             yield from _repair_one(store, digest, names)
 
 
-def _hf_source(store: Store, names: list[str]) -> Optional[HFSource]:
+def _hf_source(store: Store, names: list[str]) -> HFSource | None:
     """The Hugging Face repo one of `names` was pulled from: as recorded in its manifest, else as its name says."""
     for name in names:
         record = store.source_of(name) or {}

@@ -22,17 +22,19 @@ validated (names.py) before a path is built from it."""
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, BinaryIO
 
 from .. import api, config
 from ..errors import DiskFull, IntegrityError, InvalidInput, InvalidName, ModelFormatError, ModelNotFound
@@ -56,7 +58,7 @@ MEDIA_QUALITY = "application/vnd.localllm.quantization-report+json"
 WEIGHT_MEDIA = {"gguf": MEDIA_GGUF, "mlx": MEDIA_MLX}
 MAX_SPLIT_PARTS = 9999  # gguf-split numbers parts with five digits
 # What write_model takes as weights: a GGUF digest, a split GGUF's digests in part order, or MLX {file: digest}.
-Weights = Union[str, list[str], dict[str, str]]
+Weights = str | list[str] | dict[str, str]
 CHUNK = 1024 * 1024
 _MLX_FILE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _BLOB_NAME = re.compile(r"^sha256-[0-9a-f]{64}$")
@@ -79,15 +81,15 @@ class ResolvedModel:
     digest: str
     weights: Path
     format: str
-    template: Optional[str] = None          # None: the weights' own chat template applies
-    system: Optional[str] = None
+    template: str | None = None          # None: the weights' own chat template applies
+    system: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
     messages: list[api.Message] = field(default_factory=list)
-    license: Optional[str] = None
-    draft: Optional[str] = None
+    license: str | None = None
+    draft: str | None = None
     adapters: list[api.LoraAdapter] = field(default_factory=list)
     parts: list[Path] = field(default_factory=list)  # every weights file: a split GGUF's parts, in order
-    quality: Optional[api.QuantizationReport] = None
+    quality: api.QuantizationReport | None = None
     size: int = 0
     modified_at: datetime = field(default_factory=api.now)
     details: api.ModelDetails = field(default_factory=api.ModelDetails)
@@ -190,7 +192,7 @@ class Store:
         digests = [layer["digest"] for layer in manifest.layers_of(MEDIA_GGUF)]
         return "gguf", digests[0] if len(digests) == 1 else digests
 
-    def adapter_layers(self, name: str) -> List[tuple[str, float]]:
+    def adapter_layers(self, name: str) -> builtins.list[tuple[str, float]]:
         """(digest, scale) of each adapter of a stored model, as write_model takes them."""
         return [(layer["digest"], float(layer.get("scale", 1.0)))
                 for layer in self._read_manifest(parse_ref(name)).layers_of(MEDIA_ADAPTER)]
@@ -201,7 +203,7 @@ class Store:
     def has_blob(self, digest: str) -> bool:
         return self.blob_path(digest).is_file()
 
-    def has_trusted_blob(self, digest: str, size: Optional[int] = None) -> bool:
+    def has_trusted_blob(self, digest: str, size: int | None = None) -> bool:
         """The blob is there with the expected size, and re-hashes clean if `verify` found it corrupt before."""
         path = self.blob_path(digest)
         if not path.is_file() or (size is not None and path.stat().st_size != size):
@@ -213,7 +215,7 @@ class Store:
         self._mark_corrupt(digest, False)
         return True
 
-    def manifest_digest(self, name: str) -> Optional[str]:
+    def manifest_digest(self, name: str) -> str | None:
         """The id of the manifest stored under `name` now (None when there is none): what a loaded model compares
         with to notice it was removed or replaced by another process."""
         try:
@@ -234,7 +236,7 @@ class Store:
         except OSError:  # unreadable just now: not proof that it is gone
             return True
 
-    def source_of(self, name: str) -> Optional[dict[str, Any]]:
+    def source_of(self, name: str) -> dict[str, Any] | None:
         """Where a stored model was pulled from ({"url": ...}), when its pull recorded it."""
         try:
             return self._read_manifest(parse_ref(name)).data.get("config", {}).get("source")
@@ -249,14 +251,14 @@ class Store:
         with self.lock():
             path = self._manifest_path(ref)
             try:
-                manifest: Optional[_Manifest] = self._read_manifest(ref)
+                manifest: _Manifest | None = self._read_manifest(ref)
             except ModelFormatError:  # a broken manifest can still be removed; `prune` collects its blobs
                 manifest = None
             path.unlink()
             _remove_empty_parents(path.parent, stop=self.manifests_dir)
             return self._collect(manifest) if manifest is not None else 0
 
-    def copy(self, source: str, destination: str) -> Optional[Replaced]:
+    def copy(self, source: str, destination: str) -> Replaced | None:
         """Store the same manifest under a second name (same bytes, so the same id). A model already stored under
         `destination` is replaced (as Ollama does) and returned, its unshared blobs collected."""
         target = parse_ref(destination)
@@ -264,7 +266,7 @@ class Store:
             manifest = self._read_manifest(parse_ref(source))
             return self._write_manifest(target, manifest.data)
 
-    def _write_manifest(self, ref: ModelRef, data: dict[str, Any]) -> Optional[Replaced]:
+    def _write_manifest(self, ref: ModelRef, data: dict[str, Any]) -> Replaced | None:
         """Write a manifest whose blobs all exist (checked here, under the store lock, so none can be dangling);
         collect what a replaced manifest no longer shares. Call with the store lock held."""
         for layer in data.get("layers", []):
@@ -273,7 +275,7 @@ class Store:
                                      hint="another process removed it meanwhile; pull or create the model again")
         path = self._manifest_path(ref)
         try:
-            old: Optional[_Manifest] = self._read_manifest(ref) if path.is_file() else None
+            old: _Manifest | None = self._read_manifest(ref) if path.is_file() else None
         except ModelFormatError:
             old = None
         _atomic_write(path, _manifest_bytes(data))
@@ -360,8 +362,8 @@ class Store:
         return digest
 
     @contextmanager
-    def open_partial(self, digest: Optional[str], *, key: str = "", size: Optional[int] = None
-                     ) -> Iterator["PartialBlob"]:
+    def open_partial(self, digest: str | None, *, key: str = "", size: int | None = None
+                     ) -> Iterator[PartialBlob]:
         """A blob being written, locked against other writers; see PartialBlob.
 
         Args:
@@ -390,12 +392,12 @@ class Store:
                     partial.discard()  # nothing received: no empty file left behind
 
     def write_model(self, name: str, *, weights: Weights, fmt: str = "gguf",
-                    template: Optional[str] = None, system: Optional[str] = None,
-                    parameters: Optional[dict[str, Any]] = None, messages: Optional[List[Any]] = None,
-                    license: Union[str, List[str], None] = None, draft: Optional[str] = None,
-                    adapters: Optional[Sequence[Union[str, tuple[str, float]]]] = None,
-                    details: Optional[api.ModelDetails] = None, source: Optional[dict[str, Any]] = None,
-                    quality: Optional[api.QuantizationReport] = None) -> ResolvedModel:
+                    template: str | None = None, system: str | None = None,
+                    parameters: dict[str, Any] | None = None, messages: builtins.list[Any] | None = None,
+                    license: str | builtins.list[str] | None = None, draft: str | None = None,
+                    adapters: Sequence[str | tuple[str, float]] | None = None,
+                    details: api.ModelDetails | None = None, source: dict[str, Any] | None = None,
+                    quality: api.QuantizationReport | None = None) -> ResolvedModel:
         """Write (or replace) the manifest of `name` from blobs already in the store.
 
         Args:
@@ -428,11 +430,11 @@ class Store:
 
     # ------------------------------------------------------------------------------------------------- checking
 
-    def verify(self, name: Optional[str] = None) -> List[str]:
+    def verify(self, name: str | None = None) -> builtins.list[str]:
         """Re-hash the blobs of one model (or all); return one line per problem, [] when everything is intact."""
         manifests = [self._read_manifest(parse_ref(name))] if name else list(self._all_manifests())
         problems: list[str] = []
-        checked: dict[str, Optional[str]] = {}
+        checked: dict[str, str | None] = {}
         for manifest in manifests:
             for layer in manifest.layers:
                 digest = layer["digest"]
@@ -446,7 +448,7 @@ class Store:
 
     # ------------------------------------------------------------------------------------------------- collecting
 
-    def prune(self, *, dry_run: bool = False, on_wait: Optional[Callable[[], None]] = None) -> api.PruneReport:
+    def prune(self, *, dry_run: bool = False, on_wait: Callable[[], None] | None = None) -> api.PruneReport:
         """Remove what no model needs: blobs no manifest names, partial downloads, temp files of interrupted writes,
         MLX folders of removed models. Waits for pulls and creates in progress (calling `on_wait` first), so nothing
         they write is taken."""
@@ -482,11 +484,11 @@ class Store:
             if path.suffix == ".lock" and path.name not in ("store.lock", "writers.lock"):
                 path.unlink(missing_ok=True)
 
-    def partials(self) -> List[Path]:
+    def partials(self) -> builtins.list[Path]:
         """Partial downloads kept to be resumed (a pull of the same source continues them; `prune` removes them)."""
         return [path for path in _children(self.blobs_dir) if path.name.endswith("-partial")]
 
-    def damaged(self, name: Optional[str] = None) -> dict[str, List[str]]:
+    def damaged(self, name: str | None = None) -> dict[str, builtins.list[str]]:
         """{digest: the models naming it} for each missing blob and each blob `verify` marked corrupt."""
         manifests = [self._read_manifest(parse_ref(name))] if name else list(self._all_manifests())
         found: dict[str, list[str]] = {}
@@ -507,7 +509,7 @@ class Store:
         else:
             marker.unlink(missing_ok=True)
 
-    def _check_blob(self, digest: str) -> Optional[str]:
+    def _check_blob(self, digest: str) -> str | None:
         path = self.blob_path(digest)
         if not path.is_file():
             return f"blob {digest} is missing"
@@ -526,7 +528,7 @@ class Store:
     def _manifest_path(self, ref: ModelRef) -> Path:
         return self.manifests_dir.joinpath(*ref.manifest_parts)
 
-    def stored_names(self) -> List[str]:
+    def stored_names(self) -> builtins.list[str]:
         """The names of every stored model, without reading a manifest."""
         refs = (_ref_from_manifest_path(path.relative_to(self.manifests_dir))
                 for path in sorted(self.manifests_dir.glob("*/*/*/*")) if path.is_file())
@@ -597,14 +599,14 @@ class Store:
     def _weights_path(self, manifest: _Manifest) -> Path:
         return self._weight_parts(manifest)[0]
 
-    def _weight_parts(self, manifest: _Manifest) -> List[Path]:
+    def _weight_parts(self, manifest: _Manifest) -> builtins.list[Path]:
         if manifest.format == "mlx":
             return [self._materialise_mlx(manifest)]
         for layer in manifest.layers_of(MEDIA_GGUF):
             self._existing_blob(manifest, layer["digest"])
         return self._gguf_parts(manifest.ref.display, manifest.layers_of(MEDIA_GGUF))
 
-    def _gguf_parts(self, label: str, layers: List[dict[str, Any]]) -> List[Path]:
+    def _gguf_parts(self, label: str, layers: builtins.list[dict[str, Any]]) -> builtins.list[Path]:
         """The GGUF file(s) of a model: its blob, or for a split GGUF symlinks named as its parts (llama.cpp's loader
         opens the first part and finds the others by name)."""
         digests = [layer["digest"] for layer in layers if layer.get("mediaType", MEDIA_GGUF) == MEDIA_GGUF]
@@ -627,7 +629,7 @@ class Store:
                 shutil.rmtree(building, ignore_errors=True)
         return [folder / name for name in names]
 
-    def _split_folder(self, digests: List[str]) -> Path:
+    def _split_folder(self, digests: builtins.list[str]) -> Path:
         return self.split_dir / hashlib.sha256("\n".join(digests).encode()).hexdigest()[:32]
 
     def _materialise_mlx(self, manifest: _Manifest) -> Path:
@@ -658,7 +660,7 @@ class Store:
                 pass
         return api.ModelDetails(format=manifest.format)
 
-    def _weight_layers(self, weights: Weights, fmt: str) -> List[dict[str, Any]]:
+    def _weight_layers(self, weights: Weights, fmt: str) -> builtins.list[dict[str, Any]]:
         if fmt not in WEIGHT_MEDIA:
             raise InvalidInput(f"weights format {fmt!r} is not one of {', '.join(WEIGHT_MEDIA)}")
         if fmt == "gguf":
@@ -673,8 +675,8 @@ class Store:
                 for rel, digest in sorted(weights.items())]
 
     def _extra_layers(self, *, template, system, parameters, messages, license, draft, adapters, quality
-                      ) -> List[dict[str, Any]]:
-        texts: list[tuple[str, Optional[str]]] = [(MEDIA_TEMPLATE, template), (MEDIA_SYSTEM, system)]
+                      ) -> builtins.list[dict[str, Any]]:
+        texts: list[tuple[str, str | None]] = [(MEDIA_TEMPLATE, template), (MEDIA_SYSTEM, system)]
         if parameters:
             texts.append((MEDIA_PARAMS, json.dumps(parameters, sort_keys=True)))
         if messages:
@@ -725,19 +727,19 @@ class PartialBlob:
     the source's validator (a strong ETag or Last-Modified) and the total size. `commit()` checks size and sha256,
     then renames the file into place."""
 
-    def __init__(self, store: Store, digest: Optional[str], path: Path, size: Optional[int], *,
-                 pins: Optional[ExitStack] = None, label: str = ""):
+    def __init__(self, store: Store, digest: str | None, path: Path, size: int | None, *,
+                 pins: ExitStack | None = None, label: str = ""):
         self.store = store
         self.digest = digest
         self.path = path
         self.meta_path = path.with_name(path.name + ".json")
         self.size = size
         self.label = label or path.name
-        self.validator: Optional[str] = None
+        self.validator: str | None = None
         self.done = digest is not None and store.has_trusted_blob(digest, size)
         self._pins = pins
         self._hasher = hashlib.sha256()
-        self._file: Optional[BinaryIO] = None
+        self._file: BinaryIO | None = None
         self.completed = 0 if self.done else self._resume()
 
     @property
@@ -766,7 +768,7 @@ class PartialBlob:
         if self.size is None and isinstance(meta.get("size"), int):
             self.size = meta["size"]
 
-    def remember(self, validator: Optional[str], size: Optional[int]) -> None:
+    def remember(self, validator: str | None, size: int | None) -> None:
         """Record what the source said at the start of a full download, for a later resume to compare against."""
         self.validator = validator
         if size is not None and (self.size is None or self.digest is None):
@@ -799,7 +801,7 @@ class PartialBlob:
         self._hasher.update(data)
         self.completed += len(data)
 
-    def _still_needed(self) -> Optional[int]:
+    def _still_needed(self) -> int | None:
         return self.size - self.completed if self.size is not None else None
 
     def commit(self, source: str = "") -> str:
@@ -833,7 +835,7 @@ class PartialBlob:
         self.done, self.digest = True, actual
         return actual
 
-    def _mismatch(self, actual: str) -> Optional[str]:
+    def _mismatch(self, actual: str) -> str | None:
         if self.size is not None and self.completed != self.size:
             return f"received {self.completed} bytes, expected {self.size}"
         if self.digest and actual != self.digest:
@@ -877,7 +879,7 @@ def _inspect_details(path: Path) -> api.ModelDetails:
     return inspect_gguf(path).details()
 
 
-def _ref_from_manifest_path(relative: Path) -> Optional[ModelRef]:
+def _ref_from_manifest_path(relative: Path) -> ModelRef | None:
     """The name a manifest file stands for, or None for anything that is not one (temp files, strays)."""
     host, namespace, name, tag = relative.parts
     if tag.startswith("."):
@@ -961,5 +963,5 @@ def _is_leftover(name: str) -> bool:
     return name.startswith(".") and ".tmp-" in name or name.endswith(("-partial", "-partial.json"))
 
 
-def _last(values: list[str]) -> Optional[str]:
+def _last(values: list[str]) -> str | None:
     return values[-1] if values else None

@@ -16,9 +16,10 @@ import mmap
 import re
 import struct
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import gguf
 
@@ -70,14 +71,14 @@ class GGUFInfo:
     bits_per_weight: float
     tensor_bytes: int
     file_size: int
-    context_length: Optional[int]
-    embedding_length: Optional[int]
-    block_count: Optional[int]
-    chat_template: Optional[str]
-    tokenizer_model: Optional[str]
-    vocab_size: Optional[int]  # length of tokenizer.ggml.tokens
+    context_length: int | None
+    embedding_length: int | None
+    block_count: int | None
+    chat_template: str | None
+    tokenizer_model: str | None
+    vocab_size: int | None  # length of tokenizer.ggml.tokens
     has_mtp: bool  # multi-token-prediction (NextN) layers that can draft for speculative decoding
-    license: Optional[str]
+    license: str | None
     metadata: dict[str, Any] = field(repr=False)  # scalars and short arrays; long arrays are in `arrays`
     arrays: dict[str, tuple[str, int]] = field(repr=False)  # every array key -> (item type, length)
     tensor_sizes: dict[str, int] = field(default_factory=dict, repr=False)  # tensor name -> bytes (layer placement)
@@ -191,7 +192,7 @@ def _read_numbers(cursor: _Cursor, item_type: gguf.GGUFValueType, count: int, ke
 
 
 def _read_array(cursor: _Cursor, key: str, *, whole: bool = False
-                ) -> tuple[Optional[list[Any]], tuple[str, int]]:
+                ) -> tuple[list[Any] | None, tuple[str, int]]:
     """Read an array value: (its items, or None when too long to decode, (item type name, length)). Numeric arrays
     of up to LLAMA_MAX_LAYERS items are decoded: per-layer hyperparameters are checked against llama.cpp's limits.
     `whole` decodes it whatever its length (its length was checked against the file's bytes first)."""
@@ -378,7 +379,7 @@ class _Hparams:
     def key(self, name: str) -> str:
         return f"{self.arch}.{name}"
 
-    def number(self, name: str) -> Optional[float]:
+    def number(self, name: str) -> float | None:
         value = self.header.metadata.get(self.key(name))
         return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -467,12 +468,12 @@ def _file_type_name(raw: Any, tensors: list[_Tensor]) -> str:
     return ftype.name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
-def _arch_int(metadata: dict[str, Any], arch: str, key: str) -> Optional[int]:
+def _arch_int(metadata: dict[str, Any], arch: str, key: str) -> int | None:
     value = metadata.get(key.format(arch=arch))
     return int(value) if isinstance(value, int) else None
 
 
-def _text(metadata: dict[str, Any], key: str) -> Optional[str]:
+def _text(metadata: dict[str, Any], key: str) -> str | None:
     value = metadata.get(key)
     return value if isinstance(value, str) else None
 
@@ -524,7 +525,7 @@ SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.ggu
 MAX_SPLIT_PARTS = 9999
 
 
-def parse_split_name(name: str) -> Optional[tuple[str, int, int]]:
+def parse_split_name(name: str) -> tuple[str, int, int] | None:
     """(prefix, part number from 1, part count) of a file named as gguf-split names parts, else None."""
     match = SPLIT_NAME.match(name)
     if not match:
@@ -552,7 +553,7 @@ def split_position(metadata: dict[str, Any], path: Path) -> tuple[int, int]:
     return number + 1, count
 
 
-def split_parts(path: Path, metadata: Optional[dict[str, Any]] = None) -> list[Path]:
+def split_parts(path: Path, metadata: dict[str, Any] | None = None) -> list[Path]:
     """Every part of the split GGUF that `path` belongs to, in order (just [path] for a whole file).
 
     Raises:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -121,7 +122,7 @@ def _gemma3_config(meta: _Metadata) -> dict[str, Any]:
     return config
 
 
-def _rope_scaling(meta: _Metadata) -> Optional[dict[str, Any]]:
+def _rope_scaling(meta: _Metadata) -> dict[str, Any] | None:
     kind = meta.arch_get("rope.scaling.type")
     if kind in (None, "none"):
         return None
@@ -220,13 +221,13 @@ class _Tensor:
     """One converted weight: a float array, or packed codes with their scales and biases."""
 
     weight: np.ndarray
-    scales: Optional[np.ndarray] = None
-    biases: Optional[np.ndarray] = None
+    scales: np.ndarray | None = None
+    biases: np.ndarray | None = None
     bits: int = 0
     float_type: str = "f32"  # for dense tensors: the element type to store
 
-    def rows_map(self, fn: Callable[[np.ndarray], np.ndarray]) -> "_Tensor":
-        def mapped(a: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    def rows_map(self, fn: Callable[[np.ndarray], np.ndarray]) -> _Tensor:
+        def mapped(a: np.ndarray | None) -> np.ndarray | None:
             return None if a is None else fn(a)
 
         return _Tensor(fn(self.weight), mapped(self.scales), mapped(self.biases), bits=self.bits,
@@ -255,7 +256,7 @@ def _requantize(t: _Tensor, bits: int) -> _Tensor:
     return _Tensor(np.array(weight), np.array(scales), np.array(biases), bits=bits)
 
 
-def _apply_quantize(t: _Tensor, quantize: Optional[str]) -> _Tensor:
+def _apply_quantize(t: _Tensor, quantize: str | None) -> _Tensor:
     """Requantize dense matrices (q8/q4) or set the float type (f32/f16/bf16); packed tensors stay as they are."""
     if t.bits or quantize is None:
         return t
@@ -276,7 +277,7 @@ def _arch_tensor_fix(spec: _ArchSpec, meta: _Metadata, gguf_name: str, t: _Tenso
     return t
 
 
-def _convert_tensors(reader, spec: _ArchSpec, meta: _Metadata, quantize: Optional[str]) -> dict[str, _Tensor]:
+def _convert_tensors(reader, spec: _ArchSpec, meta: _Metadata, quantize: str | None) -> dict[str, _Tensor]:
     keep_packed = quantize not in ("f32", "f16", "bf16")
     out: dict[str, _Tensor] = {}
     for tensor in reader.tensors:
@@ -398,7 +399,7 @@ def _add_bos_post_processor(backend, tok_dict: dict[str, Any]) -> None:
 
 
 def tokenizer_config(meta: _Metadata, tokens: list[str]) -> dict[str, Any]:
-    def token_text(key: str) -> Optional[str]:
+    def token_text(key: str) -> str | None:
         idx = meta.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
@@ -424,8 +425,8 @@ class MlxFolderInfo:
     """What `show` tells about an MLX folder, read from its JSON files (no mlx import, no weights read)."""
 
     config: dict[str, Any]
-    chat_template: Optional[str]
-    license: Optional[str] = None
+    chat_template: str | None
+    license: str | None = None
 
     def model_info(self) -> dict[str, Any]:
         """Ollama-style model_info keys, named like the GGUF ones so `show` reads both the same way."""
@@ -441,7 +442,7 @@ class MlxFolderInfo:
         return info
 
 
-def mlx_details(config: dict[str, Any]) -> "ModelDetails":
+def mlx_details(config: dict[str, Any]) -> ModelDetails:
     """list/show details of an MLX model from its config.json: family, and Q<bits> when quantized."""
     from .. import api
 
@@ -515,20 +516,20 @@ def _open_reader(gguf_path: Path):
         raise ModelFormatError(f"{gguf_path} is not a readable GGUF file: {exc}") from None
 
 
-def check_quantize(quantize: Optional[str]) -> None:
+def check_quantize(quantize: str | None) -> None:
     """InvalidInput naming `quantize` unless it is None or one of QUANTIZE_CHOICES."""
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise InvalidInput(f"quantize {quantize!r} is not available for MLX output",
                            hint=f"use one of {', '.join(QUANTIZE_CHOICES)}, or none to keep the GGUF's own")
 
 
-def _check_request(out_dir: Path, quantize: Optional[str]) -> None:
+def _check_request(out_dir: Path, quantize: str | None) -> None:
     check_quantize(quantize)
     if out_dir.exists():
         raise InvalidInput(f"output folder {out_dir} already exists", hint="choose a new folder")
 
 
-def convert_gguf_to_mlx(gguf_path: Path, out_dir: Path, *, quantize: Optional[str] = None) -> Path:
+def convert_gguf_to_mlx(gguf_path: Path, out_dir: Path, *, quantize: str | None = None) -> Path:
     """Convert a llama or gemma3 GGUF into an MLX model folder at `out_dir` (created; must not exist).
 
     Args:

@@ -14,8 +14,8 @@ and drives llama.cpp directly, like the quantizer itself: the engine is not need
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 

@@ -17,8 +17,9 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Generator
 from pathlib import Path
-from typing import Any, Callable, Generator, Optional
+from typing import Any
 
 import gguf
 
@@ -56,7 +57,7 @@ def _ftype(qtype: str) -> int:
     return int(gguf.LlamaFileType[prefix + qtype])
 
 
-def check_quantize(source: Path, qtype: str, *, allow_requantize: bool, imatrix: Optional[Path], label: str) -> None:
+def check_quantize(source: Path, qtype: str, *, allow_requantize: bool, imatrix: Path | None, label: str) -> None:
     """Refuse, before any work, what the quantizer would refuse or what would ruin the model.
 
     Raises:
@@ -81,8 +82,8 @@ def check_quantize(source: Path, qtype: str, *, allow_requantize: bool, imatrix:
 
 
 def run_quantize(source: Path, out: Path, qtype: str, *, label: str, allow_requantize: bool = False,
-                 imatrix: Optional[Path] = None, threads: int = 0, report_tokens: int = 2048
-                 ) -> Generator[api.PullProgress, None, Optional[api.QuantizationReport]]:
+                 imatrix: Path | None = None, threads: int = 0, report_tokens: int = 2048
+                 ) -> Generator[api.PullProgress, None, api.QuantizationReport | None]:
     """Quantize `source` (a GGUF, the first part of a split one) into `out` in a worker process, yielding progress;
     return the quality report measured on `report_tokens` tokens (None when 0).
 
@@ -133,7 +134,7 @@ def _follow(process: subprocess.Popen, qtype: str) -> Generator[api.PullProgress
 
 # ---------------------------------------------------------------------------------------------------------- worker
 
-def read_imatrix(path: Path) -> dict[str, "Any"]:
+def read_imatrix(path: Path) -> dict[str, Any]:
     """An importance matrix GGUF (llama-imatrix's output) as {tensor name: float32 weights}, normalised as
     llama-quantize does (each sum of squares divided by its count; 1 where nothing was counted)."""
     import numpy as np
@@ -186,7 +187,7 @@ class _QuantizeLog:
         return failed[-1] if failed else (self.errors[-1] if self.errors else "llama.cpp gave no reason")
 
 
-def quantize_file(source: Path, out: Path, qtype: str, *, allow_requantize: bool, imatrix: Optional[Path],
+def quantize_file(source: Path, out: Path, qtype: str, *, allow_requantize: bool, imatrix: Path | None,
                   threads: int, emit: Callable[[dict], None]) -> None:
     """Run llama_model_quantize in this process (the worker), emitting progress by source bytes."""
     import llama_cpp

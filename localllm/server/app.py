@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import fnmatch
 import os
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Optional
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -18,10 +18,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__, config
 from ..client.protocol import Client
-from .anthropic import routes as anthropic_routes
 from . import ollama_routes, prompt_cache_routes
-from .openai import responses_routes as openai_responses, routes as openai_routes
+from .anthropic import routes as anthropic_routes
 from .metrics import CONTENT_TYPE, AccessLog, ServerMetrics
+from .openai import responses_routes as openai_responses
+from .openai import routes as openai_routes
 from .responses import install_error_handlers
 from .security import GuardMiddleware, GuardSettings
 from .state import ServerState, State
@@ -67,7 +68,7 @@ def _default_client() -> Client:
     return LocalClient()
 
 
-def create_app(client: Optional[Client] = None, *, bound_host: Optional[str] = None) -> FastAPI:
+def create_app(client: Client | None = None, *, bound_host: str | None = None) -> FastAPI:
     """The app serving `client` (default: a LocalClient on LOCALLLM_HOME, closed on shutdown).
 
     Args:

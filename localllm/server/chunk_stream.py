@@ -20,7 +20,8 @@ import asyncio
 import logging
 import sys
 import threading
-from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Iterator, Optional, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 import anyio
 from anyio.lowlevel import RunVar
@@ -69,7 +70,7 @@ def _pump(make: Callable[[], Iterator[Any]], deliver: Callable[[Any], bool], sto
     closed here, before the last item, because a generator cannot be closed from another thread while it waits, and
     because its clean-up (the request's cancel, the model's release) must be over when the response ends."""
     end: Any = _END
-    iterator: Optional[Iterator[Any]] = None
+    iterator: Iterator[Any] | None = None
     try:
         iterator = make()
         started.append(iterator)
@@ -93,7 +94,7 @@ def _pump(make: Callable[[], Iterator[Any]], deliver: Callable[[Any], bool], sto
 class ChunkStream(Generic[T]):
     """A client iterator driven from async code. Iterate it once; `aclose()` is idempotent and always safe."""
 
-    def __init__(self, observe: Optional[Callable[[T], None]]):
+    def __init__(self, observe: Callable[[T], None] | None):
         self._chunks: asyncio.Queue = asyncio.Queue()
         self._room = threading.Semaphore(BUFFERED)  # taken by the pump per chunk, given back as the reader takes it
         self._stop = threading.Event()
@@ -102,8 +103,8 @@ class ChunkStream(Generic[T]):
         self._started: list = []  # the client's iterator, once the pump has made it
 
     @classmethod
-    async def open(cls, make: Callable[[], Iterator[T]], *, observe: Optional[Callable[[T], None]] = None,
-                   disconnected: Optional[Callable[[], Awaitable[bool]]] = None) -> "ChunkStream[T]":
+    async def open(cls, make: Callable[[], Iterator[T]], *, observe: Callable[[T], None] | None = None,
+                   disconnected: Callable[[], Awaitable[bool]] | None = None) -> ChunkStream[T]:
         """Start the request and wait for its first chunk; errors before any output raise here. With `disconnected`
         (Request.is_disconnected), a client that leaves while it waits (queued, loading) cancels the request and
         Cancelled is raised."""
@@ -140,7 +141,7 @@ class ChunkStream(Generic[T]):
                 return False
         return True
 
-    async def _first_chunk(self, disconnected: Optional[Callable[[], Awaitable[bool]]]) -> Any:
+    async def _first_chunk(self, disconnected: Callable[[], Awaitable[bool]] | None) -> Any:
         if disconnected is None:
             return await self._next()
         first = asyncio.ensure_future(self._next())
@@ -178,7 +179,7 @@ class ChunkStream(Generic[T]):
         for iterator in self._started:
             _cancel(iterator)
 
-    async def collect(self, *, disconnected: Optional[Callable[[], Awaitable[bool]]] = None) -> Optional[list[T]]:
+    async def collect(self, *, disconnected: Callable[[], Awaitable[bool]] | None = None) -> list[T] | None:
         """All chunks, for a non-streamed answer. With `disconnected` (Request.is_disconnected), a client that
         leaves while it waits cancels the request too; then the result is None. An error from the stream is raised
         as itself (a task group would wrap it, and its status would be lost)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -114,7 +114,7 @@ class AccessLog:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status: Optional[int] = None
+        status: int | None = None
         t0 = time.perf_counter()
 
         async def watched(message: Message) -> None:
@@ -128,7 +128,7 @@ class AccessLog:
         finally:
             self._record(scope, status, time.perf_counter() - t0)
 
-    def _record(self, scope: Scope, status: Optional[int], seconds: float) -> None:
+    def _record(self, scope: Scope, status: int | None, seconds: float) -> None:
         route = getattr(scope.get("route"), "path", "unmatched")
         shown = status if status is not None else "disconnected"
         self.metrics.requests.labels(scope["method"], route, str(shown)).inc()

@@ -6,7 +6,7 @@ overflow a 400 and a full queue a 503 rather than an error inside a 200 stream."
 from __future__ import annotations
 
 import tempfile
-from typing import Any, Optional, Union
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -174,8 +174,8 @@ class LegacyEmbeddingsRequest(BaseModel):
 
     model: str
     prompt: str
-    options: Optional[dict[str, Any]] = None
-    keep_alive: Union[str, int, float, None] = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
 
 
 @router.post("/api/embeddings")

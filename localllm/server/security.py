@@ -55,7 +55,7 @@ class GuardSettings:
     origins: tuple[str, ...] = ()  # LOCALLLM_ORIGINS: exact origins or globs such as chrome-extension://*
 
     @classmethod
-    def from_config(cls, bound_host: str | None = None) -> "GuardSettings":
+    def from_config(cls, bound_host: str | None = None) -> GuardSettings:
         host = bound_host if bound_host is not None else config.HOST.get()[0]
         extra = {h.lower() for h in config.ALLOWED_HOSTS.get()}
         names = {"localhost", host.lower(), socket.gethostname().lower()} | extra

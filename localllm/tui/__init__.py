@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
 
 from ..client.protocol import Client
 from ..errors import BackendUnavailable, LocalLLMError
 
 
-def run_tui(client: Client, *, model: Optional[str] = None, notice: Optional[LocalLLMError] = None,
-            log_file: Optional[Path] = None) -> None:
+def run_tui(client: Client, *, model: str | None = None, notice: LocalLLMError | None = None,
+            log_file: Path | None = None) -> None:
     """Run the TUI until the user quits; errors it shows are also logged to `log_file` with their cause."""
     try:
         from .app import LocalLLMApp

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from textual.app import App
 from textual.binding import Binding
@@ -23,8 +23,8 @@ class LocalLLMApp(App[None]):
     TITLE = "localllm"
     BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
 
-    def __init__(self, client: Client, *, model: Optional[str] = None, system: Optional[str] = None,
-                 options: Optional[dict[str, Any]] = None, notice: Optional[LocalLLMError] = None):
+    def __init__(self, client: Client, *, model: str | None = None, system: str | None = None,
+                 options: dict[str, Any] | None = None, notice: LocalLLMError | None = None):
         """
         Args:
             client: where models live: an HttpClient (the usual case) or a LocalClient.

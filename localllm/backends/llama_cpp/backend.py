@@ -14,9 +14,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from pathlib import Path
+from collections.abc import Callable, Hashable, Sequence
 from functools import partial
-from typing import Any, Callable, Hashable, Optional, Sequence, cast
+from pathlib import Path
+from typing import Any, cast
 
 import llama_cpp
 import numpy as np
@@ -105,7 +106,7 @@ class LlamaCppBackend:
     name = "llama.cpp"
 
     def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int,
-             adapters: Sequence[LoraAdapter] = ()) -> "LlamaCppModel":
+             adapters: Sequence[LoraAdapter] = ()) -> LlamaCppModel:
         _init_backend()
         if not Path(path).is_file():
             raise ModelFormatError(f"weights file {path} does not exist")
@@ -131,7 +132,7 @@ class LlamaCppBackend:
 
 
 def _load_over_rpc(path: Path, options: LoadOptions, placed: PlacedModel, *, n_seq: int, n_ctx: int,
-                   adapters: Sequence[LoraAdapter]) -> "LlamaCppModel":
+                   adapters: Sequence[LoraAdapter]) -> LlamaCppModel:
     """A load with layers on RPC workers: its own weights (never shared), and every native call that may reach a
     worker through the guard, which gives up when a worker is lost."""
     guard = RpcGuard(placed.endpoints)
@@ -171,7 +172,7 @@ class _Adapters:
             _reserve_now(ctx)
 
 
-def _apply_adapters(model, ctx, adapters: Sequence[LoraAdapter]) -> "_Adapters":
+def _apply_adapters(model, ctx, adapters: Sequence[LoraAdapter]) -> _Adapters:
     handles: list = []
     try:
         for adapter in adapters:
@@ -190,7 +191,7 @@ def _apply_adapters(model, ctx, adapters: Sequence[LoraAdapter]) -> "_Adapters":
         raise
 
 
-def _free_adapters(adapters: "_Adapters") -> None:
+def _free_adapters(adapters: _Adapters) -> None:
     with _WEIGHTS.lock:
         for handle in adapters.handles:
             llama_cpp.llama_adapter_lora_free(handle)
@@ -276,7 +277,7 @@ def _new_context(model, options: LoadOptions, *, n_seq: int, n_ctx: int, embeddi
     return ctx
 
 
-def _meta_str(model, key: str) -> Optional[str]:
+def _meta_str(model, key: str) -> str | None:
     buf = ctypes.create_string_buffer(4096)
     n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
     return buf.value.decode("utf-8", "replace") if n >= 0 else None
@@ -288,7 +289,7 @@ def _read_meta(model, path: Path) -> ModelMeta:
     desc = ctypes.create_string_buffer(256)
     llama_cpp.llama_model_desc(model, desc, len(desc))
 
-    def token_or_none(tok: int) -> Optional[int]:
+    def token_or_none(tok: int) -> int | None:
         return tok if tok >= 0 else None
 
     return ModelMeta(
@@ -316,8 +317,8 @@ class LlamaCppModel:
     adjustable_threads = True
 
     def __init__(self, path: Path, model, ctx, options: LoadOptions, *, n_seq: int, weights: Hashable,
-                 release_weights: Callable[[], None], adapters: "_Adapters", placement: Optional[Placement] = None,
-                 guard: Optional[RpcGuard] = None):
+                 release_weights: Callable[[], None], adapters: _Adapters, placement: Placement | None = None,
+                 guard: RpcGuard | None = None):
         self.path = path
         self.options = options
         self.weights = weights  # equal for every load that shares this llama_model (_WEIGHTS)
@@ -337,7 +338,7 @@ class LlamaCppModel:
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._embed_ctx = None
         self._piece_cache: dict[int, bytes] = {}
-        self._eog: Optional[list[int]] = None
+        self._eog: list[int] | None = None
         self._logits_row = ctypes.c_float * self.meta.n_vocab
         # A set, not a call per generated token: each ctypes call gives up the GIL, which the server's threads want.
         self._eog_set = frozenset(self.eog_tokens())
@@ -425,7 +426,7 @@ class LlamaCppModel:
         return np.frombuffer(values, dtype=np.float32)
 
     def make_sampler(self, options: SamplingOptions, *,
-                     grammar: Optional[str] = None) -> "LlamaCppSampler | GreedySampler":
+                     grammar: str | None = None) -> LlamaCppSampler | GreedySampler:
         if GreedySampler.fits(options, grammar):
             return GreedySampler(self, _biases(self, options))
         return LlamaCppSampler(self, options, grammar)
@@ -455,7 +456,7 @@ class LlamaCppModel:
         return CacheShape(window=max(0, llama_cpp.llama_model_n_swa(self._model)), recurrent=recurrent,
                           fingerprint=fingerprint)
 
-    def save_seq(self, seq: int) -> Optional[bytes]:
+    def save_seq(self, seq: int) -> bytes | None:
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
         buf = (ctypes.c_uint8 * size)()
         n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq)
@@ -527,14 +528,14 @@ class LlamaCppModel:
     def set_threads(self, n: int) -> None:
         llama_cpp.llama_set_n_threads(self._ctx, n, n)
 
-    def mtp_head(self) -> Optional[MtpHead]:
+    def mtp_head(self) -> MtpHead | None:
         if not self.meta.has_mtp:
             return None
         params = _context_params(self.options, n_seq=self.n_seq, n_ctx=self.n_ctx)
         return LlamaMtpHead(self._model, self._ctx, params, n_seq=self.n_seq, n_ctx=self.n_ctx,
                             n_vocab=self.meta.n_vocab)
 
-    def grammar_probe(self, grammar: str) -> Optional[GrammarProbe]:
+    def grammar_probe(self, grammar: str) -> GrammarProbe | None:
         return LlamaGrammarProbe(self._model, grammar)
 
 
@@ -544,7 +545,7 @@ class LlamaCppSampler:
     Order as in llama.cpp's common sampler: logit bias, penalties, grammar, then top-k, typical, top-p, min-p,
     temperature and the seeded draw; temperature 0 is greedy."""
 
-    def __init__(self, model: LlamaCppModel, opts: SamplingOptions, grammar: Optional[str]):
+    def __init__(self, model: LlamaCppModel, opts: SamplingOptions, grammar: str | None):
         self._ctx = model._ctx
         params = llama_cpp.llama_sampler_chain_default_params()
         params.no_perf = True
@@ -587,7 +588,7 @@ class GreedySampler:
         self._only_lowers = all(b <= 0 for b in self._add)  # bans and penalties: they cannot lift a token
 
     @staticmethod
-    def fits(opts: SamplingOptions, grammar: Optional[str]) -> bool:
+    def fits(opts: SamplingOptions, grammar: str | None) -> bool:
         return opts.temperature <= 0 and not grammar and not _has_penalties(opts)
 
     def sample(self, row: int) -> int:
@@ -645,7 +646,7 @@ class _Penalties:
         return self.ptr
 
 
-def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: Optional[str]):
+def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: str | None):
     vocab = model._vocab
     wanted = _biases(model, opts)  # the same biases GreedySampler applies: one rule for both
     if wanted:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from ... import api
 from ...machine import physical_cores
@@ -57,7 +57,7 @@ class FlashTrial:
     off: StepTimes
 
     @property
-    def flash_attn(self) -> Optional[bool]:
+    def flash_attn(self) -> bool | None:
         """False when off is clearly faster at depth without costing much prefill; None leaves llama.cpp's choice."""
         clearly_faster = self.off.at_depth <= OFF_FASTER * self.on.at_depth
         return False if clearly_faster and self.off.prefill <= PREFILL_SLACK * self.on.prefill else None
@@ -66,7 +66,7 @@ class FlashTrial:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: object) -> Optional["FlashTrial"]:
+    def from_json(cls, data: object) -> FlashTrial | None:
         """None for anything that is not a trial this code wrote (an old or edited memory file)."""
         try:
             assert isinstance(data, dict)
@@ -96,11 +96,11 @@ def wanted(load: api.LoadOptions) -> bool:
     return load.flash_attn is None and (load.kv_type or "f16") == "f16" and not load.rpc
 
 
-def _on_cpu(model: "LlamaCppModel") -> bool:
+def _on_cpu(model: LlamaCppModel) -> bool:
     return model.placement is None or model.placement.n_gpu_layers == 0
 
 
-def run_trial(weights: Path, load: api.LoadOptions) -> Optional[FlashTrial]:
+def run_trial(weights: Path, load: api.LoadOptions) -> FlashTrial | None:
     """Time both settings on `weights` (loaded twice, sharing the weights); None when layers run off the CPU or no
     useful depth is affordable."""
     from .backend import LlamaCppBackend
@@ -108,7 +108,7 @@ def run_trial(weights: Path, load: api.LoadOptions) -> Optional[FlashTrial]:
     n_ctx = MAX_DEPTH + 2 * SHORT_BATCH
     options = load.model_copy(update={"num_ctx": n_ctx, "num_parallel": 1, "draft": None, "embedding": False})
     backend = LlamaCppBackend()
-    models: dict[bool, "LlamaCppModel"] = {}
+    models: dict[bool, LlamaCppModel] = {}
     try:
         for flash in (True, False):
             models[flash] = backend.load(weights, options.model_copy(update={"flash_attn": flash}), n_seq=1,
@@ -135,7 +135,7 @@ def run_trial(weights: Path, load: api.LoadOptions) -> Optional[FlashTrial]:
             model.close()
 
 
-def _affordable(models: dict[bool, "LlamaCppModel"], tokens: list[int]) -> tuple[int, int]:
+def _affordable(models: dict[bool, LlamaCppModel], tokens: list[int]) -> tuple[int, int]:
     """The threads and depth of the trial: every core the load would start with, or one where that is too slow for
     any useful depth (other work on the CPU makes llama.cpp's threads wait for each other at every step)."""
     first = models[True]
@@ -157,7 +157,7 @@ def _tokens(n_vocab: int, n: int) -> list[int]:
     return [(7 * i + 11) % n_vocab for i in range(n)]
 
 
-def _prefill(model: "LlamaCppModel", tokens: list[int]) -> float:
+def _prefill(model: LlamaCppModel, tokens: list[int]) -> float:
     model.remove(0, 0)
     start = time.perf_counter()
     for begin in range(0, len(tokens), model.n_batch):
@@ -165,7 +165,7 @@ def _prefill(model: "LlamaCppModel", tokens: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def _timed(model: "LlamaCppModel", tokens: list[int], pos: int) -> float:
+def _timed(model: LlamaCppModel, tokens: list[int], pos: int) -> float:
     """Seconds to decode `tokens` at `pos` and read the last row, which is then forgotten again."""
     start = time.perf_counter()
     _decode(model, tokens, pos)
@@ -174,7 +174,7 @@ def _timed(model: "LlamaCppModel", tokens: list[int], pos: int) -> float:
     return seconds
 
 
-def _decode(model: "LlamaCppModel", tokens: list[int], pos: int) -> None:
+def _decode(model: LlamaCppModel, tokens: list[int], pos: int) -> None:
     from ..base import Batch
 
     batch = Batch()

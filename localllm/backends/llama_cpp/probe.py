@@ -30,7 +30,7 @@ import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from ... import api
 from ...errors import LocalLLMError, ModelFormatError
@@ -65,9 +65,9 @@ _UNCAUGHT = re.compile(r"instance of '([^']+)'\s+what\(\):\s*([^\n]*)")
 class Probed:
     """What the probe learned about the weights on this machine, beyond "they load"."""
 
-    trial: Optional[FlashTrial] = None
+    trial: FlashTrial | None = None
 
-    def flash_attn_for(self, load: api.LoadOptions) -> Optional[bool]:
+    def flash_attn_for(self, load: api.LoadOptions) -> bool | None:
         """The setting the trial found faster, where `load` leaves it open; None where it settles nothing."""
         return self.trial.flash_attn if self.trial is not None and flash_trial.wanted(load) else None
 
@@ -84,7 +84,7 @@ class LoadProbe:
         self.memory_dir = Path(memory_dir)
 
     @classmethod
-    def for_store(cls, store: "Store") -> "LoadProbe":
+    def for_store(cls, store: Store) -> LoadProbe:
         return cls(store.root / "probes")
 
     def check(self, weights: Path, load: api.LoadOptions, *, backend: str = "llama.cpp") -> Probed:
@@ -141,7 +141,7 @@ def _record() -> dict[str, str]:
     return {"llama_cpp": _llama_cpp_version(), "probe": PROBE_VERSION}
 
 
-def _recall(entry: Path) -> Optional[Probed]:
+def _recall(entry: Path) -> Probed | None:
     """What a success under this llama.cpp and probe remembered; None when there is none to trust."""
     try:
         memory = json.loads(entry.read_text(encoding="utf-8"))
@@ -182,7 +182,7 @@ def _run_child(weights: Path, load: api.LoadOptions) -> subprocess.CompletedProc
                                hint="the file may be damaged; only this load failed") from None
 
 
-def _reported_trial(stdout: str) -> Optional[FlashTrial]:
+def _reported_trial(stdout: str) -> FlashTrial | None:
     """The trial the child printed as its last line (nothing when it ran none)."""
     lines = stdout.strip().splitlines()
     try:
@@ -252,7 +252,7 @@ def _main(argv: list[str]) -> int:
     return 0
 
 
-def _flash_trial(weights: Path, load: api.LoadOptions) -> Optional[FlashTrial]:
+def _flash_trial(weights: Path, load: api.LoadOptions) -> FlashTrial | None:
     if not flash_trial.wanted(load):
         return None
     try:

@@ -21,18 +21,27 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import TypeVar
 
 import llama_cpp
 
 from ...api import LoadOptions
 from ...errors import BackendUnavailable, InvalidInput, ModelFormatError, WorkerLost
+from ...models.plan import (
+    DeviceKind,
+    DeviceReport,
+    Placement,
+    available_memory,
+    host_report,
+    place_layers,
+    plan_memory,
+    unplanned_placement,
+)
 from ...quant.gguf import inspect_gguf
-from ...models.plan import (DeviceKind, DeviceReport, Placement, available_memory, host_report, place_layers,
-                           plan_memory, unplanned_placement)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,7 +133,7 @@ def _library_files(lib_dir: Path, stem: str) -> list[Path]:
     return []
 
 
-_ggml: Optional[_Ggml] = None
+_ggml: _Ggml | None = None
 _ggml_lock = threading.Lock()
 
 
@@ -205,7 +214,7 @@ _registered: set[str] = set()
 _registered_lock = threading.Lock()
 
 
-def serve_worker(host: str, port: int, *, threads: int, cache_dir: Optional[str]) -> None:
+def serve_worker(host: str, port: int, *, threads: int, cache_dir: str | None) -> None:
     """Run ggml's RPC server on this machine's devices (accelerators, else the CPU) until the process ends."""
     require_rpc()
     g = ggml()
@@ -293,7 +302,7 @@ _abort_guard = None
 _RPC_ABORTS = ("Remote RPC server crashed", "Failed to connect to", "RPC handshake failed")
 
 
-def _on_abort(message: Optional[bytes]) -> None:
+def _on_abort(message: bytes | None) -> None:
     text = (message or b"").decode("utf-8", "replace")
     if not any(marker in text for marker in _RPC_ABORTS):
         sys.stderr.write(text + "\n")  # what ggml does by default; abort() follows
@@ -335,7 +344,7 @@ class RpcGuard:
     def __init__(self, endpoints: Sequence[str]):
         self.endpoints = tuple(endpoints)
         self.lost = False
-        self._calls: "queue.SimpleQueue[Optional[tuple[Future, Callable, tuple, dict]]]" = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[tuple[Future, Callable, tuple, dict] | None] = queue.SimpleQueue()
         # A daemon thread, not an executor's: a thread left blocked in llama.cpp must not hold up the exit.
         threading.Thread(target=self._serve, name="localllm-rpc", daemon=True).start()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import math
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import llama_cpp
 import numpy as np
@@ -20,7 +20,6 @@ from llama_cpp import llama_cpp_ext
 
 from ...errors import InvalidInput, LocalLLMError
 from ..base import Batch
-
 
 
 class LlamaMtpHead:

@@ -4,7 +4,8 @@ wrapper that stops a draft at the first token the request's grammar forbids."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Protocol, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -125,7 +126,7 @@ class NgramDrafter:
 
 # ---------------------------------------------------------------------------------------------------------- draft model
 
-def check_same_vocab(target: "LoadedModel", draft: "LoadedModel", *, draft_name: str) -> None:
+def check_same_vocab(target: LoadedModel, draft: LoadedModel, *, draft_name: str) -> None:
     """A draft model must spell every token the target knows the same way; InvalidInput names the first difference.
 
     Vocabularies may differ in size by padding only (as llama.cpp allows); drafts are then kept to the shared ids."""
@@ -148,7 +149,7 @@ class DraftModel:
     (the slot's seq id), and per sequence the tokens its KV holds, so a slot's next request reuses the shared prefix
     here too. Catching up is lazy: a draft decodes only the tokens its sequence lacks. A DraftSource."""
 
-    def __init__(self, model: "LoadedModel", *, name: str, n_vocab: int):
+    def __init__(self, model: LoadedModel, *, name: str, n_vocab: int):
         self.model = model
         self.name = name
         self.n_vocab = n_vocab  # ids the target knows

@@ -4,7 +4,7 @@ one request this step (DraftWindow and its runs). Pure arithmetic on plain numbe
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -21,7 +21,7 @@ class StepCost:
         # Decayed, row-weighted sums of the fit: weight, rows, rows², seconds, rows x seconds. Plain floats: this runs
         # after every decode step, and numpy's small arrays cost ten times more.
         self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)
-        self._anchor: Optional[np.ndarray] = None  # prior coefficients, once a step gave them a scale
+        self._anchor: np.ndarray | None = None  # prior coefficients, once a step gave them a scale
         self._coef = np.array([1.0, prior])  # in one-row steps until something is measured
         self._stale = False
 
@@ -128,7 +128,7 @@ class DraftWindow:
         return min(PER_TOKEN_CEILING,
                    (self._hits[b] + self.prior_weight * confidence) / (self._trials[b] + self.prior_weight))
 
-    def start(self, *, busy_slots: int, draft_seconds: float = 0.0, room: Optional[int] = None) -> "DraftRun":
+    def start(self, *, busy_slots: int, draft_seconds: float = 0.0, room: int | None = None) -> DraftRun:
         """Begin sizing one step's draft of at most `room` tokens; `draft_seconds` is what drafting one token costs
         (a draft model's decode)."""
         self.offered = []
@@ -211,7 +211,7 @@ def goal_rate(cost: StepCost, busy_slots: int, margin: float) -> float:
     return (1.0 + margin * busy_slots) * busy_slots / cost.seconds(busy_slots)
 
 
-def any_draft_pays(cost: StepCost, busy_slots: int, *, margin: Optional[float] = None, limit: int = 64) -> bool:
+def any_draft_pays(cost: StepCost, busy_slots: int, *, margin: float | None = None, limit: int = 64) -> bool:
     """Could any request's draft pay this step? The surest draft there can be (every token at the window's ceiling,
     drafting free) of any length up to `limit`, against the window's margin: if even that would not beat not
     drafting, no drafter need be asked (the engine skips them all)."""
@@ -240,7 +240,7 @@ class FixedWindow(DraftWindow):
     def any_draft_pays(cost: StepCost, busy_slots: int) -> bool:
         return True
 
-    def start(self, *, busy_slots: int, draft_seconds: float = 0.0, room: Optional[int] = None) -> DraftRun:
+    def start(self, *, busy_slots: int, draft_seconds: float = 0.0, room: int | None = None) -> DraftRun:
         limit = self.limit if room is None else max(0, min(self.limit, room))
         return _FixedRun(self, busy_slots=busy_slots, draft_seconds=draft_seconds, limit=limit)
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from ...api import LoadOptions, SamplingOptions
 from ...backends.base import Batch, MtpHead
-from ...errors import InvalidInput, LocalLLMError
-from .drafters import DraftModel, Drafter, GrammarCheckedDrafter, NgramDrafter, SourceDrafter, check_same_vocab
 from ...backends.llama_cpp.probe import LoadProbe
+from ...errors import InvalidInput, LocalLLMError
+from .drafters import Drafter, DraftModel, GrammarCheckedDrafter, NgramDrafter, SourceDrafter, check_same_vocab
 from .policy import DraftWindow, StepCost
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class Speculation:
     else n-gram lookup; none (or spec_max_draft 0) turns speculation off for that request. The engine thread calls
     every method but the constructor."""
 
-    def __init__(self, target: "LoadedModel", *, draft: Optional[DraftModel] = None, mtp: Optional[MtpHead] = None,
+    def __init__(self, target: LoadedModel, *, draft: DraftModel | None = None, mtp: MtpHead | None = None,
                  window: type[DraftWindow] = DraftWindow):
         self.target = target
         self.draft_model = draft
@@ -57,7 +58,7 @@ class Speculation:
         """The drafter `auto` picks (what `localllm ps` shows)."""
         return next(k for k in ("mtp", "draft", "ngram") if k in self._builders)
 
-    def drafter_for(self, opts: SamplingOptions, *, grammar: Optional[str], n_prompt: int) -> Optional[Drafter]:
+    def drafter_for(self, opts: SamplingOptions, *, grammar: str | None, n_prompt: int) -> Drafter | None:
         """A new request's drafter (None: it does not speculate); InvalidInput when its spec_type is not offered."""
         kind = self.kind if opts.spec_type == "auto" else opts.spec_type
         if kind == "none" or opts.spec_max_draft == 0:
@@ -100,8 +101,8 @@ class Speculation:
             self.draft_model = None
 
 
-def load_speculation(store: "Store", model: "ResolvedModel", load: LoadOptions,
-                     loaded: "LoadedModel") -> Speculation:
+def load_speculation(store: Store, model: ResolvedModel, load: LoadOptions,
+                     loaded: LoadedModel) -> Speculation:
     """The pool's drafter factory: called once per model load, on the loading thread, before the engine starts."""
     draft = None
     if load.draft:
@@ -114,7 +115,7 @@ def load_speculation(store: "Store", model: "ResolvedModel", load: LoadOptions,
     return Speculation(loaded, draft=draft, mtp=open_mtp_head(loaded))
 
 
-def open_mtp_head(loaded: "LoadedModel") -> Optional[MtpHead]:
+def open_mtp_head(loaded: LoadedModel) -> MtpHead | None:
     """The model's MTP head when its weights carry one and the backend runs it, else None."""
     try:
         return loaded.mtp_head()
@@ -123,7 +124,7 @@ def open_mtp_head(loaded: "LoadedModel") -> Optional[MtpHead]:
         return None
 
 
-def open_draft_model(weights: "Path", load: LoadOptions, target: "LoadedModel", *, name: str) -> DraftModel:
+def open_draft_model(weights: Path, load: LoadOptions, target: LoadedModel, *, name: str) -> DraftModel:
     """Load a draft model beside `target` (same slots and context per slot), checking it shares the vocabulary."""
     from ...backends import choose_backend, get_backend
 

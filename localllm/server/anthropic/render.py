@@ -9,13 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any
 
 from ... import api
 from ...errors import LocalLLMError, QueueFull
 from ..chunk_stream import ChunkStream
 from ..responses import anthropic_error, error_payload
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
@@ -73,7 +75,7 @@ class MessageEvents:
     model: str
     message_id: str = field(default_factory=lambda: new_id("msg"))
     _index: int = -1
-    _open: Optional[str] = None  # the kind of the block now open
+    _open: str | None = None  # the kind of the block now open
     _thinking: list[str] = field(default_factory=list)
     _started: bool = False
 

@@ -9,7 +9,7 @@ cannot run here: they are left out with a warning in the log, so an agent that a
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,32 +25,32 @@ class _Wire(BaseModel):
 
 class AnthropicMessage(_Wire):
     role: Literal["user", "assistant"]
-    content: Union[str, list[dict[str, Any]]]
+    content: str | list[dict[str, Any]]
 
 
 class AnthropicTool(_Wire):
     name: str = Field(min_length=1, max_length=128)
     description: str = ""
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
-    type: Optional[str] = None
+    type: str | None = None
 
 
 class MessagesRequest(_Wire):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
-    system: Union[str, list[dict[str, Any]], None] = None
-    temperature: Optional[float] = Field(None, ge=0, le=1)
-    top_p: Optional[float] = Field(None, ge=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)
-    stop_sequences: Optional[list[str]] = Field(None, max_length=64)
-    tools: Optional[list[AnthropicTool]] = None
-    tool_choice: Optional[dict[str, Any]] = None
-    thinking: Optional[dict[str, Any]] = None
-    output_config: Optional[dict[str, Any]] = Field(None, description="format (a JSON schema) is honoured; effort "
+    system: str | list[dict[str, Any]] | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stop_sequences: list[str] | None = Field(None, max_length=64)
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = Field(None, description="format (a JSON schema) is honoured; effort "
                                                     "is accepted and left to the model")
-    output_format: Optional[dict[str, Any]] = Field(None, description="the older name of output_config.format")
-    metadata: Optional[dict[str, Any]] = None
+    output_format: dict[str, Any] | None = Field(None, description="the older name of output_config.format")
+    metadata: dict[str, Any] | None = None
     stream: bool = False
 
 
@@ -59,17 +59,17 @@ class CountTokensRequest(_Wire):
 
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: Union[str, list[dict[str, Any]], None] = None
-    tools: Optional[list[AnthropicTool]] = None
-    tool_choice: Optional[dict[str, Any]] = None
-    thinking: Optional[dict[str, Any]] = None
-    output_config: Optional[dict[str, Any]] = None
-    output_format: Optional[dict[str, Any]] = None
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------- request
 
-def chat_request(body: Union[MessagesRequest, CountTokensRequest]) -> api.ChatRequest:
+def chat_request(body: MessagesRequest | CountTokensRequest) -> api.ChatRequest:
     messages = chat_messages(body.messages)
     system = system_text(body.system)
     if system:
@@ -85,7 +85,7 @@ def chat_request(body: Union[MessagesRequest, CountTokensRequest]) -> api.ChatRe
                            options={name: value for name, value in options.items() if value is not None})
 
 
-def output_format(config: Optional[dict[str, Any]], legacy: Optional[dict[str, Any]]) -> api.Format:
+def output_format(config: dict[str, Any] | None, legacy: dict[str, Any] | None) -> api.Format:
     """Structured outputs: {"type": "json_schema", "schema": {...}} as the schema our grammar takes."""
     fmt = (config or {}).get("format") or legacy
     if not fmt:
@@ -95,13 +95,13 @@ def output_format(config: Optional[dict[str, Any]], legacy: Optional[dict[str, A
     return fmt["schema"]
 
 
-def system_text(system: Union[str, list[dict[str, Any]], None]) -> str:
+def system_text(system: str | list[dict[str, Any]] | None) -> str:
     if system is None or isinstance(system, str):
         return system or ""
     return "\n\n".join(_text_block(block, f"system.{i}") for i, block in enumerate(system))
 
 
-def think(thinking: Optional[dict[str, Any]]) -> Optional[bool]:
+def think(thinking: dict[str, Any] | None) -> bool | None:
     """{"type": "enabled", "budget_tokens": N} turns thinking on, {"type": "disabled"} off. The budget is checked
     but not enforced: the answer as a whole is bounded by max_tokens."""
     if thinking is None:
@@ -117,7 +117,7 @@ def think(thinking: Optional[dict[str, Any]]) -> Optional[bool]:
     raise InvalidInput(f"thinking.type {kind!r} is not valid", hint="use enabled or disabled")
 
 
-def tool_choice(choice: Optional[dict[str, Any]]) -> Union[str, dict[str, Any], None]:
+def tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
     """Anthropic's choices as OpenAI's, whose forced forms (any, tool) take the tool-call grammar."""
     if choice is None:
         return None

@@ -10,11 +10,11 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from . import render
-from .requests import CountTokensRequest, MessagesRequest, chat_request
 from ..chunk_stream import ChunkStream
 from ..responses import StreamResponse, client_gone, merge_chat
 from ..state import State
+from . import render
+from .requests import CountTokensRequest, MessagesRequest, chat_request
 
 router = APIRouter(prefix="/v1/messages")
 

@@ -8,8 +8,9 @@ import json
 import struct
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any
 
 from ... import api
 from ..chunk_stream import ChunkStream
@@ -22,7 +23,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def finish_reason(done_reason: Optional[str], *, tool_calls: bool = False) -> str:
+def finish_reason(done_reason: str | None, *, tool_calls: bool = False) -> str:
     if done_reason == "length":  # a call cut off by max_tokens is a partial call, and says so
         return "length"
     return "tool_calls" if tool_calls else "stop"
@@ -78,7 +79,7 @@ def whole_call_deltas(calls: list[api.ToolCall]) -> list[api.ToolCallDelta]:
     return out
 
 
-def chat_logprobs(logprobs: Optional[list[api.TokenLogprob]]) -> Optional[dict[str, Any]]:
+def chat_logprobs(logprobs: list[api.TokenLogprob] | None) -> dict[str, Any] | None:
     if not logprobs:
         return None
     return {"content": [lp.model_dump(include={"token", "logprob", "bytes", "top_logprobs"}) for lp in logprobs]}
@@ -161,8 +162,8 @@ class ChatEvents:
         return [self.envelope.wrap("chat.completion.chunk", [],
                                    usage=usage(*self.finals, per_prompt=len(self.finals)))]
 
-    def _delta(self, index: int, delta: dict[str, Any], *, finish: Optional[str] = None,
-               logprobs: Optional[list[api.TokenLogprob]] = None) -> dict[str, Any]:
+    def _delta(self, index: int, delta: dict[str, Any], *, finish: str | None = None,
+               logprobs: list[api.TokenLogprob] | None = None) -> dict[str, Any]:
         choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
         extra = {"usage": None} if self.include_usage else {}
         return self.envelope.wrap("chat.completion.chunk", [choice], **extra)
@@ -176,7 +177,7 @@ class CompletionLogprobs:
 
     offset: int = 0
 
-    def render(self, logprobs: Optional[list[api.TokenLogprob]]) -> Optional[dict[str, Any]]:
+    def render(self, logprobs: list[api.TokenLogprob] | None) -> dict[str, Any] | None:
         if not logprobs:
             return None
         offsets = []
@@ -188,7 +189,7 @@ class CompletionLogprobs:
                 "text_offset": offsets}
 
 
-def text_completion(answers: list[api.GenerateChunk], envelope: Envelope, echoes: Optional[list[str]] = None,
+def text_completion(answers: list[api.GenerateChunk], envelope: Envelope, echoes: list[str] | None = None,
                     n: int = 1) -> dict[str, Any]:
     """The merged answers (one per choice, `n` per prompt) as one text_completion; `echoes[i]` is prepended to
     choice i (`echo`)."""
@@ -205,7 +206,7 @@ def text_completion(answers: list[api.GenerateChunk], envelope: Envelope, echoes
 class CompletionEvents:
     envelope: Envelope
     include_usage: bool = False
-    echoes: Optional[list[str]] = None
+    echoes: list[str] | None = None
     n: int = 1
     logprobs: dict[int, CompletionLogprobs] = field(default_factory=dict)
     finals: list[api.GenerateChunk] = field(default_factory=list)

@@ -8,13 +8,13 @@ as one batch."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ... import api
-from ...errors import InvalidInput
 from ...chat.thinking import think_from_effort
+from ...errors import InvalidInput
 
 
 class _Wire(BaseModel):
@@ -30,18 +30,18 @@ class _Sampling(_Wire):
 
     model: str
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    max_tokens: Optional[int] = Field(None, ge=0)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
-    top_p: Optional[float] = Field(None, ge=0, le=1)
-    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = None
+    stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=128, description="choices per prompt")
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token (llama.cpp extension)")
-    keep_alive: Union[str, int, float, None] = Field(None, description="Ollama's keep_alive (extension)")
+    keep_alive: str | int | float | None = Field(None, description="Ollama's keep_alive (extension)")
 
     @property
     def include_usage(self) -> bool:
@@ -50,48 +50,48 @@ class _Sampling(_Wire):
 
 class ChatMessage(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[dict[str, Any]], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
-    tool_call_id: Optional[str] = None
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=0)
-    response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[api.Tool]] = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    max_completion_tokens: int | None = Field(None, ge=0)
+    response_format: dict[str, Any] | None = None
+    tools: list[api.Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    reasoning_effort: Optional[str] = Field(None, description="none, minimal, low, medium or high")
-    reasoning: Optional[dict[str, Any]] = Field(None, description="{\"effort\": ...}, as some clients send it")
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    reasoning_effort: str | None = Field(None, description="none, minimal, low, medium or high")
+    reasoning: dict[str, Any] | None = Field(None, description="{\"effort\": ...}, as some clients send it")
 
     @property
-    def think(self) -> Union[bool, str, None]:
+    def think(self) -> bool | str | None:
         if self.reasoning_effort is not None:
             return think_from_effort(self.reasoning_effort)
         return think_from_effort((self.reasoning or {}).get("effort"), field_name="reasoning.effort")
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=0)  # OpenAI's documented default for completions
-    suffix: Optional[str] = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's documented default for completions
+    suffix: str | None = None
     echo: bool = False
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class EmbeddingRequest(_Wire):
     model: str
-    input: Union[str, list[str], list[int], list[list[int]]]
+    input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = Field(None, ge=1)
+    dimensions: int | None = Field(None, ge=1)
 
 
 # ---------------------------------------------------------------------------------------------------------- options
 
-def sampling_options(body: _Sampling, max_tokens: Optional[int]) -> dict[str, Any]:
+def sampling_options(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
     """OpenAI's sampling fields as our flat options; unset fields leave the Modelfile's values in force."""
     options: dict[str, Any] = {
         "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
@@ -102,7 +102,7 @@ def sampling_options(body: _Sampling, max_tokens: Optional[int]) -> dict[str, An
     return {name: value for name, value in options.items() if value is not None}
 
 
-def _logit_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
     try:
@@ -111,7 +111,7 @@ def _logit_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
         raise InvalidInput(f"logit_bias keys must be token ids, got {list(bias)!r}") from None
 
 
-def response_format(fmt: Optional[dict[str, Any]]) -> api.Format:
+def response_format(fmt: dict[str, Any] | None) -> api.Format:
     """{"type": "json_object"} → "json"; {"type": "json_schema", "json_schema": {"schema": ...}} → the schema."""
     kind = (fmt or {}).get("type", "text")
     if kind == "text":
@@ -139,7 +139,7 @@ def chat_requests(body: ChatCompletionRequest) -> list[api.ChatRequest]:
     return [_choice(request, body.seed, i) for i in range(body.n)]
 
 
-def _choice(request: Any, seed: Optional[int], index: int) -> Any:
+def _choice(request: Any, seed: int | None, index: int) -> Any:
     if seed is None or index == 0:
         return request
     return request.model_copy(update={"options": {**request.options, "seed": seed + index}})
@@ -159,7 +159,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[api.Message]:
     return out
 
 
-def message_text(content: Union[str, list[dict[str, Any]], None], where: str) -> str:
+def message_text(content: str | list[dict[str, Any]] | None, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
@@ -185,7 +185,7 @@ def _tool_call(call: dict[str, Any], where: str) -> api.ToolCall:
 
 # ---------------------------------------------------------------------------------------------------------- completions
 
-def completion_requests(body: CompletionRequest) -> tuple[list[api.GenerateRequest], Optional[list[str]]]:
+def completion_requests(body: CompletionRequest) -> tuple[list[api.GenerateRequest], list[str] | None]:
     """One api request per prompt and choice (OpenAI orders them prompt by prompt, n each), and the text each
     choice echoes (`echo`), or None. A completion is raw text continuation: no chat template, as with OpenAI and
     llama-server; a token-id prompt goes to the engine as it is."""
@@ -206,7 +206,7 @@ def completion_requests(body: CompletionRequest) -> tuple[list[api.GenerateReque
     return requests, echoes if body.echo else None
 
 
-def completion_prompts(prompt: Union[str, list[str], list[int], list[list[int]]]) -> list[Union[str, list[int]]]:
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
     """`prompt` as a list of prompts: text, or token ids."""
     if isinstance(prompt, str):
         return [prompt]

@@ -9,7 +9,6 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 from ... import api, config
 from ...errors import InvalidInput, ResponseNotFound
@@ -54,7 +53,7 @@ def delete(response_id: str) -> None:
         raise ResponseNotFound(f"response {response_id!r} not found") from None
 
 
-def prune(now: Optional[float] = None) -> None:
+def prune(now: float | None = None) -> None:
     """Drop answers older than the age limit, then the oldest beyond the count limit."""
     folder = config.responses_dir()
     if not folder.is_dir():

@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any
 
 from ... import api
 from ..chunk_stream import ChunkStream
-from .responses_requests import ResponsesRequest
 from ..responses import error_payload
+from .responses_requests import ResponsesRequest
 
 
 def new_id(prefix: str) -> str:
@@ -33,19 +34,19 @@ def usage(chunk: api.Timings) -> dict[str, Any]:
             "total_tokens": chunk.prompt_eval_count + chunk.eval_count}
 
 
-def reasoning_item(text: str, item_id: Optional[str] = None) -> dict[str, Any]:
+def reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id or new_id("rs"), "summary": [],
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def message_item(text: str, item_id: Optional[str] = None, status: str = "completed") -> dict[str, Any]:
+def message_item(text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     content = [part] if status == "completed" else []
     return {"type": "message", "id": item_id or new_id("msg"), "status": status, "role": "assistant",
             "content": content}
 
 
-def function_call_item(call: api.ToolCall, arguments: Optional[str] = None, status: str = "completed") -> dict:
+def function_call_item(call: api.ToolCall, arguments: str | None = None, status: str = "completed") -> dict:
     return {"type": "function_call", "id": new_id("fc"), "call_id": call.id or new_id("call"),
             "name": call.function.name, "status": status,
             "arguments": json.dumps(call.function.arguments) if arguments is None else arguments}
@@ -77,7 +78,7 @@ class ResponseFrame:
     id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
-    def response(self, status: str, output: list[dict[str, Any]], final: Optional[api.ChatChunk] = None) -> dict:
+    def response(self, status: str, output: list[dict[str, Any]], final: api.ChatChunk | None = None) -> dict:
         body = self.body
         incomplete = final is not None and final.done_reason == "length"
         return {
@@ -109,9 +110,9 @@ class ResponseEvents:
 
     frame: ResponseFrame
     items: list[dict[str, Any]] = field(default_factory=list)
-    final: Optional[dict[str, Any]] = None
+    final: dict[str, Any] | None = None
     _seq: int = 0
-    _open: Optional[dict[str, Any]] = None
+    _open: dict[str, Any] | None = None
     _text: list[str] = field(default_factory=list)
 
     def events(self, chunk: api.ChatChunk) -> list[dict[str, Any]]:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ... import api
-from ...errors import InvalidInput
 from ...chat.thinking import think_from_effort
+from ...errors import InvalidInput
 
 log = logging.getLogger(__name__)
 
@@ -28,28 +28,28 @@ class _Wire(BaseModel):
 class ResponseTool(_Wire):
     type: str = "function"
     name: str = ""
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class ResponsesRequest(_Wire):
     model: str
-    input: Union[str, list[dict[str, Any]]] = Field(min_length=1)
-    instructions: Optional[str] = None
-    tools: Optional[list[ResponseTool]] = None
-    tool_choice: Union[Literal["auto", "none", "required"], dict[str, Any], None] = None
-    text: Optional[dict[str, Any]] = None
-    max_output_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
-    top_p: Optional[float] = Field(None, ge=0, le=1)
-    reasoning: Optional[dict[str, Any]] = None
+    input: str | list[dict[str, Any]] = Field(min_length=1)
+    instructions: str | None = None
+    tools: list[ResponseTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    reasoning: dict[str, Any] | None = None
     stream: bool = False
     store: bool = True
-    previous_response_id: Optional[str] = None
-    metadata: Optional[dict[str, str]] = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
     parallel_tool_calls: bool = True
-    keep_alive: Union[str, int, float, None] = Field(None, description="Ollama's keep_alive (extension)")
+    keep_alive: str | int | float | None = Field(None, description="Ollama's keep_alive (extension)")
 
 
 # ---------------------------------------------------------------------------------------------------------- request
@@ -73,7 +73,7 @@ def turn_instructions(body: ResponsesRequest) -> list[api.Message]:
     return [api.Message(role="system", content=body.instructions)] if body.instructions else []
 
 
-def tool_choice(choice: Union[str, dict[str, Any], None]) -> Union[str, dict[str, Any], None]:
+def tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
     """{"type": "function", "name": X} (Responses) as {"type": "function", "function": {"name": X}} (chat)."""
     if not isinstance(choice, dict):
         return choice
@@ -83,7 +83,7 @@ def tool_choice(choice: Union[str, dict[str, Any], None]) -> Union[str, dict[str
     return {"type": "function", "function": {"name": choice["name"]}}
 
 
-def text_format(text: Optional[dict[str, Any]]) -> api.Format:
+def text_format(text: dict[str, Any] | None) -> api.Format:
     """text.format: {"type": "json_schema", "schema": ...} → the schema; json_object → "json"; text → none."""
     fmt = (text or {}).get("format") or {"type": "text"}
     kind = fmt.get("type")
@@ -114,8 +114,8 @@ def _tool(tool: ResponseTool) -> api.Tool:
 
 # ---------------------------------------------------------------------------------------------------------- input
 
-def input_messages(items: Union[str, list[dict[str, Any]]],
-                   earlier_calls: Optional[dict[str, str]] = None) -> list[api.Message]:
+def input_messages(items: str | list[dict[str, Any]],
+                   earlier_calls: dict[str, str] | None = None) -> list[api.Message]:
     """The input as messages; a function_call_output names its tool, found by call_id here or in `earlier_calls`
     (call_id → name, from the stored conversation)."""
     if isinstance(items, str):

@@ -13,12 +13,12 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ... import api
-from . import responses_render as render
-from . import response_store
 from ..chunk_stream import ChunkStream
-from .responses_requests import ResponsesRequest, chat_request, turn_instructions
 from ..responses import StreamResponse, client_gone, merge_chat
 from ..state import State
+from . import response_store
+from . import responses_render as render
+from .responses_requests import ResponsesRequest, chat_request, turn_instructions
 
 router = APIRouter(prefix="/v1/responses")
 

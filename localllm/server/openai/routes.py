@@ -3,18 +3,25 @@ render the answer (render.py). Streams are server-sent events ending in `data: [
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from ...errors import ModelNotFound
-from . import render
 from ..chunk_stream import ChunkStream
-from .requests import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, chat_requests,
-                              completion_requests, embed_request)
 from ..responses import client_gone, merge_chat, merge_generate, sse_response
 from ..state import State
+from . import render
+from .requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    chat_requests,
+    completion_requests,
+    embed_request,
+)
 
 router = APIRouter(prefix="/v1")
 

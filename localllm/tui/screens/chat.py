@@ -7,8 +7,9 @@ worker; a server that stops answering is said once, as a notification."""
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, Any
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -51,8 +52,8 @@ class ChatScreen(Screen):
         """An answer ended: completely (timings set), stopped by the user, or by an error."""
 
         text: str
-        timings: Optional[api.Timings]
-        error: Optional[LocalLLMError]
+        timings: api.Timings | None
+        error: LocalLLMError | None
         epoch: int  # the chat it belongs to: an answer stopped by /clear or a model switch is not recorded
         thinking: str = ""
 
@@ -60,7 +61,7 @@ class ChatScreen(Screen):
         super().__init__()
         self.client = client
         self.conversation = conversation
-        self._server_up: Optional[bool] = None
+        self._server_up: bool | None = None
         self._answering = False
         self._epoch = 0
 
@@ -133,7 +134,7 @@ class ChatScreen(Screen):
         view = reply.thinking or self.query_one(MessageList).add_thinking(reply)
         view.add(text)
 
-    async def _show_piece(self, markdown: "MarkdownStream", text: str, speed: Optional[float],
+    async def _show_piece(self, markdown: MarkdownStream, text: str, speed: float | None,
                           reply: MessageView) -> None:
         if text and reply.thinking is not None:
             reply.thinking.finish()  # the answer has begun: the thinking folds away above it
@@ -176,7 +177,7 @@ class ChatScreen(Screen):
         self.app.call_from_thread(self._server_state, None)
         self.app.call_from_thread(self._show_process, processes)
 
-    def _server_state(self, error: Optional[LocalLLMError]) -> None:
+    def _server_state(self, error: LocalLLMError | None) -> None:
         up = error is None
         if up != self._server_up and error is not None:
             self.post_message(ErrorReported(error, title="Server unreachable"))
@@ -204,7 +205,7 @@ class ChatScreen(Screen):
     def action_models(self) -> None:
         self.app.push_screen(ModelsScreen(self.client, current=self.conversation.model), callback=self.use_model)
 
-    def use_model(self, model: Optional[str]) -> None:
+    def use_model(self, model: str | None) -> None:
         if not model or model == self.conversation.model:
             return
         self.action_clear()
@@ -228,7 +229,7 @@ class ChatScreen(Screen):
         self.app.call_from_thread(self.app.push_screen, SettingsScreen(Settings(system=system, options=options)),
                                   self.apply_settings)
 
-    def apply_settings(self, settings: Optional[Settings]) -> None:
+    def apply_settings(self, settings: Settings | None) -> None:
         if settings is None:
             return
         self.conversation.system = settings.system
@@ -241,7 +242,7 @@ class ChatScreen(Screen):
         panel.figures = replace(panel.figures, model=self.conversation.model)
 
 
-def _live_rate(tokens: int, started: float) -> Optional[float]:
+def _live_rate(tokens: int, started: float) -> float | None:
     # The first token's time is prompt evaluation, so the rate counts from it: (tokens after it) / (time since).
     elapsed = time.perf_counter() - started
     return (tokens - 1) / elapsed if tokens > 1 and elapsed > 0 else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from textual import on
 from textual.app import ComposeResult
@@ -22,7 +22,7 @@ from ...errors import InvalidInput
 class Settings:
     """The part of a conversation the settings dialog edits."""
 
-    system: Optional[str]
+    system: str | None
     options: dict[str, Any]
 
 
@@ -62,7 +62,7 @@ def options_from_show(parameters: str) -> dict[str, Any]:
     return options
 
 
-class SettingsScreen(ModalScreen[Optional[Settings]]):
+class SettingsScreen(ModalScreen[Settings | None]):
     """System prompt and parameters of the chat; Ctrl+S saves, Escape cancels."""
 
     BINDINGS = [Binding("ctrl+s", "save", "Save"), Binding("escape", "cancel", "Cancel")]

@@ -3,8 +3,6 @@ Enter picks the highlighted model and returns it to the chat (the screen's dismi
 
 from __future__ import annotations
 
-from typing import Optional
-
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -31,7 +29,7 @@ def _size(size: int) -> str:
     return f"{value:.1f} TB"
 
 
-class ModelsScreen(Screen[Optional[str]]):
+class ModelsScreen(Screen[str | None]):
     BINDINGS = [
         Binding("escape", "close", "Back to chat"),
         Binding("d,delete", "delete", "Delete"),
@@ -103,7 +101,7 @@ class ModelsScreen(Screen[Optional[str]]):
     def picked(self, event: DataTable.RowSelected) -> None:
         self.dismiss(event.row_key.value)
 
-    def selected_name(self) -> Optional[str]:
+    def selected_name(self) -> str | None:
         table = self.query_one(DataTable)
         if table.row_count == 0:
             return None
@@ -148,7 +146,7 @@ class ModelsScreen(Screen[Optional[str]]):
         if name is None:
             return
 
-        def confirmed(yes: Optional[bool]) -> None:
+        def confirmed(yes: bool | None) -> None:
             if yes:
                 self.delete(name)
 

@@ -4,7 +4,6 @@ speculative acceptance. The chat screen sets its attributes; the panel only draw
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from rich.table import Table
 from textual.reactive import reactive
@@ -19,9 +18,9 @@ class EngineFigures:
 
     server: str = "connecting…"
     model: str = ""
-    process: Optional[api.ProcessModel] = None
-    live_rate: Optional[float] = None  # tokens/s of the answer being written
-    last_rate: Optional[float] = None  # tokens/s of the last finished answer
+    process: api.ProcessModel | None = None
+    live_rate: float | None = None  # tokens/s of the answer being written
+    last_rate: float | None = None  # tokens/s of the last finished answer
     prompt_tokens: int = 0
     cached_tokens: int = 0
     drafted: int = 0

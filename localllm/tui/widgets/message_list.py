@@ -3,8 +3,6 @@ model's thinking sits above its answer in a collapsible."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Collapsible, Markdown, Static
@@ -32,7 +30,7 @@ class ThinkingView(Collapsible):
 class MessageView(Markdown):
     """One message; the role is a CSS class (user, assistant, error) styled in localllm.tcss."""
 
-    thinking: Optional[ThinkingView] = None
+    thinking: ThinkingView | None = None
 
 
 class MessageList(VerticalScroll):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from rich.table import Table
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -16,7 +14,7 @@ from ... import api
 class ModelDetails(Static):
     """The facts `localllm show` prints, for the model the table's cursor is on."""
 
-    info: reactive[Optional[api.ShowResponse]] = reactive(None, layout=True)
+    info: reactive[api.ShowResponse | None] = reactive(None, layout=True)
 
     def render(self) -> Table | str:
         if self.info is None:
@@ -49,13 +47,13 @@ def _one_per_line(parameters: str) -> str:
 class PullView(Vertical):
     """A pull's progress: the current step as text, and the bytes as a bar."""
 
-    progress: reactive[Optional[api.PullProgress]] = reactive(None)
+    progress: reactive[api.PullProgress | None] = reactive(None)
 
     def compose(self) -> ComposeResult:
         yield Label("", id="pull-status")
         yield ProgressBar(id="pull-bar", show_eta=True)
 
-    def watch_progress(self, progress: Optional[api.PullProgress]) -> None:
+    def watch_progress(self, progress: api.PullProgress | None) -> None:
         self.display = progress is not None
         if progress is None:
             return
