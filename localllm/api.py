@@ -52,24 +52,35 @@ class LoraAdapter(_Model):
 class LoadOptions(_Model):
     """Options fixed when a model is loaded; changing any of them reloads the model."""
 
-    num_ctx: int | None = Field(None, ge=16, le=INT32_MAX,
-                                   description="context per slot, in tokens (never divided across slots)")
+    num_ctx: int | None = Field(
+        None, ge=16, le=INT32_MAX, description="context per slot, in tokens (never divided across slots)"
+    )
     num_parallel: int | None = Field(None, ge=1, le=256, description="slots: requests decoded at once")
     num_batch: int = Field(512, ge=1, le=INT32_MAX, description="most tokens decoded in one step")
-    num_gpu: int | None = Field(None, ge=-1, le=INT32_MAX,
-                                   description="layers offloaded to the GPU; default all that fit")
-    num_thread: int | None = Field(None, ge=1, le=INT32_MAX,
-                                      description="CPU threads for decoding (unset: chosen as it runs)")
+    num_gpu: int | None = Field(
+        None, ge=-1, le=INT32_MAX, description="layers offloaded to the GPU; default all that fit"
+    )
+    num_thread: int | None = Field(
+        None, ge=1, le=INT32_MAX, description="CPU threads for decoding (unset: chosen as it runs)"
+    )
     flash_attn: bool | None = Field(None, description="flash attention where the backend has it")
     kv_type: KVType | None = Field(None, description="KV cache element type")
     use_mmap: bool = Field(True, description="map the weights file instead of reading it")
     backend: BackendName = Field("auto", description="auto picks mlx for MLX folders, llama.cpp for GGUF")
     draft: str | None = Field(None, description="draft model for speculative decoding (Modelfile DRAFT)")
     embedding: bool = Field(False, description="load for embeddings (pooled output)")
-    adapter_scale: float | None = Field(None, ge=-ADAPTER_SCALE_LIMIT, le=ADAPTER_SCALE_LIMIT,
-                                           description="scale of every LoRA adapter (overrides each ADAPTER line's)")
-    rpc: str | None = Field(None, max_length=1024, description="RPC workers (`localllm worker`) to place layers "
-                               "on, host:port[,host:port...]; default LOCALLLM_RPC, \"\" for none")
+    adapter_scale: float | None = Field(
+        None,
+        ge=-ADAPTER_SCALE_LIMIT,
+        le=ADAPTER_SCALE_LIMIT,
+        description="scale of every LoRA adapter (overrides each ADAPTER line's)",
+    )
+    rpc: str | None = Field(
+        None,
+        max_length=1024,
+        description="RPC workers (`localllm worker`) to place layers "
+        'on, host:port[,host:port...]; default LOCALLLM_RPC, "" for none',
+    )
 
     @field_validator("rpc")
     @classmethod
@@ -94,8 +105,9 @@ class SamplingOptions(_Model):
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
-    num_predict: int = Field(-1, ge=-2, le=INT32_MAX,
-                             description="most tokens to generate; -1 until the context is full")
+    num_predict: int = Field(
+        -1, ge=-2, le=INT32_MAX, description="most tokens to generate; -1 until the context is full"
+    )
     logit_bias: dict[int, float] = Field(default_factory=dict)
 
     @field_validator("logit_bias")
@@ -104,19 +116,42 @@ class SamplingOptions(_Model):
         if any(math.isnan(bias) for bias in biases.values()):
             raise ValueError("a logit bias is NaN")
         return biases
+
     ignore_eos: bool = False
     spec_type: SpecType = Field("auto", description="speculative decoding: auto, none, ngram, draft, mtp")
-    spec_max_draft: int = Field(32, ge=0, le=64, description="most draft tokens verified per step (the draft window "
-                                "sizes each draft below this from its acceptance and cost)")
-    keep_prefix: bool = Field(False, description="pin this conversation's prompt and answer in the prefix cache, so "
-                              "it comes back without prefill even after other conversations took its slot")
+    spec_max_draft: int = Field(
+        32,
+        ge=0,
+        le=64,
+        description="most draft tokens verified per step (the draft window "
+        "sizes each draft below this from its acceptance and cost)",
+    )
+    keep_prefix: bool = Field(
+        False,
+        description="pin this conversation's prompt and answer in the prefix cache, so "
+        "it comes back without prefill even after other conversations took its slot",
+    )
 
 
 LOAD_OPTION_NAMES = frozenset(LoadOptions.model_fields)
 SAMPLING_OPTION_NAMES = frozenset(SamplingOptions.model_fields)
 # Ollama options we accept and ignore because they have no meaning here (documented for users who copy Modelfiles).
-IGNORED_OPTION_NAMES = frozenset({"num_keep", "mirostat", "mirostat_tau", "mirostat_eta", "penalize_newline",
-                                  "numa", "main_gpu", "low_vram", "vocab_only", "use_mlock", "tfs_z", "num_gqa"})
+IGNORED_OPTION_NAMES = frozenset(
+    {
+        "num_keep",
+        "mirostat",
+        "mirostat_tau",
+        "mirostat_eta",
+        "penalize_newline",
+        "numa",
+        "main_gpu",
+        "low_vram",
+        "vocab_only",
+        "use_mlock",
+        "tfs_z",
+        "num_gqa",
+    }
+)
 
 
 def split_options(options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -129,8 +164,10 @@ def split_options(options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[
         elif name in SAMPLING_OPTION_NAMES:
             sampling[name] = value
         elif name not in IGNORED_OPTION_NAMES:
-            raise InvalidInput(f"unknown option {name!r}",
-                               hint="see `localllm show MODEL --parameters` or Ollama's list of Modelfile parameters")
+            raise InvalidInput(
+                f"unknown option {name!r}",
+                hint="see `localllm show MODEL --parameters` or Ollama's list of Modelfile parameters",
+            )
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
     return load, sampling
@@ -179,6 +216,7 @@ def _unknown_option(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- messages
+
 
 class ToolCallFunction(_Model):
     name: str
@@ -231,14 +269,18 @@ Format = Literal["json", ""] | dict[str, Any] | None
 
 # ---------------------------------------------------------------------------------------------------------- requests
 
+
 class _InferenceRequest(_Model):
     model: str
     format: Format = None
     options: dict[str, Any] = Field(default_factory=dict)
     stream: bool = True
     keep_alive: str | int | float | None = None
-    think: bool | str | None = Field(None, description='thinking on a reasoning model: true, false, "low", '
-                                          '"medium" or "high"; unset leaves the model\'s default')
+    think: bool | str | None = Field(
+        None,
+        description='thinking on a reasoning model: true, false, "low", '
+        '"medium" or "high"; unset leaves the model\'s default',
+    )
     truncate: bool = Field(False, description="drop the oldest prompt tokens on overflow instead of failing")
     logprobs: bool = Field(False, description="return each generated token's log-probability")
     top_logprobs: int = Field(0, ge=0, le=20, description="and this many most likely alternatives per token")
@@ -268,8 +310,9 @@ class ChatRequest(_InferenceRequest):
 class EmbedRequest(_Model):
     model: str
     input: str | list[str] = Field(description='text(s) to embed; "" or [] only loads the model')
-    input_tokens: list[list[int]] | None = Field(None, description="inputs as token ids instead of text (OpenAI's "
-                                                    "int[] / int[][] input; localllm extension)")
+    input_tokens: list[list[int]] | None = Field(
+        None, description="inputs as token ids instead of text (OpenAI's int[] / int[][] input; localllm extension)"
+    )
     dimensions: int | None = Field(None, ge=1, description="keep the first n dimensions, re-normalized")
     truncate: bool = True
     options: dict[str, Any] = Field(default_factory=dict)
@@ -285,6 +328,7 @@ class EmbedResponse(_Model):
 
 
 # ---------------------------------------------------------------------------------------------------------- responses
+
 
 class Timings(_Model):
     """Ollama's timing fields (nanoseconds) plus ours: cached and speculative counts."""
@@ -334,15 +378,19 @@ class ChatChunk(Timings):
     message: Message = Field(default_factory=lambda: Message(role="assistant"))
     done: bool = False
     done_reason: DoneReason | None = None
-    tool_call_deltas: list[ToolCallDelta] | None = Field(None, description="a forced tool call as it is "
-                                                            "generated (localllm extension; the last chunk's "
-                                                            "message carries the whole call)")
+    tool_call_deltas: list[ToolCallDelta] | None = Field(
+        None,
+        description="a forced tool call as it is "
+        "generated (localllm extension; the last chunk's "
+        "message carries the whole call)",
+    )
     tokens: list[int] | None = Field(None, description="token ids in this chunk (localllm extension)")
     logprobs: list[TokenLogprob] | None = None
     stop_sequence: str | None = Field(None, description="the stop string that ended the answer (extension)")
 
 
 # ---------------------------------------------------------------------------------------------------------- models
+
 
 class ModelDetails(_Model):
     parent_model: str = ""
@@ -441,8 +489,10 @@ class CreateRequest(_Model):
     allow_requantize: bool = Field(False, description="quantize weights that are already quantized (loses quality)")
     imatrix: str | None = Field(None, description="importance matrix file (GGUF, from llama-imatrix) for quantize")
     format: Literal["gguf", "mlx"] | None = None
-    files: dict[str, str] = Field(default_factory=dict, description="uploaded blobs by file name (Ollama's "
-                                  "create(files=...)): {\"model.gguf\": \"sha256:...\"}")
+    files: dict[str, str] = Field(
+        default_factory=dict,
+        description='uploaded blobs by file name (Ollama\'s create(files=...)): {"model.gguf": "sha256:..."}',
+    )
     stream: bool = True
 
 
@@ -484,8 +534,9 @@ class ProcessModel(_Model):
     speculation: str = "none"
     threads: int = 0  # CPU threads of its decode steps now (llama.cpp; 0 where the backend chooses)
     threads_auto: bool = False  # chosen as it runs (LOCALLLM_NUM_THREAD auto), not pinned
-    flash_attn: bool | None = Field(None, description="flash attention as its context runs: on, off, or null "
-                                       "where the backend decides")
+    flash_attn: bool | None = Field(
+        None, description="flash attention as its context runs: on, off, or null where the backend decides"
+    )
     flash_attn_measured: bool = Field(False, description="flash_attn was chosen by timing both on this machine")
     draft_count: int = 0
     draft_accepted: int = 0
@@ -494,11 +545,13 @@ class ProcessModel(_Model):
     cache_ram_limit: int = Field(0, description="LOCALLLM_CACHE_RAM for this model")
     cache_disk_bytes: int = Field(0, description="prefix cache: saved prompt prefixes on disk")
     cache_disk_limit: int = Field(0, description="LOCALLLM_CACHE_DISK for this model (0: off)")
-    prefix_cache_hits: dict[str, int] = Field(default_factory=dict, description="requests that reused a prefix, "
-                                              "by tier: slot, ram, disk")
+    prefix_cache_hits: dict[str, int] = Field(
+        default_factory=dict, description="requests that reused a prefix, by tier: slot, ram, disk"
+    )
     prefix_cache_tokens: dict[str, int] = Field(default_factory=dict, description="prompt tokens reused, by tier")
-    shares_weights_with: list[str] = Field(default_factory=list,
-                                           description="other loaded models that use the same weights in memory")
+    shares_weights_with: list[str] = Field(
+        default_factory=list, description="other loaded models that use the same weights in memory"
+    )
     placement: list[DeviceLayers] = Field(default_factory=list)  # where its layers run; empty where unknown
 
 
@@ -534,6 +587,7 @@ class PruneReport(_Model):
 
 
 # ---------------------------------------------------------------------------------------------------------- agent APIs
+
 
 class StoredResponse(_Model):
     """A /v1/responses answer kept for GET and previous_response_id: the response object as sent, and the whole

@@ -79,7 +79,7 @@ def parse_duration(raw: str | int | float) -> float:
 
 
 def parse_host(raw: str) -> tuple[str, int]:
-    """"host", "host:port", "[::1]:port" or "http://host:port" into (host, port)."""
+    """ "host", "host:port", "[::1]:port" or "http://host:port" into (host, port)."""
     text = re.sub(r"^https?://", "", raw).rstrip("/")
     match = re.match(r"^\[(?P<v6>[^\]]+)\](?::(?P<p6>\d+))?$|^(?P<h>[^:\[\]]*)(?::(?P<p>\d+))?$", text)
     if not match:
@@ -100,7 +100,7 @@ def parse_size(raw: str) -> int:
     counts MiB)."""
     match = _SIZE.match(raw.strip())
     if not match:
-        raise ValueError('expected a size such as 0, 512MiB, 2GiB or a number of bytes')
+        raise ValueError("expected a size such as 0, 512MiB, 2GiB or a number of bytes")
     return int(float(match.group(1)) * 1024 ** _SIZE_POWER[match.group(2).lower()])
 
 
@@ -143,53 +143,135 @@ def parse_threads(raw: str) -> int | None:
 
 
 HOME = Setting("LOCALLLM_HOME", "where models and manifests live", lambda raw: Path(raw).expanduser(), _default_home)
-HOST = Setting("LOCALLLM_HOST", "address the server binds and clients call (host:port)", parse_host,
-               lambda: ("127.0.0.1", 11435))
-NUM_PARALLEL = Setting("LOCALLLM_NUM_PARALLEL", "slots per loaded model: requests decoded at once", parse_positive_int,
-                       _default_parallel)
-MAX_QUEUE = Setting("LOCALLLM_MAX_QUEUE", "requests waiting for a slot before new ones get 503", parse_positive_int,
-                    lambda: 64)
-KEEP_ALIVE = Setting("LOCALLLM_KEEP_ALIVE", "how long an idle model stays loaded (300, 5m, 1h, -1 forever)",
-                     parse_duration, lambda: 300.0)
-MAX_LOADED_MODELS = Setting("LOCALLLM_MAX_LOADED_MODELS", "models kept loaded at once; the least recently used idle "
-                            "one is unloaded", parse_positive_int, lambda: 3)
-CONTEXT_LENGTH = Setting("LOCALLLM_CONTEXT_LENGTH", "default context per slot (num_ctx), in tokens",
-                         parse_positive_int, lambda: 4096)
-NUM_THREAD = Setting("LOCALLLM_NUM_THREAD", "CPU threads for decoding: a number pins it; auto (the default) tries "
-                     "1 to the physical cores as the model runs and keeps the fastest", parse_threads, lambda: None)
-KV_CACHE_TYPE = Setting("LOCALLLM_KV_CACHE_TYPE", "KV cache type: f16, q8_0 or q4_0",
-                        lambda raw: _one_of(raw, ("f16", "q8_0", "q4_0")), lambda: "f16")
-FLASH_ATTENTION = Setting("LOCALLLM_FLASH_ATTENTION", "flash attention on/off (default: the backend decides)",
-                          parse_bool, lambda: None)
-QUALITY_TOKENS = Setting("LOCALLLM_QUALITY_TOKENS", "tokens of built-in text a quantization's quality report compares "
-                         "(0: no report)", lambda raw: _bounded_int(raw, 0, 8192), lambda: 2048)
-ORIGINS = Setting("LOCALLLM_ORIGINS", "comma-separated web origins (globs like chrome-extension://*) allowed to call "
-                  "the server and by CORS; loopback pages always may call", parse_list, lambda: [])
-ALLOWED_HOSTS = Setting("LOCALLLM_ALLOWED_HOSTS", "extra Host header names accepted besides loopback", parse_list,
-                        lambda: [])
+HOST = Setting(
+    "LOCALLLM_HOST", "address the server binds and clients call (host:port)", parse_host, lambda: ("127.0.0.1", 11435)
+)
+NUM_PARALLEL = Setting(
+    "LOCALLLM_NUM_PARALLEL", "slots per loaded model: requests decoded at once", parse_positive_int, _default_parallel
+)
+MAX_QUEUE = Setting(
+    "LOCALLLM_MAX_QUEUE", "requests waiting for a slot before new ones get 503", parse_positive_int, lambda: 64
+)
+KEEP_ALIVE = Setting(
+    "LOCALLLM_KEEP_ALIVE",
+    "how long an idle model stays loaded (300, 5m, 1h, -1 forever)",
+    parse_duration,
+    lambda: 300.0,
+)
+MAX_LOADED_MODELS = Setting(
+    "LOCALLLM_MAX_LOADED_MODELS",
+    "models kept loaded at once; the least recently used idle one is unloaded",
+    parse_positive_int,
+    lambda: 3,
+)
+CONTEXT_LENGTH = Setting(
+    "LOCALLLM_CONTEXT_LENGTH", "default context per slot (num_ctx), in tokens", parse_positive_int, lambda: 4096
+)
+NUM_THREAD = Setting(
+    "LOCALLLM_NUM_THREAD",
+    "CPU threads for decoding: a number pins it; auto (the default) tries "
+    "1 to the physical cores as the model runs and keeps the fastest",
+    parse_threads,
+    lambda: None,
+)
+KV_CACHE_TYPE = Setting(
+    "LOCALLLM_KV_CACHE_TYPE",
+    "KV cache type: f16, q8_0 or q4_0",
+    lambda raw: _one_of(raw, ("f16", "q8_0", "q4_0")),
+    lambda: "f16",
+)
+FLASH_ATTENTION = Setting(
+    "LOCALLLM_FLASH_ATTENTION", "flash attention on/off (default: the backend decides)", parse_bool, lambda: None
+)
+QUALITY_TOKENS = Setting(
+    "LOCALLLM_QUALITY_TOKENS",
+    "tokens of built-in text a quantization's quality report compares (0: no report)",
+    lambda raw: _bounded_int(raw, 0, 8192),
+    lambda: 2048,
+)
+ORIGINS = Setting(
+    "LOCALLLM_ORIGINS",
+    "comma-separated web origins (globs like chrome-extension://*) allowed to call "
+    "the server and by CORS; loopback pages always may call",
+    parse_list,
+    lambda: [],
+)
+ALLOWED_HOSTS = Setting(
+    "LOCALLLM_ALLOWED_HOSTS", "extra Host header names accepted besides loopback", parse_list, lambda: []
+)
 API_KEY = Setting("LOCALLLM_API_KEY", "bearer token required on every route but / and /health", str, lambda: "")
-OFFLINE = Setting("LOCALLLM_OFFLINE", "never touch the network; a missing model is an error", parse_bool,
-                  lambda: parse_bool(os.environ.get("HF_HUB_OFFLINE", "0") or "0"))
-MAX_BODY = Setting("LOCALLLM_MAX_BODY", "largest request body in bytes (413 above it)", parse_positive_int,
-                   lambda: 32 * 1024 * 1024)
-RPC = Setting("LOCALLLM_RPC", "RPC workers (`localllm worker`) whose devices take layers of each model loaded: "
-              "host:port[,host:port...]", lambda raw: parse_endpoints(raw), lambda: [])
-LOG_LEVEL = Setting("LOCALLLM_LOG_LEVEL", "server log level: debug, info, warning, error",
-                    lambda raw: _one_of(raw.lower(), ("debug", "info", "warning", "error")), lambda: "info")
-RESPONSES_MAX = Setting("LOCALLLM_RESPONSES_MAX", "stored /v1/responses kept for previous_response_id; the oldest "
-                        "go first", parse_positive_int, lambda: 1000)
-RESPONSES_MAX_AGE = Setting("LOCALLLM_RESPONSES_MAX_AGE", "how long a stored /v1/responses answer is kept (seconds, "
-                            "or 30m, 168h; -1 forever)", parse_duration, lambda: 30 * 24 * 3600.0)
+OFFLINE = Setting(
+    "LOCALLLM_OFFLINE",
+    "never touch the network; a missing model is an error",
+    parse_bool,
+    lambda: parse_bool(os.environ.get("HF_HUB_OFFLINE", "0") or "0"),
+)
+MAX_BODY = Setting(
+    "LOCALLLM_MAX_BODY", "largest request body in bytes (413 above it)", parse_positive_int, lambda: 32 * 1024 * 1024
+)
+RPC = Setting(
+    "LOCALLLM_RPC",
+    "RPC workers (`localllm worker`) whose devices take layers of each model loaded: host:port[,host:port...]",
+    lambda raw: parse_endpoints(raw),
+    lambda: [],
+)
+LOG_LEVEL = Setting(
+    "LOCALLLM_LOG_LEVEL",
+    "server log level: debug, info, warning, error",
+    lambda raw: _one_of(raw.lower(), ("debug", "info", "warning", "error")),
+    lambda: "info",
+)
+RESPONSES_MAX = Setting(
+    "LOCALLLM_RESPONSES_MAX",
+    "stored /v1/responses kept for previous_response_id; the oldest go first",
+    parse_positive_int,
+    lambda: 1000,
+)
+RESPONSES_MAX_AGE = Setting(
+    "LOCALLLM_RESPONSES_MAX_AGE",
+    "how long a stored /v1/responses answer is kept (seconds, or 30m, 168h; -1 forever)",
+    parse_duration,
+    lambda: 30 * 24 * 3600.0,
+)
 
-CACHE_RAM = Setting("LOCALLLM_CACHE_RAM", "host RAM per loaded model for prompt prefixes evicted from the slots "
-                    "(512MiB, 2GiB; 0 off; default an eighth of free memory, at most 8GiB)", parse_size,
-                    lambda: None)
-CACHE_DISK = Setting("LOCALLLM_CACHE_DISK", "disk per model (under LOCALLLM_HOME/cache) for prompt prefixes, kept "
-                     "across restarts (e.g. 4GiB; default 0: off)", parse_size, lambda: 0)
+CACHE_RAM = Setting(
+    "LOCALLLM_CACHE_RAM",
+    "host RAM per loaded model for prompt prefixes evicted from the slots "
+    "(512MiB, 2GiB; 0 off; default an eighth of free memory, at most 8GiB)",
+    parse_size,
+    lambda: None,
+)
+CACHE_DISK = Setting(
+    "LOCALLLM_CACHE_DISK",
+    "disk per model (under LOCALLLM_HOME/cache) for prompt prefixes, kept across restarts (e.g. 4GiB; default 0: off)",
+    parse_size,
+    lambda: 0,
+)
 
-ALL: tuple[Setting, ...] = (HOME, HOST, NUM_PARALLEL, MAX_QUEUE, KEEP_ALIVE, MAX_LOADED_MODELS, CONTEXT_LENGTH,
-                            NUM_THREAD, KV_CACHE_TYPE, FLASH_ATTENTION, QUALITY_TOKENS, ORIGINS, ALLOWED_HOSTS, API_KEY,
-                            OFFLINE, MAX_BODY, RPC, LOG_LEVEL, CACHE_RAM, CACHE_DISK, RESPONSES_MAX, RESPONSES_MAX_AGE)
+ALL: tuple[Setting, ...] = (
+    HOME,
+    HOST,
+    NUM_PARALLEL,
+    MAX_QUEUE,
+    KEEP_ALIVE,
+    MAX_LOADED_MODELS,
+    CONTEXT_LENGTH,
+    NUM_THREAD,
+    KV_CACHE_TYPE,
+    FLASH_ATTENTION,
+    QUALITY_TOKENS,
+    ORIGINS,
+    ALLOWED_HOSTS,
+    API_KEY,
+    OFFLINE,
+    MAX_BODY,
+    RPC,
+    LOG_LEVEL,
+    CACHE_RAM,
+    CACHE_DISK,
+    RESPONSES_MAX,
+    RESPONSES_MAX_AGE,
+)
 
 
 def _bounded_int(raw: str, low: int, high: int) -> int:

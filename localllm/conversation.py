@@ -16,6 +16,7 @@ from .models.names import parse_ref
 
 # ---------------------------------------------------------------------------------------------------------- options
 
+
 def parse_parameter(name: str, words: Sequence[str]) -> Any:
     """Turn `/set parameter NAME VALUE...` into the option's typed value, or raise InvalidInput naming it.
 
@@ -45,6 +46,7 @@ def _spellings(name: str) -> set[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------- figures
+
 
 @dataclass
 class AnswerFigures:
@@ -91,6 +93,7 @@ def rate(count: int, duration_ns: int) -> float | None:
 
 # ---------------------------------------------------------------------------------------------------------- chat
 
+
 @dataclass
 class Conversation:
     """What the user has said and set in one chat with one model."""
@@ -113,8 +116,14 @@ class Conversation:
         # The system prompt is sent with every request rather than kept in the history, so /set system applies to
         # the next answer without rewriting the past.
         system = [api.Message(role="system", content=self.system)] if self.system else []
-        return api.ChatRequest(model=self.model, messages=system + self.messages, options=dict(self.options),
-                               format=self.format, keep_alive=self.keep_alive, think=self.think)
+        return api.ChatRequest(
+            model=self.model,
+            messages=system + self.messages,
+            options=dict(self.options),
+            format=self.format,
+            keep_alive=self.keep_alive,
+            think=self.think,
+        )
 
     def load_request(self) -> api.ChatRequest:
         """A request with no messages: it loads the model (with the load options set so far) and answers done."""
@@ -152,8 +161,13 @@ class Conversation:
 
     def session(self) -> api.PromptCacheSession:
         """What a prompt-cache file keeps of this chat besides its cache."""
-        return api.PromptCacheSession(model=self.model, system=self.system, options=dict(self.options),
-                                      messages=list(self.messages), format=self.format)
+        return api.PromptCacheSession(
+            model=self.model,
+            system=self.system,
+            options=dict(self.options),
+            messages=list(self.messages),
+            format=self.format,
+        )
 
     def resume(self, session: api.PromptCacheSession) -> None:
         """Go on with a chat kept in a prompt-cache file: its model, system prompt, options and messages."""
@@ -163,5 +177,10 @@ class Conversation:
 
     def create_request(self, name: str) -> api.CreateRequest:
         """What `/save NAME` stores: this model with the session's system prompt, parameters and messages."""
-        return api.CreateRequest(model=name, from_=self.model, system=self.system, parameters=dict(self.options),
-                                 messages=list(self.messages))
+        return api.CreateRequest(
+            model=name,
+            from_=self.model,
+            system=self.system,
+            parameters=dict(self.options),
+            messages=list(self.messages),
+        )

@@ -34,8 +34,9 @@ def _linux_cores(allowed: set[int], root: Path = Path("/sys/devices/system/cpu")
     for cpu in allowed:
         topology = root / f"cpu{cpu}" / "topology"
         try:
-            seen.add(((topology / "physical_package_id").read_text().strip(),
-                      (topology / "core_id").read_text().strip()))
+            seen.add(
+                ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
+            )
         except OSError:
             return 0
     return len(seen)

@@ -43,8 +43,9 @@ def rest_section(path: Path, args: argparse.Namespace) -> list[Figure]:
 
 
 @contextmanager
-def llama_server_streams(binary: str, path: Path, args: argparse.Namespace, prompts: list[list[int]],
-                         n: int) -> Iterator[rest.OtherServer]:
+def llama_server_streams(
+    binary: str, path: Path, args: argparse.Namespace, prompts: list[list[int]], n: int
+) -> Iterator[rest.OtherServer]:
     """llama.cpp's own server with 4 slots, measured on the same prompts as ours: the four requests streamed at once
     and timed on the client's clock, after every stream's first token."""
     import bench_spec
@@ -73,8 +74,9 @@ def spec_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     not): `python scripts/bench.py --models gemma3:270m --only spec --llama-server PATH`."""
     import bench_spec
 
-    return bench_spec.spec_figures(path, n=max(args.tokens, 300), threads=args.threads, repeats=5,
-                                   llama_server=args.llama_server)
+    return bench_spec.spec_figures(
+        path, n=max(args.tokens, 300), threads=args.threads, repeats=5, llama_server=args.llama_server
+    )
 
 
 def defaults_section(path: Path, args: argparse.Namespace) -> list[Figure]:
@@ -127,20 +129,25 @@ def machine() -> str:
     import llama_cpp
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()} {platform.machine()}, "
-            f"Python {platform.python_version()}, llama-cpp-python {llama_cpp.__version__} (CPU build)")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()} {platform.machine()}, "
+        f"Python {platform.python_version()}, llama-cpp-python {llama_cpp.__version__} (CPU build)"
+    )
 
 
 def render(results: list[tuple[str, str, list[Figure]]], args: argparse.Namespace) -> str:
     lines = [
-        "# Benchmarks", "",
-        f"Machine: {machine()}.", "",
+        "# Benchmarks",
+        "",
+        f"Machine: {machine()}.",
+        "",
         f"Measured by `python scripts/bench.py`, each section on the date it shows (this run: `--tokens "
         f"{args.tokens}` for the engine and REST sections; the speculative sections use 300 and 150 tokens and MLX 32, "
         "as their notes say). Every ratio is ours / reference, both measured in the same run. CPU figures on a "
         "shared 2-core machine move by a percent or more between runs: figures that compare equal work are medians "
         "of repeats with the reference measured on either side of ours, and their target allows only the spread "
-        "between those two reference runs. A miss is recorded with its reason, never hidden.", "",
+        "between those two reference runs. A miss is recorded with its reason, never hidden.",
+        "",
     ]
     measured = [section_block(model, title, figures) for model, title, figures in results]
     lines += in_section_order(measured + earlier_sections({f"## {title} — {model}" for model, title, _ in results}))
@@ -151,11 +158,19 @@ def render(results: list[tuple[str, str, list[Figure]]], args: argparse.Namespac
 
 
 def section_block(model: str, title: str, figures: list[Figure]) -> str:
-    lines = [f"## {title} — {model}", "", f"Measured {time.strftime('%Y-%m-%d')}.", "",
-             "| figure | ours | reference | ratio | target | met | note |", "|---|---:|---:|---:|---|---|---|"]
+    lines = [
+        f"## {title} — {model}",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d')}.",
+        "",
+        "| figure | ours | reference | ratio | target | met | note |",
+        "|---|---:|---:|---:|---|---|---|",
+    ]
     for f in figures:
-        lines.append(f"| {f.name} | {f.ours:.1f} {f.unit} | {f.reference:.1f} {f.unit} | {f.ratio:.2f} | "
-                     f"{f.target_text} | {f.met_text} | {f.note} |")
+        lines.append(
+            f"| {f.name} | {f.ours:.1f} {f.unit} | {f.reference:.1f} {f.unit} | {f.ratio:.2f} | "
+            f"{f.target_text} | {f.met_text} | {f.note} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -190,8 +205,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="our engine's threads (default: its own)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
-    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
-                        help="llama.cpp's llama-server binary, for the spec section's side-by-side (env LLAMA_SERVER)")
+    parser.add_argument(
+        "--llama-server",
+        default=os.environ.get("LLAMA_SERVER"),
+        help="llama.cpp's llama-server binary, for the spec section's side-by-side (env LLAMA_SERVER)",
+    )
     args = parser.parse_args()
     results = []
     for model in args.models:
@@ -201,8 +219,11 @@ def main() -> None:
             print(f"== {title}: {model}", flush=True)
             figures = section(path, args)
             for f in figures:
-                print(f"  {f.name:42} ours {f.ours:9.1f} ref {f.reference:9.1f} {f.unit:5} ratio {f.ratio:5.2f} "
-                      f"{ {True: 'met', False: 'MISSED', None: 'info'}[f.met] }  {f.note}", flush=True)
+                print(
+                    f"  {f.name:42} ours {f.ours:9.1f} ref {f.reference:9.1f} {f.unit:5} ratio {f.ratio:5.2f} "
+                    f"{ {True: 'met', False: 'MISSED', None: 'info'}[f.met] }  {f.note}",
+                    flush=True,
+                )
             results.append((model, title, figures))
     text = render(results, args)
     if not args.no_write:

@@ -11,8 +11,9 @@ from localllm.bench.figures import Figure
 from localllm.engine.runner import ModelEngine
 
 
-def run_mlx_benchmarks(path: Path, *, n: int = 32, n_ctx: int = 1024,
-                       log: Callable[[str], None] = print) -> list[Figure]:
+def run_mlx_benchmarks(
+    path: Path, *, n: int = 32, n_ctx: int = 1024, log: Callable[[str], None] = print
+) -> list[Figure]:
     """MLX against llama.cpp through the same engine and Protocol: the GGUF converted to MLX (Q4_1 repacked), one
     stream, the same prompt tokens, greedy. Informational on Linux, where MLX runs on the CPU with reference BLAS."""
     import tempfile
@@ -35,5 +36,7 @@ def run_mlx_benchmarks(path: Path, *, n: int = 32, n_ctx: int = 1024,
             finally:
                 engine.close()
     note = "1 thread, 128-token prompt; MLX's CPU build is a test target on Linux, not a fast path"
-    return [Figure("MLX prefill vs llama.cpp", rates["mlx"][0], rates["llama.cpp"][0], "tok/s", 0.0, note=note),
-            Figure("MLX decode vs llama.cpp", rates["mlx"][1], rates["llama.cpp"][1], "tok/s", 0.0, note=note)]
+    return [
+        Figure("MLX prefill vs llama.cpp", rates["mlx"][0], rates["llama.cpp"][0], "tok/s", 0.0, note=note),
+        Figure("MLX decode vs llama.cpp", rates["mlx"][1], rates["llama.cpp"][1], "tok/s", 0.0, note=note),
+    ]

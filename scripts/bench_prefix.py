@@ -36,12 +36,19 @@ SYSTEM_TOKENS = 1000
 ROUNDS = 3  # the first turns, then returning turns
 ANSWER_TOKENS = 16
 N_CTX = 4096
-WORDS = ("river harbour lantern copper meadow orchard signal ledger engine canvas thunder pebble violin granite "
-         "compass saddle timber falcon quarry ribbon glacier beacon mortar anchor willow cobalt saffron tundra "
-         "marble cinder basalt prairie furnace hollow kestrel linen maple nectar oyster parchment quiver russet "
-         "sable tallow umber vellum walnut yarrow zephyr amber bramble cedar delta ember fern grove heron").split()
-QUESTIONS = ["Summarise the rules above in one line.", "What should I do first?", "Give me one more example.",
-             "What is the most important rule?", "Anything else I should know?"]
+WORDS = (
+    "river harbour lantern copper meadow orchard signal ledger engine canvas thunder pebble violin granite "
+    "compass saddle timber falcon quarry ribbon glacier beacon mortar anchor willow cobalt saffron tundra "
+    "marble cinder basalt prairie furnace hollow kestrel linen maple nectar oyster parchment quiver russet "
+    "sable tallow umber vellum walnut yarrow zephyr amber bramble cedar delta ember fern grove heron"
+).split()
+QUESTIONS = [
+    "Summarise the rules above in one line.",
+    "What should I do first?",
+    "Give me one more example.",
+    "What is the most important rule?",
+    "Anything else I should know?",
+]
 
 Turn = Callable[[list[int]], tuple[float, list[int]]]  # prompt tokens -> (seconds to first token, answer tokens)
 
@@ -70,15 +77,19 @@ def conversations(path: Path) -> tuple[list[list[int]], Callable[[int, int], lis
 
     try:
         systems = [system_prompt(loop.tokenize, i) for i in range(CONVERSATIONS)]
-        questions = {(i, r): continuation(f"\nUser: {QUESTIONS[(i + r) % len(QUESTIONS)]}\nAssistant:")
-                     for i in range(CONVERSATIONS) for r in range(ROUNDS + 1)}
+        questions = {
+            (i, r): continuation(f"\nUser: {QUESTIONS[(i + r) % len(QUESTIONS)]}\nAssistant:")
+            for i in range(CONVERSATIONS)
+            for r in range(ROUNDS + 1)
+        }
     finally:
         loop.close()
     return systems, lambda i, r: questions[(i, r)]
 
 
-def play(turn: Turn, systems: list[list[int]], question, histories: list[list[int]] | None, rounds: range
-         ) -> tuple[dict[int, list[float]], list[list[int]]]:
+def play(
+    turn: Turn, systems: list[list[int]], question, histories: list[list[int]] | None, rounds: range
+) -> tuple[dict[int, list[float]], list[list[int]]]:
     """Round-robin turns: {round: each conversation's time to first token}, and the histories to go on from."""
     histories = histories or [list(s) for s in systems]
     ttft: dict[int, list[float]] = {}
@@ -93,8 +104,14 @@ def play(turn: Turn, systems: list[list[int]], question, histories: list[list[in
 
 def ours_turn(base: str) -> Turn:
     def turn(prompt: list[int]) -> tuple[float, list[int]]:
-        body = {"model": "bench", "prompt": "", "context": prompt, "raw": True, "stream": True,
-                "options": {"temperature": 0, "num_predict": ANSWER_TOKENS, "spec_type": "none", "ignore_eos": True}}
+        body = {
+            "model": "bench",
+            "prompt": "",
+            "context": prompt,
+            "raw": True,
+            "stream": True,
+            "options": {"temperature": 0, "num_predict": ANSWER_TOKENS, "spec_type": "none", "ignore_eos": True},
+        }
         t0, first, tokens = time.perf_counter(), None, []
         with http_client().stream("POST", f"{base}/api/generate", json=body, timeout=600) as resp:
             for line in resp.iter_lines():
@@ -137,8 +154,9 @@ def llama_server(binary: str, path: Path, threads: int) -> Iterator[object]:
         server.close()
 
 
-def prefix_figures(path: Path, *, threads: int | None, llama_server_binary: str | None,
-                   log: Callable[[str], None] = print) -> list[Figure]:
+def prefix_figures(
+    path: Path, *, threads: int | None, llama_server_binary: str | None, log: Callable[[str], None] = print
+) -> list[Figure]:
     from localllm import config
     from localllm.machine import physical_cores
 
@@ -156,10 +174,24 @@ def prefix_figures(path: Path, *, threads: int | None, llama_server_binary: str 
             after, _ = play(ours_turn(base), systems, question, histories, range(ROUNDS, ROUNDS + 1))
     first, back = statistics.mean(ttft[0]), returning(ttft)
     figures = [
-        Figure("returning turn vs first turn (TTFT)", back * 1000, first * 1000, "ms", 0.1, lower_is_better=True,
-               note=f"{scenario}; mean over rounds 2-{ROUNDS}, same run"),
-        Figure("after a restart vs first turn (TTFT)", statistics.mean(after[ROUNDS]) * 1000, first * 1000, "ms",
-               0.35, lower_is_better=True, note="server stopped and started on the same home, LOCALLLM_CACHE_DISK on"),
+        Figure(
+            "returning turn vs first turn (TTFT)",
+            back * 1000,
+            first * 1000,
+            "ms",
+            0.1,
+            lower_is_better=True,
+            note=f"{scenario}; mean over rounds 2-{ROUNDS}, same run",
+        ),
+        Figure(
+            "after a restart vs first turn (TTFT)",
+            statistics.mean(after[ROUNDS]) * 1000,
+            first * 1000,
+            "ms",
+            0.35,
+            lower_is_better=True,
+            note="server stopped and started on the same home, LOCALLLM_CACHE_DISK on",
+        ),
     ]
     if not llama_server_binary:
         log("no llama-server binary (--llama-server or LLAMA_SERVER): its comparison is skipped")
@@ -168,8 +200,16 @@ def prefix_figures(path: Path, *, threads: int | None, llama_server_binary: str 
     with llama_server(llama_server_binary, path, threads) as server:
         server.complete(systems[0][:8], 4)  # warm up
         theirs, _ = play(llama_server_turn(server), systems, question, None, range(ROUNDS))
-    figures.append(Figure("returning turn: ours vs llama-server --cache-ram (TTFT)", back * 1000,
-                          returning(theirs) * 1000, "ms", 0.67, lower_is_better=True,
-                          note=f"same prompt tokens; llama-server's first turn {statistics.mean(theirs[0]):.2f} s, "
-                               f"ours {first:.2f} s, both at {threads} thread(s)"))
+    figures.append(
+        Figure(
+            "returning turn: ours vs llama-server --cache-ram (TTFT)",
+            back * 1000,
+            returning(theirs) * 1000,
+            "ms",
+            0.67,
+            lower_is_better=True,
+            note=f"same prompt tokens; llama-server's first turn {statistics.mean(theirs[0]):.2f} s, "
+            f"ours {first:.2f} s, both at {threads} thread(s)",
+        )
+    )
     return figures

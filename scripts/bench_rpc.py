@@ -23,8 +23,11 @@ def _free_port() -> int:
 
 
 def _start_worker(port: int, threads: int) -> subprocess.Popen:
-    worker = subprocess.Popen([sys.executable, "-m", "localllm", "worker", "--port", str(port), "--threads",
-                               str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "localllm", "worker", "--port", str(port), "--threads", str(threads)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if worker.poll() is not None:
@@ -38,8 +41,15 @@ def _start_worker(port: int, threads: int) -> subprocess.Popen:
     raise RuntimeError("`localllm worker` did not start listening")
 
 
-def run_rpc_benchmarks(path: Path, *, n: int = 64, n_ctx: int = 1024, threads: int | None = None,
-                       repeats: int = 3, log: Callable[[str], None] = print) -> list[Figure]:
+def run_rpc_benchmarks(
+    path: Path,
+    *,
+    n: int = 64,
+    n_ctx: int = 1024,
+    threads: int | None = None,
+    repeats: int = 3,
+    log: Callable[[str], None] = print,
+) -> list[Figure]:
     """Single-stream decode, greedy, the same prompt: ours with every layer on a loopback worker (given the same
     threads) against ours on this machine alone; best of `repeats`, the two interleaved."""
     from localllm import config
@@ -54,8 +64,7 @@ def run_rpc_benchmarks(path: Path, *, n: int = 64, n_ctx: int = 1024, threads: i
     try:
         for name, rpc in (("local", ""), ("rpc", f"127.0.0.1:{port}")):
             options = LoadOptions(num_thread=threads, num_ctx=n_ctx, num_parallel=1, rpc=rpc)
-            engines[name] = ModelEngine(get_backend("llama.cpp").load(path, options, n_seq=1, n_ctx=n_ctx),
-                                        max_queue=1)
+            engines[name] = ModelEngine(get_backend("llama.cpp").load(path, options, n_seq=1, n_ctx=n_ctx), max_queue=1)
         prompt = engines["local"].tokenize(LONG_STORY)[:128]
         best = {name: 0.0 for name in engines}
         for _ in range(repeats):
@@ -67,6 +76,14 @@ def run_rpc_benchmarks(path: Path, *, n: int = 64, n_ctx: int = 1024, threads: i
             engine.close()
         worker.terminate()
         worker.wait(timeout=10)
-    return [Figure("decode with every layer on a loopback RPC worker", best["rpc"], best["local"], "tok/s", None,
-                   note=f"{threads} thread(s) on each side, {n} tokens; reference is the same engine on this "
-                        "machine alone; informational: the cost of the hop")]
+    return [
+        Figure(
+            "decode with every layer on a loopback RPC worker",
+            best["rpc"],
+            best["local"],
+            "tok/s",
+            None,
+            note=f"{threads} thread(s) on each side, {n} tokens; reference is the same engine on this "
+            "machine alone; informational: the cost of the hop",
+        )
+    ]

@@ -65,8 +65,10 @@ FUNCTION = '''def summarize_orders(orders, tax_rate, discount=None):
 
 
 def edit_request(new_name: str = "net_amount") -> str:
-    return (f"Here is a Python function:\n\n```python\n{FUNCTION}```\n\nRewrite it with the variable `subtotal` "
-            f"renamed to `{new_name}`. Keep everything else exactly the same.")
+    return (
+        f"Here is a Python function:\n\n```python\n{FUNCTION}```\n\nRewrite it with the variable `subtotal` "
+        f"renamed to `{new_name}`. Keep everything else exactly the same."
+    )
 
 
 N_CTX = 2048
@@ -120,8 +122,17 @@ class SpecEngine:
 class LlamaServer:
     """llama.cpp's own server on a free loopback port, fed token ids so it sees exactly our prompt."""
 
-    def __init__(self, binary: str, path: Path, *, threads: int, spec: str | None, slots: int = 1,
-                 ctx_per_slot: int = N_CTX, defaults: bool = False):
+    def __init__(
+        self,
+        binary: str,
+        path: Path,
+        *,
+        threads: int,
+        spec: str | None,
+        slots: int = 1,
+        ctx_per_slot: int = N_CTX,
+        defaults: bool = False,
+    ):
         """`defaults`: llama-server as a user starts it (`-m MODEL`): its own threads, slots and context."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -151,27 +162,38 @@ class LlamaServer:
     @staticmethod
     def _body(prompt: list[int], n: int, *, ignore_eos: bool, stream: bool) -> dict:
         """A greedy /completion request over prompt token ids that returns the answer's token ids."""
-        return {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": True, "return_tokens": True,
-                "ignore_eos": ignore_eos, "stream": stream}
+        return {
+            "prompt": prompt,
+            "n_predict": n,
+            "temperature": 0,
+            "cache_prompt": True,
+            "return_tokens": True,
+            "ignore_eos": ignore_eos,
+            "stream": stream,
+        }
 
     def complete(self, prompt: list[int], n: int, *, ignore_eos: bool = False) -> tuple[float, list[int], dict]:
         body = self._body(prompt, n, ignore_eos=ignore_eos, stream=False)
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/completion",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=600) as r:
             reply = json.loads(r.read())
         timings = reply.get("timings", {})
         return float(timings.get("predicted_per_second", 0.0)), list(reply.get("tokens") or []), timings
 
-    def stream(self, prompt: list[int], n: int, received: Callable[[list[int]], None], *,
-               ignore_eos: bool = False) -> None:
+    def stream(
+        self, prompt: list[int], n: int, received: Callable[[list[int]], None], *, ignore_eos: bool = False
+    ) -> None:
         """One streamed completion; `received(tokens)` as each chunk arrives (the client's clock)."""
         body = self._body(prompt, n, ignore_eos=ignore_eos, stream=True)
         with http_client().stream("POST", f"http://127.0.0.1:{self.port}/completion", json=body, timeout=600) as resp:
             for line in resp.iter_lines():
                 if not line.startswith("data: "):
                     continue
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 if chunk.get("stop"):
                     return  # the final chunk repeats every token of the answer
                 if chunk.get("tokens"):
@@ -216,24 +238,26 @@ def _draft_note(timings) -> str:
     return f"{accepted}/{drafted} drafts accepted, {mean:.1f} per verify step"
 
 
-def spec_figures(path: Path, *, n: int, threads: int | None, repeats: int, llama_server: str | None,
-                 log=print) -> list[Figure]:
+def spec_figures(
+    path: Path, *, n: int, threads: int | None, repeats: int, llama_server: str | None, log=print
+) -> list[Figure]:
     threads = threads or config.NUM_THREAD.get() or physical_cores()
     figures = _single_slot(path, n=n, threads=threads, repeats=repeats, llama_server=llama_server, log=log)
     figures += _busy_slots(path, n=n // 2, threads=threads, repeats=repeats, log=log)
     return figures
 
 
-def _single_slot(path: Path, *, n: int, threads: int, repeats: int, llama_server: str | None,
-                 log) -> list[Figure]:
+def _single_slot(path: Path, *, n: int, threads: int, repeats: int, llama_server: str | None, log) -> list[Figure]:
     ours = SpecEngine(path, threads=threads, slots=1)
     servers: dict[str, LlamaServer] = {}
     try:
         prompt = ours.chat_tokens(edit_request())
         if llama_server:
             log("starting llama-server without and with --spec-type ngram-simple")
-            servers = {"off": LlamaServer(llama_server, path, threads=threads, spec=None),
-                       "ngram": LlamaServer(llama_server, path, threads=threads, spec="ngram-simple")}
+            servers = {
+                "off": LlamaServer(llama_server, path, threads=threads, spec=None),
+                "ngram": LlamaServer(llama_server, path, threads=threads, spec="ngram-simple"),
+            }
         ours.run([prompt], 8, "none")  # warm the slot's prefix cache, so every measured run starts alike
         for server in servers.values():
             server.complete(prompt, 8)
@@ -254,18 +278,37 @@ def _single_slot(path: Path, *, n: int, threads: int, repeats: int, llama_server
             server.close()
         ours.close()
     (off, off_tokens, _), (on, on_tokens, on_timings) = best["none"], best["ngram"]
-    copied = "" if on_timings[0].draft_accepted > len(on_tokens) // 3 else (
-        "this model's answer does not repeat the function, so n-gram lookup has little to draft; ")
-    figures = [Figure("code edit, 1 slot: n-gram speculation vs off", on, off, "tok/s", 1.5,
-                      note=f"{copied}{n} tokens; {_draft_note(on_timings)}; {_same(off_tokens, on_tokens)}; "
-                           f"{cost}; {threads} thread(s)")]
+    copied = (
+        ""
+        if on_timings[0].draft_accepted > len(on_tokens) // 3
+        else ("this model's answer does not repeat the function, so n-gram lookup has little to draft; ")
+    )
+    figures = [
+        Figure(
+            "code edit, 1 slot: n-gram speculation vs off",
+            on,
+            off,
+            "tok/s",
+            1.5,
+            note=f"{copied}{n} tokens; {_draft_note(on_timings)}; {_same(off_tokens, on_tokens)}; "
+            f"{cost}; {threads} thread(s)",
+        )
+    ]
     if servers:
         srv_off, srv_on = best["server-off"][0], best["server-ngram"][0]
         t = best["server-ngram"][2]
-        figures.append(Figure("code edit, 1 slot: our n-gram vs llama-server ngram-simple", on, srv_on, "tok/s", 1.0,
-                              note=f"llama-server's own gain {srv_on / srv_off:.2f}x ({srv_off:.1f} tok/s off), "
-                                   f"{t.get('draft_n_accepted', 0)}/{t.get('draft_n', 0)} drafts accepted; "
-                                   f"same prompt tokens and threads"))
+        figures.append(
+            Figure(
+                "code edit, 1 slot: our n-gram vs llama-server ngram-simple",
+                on,
+                srv_on,
+                "tok/s",
+                1.0,
+                note=f"llama-server's own gain {srv_on / srv_off:.2f}x ({srv_off:.1f} tok/s off), "
+                f"{t.get('draft_n_accepted', 0)}/{t.get('draft_n', 0)} drafts accepted; "
+                f"same prompt tokens and threads",
+            )
+        )
     else:
         log("no llama-server binary (--llama-server or LLAMA_SERVER): its comparison is skipped")
     return figures
@@ -304,8 +347,11 @@ def _busy_figure(ours: SpecEngine, mix: str, prompts: list[list[int]], *, n: int
     same = sum(a == b for a, b in zip(off_tokens, on_tokens))
     cost = ours.speculation.cost
     known = _cost_note(cost) if cost.identified else "no row cost measured yet, so a shared batch takes no drafts"
-    return bracket.figure(f"4 busy slots, {mix}: speculation (auto) vs off, aggregate", BUSY_TARGET,
-                          note=f"{n} tokens per stream; {_draft_note(on_timings)}; {same}/4 outputs identical; {known}")
+    return bracket.figure(
+        f"4 busy slots, {mix}: speculation (auto) vs off, aggregate",
+        BUSY_TARGET,
+        note=f"{n} tokens per stream; {_draft_note(on_timings)}; {same}/4 outputs identical; {known}",
+    )
 
 
 def default_llama_server() -> str | None:

@@ -33,8 +33,9 @@ from localllm.machine import physical_cores
 N_CTX = 4096
 
 
-def thread_figures(path: Path, *, n: int, llama_server: str | None, repeats: int = 3,
-                   log: Callable[[str], None] = print) -> list[Figure]:
+def thread_figures(
+    path: Path, *, n: int, llama_server: str | None, repeats: int = 3, log: Callable[[str], None] = print
+) -> list[Figure]:
     os.environ.pop("LOCALLLM_NUM_THREAD", None)  # defaults: nothing pinned
     story, four = _prompts(path)
     cores = physical_cores()
@@ -68,8 +69,9 @@ def _best_raw(path: Path, story: list[int], *, n: int, cores: int) -> tuple[int,
     return best, rates[best]
 
 
-def _raw_against_defaults(path: Path, story: list[int], *, n: int, cores: int, repeats: int,
-                          log: Callable[[str], None]) -> list[Figure]:
+def _raw_against_defaults(
+    path: Path, story: list[int], *, n: int, cores: int, repeats: int, log: Callable[[str], None]
+) -> list[Figure]:
     engine = make_engine(path, threads=None, n_ctx=N_CTX)
     tuner = engine.threads
     assert tuner is not None
@@ -86,10 +88,17 @@ def _raw_against_defaults(path: Path, story: list[int], *, n: int, cores: int, r
                     ours = max(ours, engine_run(engine, [story], n).rate())
                 settled = tuner.settled("decode")
                 steps = tuner.trial_steps("decode")
-            figures.append(Figure(f"defaults, {label}: single stream vs the best raw thread count", ours, best,
-                                  "tok/s", target,
-                                  note=f"raw best at {best_t} of 1..{cores} thread(s); ours settled on {settled} "
-                                       f"thread(s), its last trial took {steps} decode steps"))
+            figures.append(
+                Figure(
+                    f"defaults, {label}: single stream vs the best raw thread count",
+                    ours,
+                    best,
+                    "tok/s",
+                    target,
+                    note=f"raw best at {best_t} of 1..{cores} thread(s); ours settled on {settled} "
+                    f"thread(s), its last trial took {steps} decode steps",
+                )
+            )
         return figures
     finally:
         engine.close()
@@ -100,8 +109,16 @@ def _idle() -> Iterator[None]:
     yield
 
 
-def _servers_at_defaults(path: Path, binary: str, story: list[int], four: list[list[int]], *, n: int,
-                         repeats: int, log: Callable[[str], None]) -> list[Figure]:
+def _servers_at_defaults(
+    path: Path,
+    binary: str,
+    story: list[int],
+    four: list[list[int]],
+    *,
+    n: int,
+    repeats: int,
+    log: Callable[[str], None],
+) -> list[Figure]:
     import bench_spec
 
     server = bench_spec.LlamaServer(binary, path, threads=0, spec=None, defaults=True)
@@ -131,11 +148,23 @@ def _servers_at_defaults(path: Path, binary: str, story: list[int], four: list[l
         rate = statistics.median(rates)
         first = statistics.median(firsts)
         note = f"median of {repeats} interleaved runs, both servers at their defaults, the client's clock"
-        figures.append(Figure(f"defaults vs llama-server's: {name} decode", rate * their_rate, their_rate, "tok/s",
-                              0.97, note=note))
+        figures.append(
+            Figure(
+                f"defaults vs llama-server's: {name} decode", rate * their_rate, their_rate, "tok/s", 0.97, note=note
+            )
+        )
         # 0.97x of its speed in time to first token is at most 1/0.97 of its time.
-        figures.append(Figure(f"defaults vs llama-server's: {name} time to first token", first * their_ttft,
-                              their_ttft, "ms", round(1 / 0.97, 3), lower_is_better=True, note=note))
+        figures.append(
+            Figure(
+                f"defaults vs llama-server's: {name} time to first token",
+                first * their_ttft,
+                their_ttft,
+                "ms",
+                round(1 / 0.97, 3),
+                lower_is_better=True,
+                note=note,
+            )
+        )
     return figures
 
 

@@ -24,6 +24,7 @@ QUESTION = "Give me three tips for writing readable Python code."
 
 # ---------------------------------------------------------------------------------------------------------- TUI
 
+
 async def save_tui(client) -> None:
     from textual.widgets import TextArea
 
@@ -64,8 +65,14 @@ def save_session(client) -> None:
     from localllm.cli import repl
     from localllm.conversation import Conversation
 
-    record = Console(file=io.StringIO(), record=True, width=100, color_system="truecolor", force_terminal=True,
-                     force_interactive=False)
+    record = Console(
+        file=io.StringIO(),
+        record=True,
+        width=100,
+        color_system="truecolor",
+        force_terminal=True,
+        force_interactive=False,
+    )
     repl.console = record
     lines = _typed(record, iter(SESSION))
     record.print(f"$ localllm run {MODEL}", style="bold", highlight=False)
@@ -76,6 +83,7 @@ def save_session(client) -> None:
 def _typed(record: Console, lines: Iterator[str]):
     """Each call echoes the prompt and the next scripted line, as the terminal would show them."""
     for line in lines:
+
         def echo(prompt: str, line: str = line) -> str:
             record.print(f"[bold]{prompt}[/]{line}", highlight=False)
             return line

@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev,mlx
 .venv/bin/python -m ruff check localllm tests scripts
+.venv/bin/python -m ruff format --check localllm tests scripts
 .venv/bin/python -m mypy
 if [ "${1:-}" = "--quick" ]; then
   shift

@@ -24,8 +24,10 @@ from pathlib import Path
 import numpy as np
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def write_tiny_gguf(path: Path, *, arch: str = "llama", pad_floats: int = 0, name: str = "tiny") -> Path:
@@ -116,9 +118,15 @@ class _Handler(BaseHTTPRequestHandler):
         if repo not in self.hub.repos:
             self._send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
             return
-        siblings = [{"rfilename": name, "size": len(data), "blobId": sha256_of(data)[:40],
-                     "lfs": {"size": len(data), "sha256": sha256_of(data), "pointerSize": 134}}
-                    for name, data in self.hub.repos[repo].items()]
+        siblings = [
+            {
+                "rfilename": name,
+                "size": len(data),
+                "blobId": sha256_of(data)[:40],
+                "lfs": {"size": len(data), "sha256": sha256_of(data), "pointerSize": 134},
+            }
+            for name, data in self.hub.repos[repo].items()
+        ]
         body = json.dumps({"id": repo, "modelId": repo, "sha": COMMIT, "private": False, "siblings": siblings})
         self._send(200, body.encode(), {"Content-Type": "application/json"})
 
@@ -142,8 +150,9 @@ class _Handler(BaseHTTPRequestHandler):
             headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
         self._send_stream(206 if match else 200, data[start:], headers, send_body, droppable=True)
 
-    def _send_stream(self, status: int, body: bytes, headers: dict[str, str], send_body: bool, *,
-                     droppable: bool = False) -> None:
+    def _send_stream(
+        self, status: int, body: bytes, headers: dict[str, str], send_body: bool, *, droppable: bool = False
+    ) -> None:
         self.send_response(status)
         for key, value in headers.items():
             self.send_header(key, value)
@@ -164,7 +173,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 self.connection.shutdown(2)  # mid-body: the client sees a connection closed early
                 return
-            piece = body[sent:sent + min(self.hub.chunk, (drop - sent) if drop is not None else self.hub.chunk)]
+            piece = body[sent : sent + min(self.hub.chunk, (drop - sent) if drop is not None else self.hub.chunk)]
             try:
                 self.wfile.write(piece)
             except (BrokenPipeError, ConnectionResetError):  # the client went away (a killed pull)

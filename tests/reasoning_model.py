@@ -30,8 +30,9 @@ def write_reasoning_gguf(src: Path, dst: Path, template: str = REASONING_TEMPLAT
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
     writer.add_chat_template(template)
     for tensor in reader.tensors:
-        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes,
-                               tensor.tensor_type)
+        writer.add_tensor_info(
+            tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

@@ -16,24 +16,46 @@ def messages_body(**fields) -> anthropic.MessagesRequest:
 
 
 def test_anthropic_blocks_become_our_messages():
-    body = messages_body(system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
-                         messages=[
-                             {"role": "user", "content": "Weather?"},
-                             {"role": "assistant", "content": [
-                                 {"type": "thinking", "thinking": "a tool", "signature": "x"},
-                                 {"type": "text", "text": "Checking."},
-                                 {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Rome"}}]},
-                             {"role": "user", "content": [
-                                 {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
-                                 {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
-                                  "content": [{"type": "text", "text": "timeout"}]},
-                                 {"type": "text", "text": "And tomorrow?"}]}],
-                         tool_choice={"type": "tool", "name": "weather"}, stop_sequences=["END"], top_k=5,
-                         thinking={"type": "disabled"})
+    body = messages_body(
+        system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "a tool", "signature": "x"},
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Rome"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "is_error": True,
+                        "content": [{"type": "text", "text": "timeout"}],
+                    },
+                    {"type": "text", "text": "And tomorrow?"},
+                ],
+            },
+        ],
+        tool_choice={"type": "tool", "name": "weather"},
+        stop_sequences=["END"],
+        top_k=5,
+        thinking={"type": "disabled"},
+    )
     request = anthropic.chat_request(body)
     assert [(m.role, m.content) for m in request.messages] == [
-        ("system", "Be brief."), ("user", "Weather?"), ("assistant", "Checking."), ("tool", "sunny"),
-        ("tool", "Error: timeout"), ("user", "And tomorrow?")]
+        ("system", "Be brief."),
+        ("user", "Weather?"),
+        ("assistant", "Checking."),
+        ("tool", "sunny"),
+        ("tool", "Error: timeout"),
+        ("user", "And tomorrow?"),
+    ]
     assistant = request.messages[2]
     assert assistant.thinking == "a tool" and assistant.tool_calls[0].function.arguments == {"city": "Rome"}
     assert request.messages[3].tool_name == "weather"
@@ -41,13 +63,16 @@ def test_anthropic_blocks_become_our_messages():
     assert request.options == {"num_predict": 16, "top_k": 5, "stop": ["END"]} and request.think is False
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0"),
-    ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type 'sometimes'"),
-    ({"tool_choice": {"type": "tool"}}, "needs the tool's name"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "budget_tokens 0"),
-    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0"),
+        ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type 'sometimes'"),
+        ({"tool_choice": {"type": "tool"}}, "needs the tool's name"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "budget_tokens 0"),
+        ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
+    ],
+)
 def test_anthropic_refusals_name_the_field(fields, message):
     body = messages_body(**{"messages": [{"role": "user", "content": "hi"}], **fields})
     with pytest.raises(InvalidInput, match=message.replace("(", r"\(").replace(".", r"\.")):
@@ -55,38 +80,59 @@ def test_anthropic_refusals_name_the_field(fields, message):
 
 
 def test_responses_items_become_our_messages():
-    body = responses.ResponsesRequest.model_validate({
-        "model": "m", "instructions": "Be brief.", "reasoning": {"effort": "minimal"}, "max_output_tokens": 9,
-        "tool_choice": {"type": "function", "name": "weather"},
-        "text": {"format": {"type": "json_object"}},
-        "input": [{"role": "developer", "content": "Answer in French."},
-                  {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
-                  {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": '{"city": "Rome"}'},
-                  {"type": "function_call_output", "call_id": "c2", "output": "sunny"},
-                  {"type": "function_call_output", "call_id": "c1", "output": "rainy"},
-                  {"role": "user", "content": [{"type": "input_text", "text": "So?"}]}]})
-    earlier = [api.Message(role="user", content="Paris?"),
-               api.Message(role="assistant", tool_calls=[api.ToolCall(id="c1", function=api.ToolCallFunction(
-                   name="forecast"))])]
+    body = responses.ResponsesRequest.model_validate(
+        {
+            "model": "m",
+            "instructions": "Be brief.",
+            "reasoning": {"effort": "minimal"},
+            "max_output_tokens": 9,
+            "tool_choice": {"type": "function", "name": "weather"},
+            "text": {"format": {"type": "json_object"}},
+            "input": [
+                {"role": "developer", "content": "Answer in French."},
+                {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+                {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": '{"city": "Rome"}'},
+                {"type": "function_call_output", "call_id": "c2", "output": "sunny"},
+                {"type": "function_call_output", "call_id": "c1", "output": "rainy"},
+                {"role": "user", "content": [{"type": "input_text", "text": "So?"}]},
+            ],
+        }
+    )
+    earlier = [
+        api.Message(role="user", content="Paris?"),
+        api.Message(
+            role="assistant", tool_calls=[api.ToolCall(id="c1", function=api.ToolCallFunction(name="forecast"))]
+        ),
+    ]
     request = responses.chat_request(body, earlier)
     assert [(m.role, m.content) for m in request.messages] == [
-        ("system", "Be brief."), ("user", "Paris?"), ("assistant", ""), ("system", "Answer in French."),
-        ("assistant", ""), ("tool", "sunny"), ("tool", "rainy"), ("user", "So?")]
+        ("system", "Be brief."),
+        ("user", "Paris?"),
+        ("assistant", ""),
+        ("system", "Answer in French."),
+        ("assistant", ""),
+        ("tool", "sunny"),
+        ("tool", "rainy"),
+        ("user", "So?"),
+    ]
     assert request.messages[4].thinking == "hmm" and request.messages[4].tool_calls[0].function.name == "weather"
     assert [m.tool_name for m in request.messages[5:7]] == ["weather", "forecast"]  # the earlier call by its id
     assert request.think == "low" and request.format == "json" and request.options == {"num_predict": 9}
     assert request.tool_choice == {"type": "function", "function": {"name": "weather"}}
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
-    ({"input": [{"role": "critic", "content": "x"}]}, "role 'critic'"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "not valid JSON"),
-    ({"tools": [{"type": "function"}]}, "needs a name"),
-    ({"text": {"format": {"type": "yaml"}}}, "text.format.type 'yaml'"),
-    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort 'extreme'"),
-    ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
+        ({"input": [{"role": "critic", "content": "x"}]}, "role 'critic'"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "not valid JSON"),
+        ({"tools": [{"type": "function"}]}, "needs a name"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type 'yaml'"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort 'extreme'"),
+        ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ],
+)
 def test_responses_refusals_name_the_field(fields, message):
     body = responses.ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields})
     with pytest.raises(InvalidInput, match=message):
@@ -95,11 +141,21 @@ def test_responses_refusals_name_the_field(fields, message):
 
 def test_tools_that_cannot_run_here_are_left_out(caplog):
     mine = {"name": "weather", "input_schema": {"type": "object"}}
-    body = messages_body(messages=[{"role": "user", "content": "hi"}],
-                         tools=[{"type": "web_search_20250305", "name": "web_search"}, mine])
+    body = messages_body(
+        messages=[{"role": "user", "content": "hi"}],
+        tools=[{"type": "web_search_20250305", "name": "web_search"}, mine],
+    )
     assert [t.function.name for t in anthropic.chat_request(body).tools] == ["weather"]
-    codex = responses.ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": [
-        {"type": "web_search"}, {"type": "custom", "name": "apply_patch"},
-        {"type": "function", "name": "shell", "parameters": {"type": "object"}}]})
+    codex = responses.ResponsesRequest.model_validate(
+        {
+            "model": "m",
+            "input": "hi",
+            "tools": [
+                {"type": "web_search"},
+                {"type": "custom", "name": "apply_patch"},
+                {"type": "function", "name": "shell", "parameters": {"type": "object"}},
+            ],
+        }
+    )
     assert [t.function.name for t in responses.chat_request(codex, []).tools] == ["shell"]
     assert "web_search" in caplog.text and "apply_patch" in caplog.text

@@ -11,8 +11,11 @@ from localllm.bench.figures import Figure
 def test_rate_starts_when_every_stream_has_its_first_token():
     # Stream 0 starts at t=1 and stream 1 (prefilled a step later) at t=2: the raw loop's clock starts only after
     # every prompt is prefilled, so tokens before t=2 are not counted and the window runs from 2 to the last token.
-    run = EngineRun(tokens=[[1] * 4, [1] * 3], arrivals=[[(1.0, 1), (2.0, 1), (3.0, 1), (4.0, 1)],
-                                                         [(2.0, 1), (3.0, 1), (4.0, 1)]], submitted=0.5)
+    run = EngineRun(
+        tokens=[[1] * 4, [1] * 3],
+        arrivals=[[(1.0, 1), (2.0, 1), (3.0, 1), (4.0, 1)], [(2.0, 1), (3.0, 1), (4.0, 1)]],
+        submitted=0.5,
+    )
     assert run.rate() == pytest.approx(4 / 2.0)  # t=3 and t=4 in both streams
     assert run.ttft() == pytest.approx(0.5)
 

@@ -33,6 +33,7 @@ QUESTION = "What is the capital of France?"
 
 # ---------------------------------------------------------------------------------------------------------- fixtures
 
+
 @pytest.fixture(scope="module")
 def chat_home(models_home, tmp_path_factory) -> Path:
     """A home of its own (history, logs, saved models) whose blobs link to the session's catalog models."""
@@ -86,8 +87,9 @@ def _alive(pid: int) -> bool:
 
 
 def localllm(env: dict[str, str], *args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "localllm", *args], env=env, input=stdin, capture_output=True,
-                          text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "localllm", *args], env=env, input=stdin, capture_output=True, text=True, timeout=180
+    )
 
 
 def _as_in_a_terminal() -> None:
@@ -97,8 +99,15 @@ def _as_in_a_terminal() -> None:
 
 
 def spawn_chat(env: dict[str, str], *args: str) -> pexpect.spawn:
-    child = pexpect.spawn(sys.executable, ["-m", "localllm", "run", *args], env=env, encoding="utf-8",
-                          timeout=90, dimensions=(40, 120), preexec_fn=_as_in_a_terminal)
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "localllm", "run", *args],
+        env=env,
+        encoding="utf-8",
+        timeout=90,
+        dimensions=(40, 120),
+        preexec_fn=_as_in_a_terminal,
+    )
     child.expect_exact(PROMPT)
     return child
 
@@ -131,6 +140,7 @@ def wait_until_idle(url: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------------- chat
+
 
 def test_terminal_chat_through_the_background_server(served):
     child = spawn_chat(served.env, "smollm2:135m")
@@ -195,8 +205,7 @@ def test_run_pulls_a_missing_model_with_a_progress_bar_then_chats(tmp_path, smol
 
     hub = Hub(repos={"test/chat": {"chat.Q4_1.gguf": smollm2_path.read_bytes()}})
     with HubServer(hub) as url:
-        child = spawn_chat(_child_env(tmp_path / "empty-home", HF_ENDPOINT=url), "hf.co/test/chat:Q4_1",
-                           "--in-process")
+        child = spawn_chat(_child_env(tmp_path / "empty-home", HF_ENDPOINT=url), "hf.co/test/chat:Q4_1", "--in-process")
     shown = child.before
     assert "pulling" in shown and "98.4/98.4 MB" in shown and "success" in shown
     assert "loading hf.co/test/chat:Q4_1" in shown
@@ -216,6 +225,7 @@ def test_verbose_prints_timings_after_each_answer(chat_home):
 
 
 # ---------------------------------------------------------------------------------------------------------- one-shot
+
 
 def test_one_shot_streams_the_answer_and_reuses_the_running_server(served, tmp_path):
     modelfile = tmp_path / "Modelfile"
@@ -246,11 +256,14 @@ def test_one_shot_streams_the_answer_and_reuses_the_running_server(served, tmp_p
     assert again.stderr.strip().splitlines() == ["Error: model 'test/helpful' is not loaded (see `localllm ps`)"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["run", "nosuch:1b", "hi", "--in-process"], "model 'nosuch:1b' is not in the catalog"),
-    (["run", "smollm2:135m", "hi", "--keepalive", "soon", "--in-process"], "--keepalive 'soon' is not valid"),
-    (["run", "smollm2:135m", "hi", "--format", "yaml", "--in-process"], "--format 'yaml' is not supported"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "nosuch:1b", "hi", "--in-process"], "model 'nosuch:1b' is not in the catalog"),
+        (["run", "smollm2:135m", "hi", "--keepalive", "soon", "--in-process"], "--keepalive 'soon' is not valid"),
+        (["run", "smollm2:135m", "hi", "--format", "yaml", "--in-process"], "--format 'yaml' is not supported"),
+    ],
+)
 def test_bad_input_to_run_is_one_line_and_exit_code_1(chat_home, args, message):
     result = localllm(_child_env(chat_home), *args)
     assert result.returncode == 1
@@ -269,56 +282,72 @@ def test_ps_and_stop_without_a_server(chat_home):
 
 # ---------------------------------------------------------------------------------------------------------- pieces
 
-@pytest.mark.parametrize("text, finished, rest", [
-    ("Hello", "", "Hello"),
-    ("Hello\n\nWorld", "Hello\n\n", "World"),
-    ("one\ntwo\n\nthree\n\nfou", "one\ntwo\n\nthree\n\n", "fou"),
-    ("Intro\n\n```py\nx = 1\n\ny = 2\n", "Intro\n\n", "```py\nx = 1\n\ny = 2\n"),  # no split inside a fence
-    ("```py\nx = 1\n```\nAfter", "```py\nx = 1\n```\n", "After"),  # a closed fence is finished
-    ("text\n\n", "text\n\n", ""),
-])
+
+@pytest.mark.parametrize(
+    "text, finished, rest",
+    [
+        ("Hello", "", "Hello"),
+        ("Hello\n\nWorld", "Hello\n\n", "World"),
+        ("one\ntwo\n\nthree\n\nfou", "one\ntwo\n\nthree\n\n", "fou"),
+        ("Intro\n\n```py\nx = 1\n\ny = 2\n", "Intro\n\n", "```py\nx = 1\n\ny = 2\n"),  # no split inside a fence
+        ("```py\nx = 1\n```\nAfter", "```py\nx = 1\n```\n", "After"),  # a closed fence is finished
+        ("text\n\n", "text\n\n", ""),
+    ],
+)
 def test_streamed_markdown_is_printed_block_by_block(text, finished, rest):
     assert split_finished(text) == (finished, rest)
 
 
-@pytest.mark.parametrize("lines, message", [
-    (["hello"], "hello"),
-    (['"""one line"""'], '"""one line"""'),
-    (['"""', "first", 'second"""'], '"""\nfirst\nsecond"""'),
-    (['/set system """You are', 'a pirate."""'], '/set system """You are\na pirate."""'),
-])
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (["hello"], "hello"),
+        (['"""one line"""'], '"""one line"""'),
+        (['"""', "first", 'second"""'], '"""\nfirst\nsecond"""'),
+        (['/set system """You are', 'a pirate."""'], '/set system """You are\na pirate."""'),
+    ],
+)
 def test_triple_quotes_span_lines(lines, message):
     feed = iter(lines)
     assert read_message(lambda prompt: next(feed)) == message
 
 
-@pytest.mark.parametrize("text, plain", [
-    ('"""\nfirst\nsecond"""', "first\nsecond"),
-    ('"a pirate"', "a pirate"),
-    ("plain words", "plain words"),
-])
+@pytest.mark.parametrize(
+    "text, plain",
+    [
+        ('"""\nfirst\nsecond"""', "first\nsecond"),
+        ('"a pirate"', "a pirate"),
+        ("plain words", "plain words"),
+    ],
+)
 def test_quotes_are_removed_once(text, plain):
     assert unquote(text) == plain
 
 
-@pytest.mark.parametrize("name, words, value", [
-    ("temperature", ["0"], 0.0),
-    ("num_predict", ["12"], 12),
-    ("num_ctx", ["2048"], 2048),
-    ("stop", ["<|im_end|>", "###"], ["<|im_end|>", "###"]),
-    ("seed", ["42"], 42),
-])
+@pytest.mark.parametrize(
+    "name, words, value",
+    [
+        ("temperature", ["0"], 0.0),
+        ("num_predict", ["12"], 12),
+        ("num_ctx", ["2048"], 2048),
+        ("stop", ["<|im_end|>", "###"], ["<|im_end|>", "###"]),
+        ("seed", ["42"], 42),
+    ],
+)
 def test_set_parameter_values_are_typed(name, words, value):
     assert parse_parameter(name, words) == value
 
 
-@pytest.mark.parametrize("name, words, message", [
-    ("temperature", ["hot"], "parameter temperature 'hot'"),
-    ("temperature", ["-1"], "greater than or equal to 0"),
-    ("temprature", ["1"], "did you mean 'temperature'"),
-    ("top_k", [], "needs a value"),
-    ("mirostat", ["1"], "has no effect"),
-])
+@pytest.mark.parametrize(
+    "name, words, message",
+    [
+        ("temperature", ["hot"], "parameter temperature 'hot'"),
+        ("temperature", ["-1"], "greater than or equal to 0"),
+        ("temprature", ["1"], "did you mean 'temperature'"),
+        ("top_k", [], "needs a value"),
+        ("mirostat", ["1"], "has no effect"),
+    ],
+)
 def test_bad_set_parameter_names_the_value(name, words, message):
     with pytest.raises(InvalidInput, match=message):
         parse_parameter(name, words)

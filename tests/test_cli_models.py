@@ -39,6 +39,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 # ------------------------------------------------------------------------------------------------------- catalog
 
+
 @pytest.mark.models
 def test_catalog_models_pull_list_and_show(models_home, monkeypatch):
     monkeypatch.setenv("LOCALLLM_HOME", str(models_home))
@@ -64,6 +65,7 @@ def test_show_json_is_a_show_response_with_the_weights_path(models_home, monkeyp
 
 # ------------------------------------------------------------------------------------------------------- list, show
 
+
 def test_list_of_an_empty_store(isolated_home):
     assert api.ListResponse.model_validate_json(invoke("list", "--json").output).models == []
     assert "NAME" in invoke("list").output
@@ -78,11 +80,14 @@ def test_show_of_a_tiny_model_and_its_single_fields(tiny):
 
 # ------------------------------------------------------------------------------------------------------- create
 
+
 def test_create_from_a_gguf_next_to_the_modelfile(tmp_path, isolated_home, monkeypatch):
     folder = tmp_path / "project"
     write_tiny_gguf(folder / "weights" / "w.gguf")
-    (folder / "Modelfile").write_text('FROM ./weights/w.gguf\nSYSTEM "Be brief."\nPARAMETER temperature 0.3\n'
-                                      'PARAMETER stop "<|im_end|>"\nMESSAGE user hi\nLICENSE "custom"\n')
+    (folder / "Modelfile").write_text(
+        'FROM ./weights/w.gguf\nSYSTEM "Be brief."\nPARAMETER temperature 0.3\n'
+        'PARAMETER stop "<|im_end|>"\nMESSAGE user hi\nLICENSE "custom"\n'
+    )
     monkeypatch.chdir(tmp_path)  # the FROM path is relative to the Modelfile, not to the working directory
     result = invoke("create", "me/brief:v1", "-f", str(folder / "Modelfile"))
     assert result.exit_code == 0 and result.output.splitlines()[-1] == "success"
@@ -106,12 +111,15 @@ def test_create_from_a_stored_model_inherits_and_overrides(tiny, tmp_path):
     assert child.weights == Store().resolve("tiny").weights  # the weights blob is shared, not copied
 
 
-@pytest.mark.parametrize("modelfile, message", [
-    ("FROM tiny\nFROB x\n", "Modelfile line 2"),
-    ("FROM tiny\nPARAMETER nonsense 1\n", "Modelfile line 2"),
-    ("FROM ./missing.gguf\n", "no GGUF file at"),
-    ("FROM ../../etc\n", "not valid"),
-])
+@pytest.mark.parametrize(
+    "modelfile, message",
+    [
+        ("FROM tiny\nFROB x\n", "Modelfile line 2"),
+        ("FROM tiny\nPARAMETER nonsense 1\n", "Modelfile line 2"),
+        ("FROM ./missing.gguf\n", "no GGUF file at"),
+        ("FROM ../../etc\n", "not valid"),
+    ],
+)
 def test_create_errors_are_one_line_and_store_nothing(tiny, tmp_path, modelfile, message):
     (tmp_path / "Modelfile").write_text(modelfile)
     before = _tree(Store().root)
@@ -135,6 +143,7 @@ def test_create_without_a_modelfile(isolated_home, tmp_path):
 
 # ------------------------------------------------------------------------------------------------------- rm, cp, verify
 
+
 def test_cp_then_rm(tiny):
     assert invoke("cp", "tiny", "me/copy:v2").output.strip() == "copied 'tiny:latest' to 'me/copy:v2'"
     assert "me/copy:v2" in invoke("list").output
@@ -156,10 +165,19 @@ def test_verify_reports_a_corrupt_blob(tiny):
     assert result.exit_code == 1 and blob.name in result.output and "corrupt" in result.output
 
 
-@pytest.mark.parametrize("args", [
-    ("pull", "../../etc/passwd"), ("show", "../x"), ("rm", "a/../../b"), ("cp", "tiny", "/abs"),
-    ("cp", "tiny", "bad name"), ("verify", "x" * 300), ("pull", "hf.co/org"), ("show", "sha256-zz/.."),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("pull", "../../etc/passwd"),
+        ("show", "../x"),
+        ("rm", "a/../../b"),
+        ("cp", "tiny", "/abs"),
+        ("cp", "tiny", "bad name"),
+        ("verify", "x" * 300),
+        ("pull", "hf.co/org"),
+        ("show", "sha256-zz/.."),
+    ],
+)
 def test_invalid_names_are_one_line_errors_that_change_nothing(tiny, args):
     before = _tree(Store().root)
     result = invoke(*args)
@@ -175,6 +193,7 @@ def test_show_of_an_unknown_model_hints_at_pull(isolated_home):
 
 # ------------------------------------------------------------------------------------------------------- SIGKILL
 
+
 @pytest.mark.slow
 def test_a_pull_killed_halfway_resumes_and_verifies(tmp_path, isolated_home, monkeypatch):
     data = write_tiny_gguf(tmp_path / "big.gguf", pad_floats=1_000_000).read_bytes()  # about 4 MB
@@ -182,8 +201,12 @@ def test_a_pull_killed_halfway_resumes_and_verifies(tmp_path, isolated_home, mon
     with HubServer(hub) as url:
         monkeypatch.setenv("HF_ENDPOINT", url)
         env = dict(os.environ, LOCALLLM_HOME=str(isolated_home), HF_ENDPOINT=url)
-        child = subprocess.Popen([sys.executable, "-m", "localllm", "pull", "hf.co/org/big-GGUF:Q8_0"], env=env,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "localllm", "pull", "hf.co/org/big-GGUF:Q8_0"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         partial = _wait_for_partial(Store().blobs_dir, at_least=512 * 1024, child=child)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)

@@ -26,14 +26,24 @@ def reasoner(reasoner_path) -> str:
 
 def child_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALLLM_")}
-    env.update(LOCALLLM_HOME=str(home), LOCALLLM_CONTEXT_LENGTH="512", LOCALLLM_NUM_PARALLEL="1",
-               TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1")
+    env.update(
+        LOCALLLM_HOME=str(home),
+        LOCALLLM_CONTEXT_LENGTH="512",
+        LOCALLLM_NUM_PARALLEL="1",
+        TERM="xterm-256color",
+        PROMPT_TOOLKIT_NO_CPR="1",
+    )
     return env
 
 
 def run(home: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "localllm", "run", *args, "--in-process"], env=child_env(home),
-                          capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "localllm", "run", *args, "--in-process"],
+        env=child_env(home),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def test_bare_think_reads_as_true():
@@ -44,8 +54,13 @@ def test_bare_think_reads_as_true():
 
 @pytest.mark.models
 def test_show_lists_the_thinking_capability(reasoner, tmp_path):
-    shown = subprocess.run([sys.executable, "-m", "localllm", "show", reasoner], env=child_env(tmp_path),
-                           capture_output=True, text=True, timeout=60)
+    shown = subprocess.run(
+        [sys.executable, "-m", "localllm", "show", reasoner],
+        env=child_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert shown.returncode == 0, shown.stderr
     capabilities = shown.stdout.split("Capabilities")[1].split("Template")[0].split()
     assert capabilities == ["completion", "thinking"]
@@ -56,9 +71,13 @@ def test_show_lists_the_thinking_capability(reasoner, tmp_path):
 def test_one_shot_thinking_goes_to_stderr_unless_hidden(reasoner, tmp_path):
     # A one-shot run has no sampling flags: a model of our own answers greedily, so every run says the same.
     (tmp_path / "Modelfile").write_text(f"FROM {reasoner}\nPARAMETER temperature 0\n")
-    created = subprocess.run([sys.executable, "-m", "localllm", "create", "greedy-reasoner", "-f",
-                              str(tmp_path / "Modelfile")], env=child_env(tmp_path), capture_output=True, text=True,
-                             timeout=180)
+    created = subprocess.run(
+        [sys.executable, "-m", "localllm", "create", "greedy-reasoner", "-f", str(tmp_path / "Modelfile")],
+        env=child_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert created.returncode == 0, created.stderr
     reasoner = "greedy-reasoner"
     fixed = ["--think", QUESTION]
@@ -73,10 +92,13 @@ def test_one_shot_thinking_goes_to_stderr_unless_hidden(reasoner, tmp_path):
 
 
 @pytest.mark.models
-@pytest.mark.parametrize("args, message", [
-    (["--think=loud", "hi"], "--think=loud is not valid"),
-    (["--think", "hi"], "does not support thinking"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--think=loud", "hi"], "--think=loud is not valid"),
+        (["--think", "hi"], "does not support thinking"),
+    ],
+)
 def test_bad_think_is_one_line_and_exit_code_1(reasoner, smollm2_path, tmp_path, args, message):
     plain = tmp_path / "plain.gguf"  # smollm2 as it is: its template cannot think
     plain.symlink_to(smollm2_path)
@@ -97,11 +119,20 @@ def ask(child: pexpect.spawn, question: str) -> str:
 
 @pytest.mark.models
 def test_set_think_and_nothink_in_the_chat(reasoner, tmp_path):
-    child = pexpect.spawn(sys.executable, ["-m", "localllm", "run", reasoner, "--in-process"], env=child_env(tmp_path),
-                          encoding="utf-8", timeout=90, dimensions=(40, 120))
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "localllm", "run", reasoner, "--in-process"],
+        env=child_env(tmp_path),
+        encoding="utf-8",
+        timeout=90,
+        dimensions=(40, 120),
+    )
     child.expect_exact(PROMPT)
-    for line, reply in (("/set parameter temperature 0", "Set parameter"), ("/set parameter num_predict 24", "Set"),
-                        ("/set nothink", "Set 'nothink' mode.")):
+    for line, reply in (
+        ("/set parameter temperature 0", "Set parameter"),
+        ("/set parameter num_predict 24", "Set"),
+        ("/set nothink", "Set 'nothink' mode."),
+    ):
         child.sendline(line)
         child.expect_exact(reply)
         child.expect_exact(PROMPT)

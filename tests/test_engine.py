@@ -211,12 +211,14 @@ def test_truncation_reports_dropped_tokens(engine4):
 
 
 def test_generation_that_fills_the_slot_ends_with_length(smollm2_path):
-    engine = ModelEngine(LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1), n_seq=1, n_ctx=256),
-                         max_queue=1)
+    engine = ModelEngine(
+        LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1), n_seq=1, n_ctx=256), max_queue=1
+    )
     try:
         prompt = engine.tokenize("Count from one to one thousand: one, two, three,")
-        tokens, done = _tokens(engine.submit(GenerationParams(
-            prompt, SamplingOptions(temperature=0, ignore_eos=True, spec_type="none"))))
+        tokens, done = _tokens(
+            engine.submit(GenerationParams(prompt, SamplingOptions(temperature=0, ignore_eos=True, spec_type="none")))
+        )
         assert done.done_reason == "length"
         assert len(prompt) + len(tokens) <= engine.n_ctx
     finally:
@@ -224,8 +226,9 @@ def test_generation_that_fills_the_slot_ends_with_length(smollm2_path):
 
 
 def test_full_queue_is_rejected_at_once(smollm2_path):
-    engine = ModelEngine(LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1), n_seq=1, n_ctx=256),
-                         max_queue=1)
+    engine = ModelEngine(
+        LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1), n_seq=1, n_ctx=256), max_queue=1
+    )
     try:
         prompt = engine.tokenize(PROMPTS[0])
         slow = SamplingOptions(temperature=0, num_predict=100, spec_type="none")
@@ -262,12 +265,19 @@ def test_embeddings_are_normalised_and_distinct(engine4):
 def test_sampler_chain_options_take_effect(engine4):
     prompt = engine4.tokenize("one two three one two three one two three one two")
     greedy = _tokens(engine4.submit(GenerationParams(prompt, GREEDY)))[0]
-    penalised = _tokens(engine4.submit(GenerationParams(prompt, GREEDY.model_copy(update={
-        "repeat_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 0.5}))))[0]
+    penalised = _tokens(
+        engine4.submit(
+            GenerationParams(
+                prompt,
+                GREEDY.model_copy(update={"repeat_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 0.5}),
+            )
+        )
+    )[0]
     assert penalised != greedy
     banned = greedy[0]
-    biased = _tokens(engine4.submit(GenerationParams(prompt, GREEDY.model_copy(
-        update={"logit_bias": {banned: float("-inf")}}))))[0]
+    biased = _tokens(
+        engine4.submit(GenerationParams(prompt, GREEDY.model_copy(update={"logit_bias": {banned: float("-inf")}})))
+    )[0]
     assert biased[0] != banned
     seeded = GREEDY.model_copy(update={"temperature": 1.0, "top_k": 50, "top_p": 0.95, "min_p": 0.05, "seed": 7})
     first, again = (_tokens(engine4.submit(GenerationParams(prompt, seeded)))[0] for _ in range(2))
@@ -288,7 +298,8 @@ def test_greedy_shortcut_picks_what_llama_cpps_chain_picks(model_path):
         eog = model.eog_tokens()
         top = [int(t) for t in model.logits(len(tokens) - 1).argsort()[::-1][:3]]
         cases = [
-            {}, {"ignore_eos": True},
+            {},
+            {"ignore_eos": True},
             {"logit_bias": {top[0]: float("-inf")}},  # the favourite banned: the runner-up wins
             {"logit_bias": {top[2]: 100.0}},  # a biased token overtakes
             {"logit_bias": {eog[0]: 1000.0}, "ignore_eos": True},  # a ban beats any bias

@@ -105,11 +105,13 @@ def test_the_pool_runs_the_context_as_the_trial_found(models_home, tmp_path, mon
     entry.parent.mkdir(exist_ok=True)
     entry.write_text(json.dumps({**probe._record(), "flash_trial": faster_off.to_json()}))
     try:
-        for options, flash, measured, native in (({}, False, True, llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED),
-                                                 ({"flash_attn": True}, True, False,
-                                                  llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)):
-            request = api.GenerateRequest(model="smollm2:135m", prompt="Hi",
-                                          options={"num_predict": 2, "temperature": 0, **options})
+        for options, flash, measured, native in (
+            ({}, False, True, llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED),
+            ({"flash_attn": True}, True, False, llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED),
+        ):
+            request = api.GenerateRequest(
+                model="smollm2:135m", prompt="Hi", options={"num_predict": 2, "temperature": 0, **options}
+            )
             assert [chunk for chunk in client.generate(request) if chunk.done]
             (row,) = client.ps().models
             assert (row.flash_attn, row.flash_attn_measured) == (flash, measured)

@@ -16,8 +16,10 @@ from localllm.errors import ModelFormatError
 from localllm.quant.gguf import GGUFInfo, format_parameter_size, inspect_gguf
 
 Q = gguf.GGMLQuantizationType
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 TOKENS = [f"tok{i}" for i in range(100)]
 
 
@@ -27,10 +29,15 @@ class Spec:
 
     arch: str = "llama"
     file_type: int | None = 3
-    tensors: list[tuple[str, tuple[int, ...], Q]] = field(default_factory=lambda: [
-        ("token_embd.weight", (100, 64), Q.Q4_1), ("blk.0.attn_q.weight", (64, 64), Q.Q4_1),
-        ("blk.0.attn_k.weight", (64, 64), Q.Q4_1), ("blk.0.attn_norm.weight", (64,), Q.F32),
-        ("output.weight", (100, 64), Q.Q8_0)])
+    tensors: list[tuple[str, tuple[int, ...], Q]] = field(
+        default_factory=lambda: [
+            ("token_embd.weight", (100, 64), Q.Q4_1),
+            ("blk.0.attn_q.weight", (64, 64), Q.Q4_1),
+            ("blk.0.attn_k.weight", (64, 64), Q.Q4_1),
+            ("blk.0.attn_norm.weight", (64,), Q.F32),
+            ("output.weight", (100, 64), Q.Q8_0),
+        ]
+    )
     context_length: int = 8192
     template: str | None = CHATML
     tokens: list[str] | None = field(default_factory=lambda: list(TOKENS))
@@ -80,30 +87,62 @@ def write_gguf(path: Path, spec: Spec) -> Path:
 # ---------------------------------------------------------------------------------------------------------- valid files
 
 VALID = {
-    "llama Q4_1": (Spec(), {"architecture": "llama", "file_type": "Q4_1", "context_length": 8192,
-                            "tokenizer_model": "gpt2", "chat_template": CHATML, "has_mtp": False,
-                            "tensor_types": {"Q4_1": 3, "F32": 1, "Q8_0": 1}, "vocab_size": 100}),
-    "qwen2 Q4_K_M": (Spec(arch="qwen2", file_type=15, context_length=32768, tensors=[
-        ("token_embd.weight", (100, 256), Q.Q4_K), ("blk.0.ffn_down.weight", (64, 256), Q.Q6_K)]),
-        {"architecture": "qwen2", "file_type": "Q4_K_M", "context_length": 32768,
-         "tensor_types": {"Q4_K": 1, "Q6_K": 1}}),
-    "F16": (Spec(arch="phi3", file_type=1, tensors=[("token_embd.weight", (100, 64), Q.F16)]),
-            {"architecture": "phi3", "file_type": "F16"}),
+    "llama Q4_1": (
+        Spec(),
+        {
+            "architecture": "llama",
+            "file_type": "Q4_1",
+            "context_length": 8192,
+            "tokenizer_model": "gpt2",
+            "chat_template": CHATML,
+            "has_mtp": False,
+            "tensor_types": {"Q4_1": 3, "F32": 1, "Q8_0": 1},
+            "vocab_size": 100,
+        },
+    ),
+    "qwen2 Q4_K_M": (
+        Spec(
+            arch="qwen2",
+            file_type=15,
+            context_length=32768,
+            tensors=[("token_embd.weight", (100, 256), Q.Q4_K), ("blk.0.ffn_down.weight", (64, 256), Q.Q6_K)],
+        ),
+        {
+            "architecture": "qwen2",
+            "file_type": "Q4_K_M",
+            "context_length": 32768,
+            "tensor_types": {"Q4_K": 1, "Q6_K": 1},
+        },
+    ),
+    "F16": (
+        Spec(arch="phi3", file_type=1, tensors=[("token_embd.weight", (100, 64), Q.F16)]),
+        {"architecture": "phi3", "file_type": "F16"},
+    ),
     "no file_type: dominant tensor type": (
         Spec(file_type=None, tensors=[("token_embd.weight", (100, 64), Q.Q8_0), ("norm.weight", (64,), Q.F32)]),
-        {"file_type": "Q8_0"}),
+        {"file_type": "Q8_0"},
+    ),
     "unknown file_type: dominant tensor type": (
         Spec(file_type=999, tensors=[("a.weight", (8, 64), Q.Q4_0), ("b.weight", (64, 64), Q.Q5_0)]),
-        {"file_type": "Q5_0"}),
+        {"file_type": "Q5_0"},
+    ),
     "MTP layers": (Spec(arch="glm4moe", nextn_layers=1), {"architecture": "glm4moe", "has_mtp": True}),
     "zero MTP layers": (Spec(arch="glm4moe", nextn_layers=0), {"has_mtp": False}),
-    "no template, sentencepiece": (Spec(arch="gemma3", file_type=15, template=None, tokenizer="llama",
-                                        tensors=[("token_embd.weight", (100, 256), Q.Q4_K)]),
-                                   {"architecture": "gemma3", "chat_template": None, "tokenizer_model": "llama",
-                                    "file_type": "Q4_K_M"}),
+    "no template, sentencepiece": (
+        Spec(
+            arch="gemma3",
+            file_type=15,
+            template=None,
+            tokenizer="llama",
+            tensors=[("token_embd.weight", (100, 256), Q.Q4_K)],
+        ),
+        {"architecture": "gemma3", "chat_template": None, "tokenizer_model": "llama", "file_type": "Q4_K_M"},
+    ),
     "custom alignment": (Spec(alignment=64), {"file_type": "Q4_1"}),
-    "vocab only": (Spec(file_type=None, tensors=[]),
-                   {"parameter_count": 0, "file_type": "", "bits_per_weight": 0.0, "tensor_types": {}}),
+    "vocab only": (
+        Spec(file_type=None, tensors=[]),
+        {"parameter_count": 0, "file_type": "", "bits_per_weight": 0.0, "tensor_types": {}},
+    ),
 }
 
 
@@ -147,8 +186,9 @@ def test_sizes_agree_with_gguf_reader(valid_case):
 
 def test_details_and_model_info(tmp_path):
     info = inspect_gguf(write_gguf(tmp_path / "m.gguf", Spec()))
-    assert info.details() == api.ModelDetails(format="gguf", family="llama", families=["llama"],
-                                              parameter_size=info.parameter_size, quantization_level="Q4_1")
+    assert info.details() == api.ModelDetails(
+        format="gguf", family="llama", families=["llama"], parameter_size=info.parameter_size, quantization_level="Q4_1"
+    )
     model_info = info.model_info()
     assert model_info["general.architecture"] == "llama"
     assert model_info["llama.context_length"] == 8192
@@ -159,16 +199,28 @@ def test_details_and_model_info(tmp_path):
     assert "tokenizer.ggml.tokens" not in info.metadata
 
 
-@pytest.mark.parametrize("count,size", [
-    (0, "0"), (999, "999"), (1_500, "1.5K"), (134_515_008, "135M"), (268_098_176, "268M"),
-    (999_700_000, "1.0B"), (1_235_814_400, "1.2B"), (8_030_261_248, "8.0B"), (13_015_864_320, "13B"),
-    (70_553_706_496, "71B"), (1_200_000_000_000, "1.2T"),
-])
+@pytest.mark.parametrize(
+    "count,size",
+    [
+        (0, "0"),
+        (999, "999"),
+        (1_500, "1.5K"),
+        (134_515_008, "135M"),
+        (268_098_176, "268M"),
+        (999_700_000, "1.0B"),
+        (1_235_814_400, "1.2B"),
+        (8_030_261_248, "8.0B"),
+        (13_015_864_320, "13B"),
+        (70_553_706_496, "71B"),
+        (1_200_000_000_000, "1.2T"),
+    ],
+)
 def test_format_parameter_size(count, size):
     assert format_parameter_size(count) == size
 
 
 # ---------------------------------------------------------------------------------------------------------- bad files
+
 
 @pytest.fixture(scope="module")
 def good_bytes(tmp_path_factory) -> bytes:
@@ -181,7 +233,7 @@ def _after(data: bytes, marker: bytes) -> int:
 
 
 def _patch(data: bytes, offset: int, fmt: str, value: int) -> bytes:
-    return data[:offset] + struct.pack(fmt, value) + data[offset + struct.calcsize(fmt):]
+    return data[:offset] + struct.pack(fmt, value) + data[offset + struct.calcsize(fmt) :]
 
 
 def _header_end(data: bytes) -> int:
@@ -201,40 +253,56 @@ CORRUPTIONS = {
     "tensor count 2**60": (lambda d: _patch(d, 8, "<Q", 2**60), "claims 1152921504606846976 tensors"),
     "tensor count 2**64-1": (lambda d: _patch(d, 8, "<Q", 2**64 - 1), "impossible in a file of"),
     "metadata count 2**60": (lambda d: _patch(d, 16, "<Q", 2**60), "metadata keys, impossible"),
-    "more metadata than written": (lambda d: _patch(d, 16, "<Q", struct.unpack_from("<Q", d, 16)[0] + 1),
-                                   "truncated or corrupt"),
+    "more metadata than written": (
+        lambda d: _patch(d, 16, "<Q", struct.unpack_from("<Q", d, 16)[0] + 1),
+        "truncated or corrupt",
+    ),
     "key length 2**62": (lambda d: _patch(d, 24, "<Q", 2**62), "key #0 (4611686018427387904 bytes) at byte 32"),
     "string value length 2**62": (
-        lambda d: _patch(d, _after(d, b"general.name") + 4, "<Q", 2**62), "value of 'general.name'"),
+        lambda d: _patch(d, _after(d, b"general.name") + 4, "<Q", 2**62),
+        "value of 'general.name'",
+    ),
     "array length 2**62": (
         lambda d: _patch(d, _after(d, b"tokenizer.ggml.tokens") + 8, "<Q", 2**62),
-        "4611686018427387904 string lengths of 'tokenizer.ggml.tokens'"),
+        "4611686018427387904 string lengths of 'tokenizer.ggml.tokens'",
+    ),
     "array item string length 2**40": (
         lambda d: _patch(d, _after(d, b"tokenizer.ggml.tokens") + 16, "<Q", 2**40),
-        "item of 'tokenizer.ggml.tokens' (1099511627776 bytes)"),
+        "item of 'tokenizer.ggml.tokens' (1099511627776 bytes)",
+    ),
     "score array length 2**61": (
-        lambda d: _patch(d, _after(d, b"tokenizer.ggml.scores") + 8, "<Q", 2**61), "items of 'tokenizer.ggml.scores'"),
+        lambda d: _patch(d, _after(d, b"tokenizer.ggml.scores") + 8, "<Q", 2**61),
+        "items of 'tokenizer.ggml.scores'",
+    ),
     "unknown value type": (lambda d: _patch(d, _after(d, b"general.name"), "<I", 99), "unknown value type 99"),
     "array of arrays": (lambda d: _patch(d, _after(d, b"general.tags") + 4, "<I", 9), "array of arrays"),
-    "unknown array item type": (lambda d: _patch(d, _after(d, b"general.tags") + 4, "<I", 77), "unknown value "
-                                                                                             "type 77"),
+    "unknown array item type": (lambda d: _patch(d, _after(d, b"general.tags") + 4, "<I", 77), "unknown value type 77"),
     "five dimensions": (lambda d: _patch(d, _after(d, b"output.weight"), "<I", 5), "has 5 dimensions"),
     "zero dimensions": (lambda d: _patch(d, _after(d, b"output.weight"), "<I", 0), "has 0 dimensions"),
     "absurd shape": (lambda d: _patch(d, _after(d, b"output.weight") + 4, "<Q", 2**62), "impossible shape"),
     "unknown tensor type": (lambda d: _patch(d, _after(d, b"output.weight") + 20, "<I", 200), "unknown type 200"),
     "removed tensor type Q4_2": (lambda d: _patch(d, _after(d, b"output.weight") + 20, "<I", 4), "unknown type 4"),
-    "tensor offset past the end": (lambda d: _patch(d, _after(d, b"output.weight") + 24, "<Q", 2**40),
-                                   "ends at byte"),
-    "misaligned tensor offset": (lambda d: _patch(d, _after(d, b"output.weight") + 24, "<Q",
-                                                  struct.unpack_from("<Q", d, _after(d, b"output.weight") + 24)[0] + 1),
-                                 "not a multiple of the alignment 32"),
-    "duplicate tensor name": (lambda d: d.replace(b"blk.0.attn_k.weight", b"blk.0.attn_q.weight", 1),
-                              "tensor 'blk.0.attn_q.weight' appears twice"),
-    "duplicate metadata key": (lambda d: d.replace(b"general.name", b"general.tags", 1),
-                               "metadata key 'general.tags' appears twice"),
+    "tensor offset past the end": (lambda d: _patch(d, _after(d, b"output.weight") + 24, "<Q", 2**40), "ends at byte"),
+    "misaligned tensor offset": (
+        lambda d: _patch(
+            d,
+            _after(d, b"output.weight") + 24,
+            "<Q",
+            struct.unpack_from("<Q", d, _after(d, b"output.weight") + 24)[0] + 1,
+        ),
+        "not a multiple of the alignment 32",
+    ),
+    "duplicate tensor name": (
+        lambda d: d.replace(b"blk.0.attn_k.weight", b"blk.0.attn_q.weight", 1),
+        "tensor 'blk.0.attn_q.weight' appears twice",
+    ),
+    "duplicate metadata key": (
+        lambda d: d.replace(b"general.name", b"general.tags", 1),
+        "metadata key 'general.tags' appears twice",
+    ),
     # The last tensor (Q8_0, 6800 bytes) is followed by alignment padding; cut into the tensor itself.
     "weights cut off": (lambda d: d[:-1000], "tensor 'output.weight' ends at byte"),
-    "header only": (lambda d: d[:_header_end(d)], "(truncated)"),
+    "header only": (lambda d: d[: _header_end(d)], "(truncated)"),
 }
 
 
@@ -277,13 +345,16 @@ def test_random_damage_never_escapes_as_another_error(tmp_path, good_bytes):
     assert failures > 0
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda p: p.write_bytes(b""), "it is empty"),
-    (lambda p: p.write_bytes(bytes(range(256)) * 8), "wrong magic"),
-    (lambda p: p.write_text("FROM smollm2:135m\n"), "wrong magic b'FROM'"),
-    (lambda p: p.mkdir(), "is not a file"),
-    (lambda p: None, "does not exist"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda p: p.write_bytes(b""), "it is empty"),
+        (lambda p: p.write_bytes(bytes(range(256)) * 8), "wrong magic"),
+        (lambda p: p.write_text("FROM smollm2:135m\n"), "wrong magic b'FROM'"),
+        (lambda p: p.mkdir(), "is not a file"),
+        (lambda p: None, "does not exist"),
+    ],
+)
 def test_not_a_gguf_file(tmp_path, make, message):
     path = tmp_path / "thing.gguf"
     make(path)
@@ -293,6 +364,7 @@ def test_not_a_gguf_file(tmp_path, make, message):
 
 
 # ---------------------------------------------------------------------------------------------------------- real models
+
 
 @pytest.mark.models
 def test_smollm2(smollm2_path):

@@ -50,13 +50,14 @@ TOOLS = """{{- if .Tools }}Tools: {{ range .Tools }}{{ .Function.Name }}={{ json
 def test_messages_template_renders_the_conversation():
     assert render_chat(CHATML, CONVERSATION) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-        "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_legacy_template_runs_per_turn_and_stops_at_the_last_response():
     assert render_chat(LEGACY, CONVERSATION) == (
-        "<|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n<|assistant|>\nHello!</s>\n"
-        "<|user|>\nBye</s>\n<|assistant|>\n")
+        "<|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n<|assistant|>\nHello!</s>\n<|user|>\nBye</s>\n<|assistant|>\n"
+    )
 
 
 def test_variables_slices_and_root_access():
@@ -64,36 +65,56 @@ def test_variables_slices_and_root_access():
 
 
 def test_tools_and_tool_calls_print_as_json():
-    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather",
-                                             "parameters": {"type": "object", "required": ["city"]}}}
-    messages = [{"role": "user", "content": "Rome?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]}]
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather",
+            "parameters": {"type": "object", "required": ["city"]},
+        },
+    }
+    messages = [
+        {"role": "user", "content": "Rome?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Rome"}}}],
+        },
+    ]
     out = render_chat(TOOLS, messages, tools=[tool])
-    assert out == ('Tools: get_weather={"type": "object", "required": ["city"]} \n'
-                   'user: Rome?\nassistant:  call get_weather{"city": "Rome"}\n')
+    assert out == (
+        'Tools: get_weather={"type": "object", "required": ["city"]} \n'
+        'user: Rome?\nassistant:  call get_weather{"city": "Rome"}\n'
+    )
     assert render_chat(TOOLS, messages) == 'user: Rome?\nassistant:  call get_weather{"city": "Rome"}\n'
 
 
 def test_text_that_looks_like_jinja_stays_text():
     template = "{% endraw %}{% if x %}{# c #} }} {{ .Prompt }}"
-    assert render_chat(template, [{"role": "user", "content": "{{ 7*7 }}"}]) == \
-        "{% endraw %}{% if x %}{# c #} }} {{ 7*7 }}"
+    assert (
+        render_chat(template, [{"role": "user", "content": "{{ 7*7 }}"}])
+        == "{% endraw %}{% if x %}{# c #} }} {{ 7*7 }}"
+    )
 
 
 def test_reassignment_printf_and_continue():
-    template = ('{{- $s := "" }}{{- range .Messages }}{{ if eq .Role "system" }}{{ $s = printf "%s[%s]" $s .Content }}'
-                '{{ continue }}{{ end }}{{ .Content }};{{ end }}{{ $s }}')
+    template = (
+        '{{- $s := "" }}{{- range .Messages }}{{ if eq .Role "system" }}{{ $s = printf "%s[%s]" $s .Content }}'
+        "{{ continue }}{{ end }}{{ .Content }};{{ end }}{{ $s }}"
+    )
     assert render_chat(template, CONVERSATION) == "Hi;Hello!;Bye;[Be brief.]"
 
 
-@pytest.mark.parametrize("template, construct", [
-    ('{{ define "x" }}y{{ end }}{{ .Prompt }}', "{{ define }}"),
-    ("{{ with .System }}{{ . }}{{ end }}", "{{ with }}"),
-    ('{{ template "x" . }}{{ .Prompt }}', "{{ template }}"),
-    ("{{ range .Tools }}{{ toTypeScriptType .Function }}{{ end }}{{ .Prompt }}", "'toTypeScriptType'"),
-    ("{{ if .System }}{{ .System }}", "without its {{ end }}"),
-])
+@pytest.mark.parametrize(
+    "template, construct",
+    [
+        ('{{ define "x" }}y{{ end }}{{ .Prompt }}', "{{ define }}"),
+        ("{{ with .System }}{{ . }}{{ end }}", "{{ with }}"),
+        ('{{ template "x" . }}{{ .Prompt }}', "{{ template }}"),
+        ("{{ range .Tools }}{{ toTypeScriptType .Function }}{{ end }}{{ .Prompt }}", "'toTypeScriptType'"),
+        ("{{ if .System }}{{ .System }}", "without its {{ end }}"),
+    ],
+)
 def test_constructs_outside_the_subset_are_refused_by_name(template, construct):
     assert is_go_template(template)
     with pytest.raises(InvalidInput, match="cannot translate|without") as info:

@@ -42,8 +42,10 @@ def http(base_url):
 
 
 def chat_request(**fields) -> api.ChatRequest:
-    messages = [api.Message(role="system", content=SYSTEM),
-                api.Message(role="user", content="What is the capital of France?")]
+    messages = [
+        api.Message(role="system", content=SYSTEM),
+        api.Message(role="user", content="What is the capital of France?"),
+    ]
     return api.ChatRequest(**{"model": "smollm2:135m", "messages": messages, "options": SMALL, **fields})
 
 
@@ -97,8 +99,13 @@ def test_unreachable_server_names_the_address():
 
 
 def test_closing_a_stream_frees_the_slot(http, served):
-    stream = http.generate(api.GenerateRequest(model="smollm2:135m", prompt="Tell a long story.",
-                                               options={"temperature": 0, "num_predict": 900, "ignore_eos": True}))
+    stream = http.generate(
+        api.GenerateRequest(
+            model="smollm2:135m",
+            prompt="Tell a long story.",
+            options={"temperature": 0, "num_predict": 900, "ignore_eos": True},
+        )
+    )
     first = [next(stream), next(stream)]
     assert not first[-1].done
     engine = served[1].pool.entries()[0].engine
@@ -115,8 +122,12 @@ def test_a_client_leaving_a_non_streamed_request_cancels_it(http, served):
     list(http.generate(api.GenerateRequest(model="smollm2:135m", prompt="Hi", options=SMALL)))
     engine = served[1].pool.entries()[0].engine
     before = engine.snapshot().generated_tokens
-    body = {"model": "smollm2:135m", "prompt": "Tell a long story.", "stream": False,
-            "options": {"temperature": 0, "num_predict": 900, "ignore_eos": True}}
+    body = {
+        "model": "smollm2:135m",
+        "prompt": "Tell a long story.",
+        "stream": False,
+        "options": {"temperature": 0, "num_predict": 900, "ignore_eos": True},
+    }
     with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 900 tokens could be ready
         httpx.post(served[0] + "/api/generate", json=body, timeout=httpx.Timeout(10, read=1.0))
     wait_until_idle(http, limit=120)

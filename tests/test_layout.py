@@ -92,8 +92,11 @@ def test_the_cycle_check_can_fail():
 @pytest.mark.parametrize("surface", ["localllm.server", "localllm.cli", "localllm.tui"])
 def test_surfaces_never_import_a_backend(surface):
     graph = _graph()
-    offenders = {m: sorted(d for d in deps if d.startswith("localllm.backends"))
-                 for m, deps in graph.items() if m == surface or m.startswith(surface + ".")}
+    offenders = {
+        m: sorted(d for d in deps if d.startswith("localllm.backends"))
+        for m, deps in graph.items()
+        if m == surface or m.startswith(surface + ".")
+    }
     assert {m: d for m, d in offenders.items() if d} == {}
 
 

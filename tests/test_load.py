@@ -41,8 +41,11 @@ def base_url(models_home):
 def via_openai(url: str) -> Outcome:
     oai = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
     try:
-        chunks = list(oai.chat.completions.create(model="smollm2:135m", messages=MESSAGES, max_tokens=TOKENS,
-                                                  temperature=0, stream=True))
+        chunks = list(
+            oai.chat.completions.create(
+                model="smollm2:135m", messages=MESSAGES, max_tokens=TOKENS, temperature=0, stream=True
+            )
+        )
     except openai.APIStatusError as exc:
         return refused(exc.status_code, exc.response.headers.get("retry-after"))
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -53,8 +56,11 @@ def via_openai(url: str) -> Outcome:
 def via_ollama(url: str) -> Outcome:
     api = ollama.Client(host=url, timeout=120)
     try:
-        chunks = list(api.chat(model="smollm2:135m", messages=MESSAGES, stream=True,
-                               options={"num_predict": TOKENS, "temperature": 0}))
+        chunks = list(
+            api.chat(
+                model="smollm2:135m", messages=MESSAGES, stream=True, options={"num_predict": TOKENS, "temperature": 0}
+            )
+        )
     except ollama.ResponseError as exc:
         return refused(exc.status_code, None, headers_seen=False)  # the ollama package drops the headers
     last = chunks[-1]
@@ -79,8 +85,10 @@ def run_round(url: str) -> list[Outcome]:
         except Exception as exc:  # noqa: BLE001 - any other failure is a finding, reported below
             outcomes[i] = Outcome(problem=repr(exc))
 
-    threads = [threading.Thread(target=client, args=(i, via_openai if i % 2 else via_ollama), daemon=True)
-               for i in range(CLIENTS)]
+    threads = [
+        threading.Thread(target=client, args=(i, via_openai if i % 2 else via_ollama), daemon=True)
+        for i in range(CLIENTS)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

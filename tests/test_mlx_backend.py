@@ -27,13 +27,20 @@ from localllm.errors import InvalidInput, LocalLLMError, ModelFormatError  # noq
 
 pytestmark = pytest.mark.mlx
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CORPUS = ["The capital of France is Paris.", "Hello world, hello tests.", "def add(a, b): return a + b",
-          "Quantized models run locally on a laptop."]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The capital of France is Paris.",
+    "Hello world, hello tests.",
+    "def add(a, b): return a + b",
+    "Quantized models run locally on a laptop.",
+]
 
 
 # ------------------------------------------------------------------------------------------------------- fixtures
+
 
 def _train_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -41,8 +48,12 @@ def _train_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS * 10, trainer)
     return tok
 
@@ -52,10 +63,20 @@ def _write_tiny_llama(folder: Path) -> None:
     from mlx_lm.models import llama
 
     tok = _train_tokenizer()
-    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-              "vocab_size": tok.get_vocab_size(), "max_position_embeddings": 512, "tie_word_embeddings": True,
-              "bos_token_id": 1, "eos_token_id": 2}
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": tok.get_vocab_size(),
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     mx.random.seed(7)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     # Larger embeddings than the default init make the logits peaked, so greedy choices are not near-ties.
@@ -66,9 +87,17 @@ def _write_tiny_llama(folder: Path) -> None:
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps(config))
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-        "unk_token": "<|endoftext|>", "chat_template": CHATML}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "unk_token": "<|endoftext|>",
+                "chat_template": CHATML,
+            }
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +148,7 @@ def _greedy(model, tokens: list[int], n: int, *, seq: int = 0) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------------- loading
+
 
 def test_registry_picks_mlx_for_folders(tiny_folder, tmp_path):
     gguf_file = tmp_path / "m.gguf"
@@ -175,6 +205,7 @@ def test_mlx_repo_pulled_from_the_hub_loads_and_decodes(tiny_folder, tiny, monke
 
 # ------------------------------------------------------------------------------------------------------- text
 
+
 def test_token_bytes_rebuild_the_text_exactly(tiny):
     text = "Hello héllo wörld 🙂 — Paris!\n\ttabs"
     tokens = tiny.tokenize(text, add_special=False)
@@ -199,6 +230,7 @@ def test_special_tokens_parse_only_when_asked(tiny):
 
 
 # ------------------------------------------------------------------------------------------------------- decode
+
 
 def test_mixed_batch_matches_each_sequence_alone(tiny):
     a = tiny.tokenize("The capital of France")
@@ -242,7 +274,7 @@ def test_rows_must_continue_the_cache(tiny):
 
 
 def test_a_full_context_is_an_error_not_a_wraparound(tiny):
-    tokens = (tiny.tokenize("Hello world, hello tests. ") * 40)[:tiny.n_ctx + 1]
+    tokens = (tiny.tokenize("Hello world, hello tests. ") * 40)[: tiny.n_ctx + 1]
     with pytest.raises(LocalLLMError, match="context is 64"):
         _prefill(tiny, 0, tokens)
 
@@ -267,6 +299,7 @@ def test_decode_runs_on_another_thread_than_load(tiny_folder, tiny):
 
 
 # ------------------------------------------------------------------------------------------------------- cache
+
 
 def test_trim_then_redecode_gives_the_same_logits(tiny):
     tokens = tiny.tokenize("The capital of France is Paris.")
@@ -298,6 +331,7 @@ def test_copy_prefix_shares_the_prefix_and_nothing_after(tiny):
 
 # ------------------------------------------------------------------------------------------------------- sampling
 
+
 def test_greedy_is_argmax(tiny):
     row = _prefill(tiny, 0, tiny.tokenize("Hello world"))
     sampler = tiny.make_sampler(SamplingOptions(temperature=0))
@@ -318,8 +352,12 @@ def test_seeded_sampling_repeats_and_seeds_differ(tiny):
 def test_truncation_filters_limit_the_choice(tiny):
     row = _prefill(tiny, 0, tiny.tokenize("Hello world"))
     top = int(np.argmax(tiny.logits(row)))
-    for opts in (dict(top_k=1), dict(top_p=1e-6, top_k=0), dict(min_p=1.0, top_k=0),
-                 dict(typical_p=1e-6, top_k=0, top_p=1.0)):
+    for opts in (
+        dict(top_k=1),
+        dict(top_p=1e-6, top_k=0),
+        dict(min_p=1.0, top_k=0),
+        dict(typical_p=1e-6, top_k=0, top_p=1.0),
+    ):
         sampler = tiny.make_sampler(SamplingOptions(temperature=1.0, seed=3, **opts))
         picks = {sampler.sample(row) for _ in range(8)}
         if "typical_p" in opts:  # typical keeps the one token closest to the entropy, not always the argmax
@@ -352,6 +390,7 @@ def test_grammar_is_refused_clearly(tiny):
 
 # ------------------------------------------------------------------------------------------------------- embeddings
 
+
 def test_embeddings_are_normalised_and_deterministic(tiny):
     one = tiny.embed(tiny.tokenize("The capital of France"))
     assert len(one) == tiny.meta.n_embd
@@ -363,6 +402,7 @@ def test_embeddings_are_normalised_and_deterministic(tiny):
 
 
 # ------------------------------------------------------------------------------------------------------- real model
+
 
 def _write_f32_gguf(src: Path, dst: Path) -> None:
     """An F32 copy of a GGUF: same metadata, every tensor dequantized exactly (file_type 0)."""
@@ -399,8 +439,10 @@ def _load_pair(gguf_path: Path, mlx_folder: Path):
 
     # One thread: llama.cpp collapses when its threads outnumber free cores on a shared machine.
     opts = LoadOptions(num_thread=1, num_batch=128)
-    return (LlamaCppBackend().load(gguf_path, opts, n_seq=1, n_ctx=128),
-            MlxBackend().load(mlx_folder, opts, n_seq=1, n_ctx=128))
+    return (
+        LlamaCppBackend().load(gguf_path, opts, n_seq=1, n_ctx=128),
+        MlxBackend().load(mlx_folder, opts, n_seq=1, n_ctx=128),
+    )
 
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -432,8 +474,9 @@ def test_f32_weights_agree_greedily_with_llama_cpp(smollm2_path, tmp_path):
     assert "quantization" not in json.loads((folder / "config.json").read_text())
     llama, mlx = _load_pair(f32, folder)
     try:
-        prompt = llama.tokenize("<|im_start|>user\nTell me about the history of Rome.<|im_end|>\n"
-                                "<|im_start|>assistant\n")
+        prompt = llama.tokenize(
+            "<|im_start|>user\nTell me about the history of Rome.<|im_end|>\n<|im_start|>assistant\n"
+        )
         assert _greedy(mlx, prompt, 30) == _greedy(llama, prompt, 30)
     finally:
         llama.close()
@@ -466,13 +509,18 @@ def test_create_format_mlx_then_chat_answers_paris(smollm2_path, tmp_path, isola
 
     link = tmp_path / "smollm2.gguf"
     link.symlink_to(smollm2_path)
-    created = CliRunner().invoke(app, ["create", "smollm2-mlx", "--from", str(link), "--format", "mlx"],
-                                 catch_exceptions=False)
+    created = CliRunner().invoke(
+        app, ["create", "smollm2-mlx", "--from", str(link), "--format", "mlx"], catch_exceptions=False
+    )
     assert created.exit_code == 0, created.output
     client = LocalClient()
     try:
-        request = api.ChatRequest(model="smollm2-mlx", stream=True, options={"temperature": 0, "num_predict": 12},
-                                  messages=[api.Message(role="user", content="What is the capital of France?")])
+        request = api.ChatRequest(
+            model="smollm2-mlx",
+            stream=True,
+            options={"temperature": 0, "num_predict": 12},
+            messages=[api.Message(role="user", content="What is the capital of France?")],
+        )
         chunks = list(client.chat(request))
         assert "Paris" in "".join(c.message.content for c in chunks)
         assert chunks[-1].done and chunks[-1].prompt_eval_count > 0

@@ -29,23 +29,34 @@ from localllm.quant.mlx_convert import convert_gguf_to_mlx, repack_q4_0, repack_
 
 pytestmark = pytest.mark.mlx
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 # ------------------------------------------------------------------------------------------------------- repacking
 
-@pytest.mark.parametrize("qtype, repack, bits", [(Q.Q4_0, repack_q4_0, 4), (Q.Q4_1, repack_q4_1, 4),
-                                                  (Q.Q8_0, repack_q8_0, 8)])
+
+@pytest.mark.parametrize(
+    "qtype, repack, bits", [(Q.Q4_0, repack_q4_0, 4), (Q.Q4_1, repack_q4_1, 4), (Q.Q8_0, repack_q8_0, 8)]
+)
 def test_repack_matches_gguf_dequantize(qtype, repack, bits):
     rng = np.random.default_rng(0)
     weight = (rng.standard_normal((48, 128)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
     raw = quantize(weight, qtype)
     packed, scales, biases = repack(raw)
     assert packed.dtype == np.uint32 and packed.shape == (48, 128 * bits // 32)
-    ours = np.array(mx.dequantize(mx.array(packed), mx.array(scales).astype(mx.float32),
-                                  mx.array(biases).astype(mx.float32), group_size=32, bits=bits))
+    ours = np.array(
+        mx.dequantize(
+            mx.array(packed),
+            mx.array(scales).astype(mx.float32),
+            mx.array(biases).astype(mx.float32),
+            group_size=32,
+            bits=bits,
+        )
+    )
     reference = dequantize(raw, qtype)
     np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-6 * float(np.abs(reference).max()))
 
@@ -81,14 +92,19 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 # ------------------------------------------------------------------------------------------------------- tiny GGUFs
 
+
 def _train_vocab():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(["The capital of France is Paris.", "Hello world, hello tests."] * 10, trainer)
     return tok
 
@@ -117,14 +133,30 @@ def _random_q4_k(rows: int, cols: int, rng) -> np.ndarray:
 
 
 # How each HF-layout weight is stored in the synthetic GGUF: mixed on purpose, so every read path runs.
-LAYER_TYPES = {"self_attn.q_proj": Q.Q4_0, "self_attn.k_proj": Q.Q4_1, "self_attn.v_proj": Q.Q8_0,
-               "self_attn.o_proj": Q.F16, "mlp.gate_proj": Q.Q5_0, "mlp.up_proj": Q.BF16, "mlp.down_proj": Q.Q4_K}
-GGUF_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-                    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-                    "post_attention_layernorm": "post_attention_norm",
-                    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+LAYER_TYPES = {
+    "self_attn.q_proj": Q.Q4_0,
+    "self_attn.k_proj": Q.Q4_1,
+    "self_attn.v_proj": Q.Q8_0,
+    "self_attn.o_proj": Q.F16,
+    "mlp.gate_proj": Q.Q5_0,
+    "mlp.up_proj": Q.BF16,
+    "mlp.down_proj": Q.Q4_K,
+}
+GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 LLAMA_LAYER_NAMES = {**GGUF_LAYER_NAMES, "post_attention_layernorm": "ffn_norm"}
 
 
@@ -171,8 +203,9 @@ class TinyExport:
             names = LLAMA_LAYER_NAMES if arch == "llama" else GGUF_LAYER_NAMES
             gguf_name, qtype = f"blk.{layer}.{names[kind]}.weight", LAYER_TYPES.get(kind, Q.F32)
         else:
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
-                         "model.norm.weight": "output_norm.weight"}[name]
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[
+                name
+            ]
             qtype = Q.Q8_0 if "embed" in name else Q.F32
         raw, exact = _store(weight, qtype, rng)
         self.expected[name] = exact
@@ -221,18 +254,41 @@ def _write_metadata(writer, arch: str, config: dict) -> None:
 
 
 def llama_config(vocab: int) -> dict:
-    return {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 256,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": vocab,
-            "max_position_embeddings": 256, "rope_theta": 10000.0, "tie_word_embeddings": True}
+    return {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "max_position_embeddings": 256,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    }
 
 
 def gemma3_config(vocab: int) -> dict:
     # Six layers so the pattern holds five sliding-window layers and one global one; a window of 4 tokens is
     # crossed by the prompts below.
-    return {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 6, "intermediate_size": 256,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "query_pre_attn_scalar": 32,
-            "rms_norm_eps": 1e-6, "vocab_size": vocab, "max_position_embeddings": 256, "rope_theta": 1e6,
-            "rope_local_base_freq": 10000.0, "sliding_window": 4, "sliding_window_pattern": 6}
+    return {
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "intermediate_size": 256,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 256,
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 4,
+        "sliding_window_pattern": 6,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -267,8 +323,9 @@ def test_tiny_model_converts_exactly(arch, make_config, vocab_size, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     assert config["quantization"]["group_size"] == 32 and config["tie_word_embeddings"] is True
     tokens = [5, 17, 42, 99, 7, 3, 250, 11, 64, 8]
-    np.testing.assert_allclose(_incremental_logits(folder, tokens), _reference_logits(export, tokens),
-                               atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        _incremental_logits(folder, tokens), _reference_logits(export, tokens), atol=2e-4, rtol=1e-4
+    )
 
 
 def test_tokenizer_and_template_come_from_metadata(vocab_size, tmp_path):
@@ -310,6 +367,7 @@ def test_quantize_modes(mode, bits, vocab_size, tmp_path):
 
 # ------------------------------------------------------------------------------------------------------- refusals
 
+
 def test_unknown_architecture_is_refused_by_name(tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "qwen2")
     writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
@@ -341,6 +399,7 @@ def test_bad_requests_name_the_value(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------- create
 
+
 def _invoke(*args: str):
     from typer.testing import CliRunner
 
@@ -360,8 +419,9 @@ def test_modelfile_backend_mlx_stores_a_converted_folder(vocab_size, tmp_path, i
     assert stored.format == "mlx" and stored.weights.is_dir() and stored.parameters["backend"] == "mlx"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in stored.weights.iterdir()}
     tokens = [5, 17, 42, 99]
-    np.testing.assert_allclose(_incremental_logits(stored.weights, tokens), _reference_logits(export, tokens),
-                               atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        _incremental_logits(stored.weights, tokens), _reference_logits(export, tokens), atol=2e-4, rtol=1e-4
+    )
     shown = _invoke("show", "tiny-mlx").output
     assert "mlx" in shown and "<|im_start|>" in shown and "256" in shown  # format, template, context length
 

@@ -31,12 +31,18 @@ ABORTS = {
     "no layers": (dict(hparams={"block_count": 0}), "llama.block_count is 0, outside 1..512"),
     "2**32-1 layers": (dict(hparams={"block_count": 2**32 - 1}), "llama.block_count is 4294967295"),
     "513 layers": (dict(hparams={"block_count": 513}), "llama.block_count is 513"),
-    "negative rms epsilon": (dict(hparams={"layer_norm_rms_eps": -1.0}),
-                             "llama.attention.layer_norm_rms_epsilon is -1.0"),
-    "NaN rms epsilon": (dict(hparams={"layer_norm_rms_eps": math.nan}),
-                        "llama.attention.layer_norm_rms_epsilon is nan"),
-    "more MTP layers than layers": (dict(hparams={"nextn_predict_layers": 2}),
-                                    "llama.nextn_predict_layers is 2, more than the 1 layers"),
+    "negative rms epsilon": (
+        dict(hparams={"layer_norm_rms_eps": -1.0}),
+        "llama.attention.layer_norm_rms_epsilon is -1.0",
+    ),
+    "NaN rms epsilon": (
+        dict(hparams={"layer_norm_rms_eps": math.nan}),
+        "llama.attention.layer_norm_rms_epsilon is nan",
+    ),
+    "more MTP layers than layers": (
+        dict(hparams={"nextn_predict_layers": 2}),
+        "llama.nextn_predict_layers is 2, more than the 1 layers",
+    ),
     "experts but none used": (dict(hparams={"expert_count": 1}), "llama.expert_used_count is 0, outside 1..1"),
     "experts used but none": (dict(hparams={"expert_used_count": 2}), "the model has no experts"),
     "unknown rope scaling": (dict(raw={"llama.rope.scaling.type": "bogus"}), "llama.rope.scaling.type is 'bogus'"),
@@ -56,6 +62,7 @@ def bad_norm(tiny_dir) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------------------- inspection
+
 
 def test_the_tiny_model_itself_passes(tmp_path):
     info = inspect_gguf(write_tiny_llama(tmp_path / "ok.gguf"))
@@ -90,6 +97,7 @@ def test_create_refuses_such_a_file_with_exit_1_and_stores_nothing(tmp_path, iso
 
 
 # ---------------------------------------------------------------------------------------------------------- probe
+
 
 def test_a_good_file_is_probed_once_and_remembered(tmp_path, monkeypatch):
     import localllm.backends.llama_cpp.probe as probe
@@ -134,11 +142,16 @@ def test_a_clean_load_failure_is_left_to_the_real_load(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------- bounds
 
+
 def _string_array_header(key: str, count: int) -> bytes:
     """A GGUF header with no tensors and one key: an array of `count` strings (the items follow, not written)."""
     name = key.encode()
-    return (struct.pack("<IIQQ", gguf.GGUF_MAGIC, 3, 0, 1) + struct.pack("<Q", len(name)) + name
-            + struct.pack("<IIQ", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING, count))
+    return (
+        struct.pack("<IIQQ", gguf.GGUF_MAGIC, 3, 0, 1)
+        + struct.pack("<Q", len(name))
+        + name
+        + struct.pack("<IIQ", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING, count)
+    )
 
 
 def test_a_huge_string_array_in_a_sparse_file_is_refused_at_once(tmp_path):
@@ -165,8 +178,9 @@ def test_a_string_array_within_the_bound_is_still_read(tmp_path):
 
 def test_a_string_array_that_runs_past_the_end_is_refused(tmp_path):
     path = tmp_path / "short.gguf"
-    path.write_bytes(_string_array_header("tokenizer.ggml.tokens", 100) + struct.pack("<Q", 0) * 99
-                     + struct.pack("<Q", 5) + b"ab")  # a long array (skipped, not decoded) whose last item is cut
+    path.write_bytes(
+        _string_array_header("tokenizer.ggml.tokens", 100) + struct.pack("<Q", 0) * 99 + struct.pack("<Q", 5) + b"ab"
+    )  # a long array (skipped, not decoded) whose last item is cut
     with pytest.raises(ModelFormatError, match=r"item of 'tokenizer.ggml.tokens' \(5 bytes\)"):
         inspect_gguf(path)
 
@@ -221,6 +235,7 @@ def test_mutated_headers_through_inspection_and_create_give_only_clean_errors(tm
 
 # ---------------------------------------------------------------------------------------------------------- server
 
+
 @pytest.fixture(scope="module")
 def server(models_home, tmp_path_factory):
     home = private_home(models_home, tmp_path_factory.mktemp("files-home"))
@@ -229,8 +244,11 @@ def server(models_home, tmp_path_factory):
 
 
 def _answers_a_plain_request(url: str) -> None:
-    reply = httpx.post(f"{url}/api/generate", json={"model": "smollm2:135m", "prompt": "Hi", "stream": False,
-                                                     "options": SMALL}, timeout=120)
+    reply = httpx.post(
+        f"{url}/api/generate",
+        json={"model": "smollm2:135m", "prompt": "Hi", "stream": False, "options": SMALL},
+        timeout=120,
+    )
     assert reply.status_code == 200 and reply.json()["done"], reply.text
 
 
@@ -247,12 +265,14 @@ def test_server_refuses_to_create_a_file_llama_cpp_asserts_on(server, tmp_path):
 @pytest.mark.models
 def test_server_survives_a_file_that_aborts_llama_cpp_at_decode(server, bad_norm):
     url, home = server
-    reply = httpx.post(f"{url}/api/create", json={"model": "norm:bad", "from": str(bad_norm), "stream": False},
-                       timeout=60)
+    reply = httpx.post(
+        f"{url}/api/create", json={"model": "norm:bad", "from": str(bad_norm), "stream": False}, timeout=60
+    )
     assert reply.status_code == 200  # nothing in its header is wrong: only running it shows the fault
     for _ in range(2):
-        reply = httpx.post(f"{url}/api/generate", json={"model": "norm:bad", "prompt": "Hi", "stream": False},
-                           timeout=120)
+        reply = httpx.post(
+            f"{url}/api/generate", json={"model": "norm:bad", "prompt": "Hi", "stream": False}, timeout=120
+        )
         assert reply.status_code == 400
         assert "crashed llama.cpp while loading: binary-ops.cpp" in reply.json()["error"]
         _answers_a_plain_request(url)
@@ -264,9 +284,16 @@ def test_server_survives_a_file_that_aborts_llama_cpp_at_decode(server, bad_norm
 @pytest.mark.models
 def test_server_survives_a_draft_model_that_aborts_llama_cpp(server, bad_norm):
     url, _home = server
-    reply = httpx.post(f"{url}/api/generate", json={
-        "model": "smollm2:135m", "prompt": "Hi", "stream": False,
-        "options": {**SMALL, "draft": str(bad_norm), "num_ctx": 256}}, timeout=120)
+    reply = httpx.post(
+        f"{url}/api/generate",
+        json={
+            "model": "smollm2:135m",
+            "prompt": "Hi",
+            "stream": False,
+            "options": {**SMALL, "draft": str(bad_norm), "num_ctx": 256},
+        },
+        timeout=120,
+    )
     assert reply.status_code == 400
     assert "crashed llama.cpp while loading: binary-ops.cpp" in reply.json()["error"]
     _answers_a_plain_request(url)

@@ -52,8 +52,10 @@ def _answer(client, model: str, **options) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- LoRA
 
-def write_lora(path: Path, *, n_embd: int = 576, layers: int = 6, rank: int = 4, arch: str = "llama",
-               seed: int = 0, **overrides) -> Path:
+
+def write_lora(
+    path: Path, *, n_embd: int = 576, layers: int = 6, rank: int = 4, arch: str = "llama", seed: int = 0, **overrides
+) -> Path:
     """A LoRA adapter as convert_lora_to_gguf.py writes one: general.type adapter, adapter.type lora, an alpha, and
     `<tensor>.lora_a` [rank x n_in] / `.lora_b` [n_out x rank] pairs (numpy order) for square attention tensors."""
     import gguf
@@ -65,11 +67,13 @@ def write_lora(path: Path, *, n_embd: int = 576, layers: int = 6, rank: int = 4,
     writer.add_float32("adapter.lora.alpha", float(rank))
     for layer in range(layers):
         for name in ("attn_q", "attn_output"):
-            writer.add_tensor(f"blk.{layer}.{name}.weight.lora_a",
-                              rng.normal(0, 0.2, (rank, n_embd)).astype(np.float32))
+            writer.add_tensor(
+                f"blk.{layer}.{name}.weight.lora_a", rng.normal(0, 0.2, (rank, n_embd)).astype(np.float32)
+            )
             if not overrides.get("drop_b"):
-                writer.add_tensor(f"blk.{layer}.{name}.weight.lora_b",
-                                  rng.normal(0, 0.2, (n_embd, rank)).astype(np.float32))
+                writer.add_tensor(
+                    f"blk.{layer}.{name}.weight.lora_b", rng.normal(0, 0.2, (n_embd, rank)).astype(np.float32)
+                )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -114,8 +118,9 @@ def test_a_file_that_is_not_a_gguf_lora_is_refused_and_never_stored(store, tmp_p
     with pytest.raises(ModelFormatError) as caught:
         _create_from_modelfile(store, "smol-bad", "FROM smol\nADAPTER ./adapter.gguf\n", tmp_path)
     assert caught.value.status_code == 400
-    assert {"text": "GGUF", "model": "not a LoRA adapter", "unpaired": "lacks its lora_a or lora_b"}[kind] \
-        in str(caught.value)
+    assert {"text": "GGUF", "model": "not a LoRA adapter", "unpaired": "lacks its lora_a or lora_b"}[kind] in str(
+        caught.value
+    )
     assert set(store.blobs_dir.iterdir()) == blobs
     assert not store.exists("smol-bad")
 
@@ -150,6 +155,7 @@ def test_adapters_are_refused_on_mlx(store, client, lora_path):
 
 
 # ---------------------------------------------------------------------------------------------------------- quantize
+
 
 def write_f16(source: Path, out: Path) -> Path:
     """`source` (smollm2's Q4_1) dequantized with the gguf package: matrices F16, vectors F32, metadata kept."""
@@ -193,8 +199,10 @@ def quick_report(monkeypatch):
 
 @pytest.mark.slow
 def test_quantize_to_q8_0_reports_a_near_lossless_copy_that_answers(store, client, f16_model, quick_report):
-    statuses = [p.status for p in create_model(api.CreateRequest(model="smol-q8", quantize="q8_0",
-                                                                 **{"from": f16_model}), store)]
+    statuses = [
+        p.status
+        for p in create_model(api.CreateRequest(model="smol-q8", quantize="q8_0", **{"from": f16_model}), store)
+    ]
     assert "quantizing to Q8_0" in statuses and statuses[-1] == "success"
     assert any(s.startswith("quality of Q8_0 against smol-f16") for s in statuses)
     shown = client.show("smol-q8")
@@ -236,14 +244,18 @@ def test_requantizing_needs_the_flag(store, client, monkeypatch):
     assert "already quantized (Q4_1" in caught.value.message and "--allow-requantize" in caught.value.hint
     assert set(store.blobs_dir.iterdir()) == blobs and not store.exists("smol-rq")
     monkeypatch.setenv("LOCALLLM_QUALITY_TOKENS", "0")  # no report: the flag is what is tested here
-    _drain(create_model(api.CreateRequest(model="smol-rq", quantize="q8_0", allow_requantize=True,
-                                          **{"from": "smol"}), store))
+    _drain(
+        create_model(
+            api.CreateRequest(model="smol-rq", quantize="q8_0", allow_requantize=True, **{"from": "smol"}), store
+        )
+    )
     shown = client.show("smol-rq")
     assert shown.details.quantization_level == "Q8_0" and shown.quantization_report is None
 
 
-@pytest.mark.parametrize("qtype,message", [("q3_z", "quantize type 'q3_z' is not known"),
-                                          ("iq2_xxs", "needs an importance matrix")])
+@pytest.mark.parametrize(
+    "qtype,message", [("q3_z", "quantize type 'q3_z' is not known"), ("iq2_xxs", "needs an importance matrix")]
+)
 def test_bad_quantize_requests_fail_before_any_work(store, f16_model, qtype, message):
     with pytest.raises(InvalidInput, match=message):
         _drain(create_model(api.CreateRequest(model="smol-bad-q", quantize=qtype, **{"from": f16_model}), store))
@@ -279,8 +291,17 @@ def test_an_imatrix_makes_the_low_bit_types_possible(store, f16_model, tmp_path,
     imatrix = write_imatrix(tmp_path / "smol.imatrix.gguf", store, f16_model)
     assert all(values.dtype == np.float32 and values.min() >= 0.1 for values in read_imatrix(imatrix).values())
     out = tmp_path / "q2.gguf"
-    _drain(run_quantize(store.resolve(f16_model).weights, out, "q2_K_S", label=f16_model, imatrix=imatrix,
-                        threads=1, report_tokens=0))
+    _drain(
+        run_quantize(
+            store.resolve(f16_model).weights,
+            out,
+            "q2_K_S",
+            label=f16_model,
+            imatrix=imatrix,
+            threads=1,
+            report_tokens=0,
+        )
+    )
     from localllm.quant.gguf import inspect_gguf
 
     assert "Q2_K" in inspect_gguf(out).tensor_types
@@ -290,6 +311,7 @@ def test_an_imatrix_makes_the_low_bit_types_possible(store, f16_model, tmp_path,
 
 
 # ------------------------------------------------------------------------------------------------ shared weights
+
 
 def _rss() -> int:
     with open("/proc/self/status") as status:
@@ -337,6 +359,7 @@ def test_plan_counts_shared_weights_once(store, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ split GGUFs
+
 
 def write_split(source: Path, out: Path, parts: int = 3) -> list[Path]:
     """`source` cut into `parts` files as gguf-split cuts them (the gguf package's shards: split.no, split.count and
@@ -427,9 +450,9 @@ def test_a_split_with_a_missing_part_is_refused(store, split_files, monkeypatch)
 
 # ---------------------------------------------------------------------------------------------------------- REST
 
+
 @pytest.mark.slow
-def test_api_create_quantizes_in_the_background_and_refuses_bad_adapters(store, f16_model, quick_report,
-                                                                         tmp_path):
+def test_api_create_quantizes_in_the_background_and_refuses_bad_adapters(store, f16_model, quick_report, tmp_path):
     import httpx
     from server_harness import serve_in_thread
 
@@ -447,8 +470,10 @@ def test_api_create_quantizes_in_the_background_and_refuses_bad_adapters(store, 
                     statuses.append(json.loads(next(lines))["status"])
                 # The quantizer works in its own process: the server still answers meanwhile.
                 assert http.get("/api/tags").status_code == 200
-                answer = http.post("/api/generate", json={"model": "smol", "prompt": PROMPT, "raw": True,
-                                                          "stream": False, "options": GREEDY})
+                answer = http.post(
+                    "/api/generate",
+                    json={"model": "smol", "prompt": PROMPT, "raw": True, "stream": False, "options": GREEDY},
+                )
                 assert answer.status_code == 200 and answer.json()["response"]
                 statuses += [json.loads(line)["status"] for line in lines]
             assert statuses[-1] == "success" and any(s.startswith("quality of Q4_0") for s in statuses)
@@ -456,8 +481,10 @@ def test_api_create_quantizes_in_the_background_and_refuses_bad_adapters(store, 
             assert shown["details"]["quantization_level"] == "Q4_0"
             assert shown["quantization_report"]["top1_agreement"] > 0.5
             (tmp_path / "notes.txt").write_text("not an adapter")
-            refused = http.post("/api/create", json={"model": "smol-bad-rest", "from": "smol",
-                                                     "adapters": {str(tmp_path / "notes.txt"): ""}})
+            refused = http.post(
+                "/api/create",
+                json={"model": "smol-bad-rest", "from": "smol", "adapters": {str(tmp_path / "notes.txt"): ""}},
+            )
             assert refused.status_code == 400 and "not a usable GGUF" in refused.json()["error"]
             requant = http.post("/api/create", json={"model": "smol-rq-rest", "from": "smol", "quantize": "q8_0"})
             assert requant.status_code == 400 and "allow-requantize" in requant.json()["error"]

@@ -19,8 +19,12 @@ VALID = [
     ("  smollm2:135m  ", "short", "smollm2:135m", ("localllm", "library", "smollm2", "135m")),
     ("library/smollm2:135m", "short", "smollm2:135m", ("localllm", "library", "smollm2", "135m")),
     ("me/coder:v1", "short", "me/coder:v1", ("localllm", "me", "coder", "v1")),
-    ("registry.example/me/coder:v1.2", "short", "registry.example/me/coder:v1.2",
-     ("registry.example", "me", "coder", "v1.2")),
+    (
+        "registry.example/me/coder:v1.2",
+        "short",
+        "registry.example/me/coder:v1.2",
+        ("registry.example", "me", "coder", "v1.2"),
+    ),
     ("localhost:5000/me/coder", "short", "localhost:5000/me/coder:latest", ("localhost_5000", "me", "coder", "latest")),
     ("gemma-3_270m.it:q4_k_m", "short", "gemma-3_270m.it:q4_k_m", ("localllm", "library", "gemma-3_270m.it", "q4_k_m")),
     ("model.gguf", "short", "model.gguf:latest", ("localllm", "library", "model.gguf", "latest")),
@@ -47,12 +51,15 @@ def test_hf_default_quant_is_not_explicit():
     assert parse_ref("hf.co/org/repo:Q8_0").tag == "Q8_0"
 
 
-@pytest.mark.parametrize("text, path", [
-    ("./models/x.gguf", Path("models/x.gguf")),
-    ("/abs/dir/Model.Q4.GGUF", Path("/abs/dir/Model.Q4.GGUF")),
-    ("../up/x.gguf", Path("../up/x.gguf")),
-    ("dir/x.gguf", Path("dir/x.gguf")),
-])
+@pytest.mark.parametrize(
+    "text, path",
+    [
+        ("./models/x.gguf", Path("models/x.gguf")),
+        ("/abs/dir/Model.Q4.GGUF", Path("/abs/dir/Model.Q4.GGUF")),
+        ("../up/x.gguf", Path("../up/x.gguf")),
+        ("dir/x.gguf", Path("dir/x.gguf")),
+    ],
+)
 def test_gguf_paths_are_files(text, path):
     ref = parse_ref(text)
     assert ref.kind == "file" and ref.path == path
@@ -116,10 +123,21 @@ def test_valid_digests_are_canonical(text):
     assert parse_digest(text) == "sha256-" + HEX
 
 
-@pytest.mark.parametrize("text", [
-    "", HEX, "sha256-" + HEX.upper(), "sha256-" + HEX[:-1], "sha256-" + HEX + "0", "sha512-" + HEX,
-    "sha256-../../etc/passwd", "sha256-" + HEX[:-1] + "g", "sha256_" + HEX, "sha256-" + HEX + "/x",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        HEX,
+        "sha256-" + HEX.upper(),
+        "sha256-" + HEX[:-1],
+        "sha256-" + HEX + "0",
+        "sha512-" + HEX,
+        "sha256-../../etc/passwd",
+        "sha256-" + HEX[:-1] + "g",
+        "sha256_" + HEX,
+        "sha256-" + HEX + "/x",
+    ],
+)
 def test_invalid_digests_are_refused(text):
     with pytest.raises(InvalidName, match="digest"):
         parse_digest(text)

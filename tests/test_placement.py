@@ -12,10 +12,22 @@ GIB = 2**30
 
 
 def _plan(n_layers=10, layer=100 * MIB, kv=10 * MIB, output=50 * MIB, inputs=40 * MIB, compute=20 * MIB):
-    return MemoryPlan(weights=n_layers * layer + output + inputs, adapters=0, kv_per_token=0, kv_per_slot=0,
-                      kv_total=n_layers * kv, compute=compute, num_ctx=4096, num_parallel=1, kv_type="f16",
-                      available=None, layer_weights=(layer,) * n_layers, layer_kv=(kv,) * n_layers,
-                      input_weights=inputs, output_weights=output)
+    return MemoryPlan(
+        weights=n_layers * layer + output + inputs,
+        adapters=0,
+        kv_per_token=0,
+        kv_per_slot=0,
+        kv_total=n_layers * kv,
+        compute=compute,
+        num_ctx=4096,
+        num_parallel=1,
+        kv_type="f16",
+        available=None,
+        layer_weights=(layer,) * n_layers,
+        layer_kv=(kv,) * n_layers,
+        input_weights=inputs,
+        output_weights=output,
+    )
 
 
 def _device(name, free, total=None, kind="gpu", description=""):
@@ -85,8 +97,9 @@ def test_margin_is_kept_on_large_devices():
     assert big.margin == 5 * GIB and big.usable == 95 * GIB
 
 
-@pytest.mark.parametrize("counts", [[1, 1], [3, 7, 1], [40, 41], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
-                                    [97, 3, 1]])
+@pytest.mark.parametrize(
+    "counts", [[1, 1], [3, 7, 1], [40, 41], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [97, 3, 1]]
+)
 def test_our_split_points_give_llama_cpp_exactly_our_counts(counts):
     from localllm.models.plan import _split_points
 
@@ -102,8 +115,10 @@ def test_workers_are_checked_where_they_are_named_and_count_in_the_load_identity
     from localllm.engine.pool import effective_load, validate_options
     from localllm.errors import ConfigError, InvalidInput
 
-    assert validate_options(api.LoadOptions, {"rpc": " 10.0.0.2:50052, [::1]:7,10.0.0.2:50052"}).rpc == \
-        "10.0.0.2:50052,[::1]:7"
+    assert (
+        validate_options(api.LoadOptions, {"rpc": " 10.0.0.2:50052, [::1]:7,10.0.0.2:50052"}).rpc
+        == "10.0.0.2:50052,[::1]:7"
+    )
     for bad in ("10.0.0.2", "host:0", "host:70000", ":50052"):
         with pytest.raises(InvalidInput, match="option rpc"):
             validate_options(api.LoadOptions, {"rpc": bad})

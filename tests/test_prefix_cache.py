@@ -172,6 +172,7 @@ def test_cache_sizes_parse_like_llama_servers(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------------- scheduler
 
+
 def _run_to_end(s: Scheduler, req: Request, answer: list[int]) -> None:
     """Prefill `req` and 'generate' `answer`, then finish it, as the engine would."""
     while True:
@@ -314,16 +315,26 @@ def test_keep_prefix_saves_a_pinned_entry_when_the_request_ends():
 
 # ---------------------------------------------------------------------------------------------------------- surfaces
 
+
 def test_metrics_count_prefix_cache_hits_by_tier():
     from localllm import api
     from localllm.server.metrics import ServerMetrics
 
     class OneModel:
         def ps(self) -> api.ProcessResponse:
-            return api.ProcessResponse(models=[api.ProcessModel(
-                name="m:latest", model="m:latest", prefix_cache_hits={"slot": 3, "ram": 2, "disk": 1},
-                prefix_cache_tokens={"slot": 30, "ram": 2000, "disk": 900}, cache_ram_bytes=123, cache_ram_limit=999,
-                cache_disk_bytes=45)])
+            return api.ProcessResponse(
+                models=[
+                    api.ProcessModel(
+                        name="m:latest",
+                        model="m:latest",
+                        prefix_cache_hits={"slot": 3, "ram": 2, "disk": 1},
+                        prefix_cache_tokens={"slot": 30, "ram": 2000, "disk": 900},
+                        cache_ram_bytes=123,
+                        cache_ram_limit=999,
+                        cache_disk_bytes=45,
+                    )
+                ]
+            )
 
     text = ServerMetrics(OneModel()).render().decode()
     assert 'localllm_prefix_cache_hits_total{model="m:latest",tier="ram"} 2.0' in text
@@ -338,8 +349,14 @@ def test_ps_shows_the_prefix_cache():
     from localllm import api
     from localllm.cli.render import ps_table
 
-    row = api.ProcessModel(name="m:latest", model="m:latest", cache_ram_bytes=50_000_000,
-                           cache_ram_limit=8_000_000_000, cache_disk_bytes=0, cache_disk_limit=4_000_000_000)
+    row = api.ProcessModel(
+        name="m:latest",
+        model="m:latest",
+        cache_ram_bytes=50_000_000,
+        cache_ram_limit=8_000_000_000,
+        cache_disk_bytes=0,
+        cache_disk_limit=4_000_000_000,
+    )
     console = Console(width=200, record=True)
     console.print(ps_table([row]))
     assert "50 MB/8.0 GB RAM, 0 B/4.0 GB disk" in console.export_text()

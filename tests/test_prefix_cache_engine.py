@@ -175,8 +175,7 @@ def test_keep_prefix_pins_a_conversation_against_eviction(models_home, monkeypat
 
     def chat(system: str, question: str, **extra) -> api.ChatChunk:
         messages = [api.Message(role="system", content=system), api.Message(role="user", content=question)]
-        *_, last = client.chat(api.ChatRequest(model="smollm2:135m", messages=messages,
-                                               options={**options, **extra}))
+        *_, last = client.chat(api.ChatRequest(model="smollm2:135m", messages=messages, options={**options, **extra}))
         return last
 
     try:

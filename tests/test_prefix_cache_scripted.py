@@ -34,8 +34,16 @@ def reference(prompt: list[int], n: int) -> list[int]:
 
 
 class ToyModel:
-    meta = ModelMeta(architecture="toy", n_vocab=N_VOCAB, n_ctx_train=4096, n_embd=4, bos_token=None, eos_token=0,
-                     add_bos=False, chat_template=None)
+    meta = ModelMeta(
+        architecture="toy",
+        n_vocab=N_VOCAB,
+        n_ctx_train=4096,
+        n_embd=4,
+        bos_token=None,
+        eos_token=0,
+        add_bos=False,
+        chat_template=None,
+    )
     n_batch = 512
     kv_pad = 1
 
@@ -85,7 +93,7 @@ class ToyModel:
 
     def remove(self, seq: int, start: int, end: int = -1) -> None:
         assert end == -1
-        del self.cells[seq][max(0, start):]
+        del self.cells[seq][max(0, start) :]
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         self.cells[dst] = self.cells[src][:n]

@@ -19,14 +19,25 @@ REPO = "test-org/tiny-GGUF"
 @pytest.fixture(scope="module")
 def gguf_bytes(tmp_path_factory) -> dict[str, bytes]:
     folder = tmp_path_factory.mktemp("ggufs")
-    return {quant: write_tiny_gguf(folder / f"tiny.{quant}.gguf", name=f"tiny {quant}", pad_floats=8192 * (i + 1))
-            .read_bytes() for i, quant in enumerate(("Q4_K_M", "Q8_0"))}
+    return {
+        quant: write_tiny_gguf(
+            folder / f"tiny.{quant}.gguf", name=f"tiny {quant}", pad_floats=8192 * (i + 1)
+        ).read_bytes()
+        for i, quant in enumerate(("Q4_K_M", "Q8_0"))
+    }
 
 
 @pytest.fixture
 def hub(gguf_bytes) -> Hub:
-    return Hub(repos={REPO: {"README.md": b"# tiny", "tiny.Q4_K_M.gguf": gguf_bytes["Q4_K_M"],
-                             "tiny.Q8_0.gguf": gguf_bytes["Q8_0"]}})
+    return Hub(
+        repos={
+            REPO: {
+                "README.md": b"# tiny",
+                "tiny.Q4_K_M.gguf": gguf_bytes["Q4_K_M"],
+                "tiny.Q8_0.gguf": gguf_bytes["Q8_0"],
+            }
+        }
+    )
 
 
 @pytest.fixture
@@ -48,11 +59,15 @@ def _statuses(name: str, store: Store) -> list[str]:
 
 
 def _store_files(store: Store) -> list[str]:
-    return sorted(str(p.relative_to(store.root)) for p in store.root.rglob("*") if p.is_file()) \
-        if store.root.exists() else []
+    return (
+        sorted(str(p.relative_to(store.root)) for p in store.root.rglob("*") if p.is_file())
+        if store.root.exists()
+        else []
+    )
 
 
 # ------------------------------------------------------------------------------------------------------- HF
+
 
 def test_hf_pull_stores_the_quant_named_in_the_tag(endpoint, hub, store, gguf_bytes):
     statuses = _statuses(f"hf.co/{REPO}:q8_0", store)
@@ -62,8 +77,9 @@ def test_hf_pull_stores_the_quant_named_in_the_tag(endpoint, hub, store, gguf_by
     assert model.details.family == "llama" and model.format == "gguf"
     assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
     assert "verifying sha256 digest" in statuses
-    assert [p for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p] == \
-        [f"/{REPO}/resolve/0123456789abcdef0123456789abcdef01234567/tiny.Q8_0.gguf"]
+    assert [p for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p] == [
+        f"/{REPO}/resolve/0123456789abcdef0123456789abcdef01234567/tiny.Q8_0.gguf"
+    ]
 
 
 def test_hf_pull_defaults_to_q4_k_m_and_a_second_pull_transfers_nothing(endpoint, hub, store, gguf_bytes):
@@ -102,10 +118,13 @@ def test_a_corrupt_partial_file_is_discarded_and_the_next_pull_starts_clean(endp
     assert store.verify() == []
 
 
-@pytest.mark.parametrize("name, message", [
-    (f"hf.co/{REPO}:Q5_K_S", "no GGUF file for Q5_K_S"),
-    ("hf.co/test-org/missing", "no Hugging Face repository"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        (f"hf.co/{REPO}:Q5_K_S", "no GGUF file for Q5_K_S"),
+        ("hf.co/test-org/missing", "no Hugging Face repository"),
+    ],
+)
 def test_hf_names_that_match_nothing_are_clear_errors(endpoint, store, name, message):
     with pytest.raises(ModelNotFound, match=message):
         _statuses(name, store)
@@ -122,24 +141,33 @@ def test_an_unreachable_hub_is_a_network_error(store, monkeypatch):
 
 
 def test_an_mlx_repo_pulls_as_a_folder_of_files(endpoint, hub, store):
-    files = {"config.json": b'{"model_type": "llama", "quantization": {"bits": 4}}', "model.safetensors": b"\0" * 16,
-             "tokenizer.json": b"{}", "README.md": b"# card", "modeling_evil.py": b"import os"}
+    files = {
+        "config.json": b'{"model_type": "llama", "quantization": {"bits": 4}}',
+        "model.safetensors": b"\0" * 16,
+        "tokenizer.json": b"{}",
+        "README.md": b"# card",
+        "modeling_evil.py": b"import os",
+    }
     hub.repos["mlx-community/tiny-4bit"] = files
     assert _statuses("hf.co/mlx-community/tiny-4bit", store)[-1] == "success"
     model = store.resolve("hf.co/mlx-community/tiny-4bit")
     assert model.format == "mlx" and model.details.family == "llama" and model.details.quantization_level == "Q4"
     # Weights, config and tokenizer only: never code, never the model card.
     assert {p.name: p.read_bytes() for p in model.weights.iterdir()} == {
-        name: files[name] for name in ("config.json", "model.safetensors", "tokenizer.json")}
+        name: files[name] for name in ("config.json", "model.safetensors", "tokenizer.json")
+    }
 
 
-@pytest.mark.parametrize("files, quant, result", [
-    (["a.Q4_K_M.gguf", "a.Q8_0.gguf"], "q8_0", "a.Q8_0.gguf"),
-    (["a-q4_k_m.gguf", "a-q4_k_s.gguf"], "Q4_K_M", "a-q4_k_m.gguf"),
-    (["a.Q4_K.gguf", "a.Q4_K_M.gguf"], "Q4_K", "a.Q4_K.gguf"),
-    (["a.IQ4_XS.gguf", "a.Q4_XS.gguf"], "q4_xs", "a.Q4_XS.gguf"),
-    (["model_q4_0.gguf", "model_f16.gguf", "README.md"], "Q4_0", "model_q4_0.gguf"),
-])
+@pytest.mark.parametrize(
+    "files, quant, result",
+    [
+        (["a.Q4_K_M.gguf", "a.Q8_0.gguf"], "q8_0", "a.Q8_0.gguf"),
+        (["a-q4_k_m.gguf", "a-q4_k_s.gguf"], "Q4_K_M", "a-q4_k_m.gguf"),
+        (["a.Q4_K.gguf", "a.Q4_K_M.gguf"], "Q4_K", "a.Q4_K.gguf"),
+        (["a.IQ4_XS.gguf", "a.Q4_XS.gguf"], "q4_xs", "a.Q4_XS.gguf"),
+        (["model_q4_0.gguf", "model_f16.gguf", "README.md"], "Q4_0", "model_q4_0.gguf"),
+    ],
+)
 def test_choose_gguf_matches_the_quant_as_a_whole_token(files, quant, result):
     assert choose_gguf(files, quant, "o/r") == result
 
@@ -152,6 +180,7 @@ def test_choose_gguf_refuses_ambiguity_and_lists_the_choices():
 
 
 # ------------------------------------------------------------------------------------------------------- URL, file
+
 
 def test_url_pull_names_the_model_after_the_file(endpoint, hub, store, gguf_bytes):
     hub.files["Tiny-Model.Q8_0.gguf"] = gguf_bytes["Q8_0"]
@@ -182,6 +211,7 @@ def test_ensure_model_resolves_a_path_without_copying(tmp_path, store):
 
 # ------------------------------------------------------------------------------------------------------- offline
 
+
 def test_offline_mode_never_reaches_the_network(endpoint, hub, store, monkeypatch):
     monkeypatch.setenv("LOCALLLM_OFFLINE", "1")
     for name in (f"hf.co/{REPO}:Q8_0", f"{endpoint}/files/x.gguf", "smollm2:135m"):
@@ -206,15 +236,21 @@ def test_unknown_short_names_say_what_can_be_pulled(store):
 
 # ------------------------------------------------------------------------------------------------------- catalog
 
+
 def test_a_catalog_entry_falls_back_to_the_next_mirror(endpoint, hub, store, gguf_bytes):
     data = gguf_bytes["Q8_0"]
-    entry = CatalogEntry(name="tiny:1", description="test", sha256=sha256_of(data), size=len(data),
-                         mirrors=(HFFile(REPO, "gone.gguf"), HFFile(REPO, "tiny.Q4_K_M.gguf"),
-                                  HFFile(REPO, "tiny.Q8_0.gguf")))
+    entry = CatalogEntry(
+        name="tiny:1",
+        description="test",
+        sha256=sha256_of(data),
+        size=len(data),
+        mirrors=(HFFile(REPO, "gone.gguf"), HFFile(REPO, "tiny.Q4_K_M.gguf"), HFFile(REPO, "tiny.Q8_0.gguf")),
+    )
     list(CatalogSource(entry).pull(store))  # 404, then other bytes (refused), then the pinned bytes
     assert store.resolve("tiny:1").weights.read_bytes() == data
-    entry = CatalogEntry(name="tiny:2", description="test", sha256="0" * 64, size=1,
-                         mirrors=(HFFile(REPO, "gone.gguf"),))
+    entry = CatalogEntry(
+        name="tiny:2", description="test", sha256="0" * 64, size=1, mirrors=(HFFile(REPO, "gone.gguf"),)
+    )
     with pytest.raises(NetworkError, match="no mirror of tiny:2 delivered its bytes: hf.co/.*gone.gguf"):
         list(CatalogSource(entry).pull(store))
 

@@ -60,8 +60,9 @@ def _stop(proc: subprocess.Popen) -> None:
 @contextmanager
 def started(args: list[str], env: dict[str, str], port: int, log: Path) -> Iterator[subprocess.Popen]:
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "localllm", *args], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "localllm", *args], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
     try:
         _wait_for_port(port, proc, log)
         yield proc
@@ -75,8 +76,11 @@ def home(models_home, tmp_path) -> Path:
 
 
 def _generate(url: str, **options) -> str:
-    response = httpx.post(f"{url}/api/generate", timeout=180, json={
-        "model": "smollm2:135m", "prompt": PROMPT, "stream": False, "options": {**GREEDY, **options}})
+    response = httpx.post(
+        f"{url}/api/generate",
+        timeout=180,
+        json={"model": "smollm2:135m", "prompt": PROMPT, "stream": False, "options": {**GREEDY, **options}},
+    )
     assert response.status_code == 200, response.text
     return response.json()["response"]
 
@@ -86,8 +90,10 @@ def test_a_worker_holds_layers_and_the_greedy_answer_is_the_local_one(home, tmp_
     endpoint = f"127.0.0.1:{worker_port}"
     worker_log = tmp_path / "worker.log"
     env = _child_env(home, LOCALLLM_HOST=f"127.0.0.1:{server_port}", LOCALLLM_RPC=endpoint)
-    with started(["worker", "--port", str(worker_port), "--threads", "1"], env, worker_port, worker_log), \
-            started(["serve"], env, server_port, tmp_path / "server.log"):
+    with (
+        started(["worker", "--port", str(worker_port), "--threads", "1"], env, worker_port, worker_log),
+        started(["serve"], env, server_port, tmp_path / "server.log"),
+    ):
         url = f"http://127.0.0.1:{server_port}"
         local = _generate(url, rpc="")  # the same model without the worker: a load of its own
         ps = httpx.get(f"{url}/api/ps").json()["models"][0]
@@ -105,8 +111,13 @@ def test_a_worker_holds_layers_and_the_greedy_answer_is_the_local_one(home, tmp_
         assert "Accepted client connection" in worker_log.read_text()  # llama.cpp's client connected there
 
         # The CLI surfaces the same: `ps` names the worker, `plan` shows the split it would make now.
-        table = subprocess.run([sys.executable, "-m", "localllm", "ps"], env={**env, "COLUMNS": "200"},
-                               capture_output=True, text=True, timeout=60)
+        table = subprocess.run(
+            [sys.executable, "-m", "localllm", "ps"],
+            env={**env, "COLUMNS": "200"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert f"RPC0 {endpoint} 20" in table.stdout, table.stdout
 
 
@@ -116,11 +127,16 @@ def test_a_worker_that_goes_away_mid_answer_ends_that_request_and_the_server_liv
     server_log = tmp_path / "server.log"
     with started(["serve"], env, server_port, server_log) as server:
         url = f"http://127.0.0.1:{server_port}"
-        with started(["worker", "--port", str(worker_port), "--threads", "1"], env, worker_port,
-                     tmp_path / "worker.log") as worker:
+        with started(
+            ["worker", "--port", str(worker_port), "--threads", "1"], env, worker_port, tmp_path / "worker.log"
+        ) as worker:
             lines = []
-            body = {"model": "smollm2:135m", "prompt": PROMPT, "stream": True,
-                    "options": {**GREEDY, "num_predict": 400, "ignore_eos": True}}
+            body = {
+                "model": "smollm2:135m",
+                "prompt": PROMPT,
+                "stream": True,
+                "options": {**GREEDY, "num_predict": 400, "ignore_eos": True},
+            }
             with httpx.stream("POST", f"{url}/api/generate", json=body, timeout=120) as response:
                 assert response.status_code == 200
                 for line in response.iter_lines():
@@ -135,8 +151,11 @@ def test_a_worker_that_goes_away_mid_answer_ends_that_request_and_the_server_liv
         assert server.poll() is None  # the server lives on
         assert httpx.get(f"{url}/health").status_code == 200
         assert len(_generate(url, rpc="")) > 0  # and answers from this machine alone
-        again = httpx.post(f"{url}/api/generate", timeout=60, json={
-            "model": "smollm2:135m", "prompt": PROMPT, "stream": False, "options": GREEDY})
+        again = httpx.post(
+            f"{url}/api/generate",
+            timeout=60,
+            json={"model": "smollm2:135m", "prompt": PROMPT, "stream": False, "options": GREEDY},
+        )
         assert again.status_code == 502 and f"127.0.0.1:{worker_port}" in again.json()["error"]
 
 
@@ -147,12 +166,18 @@ def test_an_unreachable_worker_is_one_clear_error(home, tmp_path):
     with started(["serve"], env, server_port, tmp_path / "server.log") as server:
         url = f"http://127.0.0.1:{server_port}"
         options = {**GREEDY, "rpc": f"127.0.0.1:{port}"}
-        response = httpx.post(f"{url}/api/generate", timeout=60, json={
-            "model": "smollm2:135m", "prompt": "Hi", "stream": False, "options": options})
+        response = httpx.post(
+            f"{url}/api/generate",
+            timeout=60,
+            json={"model": "smollm2:135m", "prompt": "Hi", "stream": False, "options": options},
+        )
         assert response.status_code == 502
         assert f"cannot reach the RPC worker at 127.0.0.1:{port}" in response.json()["error"]
-        bad = httpx.post(f"{url}/api/generate", timeout=60, json={
-            "model": "smollm2:135m", "prompt": "Hi", "stream": False, "options": {"rpc": "no-port"}})
+        bad = httpx.post(
+            f"{url}/api/generate",
+            timeout=60,
+            json={"model": "smollm2:135m", "prompt": "Hi", "stream": False, "options": {"rpc": "no-port"}},
+        )
         assert bad.status_code == 400 and "rpc" in bad.json()["error"]
         assert server.poll() is None
 
@@ -161,9 +186,24 @@ def test_plan_shows_the_split_per_device(home, tmp_path, monkeypatch):
     worker_port = free_port()
     env = _child_env(home)
     with started(["worker", "--port", str(worker_port), "--threads", "1"], env, worker_port, tmp_path / "w.log"):
-        result = subprocess.run([sys.executable, "-m", "localllm", "plan", "smollm2:135m", "--num-gpu", "12",
-                                 "--rpc", f"127.0.0.1:{worker_port}", "--json"], env=env, capture_output=True,
-                                text=True, timeout=120)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "localllm",
+                "plan",
+                "smollm2:135m",
+                "--num-gpu",
+                "12",
+                "--rpc",
+                f"127.0.0.1:{worker_port}",
+                "--json",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert result.returncode == 0, result.stderr
     placement = json.loads(result.stdout)["placement"]
     assert placement["n_gpu_layers"] == 12
@@ -182,7 +222,12 @@ def test_worker_without_rpc_in_the_build_names_the_rebuild_command(monkeypatch):
 def test_worker_warns_when_bound_beyond_loopback(home):
     # 192.0.2.1 (TEST-NET-1) is no address of this machine: the warning comes first, then binding fails, so the
     # test never opens an unauthenticated port beyond loopback.
-    result = subprocess.run([sys.executable, "-m", "localllm", "worker", "--host", "192.0.2.1", "--port",
-                             str(free_port())], env=_child_env(home), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "localllm", "worker", "--host", "192.0.2.1", "--port", str(free_port())],
+        env=_child_env(home),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "WARNING" in result.stderr and "no authentication" in result.stderr
     assert result.returncode == 1 and "could not listen on 192.0.2.1" in result.stderr

@@ -20,9 +20,15 @@ MODEL = "smollm2:135m"
 # The anthropic package no longer sends sampling fields; the API (and we) still take them.
 GREEDY = {"temperature": 0}
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
-WEATHER = {"name": "get_weather", "description": "Current weather in a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                            "required": ["city"]}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +60,13 @@ def test_message_plain(claude):
 
 def test_system_blocks_with_cache_control_and_cache_read(claude):
     system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
-    messages = [{"role": "user", "content": [{"type": "text", "text": "Name a fruit.",
-                                              "cache_control": {"type": "ephemeral"}}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Name a fruit.", "cache_control": {"type": "ephemeral"}}]}
+    ]
     first = claude.messages.create(model=MODEL, max_tokens=8, system=system, messages=messages, extra_body=GREEDY)
-    again = claude.messages.create(model=MODEL, max_tokens=8, system=system, messages=messages,
-                                   metadata={"user_id": "someone"}, extra_body=GREEDY)
+    again = claude.messages.create(
+        model=MODEL, max_tokens=8, system=system, messages=messages, metadata={"user_id": "someone"}, extra_body=GREEDY
+    )
     assert again.content[0].text == first.content[0].text
     # The second prompt is served from the prefix cache: Anthropic counts those tokens apart from input_tokens.
     assert again.usage.cache_read_input_tokens > 0
@@ -82,38 +90,57 @@ def test_streamed_text_matches_and_events_in_order(claude, base_url):
     deltas = names.count("content_block_delta")
     assert deltas >= 1
     assert names == ["message_start", "ping", "content_block_start"] + ["content_block_delta"] * deltas + [
-        "content_block_stop", "message_delta", "message_stop"]
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["input_tokens"] > 0
     assert events[2][1]["content_block"] == {"type": "text", "text": ""}
-    assert all(data["delta"]["type"] == "text_delta" and data["index"] == 0 for name, data in events
-               if name == "content_block_delta")
+    assert all(
+        data["delta"]["type"] == "text_delta" and data["index"] == 0
+        for name, data in events
+        if name == "content_block_delta"
+    )
     assert events[-2][1]["usage"]["output_tokens"] == whole.usage.output_tokens
 
 
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
 def test_forced_tool_use(claude, choice):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    reply = claude.messages.create(model=MODEL, max_tokens=60, messages=messages, tools=[WEATHER],
-                                   tool_choice=choice, extra_body=GREEDY)
+    reply = claude.messages.create(
+        model=MODEL, max_tokens=60, messages=messages, tools=[WEATHER], tool_choice=choice, extra_body=GREEDY
+    )
     assert reply.stop_reason == "tool_use"
     call = reply.content[-1]
     assert call.type == "tool_use" and call.name == "get_weather" and call.id.startswith("toolu_")
     jsonschema.validate(call.input, WEATHER["input_schema"])
     # The result goes back as a tool_result block naming the call; the model answers in text.
-    messages += [{"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in reply.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
-                                               "content": '{"temperature_c": 21, "sky": "sunny"}'}]}]
-    second = claude.messages.create(model=MODEL, max_tokens=30, messages=messages, tools=[WEATHER],
-                                    tool_choice={"type": "none"}, extra_body=GREEDY)
+    messages += [
+        {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in reply.content]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": call.id, "content": '{"temperature_c": 21, "sky": "sunny"}'}
+            ],
+        },
+    ]
+    second = claude.messages.create(
+        model=MODEL, max_tokens=30, messages=messages, tools=[WEATHER], tool_choice={"type": "none"}, extra_body=GREEDY
+    )
     assert second.stop_reason in ("end_turn", "max_tokens") and second.content[0].type == "text"
     assert second.content[0].text.strip()
 
 
 def test_forced_tool_use_streams_input_json(claude):
-    with claude.messages.stream(model=MODEL, max_tokens=60, tools=[WEATHER], tool_choice={"type": "any"},
-                                messages=[{"role": "user", "content": "Weather in Rome?"}],
-                                extra_body=GREEDY) as stream:
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=60,
+        tools=[WEATHER],
+        tool_choice={"type": "any"},
+        messages=[{"role": "user", "content": "Weather in Rome?"}],
+        extra_body=GREEDY,
+    ) as stream:
         partial = "".join(event.partial_json for event in stream if event.type == "input_json")
         final = stream.get_final_message()
     call = final.content[-1]
@@ -122,10 +149,19 @@ def test_forced_tool_use_streams_input_json(claude):
 
 
 def test_structured_output(claude):
-    schema = {"type": "object", "additionalProperties": False, "required": ["city"],
-              "properties": {"city": {"type": "string", "maxLength": 24}}}
-    reply = claude.messages.create(model=MODEL, max_tokens=60, messages=PARIS, extra_body=GREEDY,
-                                   output_config={"format": {"type": "json_schema", "schema": schema}})
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 24}},
+    }
+    reply = claude.messages.create(
+        model=MODEL,
+        max_tokens=60,
+        messages=PARIS,
+        extra_body=GREEDY,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
     jsonschema.validate(json.loads(reply.content[0].text), schema)
 
 
@@ -141,8 +177,9 @@ def test_count_tokens(claude, base_url):
 
 
 def test_stop_sequence_and_max_tokens(claude):
-    stopped = claude.messages.create(model=MODEL, max_tokens=40, messages=PARIS, extra_body=GREEDY,
-                                     stop_sequences=["."])
+    stopped = claude.messages.create(
+        model=MODEL, max_tokens=40, messages=PARIS, extra_body=GREEDY, stop_sequences=["."]
+    )
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "."
     assert "." not in stopped.content[0].text
     cut = claude.messages.create(model=MODEL, max_tokens=2, messages=PARIS, extra_body=GREEDY)
@@ -151,8 +188,9 @@ def test_stop_sequence_and_max_tokens(claude):
 
 def test_thinking_on_a_model_that_cannot_think(claude):
     with pytest.raises(anthropic.BadRequestError, match="does not support thinking") as caught:
-        claude.messages.create(model=MODEL, max_tokens=2048, messages=PARIS,
-                               thinking={"type": "enabled", "budget_tokens": 1024})
+        claude.messages.create(
+            model=MODEL, max_tokens=2048, messages=PARIS, thinking={"type": "enabled", "budget_tokens": 1024}
+        )
     assert caught.value.body["error"]["type"] == "invalid_request_error"
     off = claude.messages.create(model=MODEL, max_tokens=4, messages=PARIS, thinking={"type": "disabled"})
     assert off.content[0].type == "text"
@@ -161,10 +199,16 @@ def test_thinking_on_a_model_that_cannot_think(claude):
 def test_errors_in_anthropic_shape(claude, base_url):
     with pytest.raises(anthropic.NotFoundError, match="pull") as caught:
         claude.messages.create(model="nothing-here:1b", max_tokens=4, messages=PARIS)
-    assert caught.value.body == {"type": "error", "error": {"type": "not_found_error",
-                                                            "message": caught.value.body["error"]["message"]}}
-    image = [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                                      "data": "aGk="}}]}]
+    assert caught.value.body == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": caught.value.body["error"]["message"]},
+    }
+    image = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}],
+        }
+    ]
     with pytest.raises(anthropic.BadRequestError, match="image"):
         claude.messages.create(model=MODEL, max_tokens=4, messages=image)
     with pytest.raises(anthropic.BadRequestError, match="1024"):

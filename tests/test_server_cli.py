@@ -27,16 +27,22 @@ def test_help_lists_every_setting():
 def test_serve_runs_and_logs_each_request(isolated_home):
     port = free_port()
     env = {**os.environ, "LOCALLLM_HOST": f"127.0.0.1:{port}", "LOCALLLM_HOME": str(isolated_home)}
-    proc = subprocess.Popen([sys.executable, "-m", "localllm", "serve"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "localllm", "serve"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not server_running(f"127.0.0.1:{port}"):
             assert proc.poll() is None and time.monotonic() < deadline, "localllm serve did not come up"
             time.sleep(0.1)
         assert httpx.get(f"http://127.0.0.1:{port}/api/tags").json() == {"models": []}
-        busy = subprocess.run([sys.executable, "-m", "localllm", "serve"], env=env, capture_output=True, text=True,
-                              timeout=60)
+        busy = subprocess.run(
+            [sys.executable, "-m", "localllm", "serve"], env=env, capture_output=True, text=True, timeout=60
+        )
         assert busy.returncode == 1 and f"127.0.0.1:{port}" in busy.stderr
     finally:
         proc.send_signal(signal.SIGINT)

@@ -44,15 +44,48 @@ VALID: dict[str, dict[str, Any]] = {
 DESTRUCTIVE = {"/api/delete", "/api/copy"}
 
 EXTREMES: list[Any] = [
-    None, True, -1, 0, 2**31, -2**31 - 1, 2**63, 10**30, -10**30, 1e308, -1e308, 0.5, "", "x" * 200_000,
-    "\u0000", "../../etc/passwd", "smollm2:135m\u0000", "🙂" * 1000, [], {}, [None], [[[[[]]]]], {"a": {"b": {}}},
-    ["x"] * 5000, list(range(-5, 5)), {"role": "robot"},
+    None,
+    True,
+    -1,
+    0,
+    2**31,
+    -(2**31) - 1,
+    2**63,
+    10**30,
+    -(10**30),
+    1e308,
+    -1e308,
+    0.5,
+    "",
+    "x" * 200_000,
+    "\u0000",
+    "../../etc/passwd",
+    "smollm2:135m\u0000",
+    "🙂" * 1000,
+    [],
+    {},
+    [None],
+    [[[[[]]]]],
+    {"a": {"b": {}}},
+    ["x"] * 5000,
+    list(range(-5, 5)),
+    {"role": "robot"},
 ]
 OPTION_NAMES = sorted(api.LOAD_OPTION_NAMES | api.SAMPLING_OPTION_NAMES)
 RAW_BODIES: list[bytes] = [
-    b"", b"{", b"[", b"null", b"123", b'"text"', b'{"model": }', b"\xff\xfe\x00", b"{" * 100_000,
-    b"[" * 50_000 + b"]" * 50_000, b'{"model": "smollm2:135m", "options": {"num_ctx": 1e999}}',
-    b'{"model": "smollm2:135m", "prompt": "Hi", "keep_alive": NaN}', b'{"model": 1e999999}',
+    b"",
+    b"{",
+    b"[",
+    b"null",
+    b"123",
+    b'"text"',
+    b'{"model": }',
+    b"\xff\xfe\x00",
+    b"{" * 100_000,
+    b"[" * 50_000 + b"]" * 50_000,
+    b'{"model": "smollm2:135m", "options": {"num_ctx": 1e999}}',
+    b'{"model": "smollm2:135m", "prompt": "Hi", "keep_alive": NaN}',
+    b'{"model": 1e999999}',
     b'{"model": "smollm2:135m", "options": {"top_k": 99999999999999999999999999999999}}',
 ]
 
@@ -88,8 +121,13 @@ def mutations(path: str, rng: random.Random) -> Iterator[Any]:
 def json_routes(app) -> list[tuple[str, str]]:
     """(method, path) of every route that takes a body, read from the app's OpenAPI schema so that new routes are
     fuzzed too."""
-    return [(method.upper(), path) for path, methods in app.openapi()["paths"].items() if "{" not in path
-            for method in sorted(methods) if method in ("post", "put", "delete")]
+    return [
+        (method.upper(), path)
+        for path, methods in app.openapi()["paths"].items()
+        if "{" not in path
+        for method in sorted(methods)
+        if method in ("post", "put", "delete")
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +161,17 @@ def test_malformed_bodies_on_every_route_never_get_a_server_error(served):
                 sent += 1
                 if response.status_code >= 500:
                     failures.append(f"{method} {path} {raw[:160]!r} -> {response.status_code} {response.text[:200]}")
-        for path in ("/", "/health", "/metrics", "/api/version", "/api/tags", "/api/ps", "/v1/models",
-                     "/v1/models/" + "x" * 5000, "/v1/models/%00"):
+        for path in (
+            "/",
+            "/health",
+            "/metrics",
+            "/api/version",
+            "/api/tags",
+            "/api/ps",
+            "/v1/models",
+            "/v1/models/" + "x" * 5000,
+            "/v1/models/%00",
+        ):
             response = http.get(path)
             sent += 1
             if response.status_code >= 500:

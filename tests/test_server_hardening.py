@@ -36,8 +36,7 @@ def base_url(home):
 def generate(url: str, **body) -> httpx.Response:
     # json.dumps rather than httpx's json=, which refuses the NaN some cases send (Python's json reads it)
     content = json.dumps({"model": MODEL, "prompt": "Say hi", "stream": False, "options": QUICK, **body})
-    return httpx.post(url + "/api/generate", content=content, headers={"content-type": "application/json"},
-                      timeout=120)
+    return httpx.post(url + "/api/generate", content=content, headers={"content-type": "application/json"}, timeout=120)
 
 
 def assert_still_answers(url: str) -> None:
@@ -51,15 +50,19 @@ def error_of(response: httpx.Response) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- options
 
-@pytest.mark.parametrize("options, named", [
-    ({"num_ctx": 2**30}, ["num_ctx 1073741824", "8192"]),  # wrapped in a 32-bit field before
-    ({"num_ctx": 99999999}, ["num_ctx 99999999", "8192"]),  # allocated without end before
-    ({"repeat_last_n": 2**30, "repeat_penalty": 1.1}, ["repeat_last_n 1073741824", "1024"]),  # std::bad_alloc abort
-    ({"num_thread": (os.cpu_count() or 1) + 1}, ["num_thread", "cores"]),
-    ({"top_k": 10**6}, ["top_k 1000000", "vocabulary"]),
-    ({"num_predict": 10**12}, ["num_predict", "2147483647"]),
-    ({"temperature": float("nan")}, ["temperature", "finite"]),
-])
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"num_ctx": 2**30}, ["num_ctx 1073741824", "8192"]),  # wrapped in a 32-bit field before
+        ({"num_ctx": 99999999}, ["num_ctx 99999999", "8192"]),  # allocated without end before
+        ({"repeat_last_n": 2**30, "repeat_penalty": 1.1}, ["repeat_last_n 1073741824", "1024"]),  # std::bad_alloc abort
+        ({"num_thread": (os.cpu_count() or 1) + 1}, ["num_thread", "cores"]),
+        ({"top_k": 10**6}, ["top_k 1000000", "vocabulary"]),
+        ({"num_predict": 10**12}, ["num_predict", "2147483647"]),
+        ({"temperature": float("nan")}, ["temperature", "finite"]),
+    ],
+)
 def test_options_out_of_bounds_are_400_naming_value_and_bound(base_url, options, named):
     refused = generate(base_url, options={**QUICK, **options})
     assert refused.status_code == 400, refused.text
@@ -82,12 +85,18 @@ def test_chat_set_parameter_path_gets_the_same_bounds(base_url):
     value = api.parse_option("num_ctx", "99999999")
     with HttpClient(base_url) as client:
         with pytest.raises(InvalidInput, match="num_ctx 99999999"):
-            list(client.chat(api.ChatRequest(model=MODEL, messages=[api.Message(role="user", content="hi")],
-                                             options={"num_ctx": value})))
+            list(
+                client.chat(
+                    api.ChatRequest(
+                        model=MODEL, messages=[api.Message(role="user", content="hi")], options={"num_ctx": value}
+                    )
+                )
+            )
     assert_still_answers(base_url)
 
 
 # ---------------------------------------------------------------------------------------------------------- keep_alive
+
 
 @pytest.mark.parametrize("keep_alive", [1e12, "999999999h", 10**400])
 def test_huge_keep_alive_means_forever_and_never_poisons_the_model(base_url, keep_alive):
@@ -107,24 +116,34 @@ def test_nan_keep_alive_is_400(base_url):
 
 # ---------------------------------------------------------------------------------------------------------- statuses
 
-@pytest.mark.parametrize("path, body", [
-    ("/api/embed", {"input": ""}), ("/api/embed", {"input": [""]}), ("/api/embeddings", {"prompt": ""}),
-    ("/v1/embeddings", {"input": ""}), ("/v1/embeddings", {"input": [""]}),
-])
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/api/embed", {"input": ""}),
+        ("/api/embed", {"input": [""]}),
+        ("/api/embeddings", {"prompt": ""}),
+        ("/v1/embeddings", {"input": ""}),
+        ("/v1/embeddings", {"input": [""]}),
+    ],
+)
 def test_empty_embedding_input_is_not_a_server_error(base_url, path, body):
     answered = httpx.post(base_url + path, json={"model": MODEL, **body}, timeout=120)
     assert answered.status_code < 500, answered.text
     assert_still_answers(base_url)
 
 
-@pytest.mark.parametrize("body, words", [
-    ({"template": "{% if false %}x{% endif %}"}, "empty after templating"),
-    ({"template": "{{ 1 / 0 }}"}, "template"),
-    ({"template": "{% for i in range(1000000) %}{% endfor %}"}, "range"),
-    ({"model": "smol\u0000lm2:135m"}, "control character"),
-    ({"model": "/tmp/a\u0000b.gguf"}, "control character"),
-    ({"context": [2**40, -1]}, "token id"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"template": "{% if false %}x{% endif %}"}, "empty after templating"),
+        ({"template": "{{ 1 / 0 }}"}, "template"),
+        ({"template": "{% for i in range(1000000) %}{% endfor %}"}, "range"),
+        ({"model": "smol\u0000lm2:135m"}, "control character"),
+        ({"model": "/tmp/a\u0000b.gguf"}, "control character"),
+        ({"context": [2**40, -1]}, "token id"),
+    ],
+)
 def test_bad_input_is_400_with_its_own_message(base_url, body, words):
     refused = generate(base_url, **body)
     assert refused.status_code == 400, refused.text
@@ -134,14 +153,17 @@ def test_bad_input_is_400_with_its_own_message(base_url, body, words):
 
 # ---------------------------------------------------------------------------------------------------------- queue
 
+
 def open_request(url: str, body: dict) -> socket.socket:
     """Send a request on a raw socket and leave it waiting, so the test decides when the client goes away."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
     data = json.dumps(body).encode()
-    sock.sendall(b"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
-                 b"Content-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    sock.sendall(
+        b"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+    )
     return sock
 
 
@@ -164,10 +186,15 @@ def status_line(sock: socket.socket) -> bytes:
 
 
 def test_queued_clients_that_leave_give_their_places_back(home):
-    long = {"model": MODEL, "prompt": "Count to a million", "stream": True,
-            "options": {"temperature": 0, "num_predict": 4000, "ignore_eos": True}}
-    with served(home, LOCALLLM_NUM_PARALLEL="2", LOCALLLM_MAX_QUEUE="4", LOCALLLM_CONTEXT_LENGTH="4096",
-                LOCALLLM_HOME=str(home)) as url:
+    long = {
+        "model": MODEL,
+        "prompt": "Count to a million",
+        "stream": True,
+        "options": {"temperature": 0, "num_predict": 4000, "ignore_eos": True},
+    }
+    with served(
+        home, LOCALLLM_NUM_PARALLEL="2", LOCALLLM_MAX_QUEUE="4", LOCALLLM_CONTEXT_LENGTH="4096", LOCALLLM_HOME=str(home)
+    ) as url:
         holders = [open_request(url, long) for _ in range(2)]
         assert all(status_line(s).startswith(b"HTTP/1.1 200") for s in holders)  # both slots busy
         queued = [open_request(url, {**long, "stream": False}) for _ in range(4)]
@@ -196,16 +223,23 @@ def test_costly_request_template_is_a_fast_400(base_url, bomb):
 
 
 def test_costly_modelfile_template_is_a_400_at_use(base_url):
-    created = httpx.post(base_url + "/api/create", json={"model": "bomb", "from": MODEL, "template": BOMBS[1],
-                                                         "stream": False}, timeout=120)
+    created = httpx.post(
+        base_url + "/api/create",
+        json={"model": "bomb", "from": MODEL, "template": BOMBS[1], "stream": False},
+        timeout=120,
+    )
     assert created.status_code == 200, created.text
-    refused = httpx.post(base_url + "/api/chat", json={"model": "bomb", "stream": False, "options": QUICK,
-                                                       "messages": [{"role": "user", "content": "hi"}]}, timeout=120)
+    refused = httpx.post(
+        base_url + "/api/chat",
+        json={"model": "bomb", "stream": False, "options": QUICK, "messages": [{"role": "user", "content": "hi"}]},
+        timeout=120,
+    )
     assert refused.status_code == 400 and "steps" in error_of(refused)
     assert_still_answers(base_url)
 
 
 # ---------------------------------------------------------------------------------------------------------- names
+
 
 def read_stream_end(sock: socket.socket) -> dict:
     """Read an NDJSON stream (after its status line) to its last line; chunked framing lines are skipped."""
@@ -239,8 +273,11 @@ def test_deleting_an_alias_never_cuts_off_the_original(base_url):
 
 
 def test_deleting_the_last_name_unloads_after_its_requests_end(base_url):
-    created = httpx.post(base_url + "/api/create", json={"model": "solo", "from": MODEL, "system": "Be brief.",
-                                                         "stream": False}, timeout=120)
+    created = httpx.post(
+        base_url + "/api/create",
+        json={"model": "solo", "from": MODEL, "system": "Be brief.", "stream": False},
+        timeout=120,
+    )
     assert created.status_code == 200, created.text
     sock = open_request(base_url, {"model": "solo", "prompt": "Count", "options": RUNNING})
     assert status_line(sock).startswith(b"HTTP/1.1 200")
@@ -254,8 +291,9 @@ def test_deleting_the_last_name_unloads_after_its_requests_end(base_url):
 
 def test_unloading_under_a_non_streamed_request_is_499_not_500(base_url):
     # As long as the context allows: the unload cuts it off within a second or so, however fast the machine.
-    sock = open_request(base_url, {"model": MODEL, "prompt": "Count", "stream": False,
-                                   "options": {**RUNNING, "num_predict": 1000}})
+    sock = open_request(
+        base_url, {"model": MODEL, "prompt": "Count", "stream": False, "options": {**RUNNING, "num_predict": 1000}}
+    )
     assert wait_for(lambda: sum(m["slots_busy"] for m in httpx.get(base_url + "/api/ps").json()["models"]) > 0)
     unloaded = generate(base_url, prompt="", keep_alive=0)
     assert unloaded.status_code == 200 and unloaded.json()["done_reason"] == "unload"

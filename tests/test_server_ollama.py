@@ -34,8 +34,9 @@ def test_chat_non_streaming_answers_paris(api):
 
 
 def test_chat_streaming_matches_non_streaming(api):
-    parts = list(api.chat(model="smollm2:135m", messages=PARIS, options={"temperature": 0, "num_predict": 24},
-                          stream=True))
+    parts = list(
+        api.chat(model="smollm2:135m", messages=PARIS, options={"temperature": 0, "num_predict": 24}, stream=True)
+    )
     whole = api.chat(model="smollm2:135m", messages=PARIS, options={"temperature": 0, "num_predict": 24})
     assert len(parts) > 2
     assert [p.done for p in parts].count(True) == 1 and parts[-1].done
@@ -64,10 +65,15 @@ def test_generate_returns_context_that_continues_the_conversation(api, base_url)
     assert first.context and all(isinstance(t, int) for t in first.context)
     # Ollama's context is the prompt as the model saw it and the answer: here, exactly its tokens.
     assert len(first.context) == first.prompt_eval_count + first.eval_count
-    body = {"model": "smollm2:135m", "prompt": "What is my name?", "context": first.context, "options": SMALL,
-            "stream": False}
+    body = {
+        "model": "smollm2:135m",
+        "prompt": "What is my name?",
+        "context": first.context,
+        "options": SMALL,
+        "stream": False,
+    }
     second = httpx.post(base_url + "/api/generate", json=body, timeout=60).json()
-    assert second["context"][:len(first.context)] == first.context
+    assert second["context"][: len(first.context)] == first.context
     assert second["prompt_eval_count"] > len(first.context)
     # The earlier turn is still in a slot's cache (the last answer token never entered it).
     assert second["prompt_cache_count"] >= len(first.context) - 1
@@ -78,14 +84,22 @@ def test_generate_returns_context_that_continues_the_conversation(api, base_url)
 def test_generate_raw_and_json_format(api):
     raw = api.generate(model="smollm2:135m", prompt="The sky is", raw=True, options=SMALL)
     assert raw.response.strip()
-    shaped = api.generate(model="smollm2:135m", prompt="Give a JSON object with a name.", format="json",
-                          options={"temperature": 0, "num_predict": 40})
+    shaped = api.generate(
+        model="smollm2:135m",
+        prompt="Give a JSON object with a name.",
+        format="json",
+        options={"temperature": 0, "num_predict": 40},
+    )
     assert shaped.response.lstrip().startswith("{")
 
 
 def test_chat_format_schema_validates(api):
-    schema = {"type": "object", "required": ["city"], "additionalProperties": False,
-              "properties": {"city": {"type": "string", "maxLength": 24}}}
+    schema = {
+        "type": "object",
+        "required": ["city"],
+        "additionalProperties": False,
+        "properties": {"city": {"type": "string", "maxLength": 24}},
+    }
     reply = api.chat(model="smollm2:135m", messages=PARIS, format=schema, options={"temperature": 0, "num_predict": 40})
     jsonschema.validate(json.loads(reply.message.content), schema)
 
@@ -127,8 +141,9 @@ def test_bad_field_is_400_naming_it(base_url):
     response = httpx.post(base_url + "/api/chat", json={"model": "smollm2:135m", "messages": [{"role": "robot"}]})
     assert response.status_code == 400
     assert "messages.0.role" in response.json()["error"]
-    bad_option = httpx.post(base_url + "/api/generate",
-                            json={"model": "smollm2:135m", "prompt": "x", "options": {"top_p": 7}})
+    bad_option = httpx.post(
+        base_url + "/api/generate", json={"model": "smollm2:135m", "prompt": "x", "options": {"top_p": 7}}
+    )
     assert bad_option.status_code == 400 and "top_p" in bad_option.json()["error"]
 
 
@@ -140,8 +155,11 @@ def test_images_are_refused_clearly(api):
 
 def test_body_without_json_content_type_is_read_as_json(base_url):
     # what `curl -d` sends
-    response = httpx.post(base_url + "/api/show", content=b'{"model": "smollm2:135m"}',
-                          headers={"content-type": "application/x-www-form-urlencoded"})
+    response = httpx.post(
+        base_url + "/api/show",
+        content=b'{"model": "smollm2:135m"}',
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
     assert response.status_code == 200 and response.json()["details"]["family"]
 
 

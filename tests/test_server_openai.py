@@ -14,10 +14,18 @@ pytestmark = pytest.mark.models
 
 MODEL = "smollm2:135m"
 PARIS = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                   "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +45,16 @@ def test_chat_non_streaming(oai):
 
 def test_chat_streaming_with_usage(oai):
     whole = oai.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=24)
-    chunks = list(oai.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=24, stream=True,
-                                              stream_options={"include_usage": True}))
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=PARIS,
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -49,27 +65,38 @@ def test_chat_streaming_with_usage(oai):
 
 def test_tool_call_round_trip(oai):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    first = oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice="required",
-                                        temperature=0, max_tokens=60)
+    first = oai.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice="required", temperature=0, max_tokens=60
+    )
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
     call = choice.message.tool_calls[0]
     assert call.function.name == "get_weather" and call.id
     arguments = json.loads(call.function.arguments)
     jsonschema.validate(arguments, WEATHER_TOOL["function"]["parameters"])
-    messages += [choice.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "sunny"}'}]
-    second = oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice="none",
-                                         temperature=0, max_tokens=30)
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "sunny"}'},
+    ]
+    second = oai.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice="none", temperature=0, max_tokens=30
+    )
     assert second.choices[0].message.content.strip()
     assert not second.choices[0].message.tool_calls
 
 
 def test_forced_tool_call_streams(oai):
-    chunks = list(oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER_TOOL],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0, max_tokens=60,
-        stream=True))
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Weather in Rome?"}],
+            tools=[WEATHER_TOOL],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            temperature=0,
+            max_tokens=60,
+            stream=True,
+        )
+    )
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     # As OpenAI streams a call: id and name first, then the arguments in pieces (what partial-object clients read).
     assert deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].function.arguments == ""
@@ -81,8 +108,14 @@ def test_forced_tool_call_streams(oai):
 
 
 def test_forced_tool_call_cut_off_by_max_tokens_is_a_partial_call(oai):
-    forced = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER_TOOL],
-                  tool_choice="required", temperature=0, max_tokens=28)
+    forced = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Rome?"}],
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=28,
+    )
     whole = oai.chat.completions.create(**forced).choices[0]
     assert whole.finish_reason == "length" and whole.message.content is None
     call = whole.message.tool_calls[0]
@@ -98,15 +131,23 @@ def test_forced_tool_call_cut_off_by_max_tokens_is_a_partial_call(oai):
 
 
 def test_json_schema_answer_validates(oai):
-    schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
-              "properties": {"city": {"type": "string", "maxLength": 24}, "country": {"type": "string",
-                                                                                       "maxLength": 24}}}
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["city", "country"],
+        "properties": {"city": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24}},
+    }
     reply = oai.chat.completions.create(
-        model=MODEL, messages=PARIS, temperature=0, max_tokens=80,
-        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+        model=MODEL,
+        messages=PARIS,
+        temperature=0,
+        max_tokens=80,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}},
+    )
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
-    loose = oai.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=60,
-                                        response_format={"type": "json_object"})
+    loose = oai.chat.completions.create(
+        model=MODEL, messages=PARIS, temperature=0, max_tokens=60, response_format={"type": "json_object"}
+    )
     assert isinstance(json.loads(loose.choices[0].message.content), dict)
 
 
@@ -116,8 +157,12 @@ def test_stop_string_ends_the_answer_without_showing_it(oai):
 
 
 def test_a_seed_repeats_a_sampled_answer(oai):
-    same = [oai.chat.completions.create(model=MODEL, messages=PARIS, temperature=1.0, seed=7, max_tokens=16)
-            .choices[0].message.content for _ in range(2)]
+    same = [
+        oai.chat.completions.create(model=MODEL, messages=PARIS, temperature=1.0, seed=7, max_tokens=16)
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
     assert same[0] == same[1]
 
 
@@ -125,14 +170,16 @@ def test_ignore_eos_runs_to_max_tokens(oai):
     hi = [{"role": "user", "content": "Say hi"}]
     natural = oai.chat.completions.create(model=MODEL, messages=hi, temperature=0, max_tokens=40)
     assert natural.choices[0].finish_reason == "stop"  # ends early by itself...
-    forced = oai.chat.completions.create(model=MODEL, messages=hi, temperature=0, max_tokens=40,
-                                         extra_body={"ignore_eos": True})
+    forced = oai.chat.completions.create(
+        model=MODEL, messages=hi, temperature=0, max_tokens=40, extra_body={"ignore_eos": True}
+    )
     assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 40  # ...unless told
 
 
 def test_logprobs(oai):
-    reply = oai.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=8, logprobs=True,
-                                        top_logprobs=2)
+    reply = oai.chat.completions.create(
+        model=MODEL, messages=PARIS, temperature=0, max_tokens=8, logprobs=True, top_logprobs=2
+    )
     content = reply.choices[0].logprobs.content
     assert len(content) == reply.usage.completion_tokens
     assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in content)
@@ -143,8 +190,9 @@ def test_logprobs(oai):
 def test_completions(oai):
     whole = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 8
-    parts = list(oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
-                                        stream=True))
+    parts = list(
+        oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True)
+    )
     assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
     assert parts[-1].choices[0].finish_reason == "length"
     with_lp = oai.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0, logprobs=1)
@@ -162,17 +210,27 @@ def test_models_and_embeddings(oai, base_url):
     assert plain.data[0].embedding == pytest.approx(ollama_vector["embeddings"][0], abs=1e-5)
 
 
-IMAGE = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
-                                      {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk="}}]}]
+IMAGE = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "what is it?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk="}},
+        ],
+    }
+]
 
 # (request, error class, text in the message, OpenAI's code). litellm maps a too-long prompt to
 # ContextWindowExceededError from its code alone.
 ERRORS = {
-    "unknown model": ({"model": "nothing-here:1b", "messages": PARIS}, openai.NotFoundError, "pull",
-                      "model_not_found"),
+    "unknown model": ({"model": "nothing-here:1b", "messages": PARIS}, openai.NotFoundError, "pull", "model_not_found"),
     "image part": ({"model": MODEL, "messages": IMAGE}, openai.BadRequestError, "image_url", "invalid_request_error"),
-    "prompt too long": ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}], "stream": True},
-                        openai.BadRequestError, "1024", "context_length_exceeded"),
+    "prompt too long": (
+        {"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}], "stream": True},
+        openai.BadRequestError,
+        "1024",
+        "context_length_exceeded",
+    ),
     "no messages": ({"model": MODEL, "messages": []}, openai.BadRequestError, "messages", "invalid_request_error"),
 }
 

@@ -18,9 +18,12 @@ from localllm.errors import ResponseNotFound
 from localllm.server.openai import response_store
 
 MODEL = "smollm2:135m"
-WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                          "required": ["city"]}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +33,9 @@ def oai(base_url) -> openai.OpenAI:
 
 @pytest.mark.models
 def test_plain_response_is_stored(oai):
-    reply = oai.responses.create(model=MODEL, instructions=SYSTEM, input="What is the capital of France?",
-                                 temperature=0, max_output_tokens=24)
+    reply = oai.responses.create(
+        model=MODEL, instructions=SYSTEM, input="What is the capital of France?", temperature=0, max_output_tokens=24
+    )
     assert reply.id.startswith("resp_") and reply.object == "response" and reply.model == MODEL
     assert reply.status in ("completed", "incomplete") and "Paris" in reply.output_text
     assert [item.type for item in reply.output] == ["message"] and reply.output[0].role == "assistant"
@@ -58,8 +62,14 @@ def test_store_false_is_not_kept(oai):
 def test_previous_response_id_continues_the_conversation(oai):
     fact = "My cat is called Whiskerton."
     first = oai.responses.create(model=MODEL, instructions=SYSTEM, input=fact, temperature=0, max_output_tokens=16)
-    second = oai.responses.create(model=MODEL, previous_response_id=first.id, input="What is my cat called?",
-                                  instructions=SYSTEM, temperature=0, max_output_tokens=16)
+    second = oai.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input="What is my cat called?",
+        instructions=SYSTEM,
+        temperature=0,
+        max_output_tokens=16,
+    )
     assert second.previous_response_id == first.id
     # The second prompt holds the first turn (question and answer) before the new input: its first tokens are the
     # first prompt's, found in the prefix cache, and it is longer than the first prompt and answer together.
@@ -67,23 +77,38 @@ def test_previous_response_id_continues_the_conversation(oai):
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     stored = response_store.load(second.id)  # instructions belong to their turn and are not stored
     said = [(m.role, m.content) for m in stored.messages]
-    assert said == [("user", fact), ("assistant", first.output_text), ("user", "What is my cat called?"),
-                    ("assistant", second.output_text)]
+    assert said == [
+        ("user", fact),
+        ("assistant", first.output_text),
+        ("user", "What is my cat called?"),
+        ("assistant", second.output_text),
+    ]
 
 
 @pytest.mark.models
 def test_streamed_events_in_openai_order(oai):
-    whole = oai.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
-                                 max_output_tokens=24)
-    events = list(oai.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
-                                       max_output_tokens=24, stream=True))
+    whole = oai.responses.create(
+        model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=24
+    )
+    events = list(
+        oai.responses.create(
+            model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=24, stream=True
+        )
+    )
     kinds = [e.type for e in events]
     deltas = kinds.count("response.output_text.delta")
     assert deltas >= 1
-    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
-                     "response.content_part.added"] + ["response.output_text.delta"] * deltas + [
-        "response.output_text.done", "response.content_part.done", "response.output_item.done",
-        events[-1].type]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ] + ["response.output_text.delta"] * deltas + [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        events[-1].type,
+    ]
     assert events[-1].type in ("response.completed", "response.incomplete")
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -95,15 +120,26 @@ def test_streamed_events_in_openai_order(oai):
 
 @pytest.mark.models
 def test_forced_function_call_and_its_output(oai):
-    first = oai.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],
-                                 tool_choice="required", temperature=0, max_output_tokens=60)
+    first = oai.responses.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=60,
+    )
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
     second = oai.responses.create(
-        model=MODEL, previous_response_id=first.id, tools=[WEATHER], tool_choice="none", temperature=0,
+        model=MODEL,
+        previous_response_id=first.id,
+        tools=[WEATHER],
+        tool_choice="none",
+        temperature=0,
         max_output_tokens=30,
-        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"sky": "sunny"}'}])
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"sky": "sunny"}'}],
+    )
     assert second.output_text.strip() and not [i for i in second.output if i.type == "function_call"]
     roles = [(m.role, m.tool_name) for m in response_store.load(second.id).messages]
     assert roles[-2:] == [("tool", "get_weather"), ("assistant", None)]
@@ -111,26 +147,46 @@ def test_forced_function_call_and_its_output(oai):
 
 @pytest.mark.models
 def test_function_call_streams_arguments(oai):
-    events = list(oai.responses.create(model=MODEL, input="Weather in Rome?", tools=[WEATHER],
-                                       tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
-                                       max_output_tokens=60, stream=True))
+    events = list(
+        oai.responses.create(
+            model=MODEL,
+            input="Weather in Rome?",
+            tools=[WEATHER],
+            tool_choice={"type": "function", "name": "get_weather"},
+            temperature=0,
+            max_output_tokens=60,
+            stream=True,
+        )
+    )
     kinds = [e.type for e in events]
     at = kinds.index("response.function_call_arguments.delta")
     assert kinds[at - 1] == "response.output_item.added" and events[at - 1].item.type == "function_call"
-    assert kinds[at + 1:at + 3] == ["response.function_call_arguments.done", "response.output_item.done"]
+    assert kinds[at + 1 : at + 3] == ["response.function_call_arguments.done", "response.output_item.done"]
     assert "city" in json.loads(events[at + 1].arguments)
 
 
 @pytest.mark.models
 def test_json_schema_and_input_items(oai):
-    schema = {"type": "object", "additionalProperties": False, "required": ["city"],
-              "properties": {"city": {"type": "string", "maxLength": 24}}}
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 24}},
+    }
     reply = oai.responses.create(
-        model=MODEL, temperature=0, max_output_tokens=60,
-        input=[{"role": "developer", "content": SYSTEM},
-               {"type": "message", "role": "user",
-                "content": [{"type": "input_text", "text": "What is the capital of France?"}]}],
-        text={"format": {"type": "json_schema", "name": "place", "schema": schema}})
+        model=MODEL,
+        temperature=0,
+        max_output_tokens=60,
+        input=[
+            {"role": "developer", "content": SYSTEM},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "What is the capital of France?"}],
+            },
+        ],
+        text={"format": {"type": "json_schema", "name": "place", "schema": schema}},
+    )
     jsonschema.validate(json.loads(reply.output_text), schema)
 
 
@@ -141,17 +197,22 @@ def test_errors(oai, base_url):
     with pytest.raises(openai.BadRequestError, match="does not support thinking"):
         oai.responses.create(model=MODEL, input="hi", reasoning={"effort": "high"})
     with pytest.raises(openai.BadRequestError, match="input_image"):
-        oai.responses.create(model=MODEL, input=[{"role": "user", "content": [
-            {"type": "input_image", "image_url": "data:image/png;base64,aGk="}]}])
+        oai.responses.create(
+            model=MODEL,
+            input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,aGk="}]}],
+        )
     assert httpx.get(base_url + "/v1/responses/../../etc").status_code in (400, 404)
     assert httpx.get(base_url + "/v1/responses/resp_nothing").status_code == 400
 
 
 # ---------------------------------------------------------------------------------------------------------- store
 
+
 def _stored(number: int) -> api.StoredResponse:
-    return api.StoredResponse(response={"id": f"resp_{number:032x}", "object": "response"},
-                              messages=[api.Message(role="user", content=f"turn {number}")])
+    return api.StoredResponse(
+        response={"id": f"resp_{number:032x}", "object": "response"},
+        messages=[api.Message(role="user", content=f"turn {number}")],
+    )
 
 
 def test_store_keeps_the_newest_within_count_and_age(monkeypatch):

@@ -34,8 +34,14 @@ def test_host_header_check(serve, monkeypatch):
     monkeypatch.setenv("LOCALLLM_ALLOWED_HOSTS", "myhost.lan")
     with serve() as url:
         port = url.rsplit(":", 1)[1]
-        for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "app.localhost", "myhost.lan:80",
-                     "192.168.1.20:11435"):
+        for host in (
+            f"localhost:{port}",
+            f"127.0.0.1:{port}",
+            f"[::1]:{port}",
+            "app.localhost",
+            "myhost.lan:80",
+            "192.168.1.20:11435",
+        ):
             assert get(url, "/api/tags", headers={"host": host}).status_code == 200, host
         refused = get(url, "/api/tags", headers={"host": f"attacker.example:{port}"})
         assert refused.status_code == 403
@@ -60,9 +66,14 @@ def test_cors_only_for_configured_origins(serve, monkeypatch):
         assert "access-control-allow-origin" not in plain.headers
     monkeypatch.setenv("LOCALLLM_ORIGINS", "http://app.example")
     with serve() as url:
-        preflight = httpx.options(url + "/api/chat", headers={
-            "origin": "http://app.example", "access-control-request-method": "POST",
-            "access-control-request-headers": "content-type"})
+        preflight = httpx.options(
+            url + "/api/chat",
+            headers={
+                "origin": "http://app.example",
+                "access-control-request-method": "POST",
+                "access-control-request-headers": "content-type",
+            },
+        )
         assert preflight.status_code == 200
         assert preflight.headers["access-control-allow-origin"] == "http://app.example"
         allowed = get(url, "/api/tags", headers={"origin": "http://app.example"})
@@ -115,17 +126,32 @@ def test_foreign_origins_are_refused_before_any_route(serve, monkeypatch):
     monkeypatch.setenv("LOCALLLM_ORIGINS", "http://app.example,chrome-extension://*")
     with serve() as url:
         port = url.rsplit(":", 1)[1]
-        for origin in ("http://evil.example", "https://127.0.0.1.evil.example", "null", "file://",
-                       "moz-extension://abc", "http://app.example.evil", "http://app.example:8080"):
+        for origin in (
+            "http://evil.example",
+            "https://127.0.0.1.evil.example",
+            "null",
+            "file://",
+            "moz-extension://abc",
+            "http://app.example.evil",
+            "http://app.example:8080",
+        ):
             refused = httpx.post(url + "/api/create", content=CREATE, headers={"origin": origin})
             assert refused.status_code == 403, origin
             assert origin in refused.json()["error"] and "LOCALLLM_ORIGINS" in refused.json()["error"]
-        assert httpx.get(url + "/v1/models", headers={"origin": "http://evil.example"}).json()["error"]["type"] \
+        assert (
+            httpx.get(url + "/v1/models", headers={"origin": "http://evil.example"}).json()["error"]["type"]
             == "permission_error"
+        )
         # Loopback pages, IDE webviews and configured origins reach the route (which finds no such model here).
-        for origin in (f"http://localhost:{port}", f"http://127.0.0.1:{port}", "http://[::1]:3000",
-                       "https://app.localhost", "vscode-webview://1234", "http://app.example",
-                       "chrome-extension://abcdef"):
+        for origin in (
+            f"http://localhost:{port}",
+            f"http://127.0.0.1:{port}",
+            "http://[::1]:3000",
+            "https://app.localhost",
+            "vscode-webview://1234",
+            "http://app.example",
+            "chrome-extension://abcdef",
+        ):
             reached = httpx.post(url + "/api/show", json={"model": "absent:1"}, headers={"origin": origin})
             assert reached.status_code == 404, origin
         assert get(url, "/api/tags").status_code == 200
@@ -133,17 +159,26 @@ def test_foreign_origins_are_refused_before_any_route(serve, monkeypatch):
 
 def test_json_routes_refuse_bodies_that_are_not_json(serve):
     with serve() as url:
-        for content_type in ("text/plain", "text/plain;charset=UTF-8", "multipart/form-data; boundary=x",
-                             "application/xml"):
+        for content_type in (
+            "text/plain",
+            "text/plain;charset=UTF-8",
+            "multipart/form-data; boundary=x",
+            "application/xml",
+        ):
             for path in ("/api/create", "/api/show", "/v1/chat/completions"):
                 refused = httpx.post(url + path, content=CREATE, headers={"content-type": content_type})
                 assert refused.status_code == 415, (content_type, path)
-        deleted = httpx.request("DELETE", url + "/api/delete", content=b'{"model": "victim"}',
-                                headers={"content-type": "text/plain"})
+        deleted = httpx.request(
+            "DELETE", url + "/api/delete", content=b'{"model": "victim"}', headers={"content-type": "text/plain"}
+        )
         assert deleted.status_code == 415 and "application/json" in deleted.json()["error"]
         # JSON, JSON with a charset, no type at all and curl -d's form type are all read as JSON.
-        for content_type in ("application/json", "application/json; charset=utf-8", None,
-                             "application/x-www-form-urlencoded"):
+        for content_type in (
+            "application/json",
+            "application/json; charset=utf-8",
+            None,
+            "application/x-www-form-urlencoded",
+        ):
             headers = {"content-type": content_type} if content_type else {}
             request = httpx.Request("POST", url + "/api/show", content=b'{"model": "absent:1"}', headers=headers)
             assert request.headers.get("content-type") == content_type

@@ -23,9 +23,15 @@ from localllm.errors import InvalidInput
 # ---------------------------------------------------------------------------------------------------------- engines
 
 REPEAT_PROMPT = "def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 2\n\ndef f(x):\n    return x + 1\n\ndef"
-PEOPLE_SCHEMA = {"type": "array", "minItems": 3, "items": {
-    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-    "required": ["name", "age"]}}
+PEOPLE_SCHEMA = {
+    "type": "array",
+    "minItems": 3,
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    },
+}
 PROMPTS = [
     (REPEAT_PROMPT, None),
     ("List three people as JSON with name and age:\n", PEOPLE_SCHEMA),
@@ -44,12 +50,14 @@ def _engine(path: Path, *, slots: int, draft: bool = False, window=FixedWindow):
     return ModelEngine(model, max_queue=8, speculation=spec), spec
 
 
-def _params(engine: ModelEngine, prompt_text: str, schema, spec_type: str, *,
-            num_predict: int = N_PREDICT) -> GenerationParams:
+def _params(
+    engine: ModelEngine, prompt_text: str, schema, spec_type: str, *, num_predict: int = N_PREDICT
+) -> GenerationParams:
     """Greedy, and for plain runs (to judge near-ties) each token's top alternatives."""
     sampling = SamplingOptions(temperature=0, num_predict=num_predict, spec_type=spec_type, spec_max_draft=8)
-    return GenerationParams(engine.tokenize(prompt_text), sampling, grammar_for_format(schema),
-                            logprobs=5 if spec_type == "none" else None)
+    return GenerationParams(
+        engine.tokenize(prompt_text), sampling, grammar_for_format(schema), logprobs=5 if spec_type == "none" else None
+    )
 
 
 def _collect(stream):
@@ -104,8 +112,10 @@ def _assert_near_tie(engine: ModelEngine, prompt, tokens, logprobs, spec_tokens,
         margin = _margin_under_grammar(engine, prompt, tokens[:at], tokens[at], spec_tokens[at])
     else:
         margin = float("inf")
-    assert margin < tolerance, (f"outputs part at token {at} where the plain run was sure ({margin:.3f} nats): "
-                                f"{tokens[at]} vs {spec_tokens[at]}")
+    assert margin < tolerance, (
+        f"outputs part at token {at} where the plain run was sure ({margin:.3f} nats): "
+        f"{tokens[at]} vs {spec_tokens[at]}"
+    )
 
 
 def _margin_under_grammar(engine: ModelEngine, prompt, prefix: list[int], plain: int, spec: int) -> float:
@@ -118,7 +128,8 @@ def _margin_under_grammar(engine: ModelEngine, prompt, prefix: list[int], plain:
     probe = model.grammar_probe(grammar_for_format(prompt[1]))
     try:
         assert probe.allowed(prefix, [plain]) == 1 and probe.allowed(prefix, [spec]) == 1, (
-            f"token {spec} or {plain} breaks the grammar after {prefix}: a grammar bug, not a near-tie")
+            f"token {spec} or {plain} breaks the grammar after {prefix}: a grammar bug, not a near-tie"
+        )
         tokens = engine.tokenize(prompt[0]) + prefix
         batch = Batch()
         for pos, token in enumerate(tokens):
@@ -133,8 +144,7 @@ def _margin_under_grammar(engine: ModelEngine, prompt, prefix: list[int], plain:
 
 @pytest.fixture(scope="module")
 def smollm2_engines(smollm2_path):
-    engines = {name: _engine(smollm2_path, slots=4, draft=draft) for name, draft in (("ngram", False),
-                                                                                      ("draft", True))}
+    engines = {name: _engine(smollm2_path, slots=4, draft=draft) for name, draft in (("ngram", False), ("draft", True))}
     yield engines
     for engine, _ in engines.values():
         engine.close()
@@ -185,8 +195,14 @@ def test_a_near_tie_under_the_grammar_is_told_from_a_fault(gemma3_path):
         assert rival not in dict(logprobs[1].top)
         _assert_near_tie(engine, prompt, tokens, logprobs, tokens[:1] + [rival], tolerance=0.3)
         with pytest.raises(AssertionError, match="breaks the grammar"):
-            _assert_near_tie(engine, prompt, tokens, logprobs, tokens[:1] + engine.tokenize("Hello", add_special=False),
-                             tolerance=0.3)
+            _assert_near_tie(
+                engine,
+                prompt,
+                tokens,
+                logprobs,
+                tokens[:1] + engine.tokenize("Hello", add_special=False),
+                tolerance=0.3,
+            )
         brace = engine.tokenize("{", add_special=False)  # allowed, but ~3 nats behind under the grammar
         with pytest.raises(AssertionError, match="where the plain run was sure"):
             _assert_near_tie(engine, prompt, tokens, logprobs, tokens[:1] + brace, tolerance=0.3)
@@ -236,8 +252,12 @@ def test_client_reports_drafter_and_statistics(models_home):
 
     client = LocalClient(store=Store(models_home / "models"))
     try:
-        request = api.GenerateRequest(model="smollm2:135m", prompt=REPEAT_PROMPT, raw=True,
-                                      options={"temperature": 0, "num_predict": 24, "num_parallel": 1})
+        request = api.GenerateRequest(
+            model="smollm2:135m",
+            prompt=REPEAT_PROMPT,
+            raw=True,
+            options={"temperature": 0, "num_predict": 24, "num_parallel": 1},
+        )
         final = list(client.generate(request))[-1]
         assert final.done and final.draft_count >= final.draft_accepted > 0
         assert final.draft_mean_accepted > 0
@@ -259,6 +279,7 @@ def test_client_reports_drafter_and_statistics(models_home):
 
 
 # ---------------------------------------------------------------------------------------------------------- MTP
+
 
 def write_tiny_mtp_model(path: Path, *, n_vocab: int = 256, n_embd: int = 64, seed: int = 0) -> Path:
     """A GLM-4-MoE with one trunk layer and one MTP (nextn) layer, random weights: the smallest architecture whose
@@ -343,8 +364,9 @@ def test_mtp_model_loads_with_its_head_and_decodes_losslessly(tmp_path):
 
         # Both slots at once: the head follows a batch that mixes the two sequences' rows.
         both: dict[int, list[int]] = {}
-        threads = [threading.Thread(target=lambda i=i: both.__setitem__(i, run(prompts[i], "auto")[0]))
-                   for i in range(2)]
+        threads = [
+            threading.Thread(target=lambda i=i: both.__setitem__(i, run(prompts[i], "auto")[0])) for i in range(2)
+        ]
         for t in threads:
             t.start()
         for t in threads:

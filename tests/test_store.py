@@ -52,10 +52,16 @@ def test_same_bytes_are_stored_once(store, gguf, tmp_path):
 def test_write_model_round_trips_every_layer(store, stored, tmp_path):
     adapter = store.add_blob_from_bytes(b"adapter weights")
     model = store.write_model(
-        "Me/Assistant:V1", weights=stored, template="{{ messages }}", system="Be brief.",
+        "Me/Assistant:V1",
+        weights=stored,
+        template="{{ messages }}",
+        system="Be brief.",
         parameters={"temperature": 0.2, "stop": ["<|im_end|>"]},
         messages=[api.Message(role="user", content="hi"), {"role": "assistant", "content": "hello"}],
-        license=["MIT", "extra terms"], draft="smollm2:135m", adapters=[adapter])
+        license=["MIT", "extra terms"],
+        draft="smollm2:135m",
+        adapters=[adapter],
+    )
     assert model.name == "me/assistant:v1"
     assert model.weights == store.blob_path(stored) and model.format == "gguf"
     assert (model.template, model.system) == ("{{ messages }}", "Be brief.")
@@ -156,12 +162,31 @@ def test_leftover_temp_files_are_not_models(store, stored):
 
 # ------------------------------------------------------------------------------------------------------- refusals
 
-@pytest.mark.parametrize("name", ["../evil", "../../etc/passwd", "a/../../b", "/abs/name", "me/..", "x:../y",
-                                  "bad name", "x" * 300, "nul\x00", "hf.co/../x"])
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../evil",
+        "../../etc/passwd",
+        "a/../../b",
+        "/abs/name",
+        "me/..",
+        "x:../y",
+        "bad name",
+        "x" * 300,
+        "nul\x00",
+        "hf.co/../x",
+    ],
+)
 def test_invalid_names_touch_nothing(store, stored, name):
     before = _tree(store.root)
-    for action in (lambda: store.write_model(name, weights=stored), lambda: store.resolve(name),
-                   lambda: store.delete(name), lambda: store.copy("tiny:1", name), lambda: store.copy(name, "y")):
+    for action in (
+        lambda: store.write_model(name, weights=stored),
+        lambda: store.resolve(name),
+        lambda: store.delete(name),
+        lambda: store.copy("tiny:1", name),
+        lambda: store.copy(name, "y"),
+    ):
         with pytest.raises(InvalidName):
             action()
     assert _tree(store.root) == before
@@ -187,14 +212,17 @@ def test_invalid_digests_touch_nothing(store, stored, digest):
 
 # ------------------------------------------------------------------------------------------------------- MLX
 
+
 def test_mlx_weights_materialise_as_a_folder_of_links(store):
-    files = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"\0" * 32,
-             "tokenizer/tokenizer.json": b"{}"}
+    files = {
+        "config.json": b'{"model_type": "llama"}',
+        "model.safetensors": b"\0" * 32,
+        "tokenizer/tokenizer.json": b"{}",
+    }
     digests = {name: store.add_blob_from_bytes(data) for name, data in files.items()}
     model = store.write_model("mlx-tiny", weights=digests, fmt="mlx")
     assert model.format == "mlx" and model.weights.is_dir()
-    assert {str(p.relative_to(model.weights)): p.read_bytes() for p in model.weights.rglob("*") if p.is_file()} \
-        == files
+    assert {str(p.relative_to(model.weights)): p.read_bytes() for p in model.weights.rglob("*") if p.is_file()} == files
     assert store.weights_of("mlx-tiny") == ("mlx", digests)
     store.delete("mlx-tiny")
     assert not model.weights.exists() and not any(store.blobs_dir.iterdir())
@@ -209,6 +237,7 @@ def test_mlx_file_names_cannot_escape_the_folder(store, bad):
 
 
 # ------------------------------------------------------------------------------------------------------- partials
+
 
 def test_a_partial_blob_resumes_and_commits(store):
     data = os.urandom(300_000)

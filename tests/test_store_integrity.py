@@ -33,8 +33,13 @@ def invoke(*args: str):
 
 def localllm(*args: str, home: Path, **env: str) -> subprocess.CompletedProcess:
     """The real CLI in its own process."""
-    return subprocess.run([sys.executable, "-m", "localllm", *args], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, LOCALLLM_HOME=str(home), **env))
+    return subprocess.run(
+        [sys.executable, "-m", "localllm", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, LOCALLLM_HOME=str(home), **env),
+    )
 
 
 @pytest.fixture
@@ -46,10 +51,12 @@ def store(isolated_home) -> Store:
 def ggufs(tmp_path_factory) -> dict[str, bytes]:
     """Two versions of one file, the same length (a changed upload), and a small unrelated one."""
     folder = tmp_path_factory.mktemp("ggufs")
-    return {"v1": write_tiny_gguf(folder / "v1.gguf", name="version 1", pad_floats=65536).read_bytes(),
-            "v2": write_tiny_gguf(folder / "v2.gguf", name="version 2", pad_floats=65536).read_bytes(),
-            "small": write_tiny_gguf(folder / "small.gguf", name="small").read_bytes(),
-            "big": write_tiny_gguf(folder / "big.gguf", name="big", pad_floats=400_000).read_bytes()}
+    return {
+        "v1": write_tiny_gguf(folder / "v1.gguf", name="version 1", pad_floats=65536).read_bytes(),
+        "v2": write_tiny_gguf(folder / "v2.gguf", name="version 2", pad_floats=65536).read_bytes(),
+        "small": write_tiny_gguf(folder / "small.gguf", name="small").read_bytes(),
+        "big": write_tiny_gguf(folder / "big.gguf", name="big", pad_floats=400_000).read_bytes(),
+    }
 
 
 @pytest.fixture
@@ -67,6 +74,7 @@ def server(hub, monkeypatch) -> str:
 
 # ------------------------------------------------------------------------------------------------------- rm vs cp
 
+
 def _race_worker(root: str, action: str, barrier, rounds: int) -> None:
     store = Store(Path(root))
     for _ in range(rounds):
@@ -82,8 +90,9 @@ def test_rm_racing_cp_never_leaves_a_dangling_manifest(store, tmp_path):
     data = write_tiny_gguf(tmp_path / "a.gguf").read_bytes()
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(3)
-    workers = [context.Process(target=_race_worker, args=(str(store.root), action, barrier, ROUNDS))
-               for action in ("rm", "cp")]
+    workers = [
+        context.Process(target=_race_worker, args=(str(store.root), action, barrier, ROUNDS)) for action in ("rm", "cp")
+    ]
     for worker in workers:
         worker.start()
     try:
@@ -106,6 +115,7 @@ def test_rm_racing_cp_never_leaves_a_dangling_manifest(store, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------- resume
+
 
 def _fail_halfway(hub: Hub, url: str, store: Store) -> NetworkError:
     """A pull that keeps losing its connection: it gives up with bytes of the first version in its partial file."""
@@ -143,6 +153,7 @@ def test_a_url_without_validators_is_never_resumed(server, hub, store, ggufs):
 
 # ------------------------------------------------------------------------------------------------------- full disk
 
+
 @pytest.fixture
 def small_disk(tmp_path) -> Path:
     """A 1 MB tmpfs as LOCALLLM_HOME (needs root and mount rights, e.g. CI in its container)."""
@@ -150,8 +161,7 @@ def small_disk(tmp_path) -> Path:
     home.mkdir()
     if shutil.which("mount") is None or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root and the mount command")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(home)], capture_output=True,
-                          text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(home)], capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"mounting a tmpfs is not allowed here: {done.stderr.strip()}")
     try:
@@ -161,8 +171,7 @@ def small_disk(tmp_path) -> Path:
 
 
 @pytest.mark.parametrize("send_length", [True, False], ids=["size-known", "size-unknown"])
-def test_a_pull_onto_a_full_disk_is_one_line_and_leaves_the_disk_usable(server, hub, ggufs, small_disk,
-                                                                         send_length):
+def test_a_pull_onto_a_full_disk_is_one_line_and_leaves_the_disk_usable(server, hub, ggufs, small_disk, send_length):
     hub.send_length = send_length  # known: refused before writing; unknown: ENOSPC half-way
     hub.files.update({"model.gguf": ggufs["big"], "small.gguf": ggufs["small"]})
     free_before = shutil.disk_usage(small_disk).free
@@ -186,8 +195,9 @@ def test_the_api_answers_507_when_the_disk_is_full(server, hub, ggufs, small_dis
     client = LocalClient(store=Store(small_disk / "models"))
     try:
         with serve_in_thread(create_app(client)) as base:
-            answer = httpx.post(f"{base}/api/pull", json={"model": f"{server}/files/model.gguf", "stream": False},
-                                timeout=60)
+            answer = httpx.post(
+                f"{base}/api/pull", json={"model": f"{server}/files/model.gguf", "stream": False}, timeout=60
+            )
     finally:
         client.close()
     assert answer.status_code == 507 and "not enough disk space" in answer.json()["error"]
@@ -195,6 +205,7 @@ def test_the_api_answers_507_when_the_disk_is_full(server, hub, ggufs, small_dis
 
 
 # ------------------------------------------------------------------------------------------------------- overwrite
+
 
 def test_cp_over_a_name_collects_the_old_blob_and_prune_frees_leftovers(store, tmp_path):
     old = store.add_blob_from_file(write_tiny_gguf(tmp_path / "old.gguf", name="old", pad_floats=4096))
@@ -220,11 +231,16 @@ def test_cp_over_a_name_collects_the_old_blob_and_prune_frees_leftovers(store, t
 def _layer_digests(store: Store) -> set[str]:
     import json
 
-    return {layer["digest"] for path in store.manifests_dir.rglob("*") if path.is_file()
-            for layer in json.loads(path.read_text())["layers"]}
+    return {
+        layer["digest"]
+        for path in store.manifests_dir.rglob("*")
+        if path.is_file()
+        for layer in json.loads(path.read_text())["layers"]
+    }
 
 
 # ------------------------------------------------------------------------------------------------------- duplicates
+
 
 def _holds_open(pid: int, path: Path) -> bool:
     try:
@@ -238,8 +254,9 @@ def _holds_open(pid: int, path: Path) -> bool:
 def test_two_pulls_of_one_file_at_once_make_one_download(server, hub, store, ggufs, isolated_home, kind):
     hub.repos["org/one-GGUF"] = {"one.Q8_0.gguf": ggufs["v1"]}
     hub.gate, hub.gate_after = threading.Event(), 64 * 1024
-    name, file = (f"{server}/files/model.gguf", "model.gguf") if kind == "url" else \
-        ("hf.co/org/one-GGUF:Q8_0", "one.Q8_0.gguf")
+    name, file = (
+        (f"{server}/files/model.gguf", "model.gguf") if kind == "url" else ("hf.co/org/one-GGUF:Q8_0", "one.Q8_0.gguf")
+    )
     env = dict(os.environ, LOCALLLM_HOME=str(isolated_home), HF_ENDPOINT=server)
     command = [sys.executable, "-m", "localllm", "pull", name]
     first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -271,6 +288,7 @@ def _wait_for(probe, process: subprocess.Popen):
 
 # ------------------------------------------------------------------------------------------------------- repair
 
+
 def _corrupt(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -301,14 +319,16 @@ def test_verify_repair_downloads_corrupt_blobs_again_in_place(server, hub, store
     result = invoke("verify", "--repair")
     assert result.exit_code == 1 and "cannot repair" in result.output  # the local file has no source to fetch from
     assert weights.read_bytes() == ggufs["v1"]
-    assert store.verify() == [f"local:latest: blob {local.name} is corrupt (its bytes hash to "
-                              f"sha256-{sha256_of(local.read_bytes())})"]
+    assert store.verify() == [
+        f"local:latest: blob {local.name} is corrupt (its bytes hash to sha256-{sha256_of(local.read_bytes())})"
+    ]
     invoke("rm", "local")
     repaired = invoke("verify", "--repair")
     assert repaired.exit_code == 0 and "all blobs intact" in repaired.output
 
 
 # ------------------------------------------------------------------------------------------------------- server
+
 
 @pytest.mark.models
 def test_the_server_notices_a_model_removed_from_the_command_line(models_home, tmp_path):
@@ -339,8 +359,13 @@ def test_prune_waits_for_a_pull_in_progress_and_takes_nothing_from_it(server, hu
     hub.repos["org/one-GGUF"] = {"one.Q8_0.gguf": ggufs["v1"]}
     hub.gate, hub.gate_after = threading.Event(), 64 * 1024
     env = dict(os.environ, LOCALLLM_HOME=str(isolated_home), HF_ENDPOINT=server)
-    pull = subprocess.Popen([sys.executable, "-m", "localllm", "pull", "hf.co/org/one-GGUF:Q8_0"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pull = subprocess.Popen(
+        [sys.executable, "-m", "localllm", "pull", "hf.co/org/one-GGUF:Q8_0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     waited, reports = threading.Event(), []
     try:
         _wait_for(lambda: store.partials(), pull)  # the pull is writing its partial file

@@ -7,8 +7,10 @@ import pytest
 from localllm.chat.templates import PLAIN_TEMPLATE, render_chat
 from localllm.errors import InvalidInput
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def test_chatml_renders_with_generation_prompt():
@@ -30,13 +32,16 @@ def test_model_without_template_gets_a_plain_transcript():
     assert render_chat(PLAIN_TEMPLATE, [{"role": "user", "content": "Hi"}]) == "User: Hi\nAssistant:"
 
 
-@pytest.mark.parametrize("hostile", [
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ messages.__class__.__init__.__globals__ }}",
-    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
-    "{% set x = messages.append({'role': 'user', 'content': 'injected'}) %}{{ messages | length }}",
-    "{{ messages[0].update({'content': 'changed'}) }}",
-])
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ messages.__class__.__init__.__globals__ }}",
+        "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+        "{% set x = messages.append({'role': 'user', 'content': 'injected'}) %}{{ messages | length }}",
+        "{{ messages[0].update({'content': 'changed'}) }}",
+    ],
+)
 def test_hostile_template_fails_safely(hostile):
     messages = [{"role": "user", "content": "Hi"}]
     with pytest.raises(InvalidInput):
@@ -54,21 +59,24 @@ def test_ollama_go_template_is_translated():
     assert out == "Hi"
 
 
-@pytest.mark.parametrize("costly, words", [
-    ("{{ 'a' * 400000000 }}", "repetition"),  # grew the server to 8 GB before
-    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "steps"),
-    ("{% for i in range(100000) %}{{ range(100000) | map('string') | join | length }}{% endfor %}", "stopped"),
-    ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "stopped"),
-    ("{{ '%0999999999d' % 1 }}", "format width"),
-    ("{{ '{:999999999}'.format(1) }}", "format width"),
-    ("{{ 'x' | center(999999999) }}", "999999999"),
-    ("{{ ('\n' * 1000000) | indent(1000000) }}", "indent"),
-    ("{{ range(100000) | map('string') | join('x' * 1000000) }}", "join"),
-    ("{{ 2 ** 10000000 }}", "power"),
-    ("{% macro f(n) %}{{ f(n) ~ f(n) }}{% endmacro %}{{ f(1) }}", "recursion"),
-    ("{% for i in range(1000000) %}{% endfor %}", "Range too big"),
-    ("{{ 1 / 0 }}", "division by zero"),
-])
+@pytest.mark.parametrize(
+    "costly, words",
+    [
+        ("{{ 'a' * 400000000 }}", "repetition"),  # grew the server to 8 GB before
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "steps"),
+        ("{% for i in range(100000) %}{{ range(100000) | map('string') | join | length }}{% endfor %}", "stopped"),
+        ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "stopped"),
+        ("{{ '%0999999999d' % 1 }}", "format width"),
+        ("{{ '{:999999999}'.format(1) }}", "format width"),
+        ("{{ 'x' | center(999999999) }}", "999999999"),
+        ("{{ ('\n' * 1000000) | indent(1000000) }}", "indent"),
+        ("{{ range(100000) | map('string') | join('x' * 1000000) }}", "join"),
+        ("{{ 2 ** 10000000 }}", "power"),
+        ("{% macro f(n) %}{{ f(n) ~ f(n) }}{% endmacro %}{{ f(1) }}", "recursion"),
+        ("{% for i in range(1000000) %}{% endfor %}", "Range too big"),
+        ("{{ 1 / 0 }}", "division by zero"),
+    ],
+)
 def test_costly_or_failing_templates_are_invalid_input(costly, words):
     with pytest.raises(InvalidInput, match=words):
         render_chat(costly, [{"role": "user", "content": "Hi"}])
@@ -86,8 +94,10 @@ def test_real_templates_render_within_the_bounds():
     long_chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hello " * 50} for i in range(400)]
     out = render_chat(CHATML, long_chat)
     assert out.count("<|im_start|>") == 401
-    assert render_chat("{{ messages | tojson(indent=2) }}{{ [1, 2] | join(',') }}{{ '%5.2f' | format(1.5) }}",
-                       [{"role": "user", "content": "Hi"}]).endswith("1,2 1.50")
+    assert render_chat(
+        "{{ messages | tojson(indent=2) }}{{ [1, 2] | join(',') }}{{ '%5.2f' | format(1.5) }}",
+        [{"role": "user", "content": "Hi"}],
+    ).endswith("1,2 1.50")
 
 
 def test_go_templates_render_in_the_same_bounded_sandbox():

@@ -28,11 +28,16 @@ from localllm.errors import InvalidInput
 from localllm.models.info import capabilities
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city"],
-          "properties": {"city": {"type": "string", "maxLength": 12}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city"],
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+}
 
 
 # ---------------------------------------------------------------------------------------------------------- splitter
+
 
 def split_all(pieces: list[str], *, opened: bool = False) -> tuple[str, str]:
     splitter = ThinkingSplitter(opened=opened)
@@ -40,15 +45,21 @@ def split_all(pieces: list[str], *, opened: bool = False) -> tuple[str, str]:
     return "".join(p.thinking for p in parts), "".join(p.content for p in parts)
 
 
-@pytest.mark.parametrize("text, opened, expected", [
-    ("\n<think>\nI should greet.\n</think>\n\nHello <think> there", False,
-     ("I should greet.\n", "Hello <think> there")),
-    ("Plain answer, no tags </think>", False, ("", "Plain answer, no tags </think>")),
-    ("still thinking when cut", True, ("still thinking when cut", "")),
-    ("\nweighing it</think>Answer.", True, ("weighing it", "Answer.")),
-    ("<thin", False, ("", "<thin")),
-    ("<think>half a tag </thi", False, ("half a tag </thi", "")),
-])
+@pytest.mark.parametrize(
+    "text, opened, expected",
+    [
+        (
+            "\n<think>\nI should greet.\n</think>\n\nHello <think> there",
+            False,
+            ("I should greet.\n", "Hello <think> there"),
+        ),
+        ("Plain answer, no tags </think>", False, ("", "Plain answer, no tags </think>")),
+        ("still thinking when cut", True, ("still thinking when cut", "")),
+        ("\nweighing it</think>Answer.", True, ("weighing it", "Answer.")),
+        ("<thin", False, ("", "<thin")),
+        ("<think>half a tag </thi", False, ("half a tag </thi", "")),
+    ],
+)
 def test_splitter_gives_the_same_parts_however_the_text_is_cut(text, opened, expected):
     assert split_all([text], opened=opened) == expected
     assert split_all(list(text), opened=opened) == expected  # one character at a time
@@ -85,6 +96,7 @@ def test_thinking_grammar_parses():
 
 
 # ---------------------------------------------------------------------------------------------------------- routes
+
 
 @pytest.fixture(scope="module")
 def reasoner(reasoner_path) -> str:
@@ -128,8 +140,9 @@ def test_ollama_thinking_then_structured_answer(base_url, reasoner, close_bias):
     whole = client.chat(model=reasoner, messages=QUESTION, options=options, format=SCHEMA, think="high")
     assert whole.message.thinking.strip() and no_tags(whole.message.thinking, whole.message.content)
     assert set(json.loads(whole.message.content)) == {"city"}
-    parts = list(client.chat(model=reasoner, messages=QUESTION, options=options, format=SCHEMA, think="high",
-                             stream=True))
+    parts = list(
+        client.chat(model=reasoner, messages=QUESTION, options=options, format=SCHEMA, think="high", stream=True)
+    )
     assert "".join(p.message.thinking or "" for p in parts) == whole.message.thinking
     assert "".join(p.message.content for p in parts) == whole.message.content
 
@@ -140,8 +153,11 @@ def test_ollama_generate_thinking(base_url, reasoner, close_bias):
     options = {"temperature": 0, "num_predict": 60, "logit_bias": close_bias}
     whole = client.generate(model=reasoner, prompt="Where is Paris?", options=options, format=SCHEMA, think=True)
     assert whole.thinking and json.loads(whole.response) and no_tags(whole.thinking, whole.response)
-    parts = list(client.generate(model=reasoner, prompt="Where is Paris?", options=options, format=SCHEMA,
-                                 think=True, stream=True))
+    parts = list(
+        client.generate(
+            model=reasoner, prompt="Where is Paris?", options=options, format=SCHEMA, think=True, stream=True
+        )
+    )
     assert "".join(p.thinking or "" for p in parts) == whole.thinking
     assert "".join(p.response for p in parts) == whole.response
 
@@ -160,20 +176,27 @@ def test_ollama_think_refused_where_it_cannot(base_url):
 @pytest.mark.models
 def test_openai_reasoning_content(base_url, reasoner, close_bias):
     oai = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
-    whole = oai.chat.completions.create(model=reasoner, messages=QUESTION, temperature=0, max_tokens=60,
-                                        reasoning_effort="low", logit_bias={str(k): v for k, v in close_bias.items()},
-                                        response_format={"type": "json_schema",
-                                                         "json_schema": {"name": "x", "schema": SCHEMA}})
+    whole = oai.chat.completions.create(
+        model=reasoner,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=60,
+        reasoning_effort="low",
+        logit_bias={str(k): v for k, v in close_bias.items()},
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+    )
     message = whole.choices[0].message
     thinking = message.model_extra["reasoning_content"]
     assert thinking and json.loads(message.content) and no_tags(thinking, message.content)
-    chunks = list(oai.chat.completions.create(model=reasoner, messages=QUESTION, temperature=0, max_tokens=24,
-                                              stream=True))
+    chunks = list(
+        oai.chat.completions.create(model=reasoner, messages=QUESTION, temperature=0, max_tokens=24, stream=True)
+    )
     streamed = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
     plain = oai.chat.completions.create(model=reasoner, messages=QUESTION, temperature=0, max_tokens=24)
     assert streamed and streamed == plain.choices[0].message.model_extra["reasoning_content"]
-    off = oai.chat.completions.create(model=reasoner, messages=QUESTION, temperature=0, max_tokens=24,
-                                      reasoning_effort="none")
+    off = oai.chat.completions.create(
+        model=reasoner, messages=QUESTION, temperature=0, max_tokens=24, reasoning_effort="none"
+    )
     assert off.choices[0].message.content and "reasoning_content" not in (off.choices[0].message.model_extra or {})
     with pytest.raises(openai.BadRequestError, match="does not support thinking"):
         oai.chat.completions.create(model="smollm2:135m", messages=QUESTION, reasoning_effort="high")
@@ -183,39 +206,64 @@ def test_openai_reasoning_content(base_url, reasoner, close_bias):
 def test_anthropic_thinking_blocks(base_url, reasoner):
     claude = anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0)
     thinking = {"type": "enabled", "budget_tokens": 16}
-    whole = claude.messages.create(model=reasoner, max_tokens=24, messages=QUESTION, thinking=thinking,
-                                   extra_body={"temperature": 0})
+    whole = claude.messages.create(
+        model=reasoner, max_tokens=24, messages=QUESTION, thinking=thinking, extra_body={"temperature": 0}
+    )
     assert [b.type for b in whole.content] == ["thinking"] and whole.content[0].signature
     assert no_tags(whole.content[0].thinking)
-    with claude.messages.stream(model=reasoner, max_tokens=24, messages=QUESTION, thinking=thinking,
-                                extra_body={"temperature": 0}) as stream:
+    with claude.messages.stream(
+        model=reasoner, max_tokens=24, messages=QUESTION, thinking=thinking, extra_body={"temperature": 0}
+    ) as stream:
         events = list(stream)
         final = stream.get_final_message()
     streamed = "".join(e.thinking for e in events if e.type == "thinking")
     assert streamed == whole.content[0].thinking == final.content[0].thinking
-    assert [e.type for e in events if e.type in ("signature", "content_block_stop")] == ["signature",
-                                                                                         "content_block_stop"]
-    off = claude.messages.create(model=reasoner, max_tokens=24, messages=QUESTION, thinking={"type": "disabled"},
-                                 extra_body={"temperature": 0})
+    assert [e.type for e in events if e.type in ("signature", "content_block_stop")] == [
+        "signature",
+        "content_block_stop",
+    ]
+    off = claude.messages.create(
+        model=reasoner, max_tokens=24, messages=QUESTION, thinking={"type": "disabled"}, extra_body={"temperature": 0}
+    )
     assert [b.type for b in off.content] == ["text"] and off.content[0].text
 
 
 @pytest.mark.models
 def test_responses_reasoning_items(base_url, reasoner):
     oai = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
-    whole = oai.responses.create(model=reasoner, input="What is the capital of France?", temperature=0,
-                                 max_output_tokens=24, reasoning={"effort": "medium"}, store=False)
+    whole = oai.responses.create(
+        model=reasoner,
+        input="What is the capital of France?",
+        temperature=0,
+        max_output_tokens=24,
+        reasoning={"effort": "medium"},
+        store=False,
+    )
     assert [item.type for item in whole.output] == ["reasoning"]
     text = whole.output[0].content[0].text
     assert text and no_tags(text)
-    events = list(oai.responses.create(model=reasoner, input="What is the capital of France?", temperature=0,
-                                       max_output_tokens=24, reasoning={"effort": "medium"}, stream=True,
-                                       store=False))
+    events = list(
+        oai.responses.create(
+            model=reasoner,
+            input="What is the capital of France?",
+            temperature=0,
+            max_output_tokens=24,
+            reasoning={"effort": "medium"},
+            stream=True,
+            store=False,
+        )
+    )
     kinds = [e.type for e in events]
     assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
     assert events[2].item.type == "reasoning"
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text
     assert "response.output_text.delta" not in kinds and events[-1].response.output[0].type == "reasoning"
-    off = oai.responses.create(model=reasoner, input="What is the capital of France?", temperature=0,
-                               max_output_tokens=24, reasoning={"effort": "none"}, store=False)
+    off = oai.responses.create(
+        model=reasoner,
+        input="What is the capital of France?",
+        temperature=0,
+        max_output_tokens=24,
+        reasoning={"effort": "none"},
+        store=False,
+    )
     assert [item.type for item in off.output] == ["message"] and off.output_text

@@ -42,8 +42,8 @@ def test_idle_machine_settles_on_every_core():
     used = run(tuner, machine(4), TRIAL * 4 + 20)
     # One trial: interleaved rounds over every count, each a warm-up step and its measured steps; the counts stand
     # apart after two rounds, so a third is not run.
-    assert used[:2 * ROUND * 4] == [t for _ in range(2) for t in (1, 2, 3, 4) for _ in range(ROUND)]
-    assert tuner.settled("decode") == 4 and set(used[2 * ROUND * 4:]) == {4}
+    assert used[: 2 * ROUND * 4] == [t for _ in range(2) for t in (1, 2, 3, 4) for _ in range(ROUND)]
+    assert tuner.settled("decode") == 4 and set(used[2 * ROUND * 4 :]) == {4}
     assert tuner.trial_steps("decode") == 2 * ROUND * 4
 
 
@@ -93,7 +93,7 @@ def test_counts_that_overlap_run_all_three_rounds():
     noise = iter([0.9, 1.1] * 100)  # steps alternate fast and slow whatever the count
 
     def noisy(threads: int, rows: int) -> float:
-        return 0.010 / threads ** 0.1 * next(noise)
+        return 0.010 / threads**0.1 * next(noise)
 
     run(tuner, noisy, TRIAL * 2)
     assert tuner.trial_steps("decode") == TRIAL * 2 and tuner.settled("decode") == 2
@@ -194,8 +194,9 @@ def test_the_installed_llama_cpp_is_read_for_libgomp_without_loading_it():
     import subprocess
     import sys
 
-    code = ("import sys, localllm.machine as m; uses = m._llama_cpp_uses_libgomp(); "
-            "print(uses, 'llama_cpp' in sys.modules)")
+    code = (
+        "import sys, localllm.machine as m; uses = m._llama_cpp_uses_libgomp(); print(uses, 'llama_cpp' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     lib = next(Path(__import__("llama_cpp").__file__).parent.joinpath("lib").glob("libggml-cpu*.so*"))
     assert out == [str(b"libgomp.so" in lib.read_bytes()), "False"]

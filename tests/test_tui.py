@@ -37,6 +37,7 @@ SIZE = (100, 30)
 
 # ---------------------------------------------------------------------------------------------------------- helpers
 
+
 @pytest.fixture(scope="module")
 def real_client(models_home):
     """The in-process client on the shared test home (read-only here: nothing is pulled or deleted)."""
@@ -88,6 +89,7 @@ async def pick_model(pilot, name: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------------- chat
 
+
 async def test_pick_a_model_send_a_message_and_see_the_streamed_answer(real_client):
     app = LocalLLMApp(real_client, system=SYSTEM, options={"temperature": 0, "num_predict": 24})
     async with app.run_test(size=SIZE, notifications=True) as pilot:
@@ -111,8 +113,7 @@ async def test_pick_a_model_send_a_message_and_see_the_streamed_answer(real_clie
 
 
 async def test_escape_stops_a_long_answer_and_the_chat_goes_on(real_client):
-    app = LocalLLMApp(real_client, model="smollm2:135m", system=SYSTEM,
-                      options={"temperature": 0, "num_predict": 2000})
+    app = LocalLLMApp(real_client, model="smollm2:135m", system=SYSTEM, options={"temperature": 0, "num_predict": 2000})
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         await type_text(pilot, "Write a very long story about a dragon.")
         await pilot.press("enter")
@@ -187,6 +188,7 @@ async def test_unreachable_server_shows_a_clear_notice_not_a_traceback():
 
 # ---------------------------------------------------------------------------------------------------------- models
 
+
 @pytest.fixture
 def file_server(tmp_path, smollm2_path) -> Iterator[str]:
     """A loopback HTTP server with smollm2 as /tiny-chat.gguf."""
@@ -250,16 +252,23 @@ async def test_a_failed_pull_is_a_notice():
         await type_text(pilot, "nosuch:1b")
         await pilot.press("enter")
         await settle(pilot)
-        assert any(text.startswith("Pull of nosuch:1b failed") and "not in the catalog" in text
-                   for text in notices(app))
+        assert any(
+            text.startswith("Pull of nosuch:1b failed") and "not in the catalog" in text for text in notices(app)
+        )
         assert isinstance(app.screen, ModelsScreen)
 
 
 # ---------------------------------------------------------------------------------------------------------- snapshots
 
 MODIFIED = datetime(2026, 11, 1, 12, 0, tzinfo=timezone.utc)
-ANSWER = ["The capital of **France** is Paris.\n\n", "Three facts:\n\n", "1. It is on the Seine.\n",
-          "2. It has the Louvre.\n", "3. It hosted the 2024 Olympics.\n\n", "```python\nprint('Paris')\n```\n"]
+ANSWER = [
+    "The capital of **France** is Paris.\n\n",
+    "Three facts:\n\n",
+    "1. It is on the Seine.\n",
+    "2. It has the Louvre.\n",
+    "3. It hosted the 2024 Olympics.\n\n",
+    "```python\nprint('Paris')\n```\n",
+]
 
 
 class ScriptedClient:
@@ -267,9 +276,10 @@ class ScriptedClient:
 
     def __init__(self):
         details = api.ModelDetails(family="llama", parameter_size="135M", quantization_level="Q4_1")
-        self.models = [api.ModelSummary(name=name, model=name, modified_at=MODIFIED, size=size, digest="0" * 64,
-                                        details=details)
-                       for name, size in (("smollm2:135m", 98_362_432), ("gemma3:270m", 253_114_368))]
+        self.models = [
+            api.ModelSummary(name=name, model=name, modified_at=MODIFIED, size=size, digest="0" * 64, details=details)
+            for name, size in (("smollm2:135m", 98_362_432), ("gemma3:270m", 253_114_368))
+        ]
 
     def version(self) -> str:
         return "0.0.0"
@@ -278,9 +288,13 @@ class ScriptedClient:
         return api.ListResponse(models=self.models)
 
     def show(self, model: str) -> api.ShowResponse:
-        return api.ShowResponse(details=self.models[0].details, system=SYSTEM, capabilities=["completion"],
-                                parameters='temperature             0.2',
-                                model_info={"general.architecture": "llama", "llama.context_length": 8192})
+        return api.ShowResponse(
+            details=self.models[0].details,
+            system=SYSTEM,
+            capabilities=["completion"],
+            parameters="temperature             0.2",
+            model_info={"general.architecture": "llama", "llama.context_length": 8192},
+        )
 
     def pull(self, model: str):
         raise ModelNotFound(f"model {model!r} is not in the catalog")
@@ -295,9 +309,18 @@ class ScriptedClient:
         pass
 
     def ps(self) -> api.ProcessResponse:
-        return api.ProcessResponse(models=[api.ProcessModel(name="smollm2:135m", model="smollm2:135m",
-                                                            slots_total=4, context_length=4096, threads=2,
-                                                            threads_auto=True)])
+        return api.ProcessResponse(
+            models=[
+                api.ProcessModel(
+                    name="smollm2:135m",
+                    model="smollm2:135m",
+                    slots_total=4,
+                    context_length=4096,
+                    threads=2,
+                    threads_auto=True,
+                )
+            ]
+        )
 
     def stop(self, model: str) -> None:
         pass
@@ -308,8 +331,15 @@ class ScriptedClient:
     def chat(self, request: api.ChatRequest):
         for piece in ANSWER:
             yield api.ChatChunk(model=request.model, message=api.Message(role="assistant", content=piece))
-        yield api.ChatChunk(model=request.model, done=True, done_reason="stop", prompt_eval_count=40,
-                            prompt_cache_count=30, eval_count=60, eval_duration=1_000_000_000)
+        yield api.ChatChunk(
+            model=request.model,
+            done=True,
+            done_reason="stop",
+            prompt_eval_count=40,
+            prompt_cache_count=30,
+            eval_count=60,
+            eval_duration=1_000_000_000,
+        )
 
     def embed(self, request):
         raise NotImplementedError
@@ -338,8 +368,7 @@ def test_snapshot_models_screen(snap_compare):
         await pilot.press("down")
         await settle(pilot)
 
-    assert snap_compare(LocalLLMApp(ScriptedClient(), model="smollm2:135m"), run_before=open_models,
-                        terminal_size=SIZE)
+    assert snap_compare(LocalLLMApp(ScriptedClient(), model="smollm2:135m"), run_before=open_models, terminal_size=SIZE)
 
 
 def test_snapshot_settings_dialog(snap_compare):
@@ -348,8 +377,9 @@ def test_snapshot_settings_dialog(snap_compare):
         await settle(pilot)
         _still_cursor(pilot)
 
-    app = LocalLLMApp(ScriptedClient(), model="smollm2:135m", system=SYSTEM,
-                      options={"temperature": 0, "num_predict": 64})
+    app = LocalLLMApp(
+        ScriptedClient(), model="smollm2:135m", system=SYSTEM, options={"temperature": 0, "num_predict": 64}
+    )
     assert snap_compare(app, run_before=open_settings, terminal_size=SIZE)
 
 
@@ -370,8 +400,10 @@ async def test_prompt_keeps_pasted_newlines_and_ctrl_j_adds_one():
 
 # ---------------------------------------------------------------------------------------------------------- issue 22
 
-MODEL_PARAMETERS = ('stop                    "<|im_start|>"\nstop                    "<|im_end|>"\n'
-                    'temperature             0.2\nnum_ctx                 8192')
+MODEL_PARAMETERS = (
+    'stop                    "<|im_start|>"\nstop                    "<|im_end|>"\n'
+    "temperature             0.2\nnum_ctx                 8192"
+)
 
 
 class ModelDefaultsClient(ScriptedClient):
@@ -435,5 +467,9 @@ async def test_the_details_pane_keeps_one_parameter_per_line():
         shown = [details.render_line(y).text.rstrip() for y in range(details.size.height)]
         values = [line.split("Parameters set", 1)[-1].strip() for line in shown]
         start = next(i for i, line in enumerate(shown) if "Parameters set" in line)
-        assert values[start:start + 4] == ['stop "<|im_start|>"', 'stop "<|im_end|>"', "temperature 0.2",
-                                           "num_ctx 8192"]
+        assert values[start : start + 4] == [
+            'stop "<|im_start|>"',
+            'stop "<|im_end|>"',
+            "temperature 0.2",
+            "num_ctx 8192",
+        ]

@@ -9,13 +9,28 @@ from typing import Any
 import gguf
 import numpy as np
 
-HPARAMS: dict[str, Any] = {"context_length": 512, "embedding_length": 64, "feed_forward_length": 128,
-                           "block_count": 1, "head_count": 4, "head_count_kv": 2, "layer_norm_rms_eps": 1e-5,
-                           "rope_freq_base": 10000.0, "rope_dimension_count": 16}
+HPARAMS: dict[str, Any] = {
+    "context_length": 512,
+    "embedding_length": 64,
+    "feed_forward_length": 128,
+    "block_count": 1,
+    "head_count": 4,
+    "head_count_kv": 2,
+    "layer_norm_rms_eps": 1e-5,
+    "rope_freq_base": 10000.0,
+    "rope_dimension_count": 16,
+}
 
 
-def write_tiny_llama(path: Path, *, hparams: dict[str, Any] | None = None, raw: dict[str, Any] | None = None,
-                     half: tuple[str, ...] = (), byte_tokens: bool = True, seed: int = 0) -> Path:
+def write_tiny_llama(
+    path: Path,
+    *,
+    hparams: dict[str, Any] | None = None,
+    raw: dict[str, Any] | None = None,
+    half: tuple[str, ...] = (),
+    byte_tokens: bool = True,
+    seed: int = 0,
+) -> Path:
     """`hparams` override HPARAMS (by GGUFWriter.add_<name>); `raw` adds keys as they are (e.g. a string where a
     number belongs); tensors named in `half` are stored as F16. Without `byte_tokens` the vocabulary lacks the
     <0xNN> tokens a SentencePiece vocabulary falls back to, and llama.cpp aborts tokenizing any unknown text."""
@@ -50,9 +65,15 @@ def write_tiny_llama(path: Path, *, hparams: dict[str, Any] | None = None, raw: 
     add("output_norm.weight", np.ones(n_embd))
     add("blk.0.attn_norm.weight", np.ones(n_embd))
     add("blk.0.ffn_norm.weight", np.ones(n_embd))
-    for part, shape in (("attn_q", (64, n_embd)), ("attn_k", (32, n_embd)), ("attn_v", (32, n_embd)),
-                        ("attn_output", (n_embd, 64)), ("ffn_gate", (128, n_embd)), ("ffn_up", (128, n_embd)),
-                        ("ffn_down", (n_embd, 128))):
+    for part, shape in (
+        ("attn_q", (64, n_embd)),
+        ("attn_k", (32, n_embd)),
+        ("attn_v", (32, n_embd)),
+        ("attn_output", (n_embd, 64)),
+        ("ffn_gate", (128, n_embd)),
+        ("ffn_up", (128, n_embd)),
+        ("ffn_down", (n_embd, 128)),
+    ):
         tensor(f"blk.0.{part}.weight", *shape)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -18,8 +18,9 @@ def get_backend(name: str) -> Backend:
         try:
             from .mlx import MlxBackend
         except ImportError as exc:
-            raise BackendUnavailable(f"the MLX backend needs mlx and mlx-lm ({exc.name} is missing)",
-                                     hint="pip install 'localllm[mlx]'") from None
+            raise BackendUnavailable(
+                f"the MLX backend needs mlx and mlx-lm ({exc.name} is missing)", hint="pip install 'localllm[mlx]'"
+            ) from None
         return MlxBackend()
     raise InvalidInput(f"unknown backend {name!r}", hint="use auto, llama.cpp or mlx")
 

@@ -194,8 +194,9 @@ class LoadedModel(Protocol):
 class Backend(Protocol):
     name: str
 
-    def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int,
-             adapters: Sequence[LoraAdapter] = ()) -> LoadedModel:
+    def load(
+        self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int, adapters: Sequence[LoraAdapter] = ()
+    ) -> LoadedModel:
         """Load the weights at `path` (a split GGUF's first part) with `adapters` applied; a backend that cannot
         apply adapters raises InvalidInput."""
 

@@ -38,13 +38,16 @@ class MlxBackend:
     def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> None:
         return None  # one device, unified memory: nothing to place
 
-    def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int,
-             adapters: Sequence[LoraAdapter] = ()) -> MlxModel:
+    def load(
+        self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int, adapters: Sequence[LoraAdapter] = ()
+    ) -> MlxModel:
         import mlx_lm
 
         if adapters:
-            raise InvalidInput("LoRA adapters are not supported on the MLX backend yet",
-                               hint="run the model on llama.cpp (backend llama.cpp) with its GGUF weights")
+            raise InvalidInput(
+                "LoRA adapters are not supported on the MLX backend yet",
+                hint="run the model on llama.cpp (backend llama.cpp) with its GGUF weights",
+            )
         path = Path(path)
         _check_folder(path)
         try:
@@ -55,21 +58,32 @@ class MlxBackend:
         _prefer_float32_on_cpu(model)
         _check_cache_kinds(model, config)
         if options.kv_type not in (None, "f16"):
-            log.warning("kv_type %s is not available on MLX; the KV cache keeps the model's float type",
-                        options.kv_type)
+            log.warning(
+                "kv_type %s is not available on MLX; the KV cache keeps the model's float type", options.kv_type
+            )
         return MlxModel(path, model, tokenizer, config, n_seq=n_seq, n_ctx=n_ctx)
 
 
 def _check_folder(path: Path) -> None:
     if path.is_file():
-        raise ModelFormatError(f"{path} is a file; the MLX backend runs MLX model folders",
-                               hint="make an MLX copy with `localllm create NAME --from MODEL --format mlx`, "
-                                    "or load it with backend llama.cpp")
+        raise ModelFormatError(
+            f"{path} is a file; the MLX backend runs MLX model folders",
+            hint="make an MLX copy with `localllm create NAME --from MODEL --format mlx`, "
+            "or load it with backend llama.cpp",
+        )
     if not path.is_dir():
-        raise ModelFormatError(f"MLX model folder {path} does not exist",
-                               hint="an MLX model is a folder with config.json and *.safetensors")
-    missing = [name for name, ok in (("config.json", (path / "config.json").is_file()),
-                                     ("*.safetensors", any(path.glob("*.safetensors")))) if not ok]
+        raise ModelFormatError(
+            f"MLX model folder {path} does not exist",
+            hint="an MLX model is a folder with config.json and *.safetensors",
+        )
+    missing = [
+        name
+        for name, ok in (
+            ("config.json", (path / "config.json").is_file()),
+            ("*.safetensors", any(path.glob("*.safetensors"))),
+        )
+        if not ok
+    ]
     if missing:
         raise ModelFormatError(f"MLX model folder {path} has no {' or '.join(missing)}")
 
@@ -90,11 +104,15 @@ def _check_cache_kinds(model, config: dict) -> None:
     kinds = {type(c) for c in make_prompt_cache(model)}
     if not kinds <= {KVCache, RotatingKVCache}:
         names = ", ".join(sorted(k.__name__ for k in kinds))
-        raise ModelFormatError(f"model type {config.get('model_type')!r} uses {names} caches, which the MLX backend "
-                               "cannot trim or share yet", hint="run a GGUF of this model on llama.cpp")
+        raise ModelFormatError(
+            f"model type {config.get('model_type')!r} uses {names} caches, which the MLX backend "
+            "cannot trim or share yet",
+            hint="run a GGUF of this model on llama.cpp",
+        )
 
 
 # ------------------------------------------------------------------------------------------------------- metadata
+
 
 def _read_meta(path: Path, model, tokenizer, config: dict) -> ModelMeta:
     from mlx_lm.utils import get_total_parameters
@@ -134,6 +152,7 @@ def _chat_template(hf) -> str | None:
 
 # ------------------------------------------------------------------------------------------------------- token bytes
 
+
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: the printable stand-in character of each byte → the byte."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -152,14 +171,17 @@ def _make_piece_decoder(backend) -> Callable[[str], bytes]:
         table = _byte_decoder()
         return lambda piece: bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode()
     if "ByteFallback" in kinds or "Metaspace" in kinds:
+
         def spm_piece(piece: str) -> bytes:
             byte = _BYTE_TOKEN.match(piece)
             return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
+
         return spm_piece
     return lambda piece: backend.decode([backend.token_to_id(piece)], skip_special_tokens=False).encode()
 
 
 # ------------------------------------------------------------------------------------------------------- the model
+
 
 class MlxModel:
     """A loaded MLX model: weights, tokenizer and one KV cache per sequence."""
@@ -249,11 +271,15 @@ class MlxModel:
             start = self.cached_tokens(seq)
             positions = [batch.positions[r] for r in rows]
             if positions != list(range(start, start + len(rows))):
-                raise LocalLLMError(f"sequence {seq} holds {start} tokens but the batch gives positions "
-                                    f"{positions[0]}..{positions[-1]}; rows must continue the cache")
+                raise LocalLLMError(
+                    f"sequence {seq} holds {start} tokens but the batch gives positions "
+                    f"{positions[0]}..{positions[-1]}; rows must continue the cache"
+                )
             if start + len(rows) > self.n_ctx:
-                raise LocalLLMError(f"sequence {seq} would hold {start + len(rows)} tokens; its context is "
-                                    f"{self.n_ctx}", hint="the KV cache is full: raise num_ctx")
+                raise LocalLLMError(
+                    f"sequence {seq} would hold {start + len(rows)} tokens; its context is {self.n_ctx}",
+                    hint="the KV cache is full: raise num_ctx",
+                )
         return rows_by_seq
 
     def _forward(self, seq: int, rows: list[int], batch: Batch) -> None:
@@ -400,8 +426,10 @@ def make_processors(opts: SamplingOptions, *, n_ctx: int, eog: set[int]) -> list
         logit_bias=bias or None,
         repetition_penalty=opts.repeat_penalty if penalties and opts.repeat_penalty != 1.0 else None,
         repetition_context_size=last_n,
-        presence_penalty=opts.presence_penalty if penalties else None, presence_context_size=last_n,
-        frequency_penalty=opts.frequency_penalty if penalties else None, frequency_context_size=last_n,
+        presence_penalty=opts.presence_penalty if penalties else None,
+        presence_context_size=last_n,
+        frequency_penalty=opts.frequency_penalty if penalties else None,
+        frequency_context_size=last_n,
     )
 
 
@@ -443,7 +471,7 @@ class MlxSampler:
     def accept(self, token: int) -> None:
         self._history.append(token)
         if len(self._history) > 2 * self._history_limit:  # the penalties only look at the last window
-            del self._history[:-self._history_limit]
+            del self._history[: -self._history_limit]
 
     def close(self) -> None:
         self._history = []

@@ -18,14 +18,20 @@ from .figures import BRACKET_REPEATS, Bracketed, Figure
 from .raw import raw_batched_rate, raw_decode_rate, raw_prefill_rate
 
 LONG_STORY = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
-FOUR_PROMPTS = ("Write a long story about a dragon.", "Explain how a steam engine works, in detail.",
-                "List one hundred animals and describe each one.", "Write a long poem about the sea.")
+FOUR_PROMPTS = (
+    "Write a long story about a dragon.",
+    "Explain how a steam engine works, in detail.",
+    "List one hundred animals and describe each one.",
+    "Write a long poem about the sea.",
+)
 
 
 def _shared_prefix_text(target_tokens: int, tokenize: Callable[[str], list[int]]) -> str:
     """A system prompt of about `target_tokens` tokens (a product manual), as a long shared chat prefix."""
-    paragraph = ("Section {i}. The device must be cleaned weekly with a dry cloth. Do not immerse it in water. "
-                 "If the status light blinks red, hold the reset button for ten seconds and wait for green. ")
+    paragraph = (
+        "Section {i}. The device must be cleaned weekly with a dry cloth. Do not immerse it in water. "
+        "If the status light blinks red, hold the reset button for ten seconds and wait for green. "
+    )
     text, i = "", 0
     while len(tokenize(text)) < target_tokens:
         text += paragraph.format(i=i)
@@ -58,8 +64,9 @@ class EngineRun:
 
     @classmethod
     def start(cls, streams: int) -> EngineRun:
-        return cls(tokens=[[] for _ in range(streams)], arrivals=[[] for _ in range(streams)],
-                   submitted=time.perf_counter())
+        return cls(
+            tokens=[[] for _ in range(streams)], arrivals=[[] for _ in range(streams)], submitted=time.perf_counter()
+        )
 
     def received(self, stream: int, tokens: Sequence[int]) -> None:
         self.arrivals[stream].append((time.perf_counter(), len(tokens)))
@@ -87,8 +94,7 @@ def make_engine(path: Path, *, threads: int | None, n_ctx: int, n_slots: int = 1
 
 def engine_run(engine: ModelEngine, prompts: list[list[int]], n: int, **sampling) -> EngineRun:
     # Every stream runs exactly n tokens (EOS banned, in the raw loop too), so both sides decode the same work.
-    opts = SamplingOptions(**{"temperature": 0, "num_predict": n, "spec_type": "none", "ignore_eos": True,
-                              **sampling})
+    opts = SamplingOptions(**{"temperature": 0, "num_predict": n, "spec_type": "none", "ignore_eos": True, **sampling})
     run = EngineRun.start(len(prompts))
     streams = engine.submit_all([GenerationParams(list(p), opts) for p in prompts])
     return concurrent_streams(run, lambda i, into: _drain(streams[i], into, i))
@@ -100,8 +106,15 @@ def _drain(stream, run: EngineRun, i: int) -> None:
             run.received(i, chunk.tokens)
 
 
-def run_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: int | None = None,
-                   repeats: int = 3, log: Callable[[str], None] = print) -> list[Figure]:
+def run_benchmarks(
+    path: Path,
+    *,
+    n: int = 128,
+    n_ctx: int = 4096,
+    threads: int | None = None,
+    repeats: int = 3,
+    log: Callable[[str], None] = print,
+) -> list[Figure]:
     """Every figure of the engine benchmark for one GGUF model. `threads`: our engine's (default: LOCALLLM_NUM_THREAD,
     else the physical cores), pinned; the raw reference runs at the same count, and once at the other count of a
     2-core machine, for an informational row. Speeds are the best of `repeats` runs, ours and the reference
@@ -124,19 +137,27 @@ def run_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: int 
         log(f"single stream: raw at {ours_threads} and {_other_threads(ours_threads)} threads, and ours, interleaved")
         single, other = _single_stream(engine, path, story, n=n, n_ctx=n_ctx, threads=ours_threads, repeats=repeats)
         log("prefill, and a second chat turn over the shared prefix")
-        prefill, second_turn = _prefill_and_second_turn(engine, path, chat_tokens, threads=ours_threads, n_ctx=n_ctx,
-                                                        repeats=repeats)
+        prefill, second_turn = _prefill_and_second_turn(
+            engine, path, chat_tokens, threads=ours_threads, n_ctx=n_ctx, repeats=repeats
+        )
         log("one core busy")
         idle = engine_run(engine, [story], n).rate()
         with busy_core():
             busy = engine_run(engine, [story], n).rate()
-        contention = Figure("decode with one core busy", busy, idle, "tok/s", 0.4,
-                            note=f"ours with {ours_threads} thread(s); reference is ours idle")
+        contention = Figure(
+            "decode with one core busy",
+            busy,
+            idle,
+            "tok/s",
+            0.4,
+            note=f"ours with {ours_threads} thread(s); reference is ours idle",
+        )
     finally:
         engine.close()
     log("4 concurrent streams")
-    four_streams = _four_streams(path, four, n=n, n_ctx=n_ctx, threads=ours_threads,
-                                 repeats=max(repeats, BRACKET_REPEATS))
+    four_streams = _four_streams(
+        path, four, n=n, n_ctx=n_ctx, threads=ours_threads, repeats=max(repeats, BRACKET_REPEATS)
+    )
     return [single, four_streams, prefill, second_turn, contention, other]
 
 
@@ -148,8 +169,9 @@ def _other_threads(threads: int) -> int:
     return cores if threads < cores else max(1, threads - 1)
 
 
-def _single_stream(engine: ModelEngine, path: Path, story: list[int], *, n: int, n_ctx: int, threads: int,
-                   repeats: int) -> tuple[Figure, Figure]:
+def _single_stream(
+    engine: ModelEngine, path: Path, story: list[int], *, n: int, n_ctx: int, threads: int, repeats: int
+) -> tuple[Figure, Figure]:
     other_t = _other_threads(threads)
     raw = {threads: 0.0, other_t: 0.0}
     ours = 0.0
@@ -157,16 +179,23 @@ def _single_stream(engine: ModelEngine, path: Path, story: list[int], *, n: int,
         for t in raw:
             raw[t] = max(raw[t], raw_decode_rate(path, story, n, threads=t, n_ctx=n_ctx)[0])
         ours = max(ours, engine_run(engine, [story], n).rate())
-    same = Figure("single stream decode", ours, raw[threads], "tok/s", 0.97,
-                  note=f"raw loop at the same {threads} thread(s)")
-    other = Figure(f"single stream decode: ours ({threads} thread(s), the default) vs raw at {other_t} thread(s)",
-                   ours, raw[other_t], "tok/s", None,
-                   note="informational: what the thread default gives up on an idle machine (see the notes)")
+    same = Figure(
+        "single stream decode", ours, raw[threads], "tok/s", 0.97, note=f"raw loop at the same {threads} thread(s)"
+    )
+    other = Figure(
+        f"single stream decode: ours ({threads} thread(s), the default) vs raw at {other_t} thread(s)",
+        ours,
+        raw[other_t],
+        "tok/s",
+        None,
+        note="informational: what the thread default gives up on an idle machine (see the notes)",
+    )
     return same, other
 
 
-def _prefill_and_second_turn(engine: ModelEngine, path: Path, chat_tokens, *, threads: int, n_ctx: int,
-                             repeats: int) -> tuple[Figure, Figure]:
+def _prefill_and_second_turn(
+    engine: ModelEngine, path: Path, chat_tokens, *, threads: int, n_ctx: int, repeats: int
+) -> tuple[Figure, Figure]:
     raw_rate, ours_rate, first_ms, second_ms, size = 0.0, 0.0, 0.0, 0.0, 0
     for r in range(repeats):
         # A different first word each time, so no run reuses the previous one's cache.
@@ -181,24 +210,40 @@ def _prefill_and_second_turn(engine: ModelEngine, path: Path, chat_tokens, *, th
         second = chat_tokens(first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter."}])
         turn2 = engine_run(engine, [second], 16)
         first_ms, second_ms = turn1.ttft() * 1000, turn2.ttft() * 1000
-    prefill = Figure("prefill", ours_rate, raw_rate, "tok/s", 0.97,
-                     note=f"{size}-token prompt, raw at the same {threads} thread(s); ours is prompt size / time to "
-                          f"first token")
-    second_turn = Figure("second-turn time to first token", second_ms, first_ms, "ms", 0.1, lower_is_better=True,
-                         note=f"{size}-token shared prefix; reference is our first turn")
+    prefill = Figure(
+        "prefill",
+        ours_rate,
+        raw_rate,
+        "tok/s",
+        0.97,
+        note=f"{size}-token prompt, raw at the same {threads} thread(s); ours is prompt size / time to first token",
+    )
+    second_turn = Figure(
+        "second-turn time to first token",
+        second_ms,
+        first_ms,
+        "ms",
+        0.1,
+        lower_is_better=True,
+        note=f"{size}-token shared prefix; reference is our first turn",
+    )
     return prefill, second_turn
 
 
-def _four_streams(path: Path, prompts: list[list[int]], *, n: int, n_ctx: int, threads: int,
-                  repeats: int) -> Figure:
+def _four_streams(path: Path, prompts: list[list[int]], *, n: int, n_ctx: int, threads: int, repeats: int) -> Figure:
     engine = make_engine(path, threads=threads, n_ctx=n_ctx, n_slots=4)
     try:
-        bracket = Bracketed.measure(lambda: raw_batched_rate(path, prompts, n, threads=threads, n_ctx=n_ctx),
-                                    lambda: engine_run(engine, prompts, n).rate(), repeats=repeats)
+        bracket = Bracketed.measure(
+            lambda: raw_batched_rate(path, prompts, n, threads=threads, n_ctx=n_ctx),
+            lambda: engine_run(engine, prompts, n).rate(),
+            repeats=repeats,
+        )
     finally:
         engine.close()
-    return bracket.figure("4 concurrent streams (aggregate)", 1.0,
-                          note=f"raw batched loop at the same {threads} thread(s)")
+    return bracket.figure(
+        "4 concurrent streams (aggregate)", 1.0, note=f"raw batched loop at the same {threads} thread(s)"
+    )
+
 
 def concurrent_streams(run: EngineRun, one: Callable[[int, EngineRun], None]) -> EngineRun:
     """Run `one(i, run)` for every stream of `run` at once, each in its own client thread; `run` has what they

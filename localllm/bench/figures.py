@@ -72,6 +72,12 @@ class Bracketed:
     def figure(self, name: str, target: float, *, note: str) -> Figure:
         import statistics
 
-        return Figure(name, statistics.median(self.ours), statistics.median(self.reference), "tok/s", target,
-                      noise=statistics.median(self.spread),
-                      note=f"{note}; median of {len(self.ours)} repeats of reference, ours, reference")
+        return Figure(
+            name,
+            statistics.median(self.ours),
+            statistics.median(self.reference),
+            "tok/s",
+            target,
+            noise=statistics.median(self.spread),
+            note=f"{note}; median of {len(self.ours)} repeats of reference, ours, reference",
+        )

@@ -15,8 +15,9 @@ from ..backends.llama_cpp.backend import _init_backend
 class RawLoop:
     """The reference: one llama_context, a greedy C sampler, llama_decode in a plain loop. Nothing of ours."""
 
-    def __init__(self, path: Path, *, n_ctx: int, n_seq: int = 1, threads: int = 1, n_batch: int = 512,
-                 ignore_eos: bool = False):
+    def __init__(
+        self, path: Path, *, n_ctx: int, n_seq: int = 1, threads: int = 1, n_batch: int = 512, ignore_eos: bool = False
+    ):
         _init_backend()
         mparams = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
@@ -61,7 +62,7 @@ class RawLoop:
 
     def prefill(self, prompt: Sequence[int], seq: int = 0) -> None:
         for start in range(0, len(prompt), self.n_batch):
-            chunk = prompt[start:start + self.n_batch]
+            chunk = prompt[start : start + self.n_batch]
             self._decode([(t, start + i, seq, start + i == len(prompt) - 1) for i, t in enumerate(chunk)])
 
     def _sample(self, row: int) -> int | None:
@@ -72,8 +73,14 @@ class RawLoop:
         """Greedy tokens for one sequence (stops at end-of-generation)."""
         return self.generate_batched([prompt], n, on_token=on_token)[0]
 
-    def generate_batched(self, prompts: Sequence[Sequence[int]], n: int, *, together: bool = False,
-                         on_token: Callable[[], None] | None = None) -> list[list[int]]:
+    def generate_batched(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        *,
+        together: bool = False,
+        on_token: Callable[[], None] | None = None,
+    ) -> list[list[int]]:
         """Greedy tokens for several sequences decoded together: one token per live sequence per llama_decode.
         `together` prefills all prompts in one batch (as our scheduler does when they arrive at once) instead of one
         after another; llama.cpp's numerics depend on the batch's make-up for some models (gemma3).

@@ -32,8 +32,15 @@ def http_client() -> httpx.Client:
 
 
 @contextmanager
-def served_model(path: Path, *, slots: int, threads: int | None, n_ctx: int, home: Path | None = None,
-                 env: dict[str, str] | None = None) -> Iterator[str]:
+def served_model(
+    path: Path,
+    *,
+    slots: int,
+    threads: int | None,
+    n_ctx: int,
+    home: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[str]:
     """`localllm serve` in a subprocess over a home that holds `path` as model "bench:latest": a private one, or
     `home` (kept, so a second server on it is a restart), with `env`'s settings on top."""
     import tempfile
@@ -53,13 +60,20 @@ def served_model(path: Path, *, slots: int, threads: int | None, n_ctx: int, hom
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    settings = {**os.environ, "LOCALLLM_HOME": str(home), "LOCALLLM_HOST": f"127.0.0.1:{port}",
-                "LOCALLLM_NUM_PARALLEL": str(slots), "LOCALLLM_CONTEXT_LENGTH": str(n_ctx),
-                "LOCALLLM_LOG_LEVEL": "warning", **(env or {})}
+    settings = {
+        **os.environ,
+        "LOCALLLM_HOME": str(home),
+        "LOCALLLM_HOST": f"127.0.0.1:{port}",
+        "LOCALLLM_NUM_PARALLEL": str(slots),
+        "LOCALLLM_CONTEXT_LENGTH": str(n_ctx),
+        "LOCALLLM_LOG_LEVEL": "warning",
+        **(env or {}),
+    }
     if threads:
         settings["LOCALLLM_NUM_THREAD"] = str(threads)
-    proc = subprocess.Popen([sys.executable, "-m", "localllm", "serve"], env=settings,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "localllm", "serve"], env=settings, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_until_up(base, proc)
@@ -102,8 +116,14 @@ def rest_run(base: str, prompts: list[list[int]], n: int) -> EngineRun:
     import json
 
     def one(i: int, run: EngineRun) -> None:
-        body = {"model": "bench", "prompt": "", "context": prompts[i], "raw": True, "stream": True,
-                "options": {"temperature": 0, "num_predict": n, "spec_type": "none", "ignore_eos": True}}
+        body = {
+            "model": "bench",
+            "prompt": "",
+            "context": prompts[i],
+            "raw": True,
+            "stream": True,
+            "options": {"temperature": 0, "num_predict": n, "spec_type": "none", "ignore_eos": True},
+        }
         with http_client().stream("POST", f"{base}/api/generate", json=body, timeout=600) as resp:
             for line in resp.iter_lines():
                 chunk = json.loads(line)
@@ -113,11 +133,16 @@ def rest_run(base: str, prompts: list[list[int]], n: int) -> EngineRun:
     return concurrent_streams(EngineRun.start(len(prompts)), one)
 
 
-
-def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads: int | None = None,
-                        repeats: int = 3,
-                        other_server: Callable[[list[list[int]], int], ContextManager[OtherServer]] | None = None,
-                        log: Callable[[str], None] = print) -> list[Figure]:
+def run_rest_benchmarks(
+    path: Path,
+    *,
+    n: int = 128,
+    n_ctx: int = 4096,
+    threads: int | None = None,
+    repeats: int = 3,
+    other_server: Callable[[list[list[int]], int], ContextManager[OtherServer]] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[Figure]:
     """One stream and four streams through the REST server against the raw loop (single and batched) at the same
     thread count: one stream the best of `repeats` runs interleaved with the raw loop's, four streams Bracketed.
     `other_server(prompts, n)` starts another server for the same four streams (llama.cpp's llama-server -np 4) and
@@ -137,8 +162,10 @@ def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads:
     loop.close()
     raw1 = one = 0.0
     repeats_four = max(repeats, BRACKET_REPEATS)
-    with served_model(path, slots=4, threads=threads, n_ctx=n_ctx) as base, \
-            (other_server(four, n) if other_server else nullcontext()) as other:
+    with (
+        served_model(path, slots=4, threads=threads, n_ctx=n_ctx) as base,
+        other_server(four, n) if other_server else nullcontext() as other,
+    ):
 
         def ours_four() -> float:
             return rest_run(base, four, n).rate()
@@ -149,18 +176,26 @@ def run_rest_benchmarks(path: Path, *, n: int = 128, n_ctx: int = 4096, threads:
             raw1 = max(raw1, raw_decode_rate(path, story, n, threads=threads, n_ctx=n_ctx)[0])
             one = max(one, rest_run(base, [story], n).rate())
         log("REST: raw loop and localllm serve, four streams")
-        many = Bracketed.measure(lambda: raw_batched_rate(path, four, n, threads=threads, n_ctx=n_ctx), ours_four,
-                                 repeats=repeats_four)
+        many = Bracketed.measure(
+            lambda: raw_batched_rate(path, four, n, threads=threads, n_ctx=n_ctx), ours_four, repeats=repeats_four
+        )
         versus = None
         if other is not None:
             log(f"REST: {other.name} and localllm serve, four streams")
             versus = Bracketed.measure(other.measure, ours_four, repeats=repeats_four)
     same = f"at the same {threads} thread(s); the client's clock, after every stream's first token"
-    figures = [Figure("REST single stream", one, raw1, "tok/s", 0.97, note=f"raw loop {same}"),
-               many.figure("REST 4 concurrent streams (aggregate)", 1.0, note=f"raw batched loop {same}")]
+    figures = [
+        Figure("REST single stream", one, raw1, "tok/s", 0.97, note=f"raw loop {same}"),
+        many.figure("REST 4 concurrent streams (aggregate)", 1.0, note=f"raw batched loop {same}"),
+    ]
     if versus is not None and other is not None:
-        figures.append(versus.figure(f"REST 4 concurrent streams: ours vs {other.name}", 1.0,
-                                     note=f"same prompt tokens, greedy, EOS ignored, both {same}"))
+        figures.append(
+            versus.figure(
+                f"REST 4 concurrent streams: ours vs {other.name}",
+                1.0,
+                note=f"same prompt tokens, greedy, EOS ignored, both {same}",
+            )
+        )
     return figures
 
 

@@ -28,7 +28,8 @@ from ..errors import InvalidInput
 from .sandbox import RenderBudget, new_environment, render_bounded
 
 _ACTION = re.compile(r"\{\{(-[ \t\r\n])?(.*?)([ \t\r\n]-)?\}\}", re.S)
-_TOKEN = re.compile(r"""
+_TOKEN = re.compile(
+    r"""
     (?P<space>\s+)
   | (?P<string>"(?:[^"\\]|\\.)*")
   | (?P<raw>`[^`]*`)
@@ -43,14 +44,18 @@ _TOKEN = re.compile(r"""
   | (?P<field>(?:\.[A-Za-z_][A-Za-z0-9_]*)+)
   | (?P<dot>\.)
   | (?P<word>[A-Za-z_][A-Za-z0-9_]*)
-""", re.X | re.S)
+""",
+    re.X | re.S,
+)
 _BINARY = {"ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _CONSTANTS = {"true": "true", "false": "false", "nil": "none"}
 _UNSUPPORTED_KEYWORDS = {"with", "define", "template", "block"}
 _CUT = "\x00localllm-response\x00"  # where the last turn's {{ .Response }} stands: the prompt ends there
-_HINT = ("localllm translates Ollama's usual subset: {{ .System }}, {{ .Prompt }}, {{ .Response }}, "
-         "{{ range .Messages }}, {{ if }}/{{ else }}, .Role, .Content, .Tools, eq/and/or/not/len/json; or write "
-         "TEMPLATE as a Jinja chat template")
+_HINT = (
+    "localllm translates Ollama's usual subset: {{ .System }}, {{ .Prompt }}, {{ .Response }}, "
+    "{{ range .Messages }}, {{ if }}/{{ else }}, .Role, .Content, .Tools, eq/and/or/not/len/json; or write "
+    "TEMPLATE as a Jinja chat template"
+)
 
 GO_TEMPLATE = re.compile(r"\{\{-?\s*(?:\.|\$|if\s|range\s|end\s*-?\}\}|else\s*-?\}\}|/\*)")
 
@@ -95,8 +100,10 @@ class _Translator:
                 try:
                     self._action(actions[i][0])
                 except _Refused as exc:
-                    raise InvalidInput(f"the Go template uses {exc.construct} (line {line}), which localllm cannot "
-                                       "translate", hint=_HINT) from None
+                    raise InvalidInput(
+                        f"the Go template uses {exc.construct} (line {line}), which localllm cannot translate",
+                        hint=_HINT,
+                    ) from None
         if self.scopes:
             raise InvalidInput(f"the Go template leaves a {{{{ {self.scopes[-1].kind} }}}} without its {{{{ end }}}}")
         return "".join(self.out)
@@ -165,8 +172,10 @@ class _Translator:
             tokens = tokens[1:]
         self.loops += 1
         key, dot = f"_k{self.loops}", f"_d{self.loops}"
-        sets = "".join("{% set " + name + " = " + value + " %}"
-                       for name, value in zip(names, [key, dot] if len(names) == 2 else [dot]))
+        sets = "".join(
+            "{% set " + name + " = " + value + " %}"
+            for name, value in zip(names, [key, dot] if len(names) == 2 else [dot])
+        )
         self.out.append("{% for " + key + ", " + dot + " in _pairs(" + self._pipeline(tokens) + ") %}" + sets)
         self.scopes.append(_Scope("range", dot))
 
@@ -220,7 +229,7 @@ def _split(source: str) -> tuple[list[str], list[tuple[str, int]]]:
     actions: list[tuple[str, int]] = []
     position, trim_next = 0, False
     for match in _ACTION.finditer(source):
-        text = source[position:match.start()]
+        text = source[position : match.start()]
         if trim_next:
             text = text.lstrip(" \t\r\n")
         if match.group(1):
@@ -239,7 +248,7 @@ def _tokenize(body: str) -> list[tuple[str, str]]:
     while position < len(body):
         match = _TOKEN.match(body, position)
         if match is None:
-            raise _Refused(f"{body[position:position + 12]!r}")
+            raise _Refused(f"{body[position : position + 12]!r}")
         kind = match.lastgroup or ""
         if kind != "space":
             tokens.append((kind, match.group()))
@@ -277,7 +286,7 @@ def _operands(tokens: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
                 j += 1
             if depth:
                 raise _Refused("an unclosed parenthesis")
-            operands.append(tokens[i:j + 1])
+            operands.append(tokens[i : j + 1])
             i = j + 1
         elif tokens[i][0] in ("close", "comma", "declare", "assign"):
             raise _Refused(f"{tokens[i][1]!r} here")
@@ -344,6 +353,7 @@ def _call(name: str, args: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- data
+
 
 class GoMap(dict):
     """A map as Go templates see it: `.Function.Name` finds the key `function` / `name` too (Ollama's JSON names),
@@ -426,48 +436,75 @@ def collate(messages: Sequence[dict[str, Any]]) -> tuple[str, list[dict[str, Any
     merged: list[dict[str, Any]] = []
     for message in messages:
         if merged and merged[-1]["role"] == message.get("role") and message.get("role") != "tool":
-            merged[-1] = {**merged[-1], "content": (merged[-1].get("content") or "") + "\n\n" +
-                          (message.get("content") or "")}
+            merged[-1] = {
+                **merged[-1],
+                "content": (merged[-1].get("content") or "") + "\n\n" + (message.get("content") or ""),
+            }
         else:
             merged.append(dict(message))
     return system, merged
 
 
 def _message(message: dict[str, Any]) -> GoMap:
-    calls = [{"ID": c.get("id") or "", "Function": {"Index": i, "Name": c["function"]["name"],
-                                                     "Arguments": c["function"].get("arguments") or {}}}
-             for i, c in enumerate(message.get("tool_calls") or [])]
-    return go_value({"Role": message.get("role", ""), "Content": message.get("content") or "",
-                     "Thinking": message.get("thinking") or "", "ToolCalls": calls,
-                     "ToolName": message.get("tool_name") or "", "ToolCallID": message.get("tool_call_id") or ""})
+    calls = [
+        {
+            "ID": c.get("id") or "",
+            "Function": {"Index": i, "Name": c["function"]["name"], "Arguments": c["function"].get("arguments") or {}},
+        }
+        for i, c in enumerate(message.get("tool_calls") or [])
+    ]
+    return go_value(
+        {
+            "Role": message.get("role", ""),
+            "Content": message.get("content") or "",
+            "Thinking": message.get("thinking") or "",
+            "ToolCalls": calls,
+            "ToolName": message.get("tool_name") or "",
+            "ToolCallID": message.get("tool_call_id") or "",
+        }
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- compile
+
 
 @lru_cache(maxsize=32)
 def compile_go(source: str):
     """The Jinja template for a Go template; InvalidInput naming what cannot be translated."""
     jinja = _Translator(source).run()
     env = new_environment(keep_trailing_newline=True, autoescape=False, extensions=["jinja2.ext.loopcontrols"])
-    env.globals.update(_pairs=_pairs, _and=_and, _or=_or, _json=_json, _printf=_printf,
-                       _currentDate=lambda: date.today().isoformat(),
-                       _yesterdayDate=lambda: (date.today() - timedelta(days=1)).isoformat())
+    env.globals.update(
+        _pairs=_pairs,
+        _and=_and,
+        _or=_or,
+        _json=_json,
+        _printf=_printf,
+        _currentDate=lambda: date.today().isoformat(),
+        _yesterdayDate=lambda: (date.today() - timedelta(days=1)).isoformat(),
+    )
     try:
         return env.from_string(jinja)
     except TemplateError as exc:
         raise InvalidInput(f"the Go template does not translate to a valid template: {exc}", hint=_HINT) from None
 
 
-def render_go(source: str, messages: Sequence[dict[str, Any]], *, tools: list | None = None,
-              budget: RenderBudget) -> str:
+def render_go(
+    source: str, messages: Sequence[dict[str, Any]], *, tools: list | None = None, budget: RenderBudget
+) -> str:
     """Render as Ollama does: a template that reads .Messages gets the whole conversation at once; an older one
     (.System/.Prompt/.Response) is run once per turn, and the last turn stops at its {{ .Response }}. Every turn is
     charged to the one `budget`."""
     template = compile_go(source)
     system, merged = collate(messages)
     if ".Messages" in source:
-        data = {"System": system, "Messages": GoList(_message(m) for m in merged),
-                "Tools": go_value(list(tools)) if tools else GoList(), "Prompt": "", "Response": "", "_cut": ""}
+        data = {
+            "System": system,
+            "Messages": GoList(_message(m) for m in merged),
+            "Tools": go_value(list(tools)) if tools else GoList(),
+            "Prompt": "",
+            "Response": "",
+            "_cut": "",
+        }
         return render_bounded(template, {"_root": GoMap(data), **data}, budget)
     return _render_turns(template, merged, budget)
 

@@ -38,6 +38,7 @@ MAX_INT_BITS = 4096
 
 # ---------------------------------------------------------------------------------------------------------- bounds
 
+
 class TemplateTooCostly(InvalidInput):
     """A render that went past one of the RenderBudget's bounds."""
 
@@ -79,12 +80,13 @@ class RenderBudget:
 
 
 def _too_costly(what: str) -> TemplateTooCostly:
-    return TemplateTooCostly(f"the chat template was stopped: it {what}",
-                             hint="fix the template: the request's, the Modelfile's TEMPLATE or the model's own")
+    return TemplateTooCostly(
+        f"the chat template was stopped: it {what}",
+        hint="fix the template: the request's, the Modelfile's TEMPLATE or the model's own",
+    )
 
 
-_BUDGET: contextvars.ContextVar[RenderBudget | None] = contextvars.ContextVar("localllm_render_budget",
-                                                                                 default=None)
+_BUDGET: contextvars.ContextVar[RenderBudget | None] = contextvars.ContextVar("localllm_render_budget", default=None)
 
 
 def _charge(value: Any) -> Any:
@@ -148,7 +150,7 @@ def _listed(values: Sequence[Any], index: int) -> tuple[Any, ...]:
     sandbox's range and the request's size bound how long it is)."""
     if len(values) <= index or isinstance(values[index], (str, list, tuple)):
         return tuple(values)
-    return (*values[:index], list(values[index]), *values[index + 1:])
+    return (*values[:index], list(values[index]), *values[index + 1 :])
 
 
 def _check_binop(operator: str, left: Any, right: Any) -> None:
@@ -250,8 +252,9 @@ def new_environment(*, filters: dict[str, Callable] | None = None, **options: An
 
 def new_budget(items: int, cancelled: Callable[[], bool] | None = None) -> RenderBudget:
     """The budget of one render over `items` messages and tools."""
-    return RenderBudget(max_steps=BASE_STEPS + STEPS_PER_ITEM * items, deadline=time.monotonic() + MAX_SECONDS,
-                        cancelled=cancelled)
+    return RenderBudget(
+        max_steps=BASE_STEPS + STEPS_PER_ITEM * items, deadline=time.monotonic() + MAX_SECONDS, cancelled=cancelled
+    )
 
 
 def render_bounded(compiled: Any, context: dict[str, Any], budget: RenderBudget) -> str:
@@ -270,6 +273,14 @@ def template_errors() -> Iterator[None]:
         raise
     except SecurityError as exc:
         raise InvalidInput(f"the chat template tried an unsafe operation and was stopped: {exc}") from None
-    except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError,
-            MemoryError) as exc:  # OverflowError (the sandbox's "range too big") is an ArithmeticError
+    except (
+        TemplateError,
+        ArithmeticError,
+        LookupError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        RecursionError,
+        MemoryError,
+    ) as exc:  # OverflowError (the sandbox's "range too big") is an ArithmeticError
         raise InvalidInput(f"the chat template failed: {exc}") from None

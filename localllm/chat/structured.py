@@ -41,10 +41,17 @@ def tool_call_schema(tools: list[Tool], *, name: str | None = None) -> dict[str,
     chosen = [t for t in tools if name is None or t.function.name == name]
     if not chosen:
         raise InvalidInput(f"tool_choice names {name!r}, which is not among the tools")
-    variants = [{"type": "object",
-                 "properties": {"name": {"const": t.function.name},
-                                "arguments": t.function.parameters or {"type": "object"}},
-                 "required": ["name", "arguments"]} for t in chosen]
+    variants = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+        }
+        for t in chosen
+    ]
     return variants[0] if len(variants) == 1 else {"oneOf": variants}
 
 
@@ -128,10 +135,10 @@ class ForcedCallStream:
             self.name = json.loads(f'"{head.group(1)}"')
             self._args_start = head.end()
             deltas.append(ToolCallDelta(id=self.id, name=self.name))
-        arguments = self.text[self._args_start:]
+        arguments = self.text[self._args_start :]
         safe = len(arguments.rstrip().removesuffix("}")) if arguments.rstrip().endswith("}") else len(arguments)
         if safe > self._sent:
-            deltas.append(ToolCallDelta(arguments=arguments[self._sent:safe]))
+            deltas.append(ToolCallDelta(arguments=arguments[self._sent : safe]))
             self._sent = safe
         return deltas
 
@@ -140,13 +147,13 @@ class ForcedCallStream:
         if self.name is None:
             return []
         arguments = self.arguments()
-        rest = arguments[self._sent:]
+        rest = arguments[self._sent :]
         self._sent = len(arguments)
         return [ToolCallDelta(arguments=rest)] if rest else []
 
     def arguments(self) -> str:
         """The arguments' text: all of it for a complete call, what was generated for a cut-off one."""
-        raw = self.text[self._args_start:] if self.name is not None else ""
+        raw = self.text[self._args_start :] if self.name is not None else ""
         complete = self.complete()
         if complete is not None:
             return json.dumps(complete.function.arguments) if not raw else raw.rstrip().removesuffix("}").rstrip()

@@ -82,9 +82,17 @@ def validate_template(source: str) -> None:
         _compile(source)
 
 
-def render_chat(template: str | None, messages: Sequence[dict[str, Any]], *, tools: list | None = None,
-                add_generation_prompt: bool = True, bos_token: str = "", eos_token: str = "",
-                extra: dict[str, Any] | None = None, cancelled: Callable[[], bool] | None = None) -> str:
+def render_chat(
+    template: str | None,
+    messages: Sequence[dict[str, Any]],
+    *,
+    tools: list | None = None,
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+    extra: dict[str, Any] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+) -> str:
     """Render `messages` (dicts with role/content/...) with `template` (None: the plain transcript).
 
     Raises InvalidInput when the template fails or goes past a bound (TemplateTooCostly), Cancelled when
@@ -93,8 +101,13 @@ def render_chat(template: str | None, messages: Sequence[dict[str, Any]], *, too
     if template and is_go_template(template):
         return render_go(template, messages, tools=tools, budget=budget)
     compiled = _compile(template or PLAIN_TEMPLATE)
-    context = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt,
-               "bos_token": bos_token, "eos_token": eos_token, **(extra or {})}
+    context = {
+        "messages": [dict(m) for m in messages],
+        "add_generation_prompt": add_generation_prompt,
+        "bos_token": bos_token,
+        "eos_token": eos_token,
+        **(extra or {}),
+    }
     if tools:
         context["tools"] = tools
     return render_bounded(compiled, context, budget)

@@ -29,6 +29,7 @@ def supports_thinking(template: str | None) -> bool:
 
 # ---------------------------------------------------------------------------------------------------------- control
 
+
 @dataclass(frozen=True)
 class Think:
     """What a request asked for: on or off (None: the model's default) and how hard (a level, or None)."""
@@ -81,8 +82,10 @@ def think_from_effort(effort: str | None, *, field_name: str = "reasoning_effort
 def check_thinking(model: str, template: str | None, think: Think) -> None:
     """Ollama's 400 for a request that asks a model without the capability to think."""
     if think.requested and not supports_thinking(template):
-        raise InvalidInput(f'"{model}" does not support thinking',
-                           hint="`localllm show MODEL` lists thinking among a reasoning model's capabilities")
+        raise InvalidInput(
+            f'"{model}" does not support thinking',
+            hint="`localllm show MODEL` lists thinking among a reasoning model's capabilities",
+        )
 
 
 def opens_thinking(prompt: str) -> bool:
@@ -94,18 +97,22 @@ def opens_thinking(prompt: str) -> bool:
 
 # ---------------------------------------------------------------------------------------------------------- grammar
 
+
 def thinking_grammar(answer: str, *, opened: bool) -> str:
     """A grammar for a thinking model with structured output: a think block first, then `answer` (Ollama applies
     `format` after the thinking too). The block's text cannot hold `<`, so a `<` can only begin the closing tag, and
     it holds more than whitespace."""
     renamed = re.sub(r"(?m)^root(\s*::=)", r"answer-root\1", answer)
-    head = '' if opened else '"<think>" '
-    return (f'root ::= {head}think-text "</think>" think-gap answer-root\n'
-            'think-text ::= [ \\t\\n]* [^< \\t\\n] [^<]*\n'
-            'think-gap ::= [ \\t\\n]*\n' + renamed)
+    head = "" if opened else '"<think>" '
+    return (
+        f'root ::= {head}think-text "</think>" think-gap answer-root\n'
+        "think-text ::= [ \\t\\n]* [^< \\t\\n] [^<]*\n"
+        "think-gap ::= [ \\t\\n]*\n" + renamed
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- splitting
+
 
 @dataclass
 class Split:
@@ -168,7 +175,7 @@ class ThinkingSplitter:
             self._pending, self._state = stripped, "think" if self._state == "think-start" else "content"
             return True
         if stripped.startswith(OPEN_TAG):
-            self._pending, self._state = stripped[len(OPEN_TAG):], "think-start"
+            self._pending, self._state = stripped[len(OPEN_TAG) :], "think-start"
             return True
         if OPEN_TAG.startswith(stripped):
             return False  # maybe the start of the tag: wait
@@ -179,11 +186,11 @@ class ThinkingSplitter:
         end = self._pending.find(CLOSE_TAG)
         if end >= 0:
             out.thinking += self._pending[:end]
-            self._pending, self._state = self._pending[end + len(CLOSE_TAG):], "after"
+            self._pending, self._state = self._pending[end + len(CLOSE_TAG) :], "after"
             return True
         hold = held_back(self._pending, CLOSE_TAG)
-        out.thinking += self._pending[:len(self._pending) - hold]
-        self._pending = self._pending[len(self._pending) - hold:]
+        out.thinking += self._pending[: len(self._pending) - hold]
+        self._pending = self._pending[len(self._pending) - hold :]
         return False
 
 

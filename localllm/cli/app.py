@@ -52,17 +52,21 @@ def _print_version(wanted: bool) -> None:
 
 
 @app.callback()
-def _main(ctx: typer.Context,
-          version: bool = typer.Option(False, "--version", "-v", is_eager=True, callback=_print_version,
-                                       help="print the version and exit")) -> None:
+def _main(
+    ctx: typer.Context,
+    version: bool = typer.Option(
+        False, "--version", "-v", is_eager=True, callback=_print_version, help="print the version and exit"
+    ),
+) -> None:
     if ctx.invoked_subcommand is None:  # a bare `localllm`: the help, and success (Ollama does the same)
         typer.echo(ctx.get_help())
         raise typer.Exit()
 
 
 @app.command("help")
-def help_command(ctx: typer.Context,
-                 command: list[str] | None = typer.Argument(None, help="a command, e.g. run")) -> None:
+def help_command(
+    ctx: typer.Context, command: list[str] | None = typer.Argument(None, help="a command, e.g. run")
+) -> None:
     """Show the help of localllm or of one command."""
     group = ctx.parent.command if ctx.parent is not None else ctx.command
     parent = ctx.parent or ctx

@@ -92,18 +92,22 @@ def ensure_server(*, timeout: float = START_TIMEOUT, on_start: Callable[[str], N
 
 def check_same_home(health: ServerHealth) -> None:
     if not health.ours:
-        raise ServerConflict(f"the localllm server at {health.url} serves another LOCALLLM_HOME, not "
-                             f"{config.HOME.get()}",
-                             hint="set LOCALLLM_HOST to a free address (e.g. 127.0.0.1:11436) to start a server for "
-                                  "this home, or use --in-process")
+        raise ServerConflict(
+            f"the localllm server at {health.url} serves another LOCALLLM_HOME, not {config.HOME.get()}",
+            hint="set LOCALLLM_HOST to a free address (e.g. 127.0.0.1:11436) to start a server for "
+            "this home, or use --in-process",
+        )
 
 
 def started_notice(url: str) -> str:
-    return (f"started a localllm server in the background at {url}; it keeps models loaded after this command. "
-            f"Stop it with `localllm serve --stop` (log: {server_log_path()})")
+    return (
+        f"started a localllm server in the background at {url}; it keeps models loaded after this command. "
+        f"Stop it with `localllm serve --stop` (log: {server_log_path()})"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- pid file
+
 
 def read_pid_file() -> int | None:
     try:
@@ -161,8 +165,14 @@ def start_server() -> subprocess.Popen:
     log_path = server_log_path()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        process = subprocess.Popen([sys.executable, "-m", "localllm", "serve"], stdin=subprocess.DEVNULL,
-                                   stdout=log, stderr=subprocess.STDOUT, env=_server_env(), **_detached())
+        process = subprocess.Popen(
+            [sys.executable, "-m", "localllm", "serve"],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_server_env(),
+            **_detached(),
+        )
     _write_pid(process.pid)
     return process
 
@@ -178,11 +188,14 @@ def wait_for_server(url: str, process: subprocess.Popen, *, timeout: float) -> N
             # Another `run` may have started a server at the same moment and won the port: that one will do.
             if server_running(url):
                 return
-            raise ServerUnreachable(f"the background server exited with code {process.returncode}: "
-                                    f"{_last_line(server_log_path())}", hint=f"see {server_log_path()}")
+            raise ServerUnreachable(
+                f"the background server exited with code {process.returncode}: {_last_line(server_log_path())}",
+                hint=f"see {server_log_path()}",
+            )
         time.sleep(0.1)
-    raise ServerUnreachable(f"the background server did not answer at {url} within {timeout:.0f}s",
-                            hint=f"see {server_log_path()}")
+    raise ServerUnreachable(
+        f"the background server did not answer at {url} within {timeout:.0f}s", hint=f"see {server_log_path()}"
+    )
 
 
 def _server_env() -> dict[str, str]:

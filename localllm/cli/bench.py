@@ -48,6 +48,13 @@ def figure_table(title: str, figures) -> Table:
         table.add_column(column, justify="right" if column in ("ours", "reference", "ratio") else "left")
     for f in figures:
         met = "[red]no[/]" if f.met is False else f.met_text
-        table.add_row(f.name, f"{f.ours:.1f} {f.unit}", f"{f.reference:.1f} {f.unit}", f"{f.ratio:.2f}",
-                      f.target_text, met, f.note)
+        table.add_row(
+            f.name,
+            f"{f.ours:.1f} {f.unit}",
+            f"{f.reference:.1f} {f.unit}",
+            f"{f.ratio:.2f}",
+            f.target_text,
+            met,
+            f.note,
+        )
     return table

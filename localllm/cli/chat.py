@@ -25,6 +25,7 @@ IN_PROCESS_HELP = "run the model inside this command instead of through the serv
 
 # ---------------------------------------------------------------------------------------------------------- clients
 
+
 @contextmanager
 def open_client(*, in_process: bool = False) -> Iterator[Client]:
     """The client `run` and `tui` use: the server's (started in the background if needed), or an in-process one."""
@@ -67,18 +68,24 @@ def _start_server() -> None:
 
 # ---------------------------------------------------------------------------------------------------------- run
 
+
 @app.command()
-def run(model: str = typer.Argument(..., help="model name (pulled first if missing) or a .gguf path"),
-        prompt: list[str] | None = typer.Argument(None, help="ask once and print the answer; piped stdin is "
-                                                               "read as (the start of) the prompt"),
-        verbose: bool = typer.Option(False, "--verbose", help="print timings after each answer"),
-        keepalive: str | None = typer.Option(None, "--keepalive", help="how long the model stays loaded after "
-                                                                          "the last request (5m, 1h, -1 forever)"),
-        format: str | None = typer.Option(None, "--format", help="json: answer in JSON"),
-        think: str | None = typer.Option(None, "--think", help="a reasoning model thinks first: --think, "
-                                                                  "--think=false, --think=low|medium|high"),
-        hidethinking: bool = typer.Option(False, "--hidethinking", help="do not show the thinking"),
-        in_process: bool = typer.Option(False, "--in-process", help=IN_PROCESS_HELP)):
+def run(
+    model: str = typer.Argument(..., help="model name (pulled first if missing) or a .gguf path"),
+    prompt: list[str] | None = typer.Argument(
+        None, help="ask once and print the answer; piped stdin is read as (the start of) the prompt"
+    ),
+    verbose: bool = typer.Option(False, "--verbose", help="print timings after each answer"),
+    keepalive: str | None = typer.Option(
+        None, "--keepalive", help="how long the model stays loaded after the last request (5m, 1h, -1 forever)"
+    ),
+    format: str | None = typer.Option(None, "--format", help="json: answer in JSON"),
+    think: str | None = typer.Option(
+        None, "--think", help="a reasoning model thinks first: --think, --think=false, --think=low|medium|high"
+    ),
+    hidethinking: bool = typer.Option(False, "--hidethinking", help="do not show the thinking"),
+    in_process: bool = typer.Option(False, "--in-process", help=IN_PROCESS_HELP),
+):
     """Chat with a model, or ask it once (prompt argument or stdin).
 
     A one-shot run prints the answer alone on stdout; progress and timings go to stderr."""
@@ -86,9 +93,10 @@ def run(model: str = typer.Argument(..., help="model name (pulled first if missi
     _set_think(conversation, think)
     text = _one_shot_prompt(prompt)
     if text is not None and not text.strip():
-        raise InvalidInput("there was no prompt: " + ("stdin was empty" if not prompt else "the prompt is empty"),
-                           hint=f"pass one: `localllm run {model} \"...\"`, or pipe text in; without either, "
-                                "`run` opens the chat")
+        raise InvalidInput(
+            "there was no prompt: " + ("stdin was empty" if not prompt else "the prompt is empty"),
+            hint=f'pass one: `localllm run {model} "..."`, or pipe text in; without either, `run` opens the chat',
+        )
     with open_client(in_process=in_process) as client:
         prepare_model(client, conversation.load_request(), to=err_console)
         if text is None:
@@ -106,9 +114,11 @@ def _one_shot_prompt(words: list[str] | None) -> str | None:
     return "\n\n".join(part.strip() for part in (piped, " ".join(words or [])) if part and part.strip())
 
 
-def _answer_once(client: Client, conversation: Conversation, text: str, *, verbose: bool,
-                 hide_thinking: bool = False) -> None:
+def _answer_once(
+    client: Client, conversation: Conversation, text: str, *, verbose: bool, hide_thinking: bool = False
+) -> None:
     """Stream the answer to stdout as plain text (a script reads it as it comes); thinking goes to stderr, dimmed."""
+
     def write(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -137,8 +147,9 @@ def _set_think(conversation: Conversation, value: str | None) -> None:
     try:
         conversation.set_think(value)
     except InvalidInput:
-        raise InvalidInput(f"--think={value} is not valid", hint="use --think, --think=false or "
-                                                               "--think=low|medium|high") from None
+        raise InvalidInput(
+            f"--think={value} is not valid", hint="use --think, --think=false or --think=low|medium|high"
+        ) from None
 
 
 def _format(value: str | None) -> api.Format:
@@ -148,6 +159,7 @@ def _format(value: str | None) -> api.Format:
 
 
 # ---------------------------------------------------------------------------------------------------------- ps, stop
+
 
 @app.command()
 def ps(as_json: bool = typer.Option(False, "--json", help="print the list as JSON (as /api/ps does)")):
@@ -184,9 +196,12 @@ def stop(model: str = typer.Argument(..., help="a loaded model (see `localllm ps
 
 # ---------------------------------------------------------------------------------------------------------- tui
 
+
 @app.command()
-def tui(model: str | None = typer.Argument(None, help="model to chat with at start (F2 picks another)"),
-        in_process: bool = typer.Option(False, "--in-process", help=IN_PROCESS_HELP)):
+def tui(
+    model: str | None = typer.Argument(None, help="model to chat with at start (F2 picks another)"),
+    in_process: bool = typer.Option(False, "--in-process", help=IN_PROCESS_HELP),
+):
     """Open the terminal UI: chat, models, live engine figures."""
     from ..tui import run_tui
 

@@ -21,8 +21,10 @@ def _on_sigint(signum, frame) -> None:
 
 def note_interrupts() -> None:
     """Use the noting handler for SIGINT (only the main thread may set handlers; elsewhere nothing changes)."""
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
         signal.signal(signal.SIGINT, _on_sigint)
 
 

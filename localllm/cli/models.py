@@ -23,6 +23,7 @@ def _store():
 
 # ---------------------------------------------------------------------------------------------------------- pull
 
+
 @app.command()
 def pull(model: str = typer.Argument(..., help="catalog name, hf.co/<org>/<repo>[:<quant>], URL or .gguf path")):
     """Download a model into the store (an interrupted pull resumes)."""
@@ -32,6 +33,7 @@ def pull(model: str = typer.Argument(..., help="catalog name, hf.co/<org>/<repo>
 
 
 # ---------------------------------------------------------------------------------------------------------- list
+
 
 @app.command("list")
 def list_models(as_json: bool = typer.Option(False, "--json", help="print the list as JSON (as /api/tags does)")):
@@ -53,14 +55,17 @@ app.command("ls", hidden=True)(list_models)  # Ollama's alias
 
 # ---------------------------------------------------------------------------------------------------------- show
 
+
 @app.command()
-def show(model: str = typer.Argument(..., help="stored model name or .gguf path"),
-         as_json: bool = typer.Option(False, "--json", help="print the description as JSON (as /api/show does)"),
-         modelfile: bool = typer.Option(False, "--modelfile", help="print a Modelfile that rebuilds the model"),
-         parameters: bool = typer.Option(False, "--parameters", help="print the parameters only"),
-         template: bool = typer.Option(False, "--template", help="print the chat template only"),
-         system: bool = typer.Option(False, "--system", help="print the system message only"),
-         license: bool = typer.Option(False, "--license", help="print the license only")):
+def show(
+    model: str = typer.Argument(..., help="stored model name or .gguf path"),
+    as_json: bool = typer.Option(False, "--json", help="print the description as JSON (as /api/show does)"),
+    modelfile: bool = typer.Option(False, "--modelfile", help="print a Modelfile that rebuilds the model"),
+    parameters: bool = typer.Option(False, "--parameters", help="print the parameters only"),
+    template: bool = typer.Option(False, "--template", help="print the chat template only"),
+    system: bool = typer.Option(False, "--system", help="print the system message only"),
+    license: bool = typer.Option(False, "--license", help="print the license only"),
+):
     """Describe a model: facts, template, system, parameters.
 
     Architecture, size, quantization, context and format; --modelfile prints a Modelfile that `create -f` accepts."""
@@ -70,8 +75,13 @@ def show(model: str = typer.Argument(..., help="stored model name or .gguf path"
     if as_json:
         typer.echo(info.model_dump_json(indent=2))
         return
-    single = {"modelfile": modelfile, "parameters": parameters, "template": template, "system": system,
-              "license": license}
+    single = {
+        "modelfile": modelfile,
+        "parameters": parameters,
+        "template": template,
+        "system": system,
+        "license": license,
+    }
     chosen = [name for name, wanted in single.items() if wanted]
     if chosen:
         for name in chosen:
@@ -81,6 +91,7 @@ def show(model: str = typer.Argument(..., help="stored model name or .gguf path"
 
 
 # ---------------------------------------------------------------------------------------------------------- rm, cp
+
 
 @app.command()
 def rm(models: list[str] = typer.Argument(..., help="stored model names")):
@@ -101,8 +112,7 @@ def _check_stored(store, name: str) -> None:
 
 
 @app.command()
-def cp(source: str = typer.Argument(..., help="stored model"),
-       destination: str = typer.Argument(..., help="new name")):
+def cp(source: str = typer.Argument(..., help="stored model"), destination: str = typer.Argument(..., help="new name")):
     """Copy a model under a new name; no bytes are copied.
 
     A model already under that name is replaced, and what it held is freed when nothing else uses it."""
@@ -116,19 +126,30 @@ def cp(source: str = typer.Argument(..., help="stored model"),
 
 # ---------------------------------------------------------------------------------------------------------- create
 
+
 @app.command()
-def create(name: str = typer.Argument(..., help="name of the new model, e.g. me/assistant:v1"),
-           file: Path | None = typer.Option(None, "--file", "-f", help="the Modelfile (default ./Modelfile)"),
-           from_: str | None = typer.Option(None, "--from", help="the model to build on (FROM, without a "
-                                                                   "Modelfile)"),
-           fmt: str | None = typer.Option(None, "--format", help="weights format: gguf, or mlx to convert"),
-           quantize: str | None = typer.Option(None, "--quantize", "-q", help="quantize to TYPE: q4_K_M, q5_K_M, "
-                                                  "q6_K, q8_0, q4_0, iq4_xs, f16, ... (with --format mlx: f32, f16, "
-                                                  "bf16, q8, q4)"),
-           allow_requantize: bool = typer.Option(False, "--allow-requantize", help="quantize weights that are "
-                                                 "already quantized (loses more quality than quantizing F16)"),
-           imatrix: Path | None = typer.Option(None, "--imatrix", help="importance matrix (GGUF from "
-                                                  "llama-imatrix) for --quantize")):
+def create(
+    name: str = typer.Argument(..., help="name of the new model, e.g. me/assistant:v1"),
+    file: Path | None = typer.Option(None, "--file", "-f", help="the Modelfile (default ./Modelfile)"),
+    from_: str | None = typer.Option(None, "--from", help="the model to build on (FROM, without a Modelfile)"),
+    fmt: str | None = typer.Option(None, "--format", help="weights format: gguf, or mlx to convert"),
+    quantize: str | None = typer.Option(
+        None,
+        "--quantize",
+        "-q",
+        help="quantize to TYPE: q4_K_M, q5_K_M, "
+        "q6_K, q8_0, q4_0, iq4_xs, f16, ... (with --format mlx: f32, f16, "
+        "bf16, q8, q4)",
+    ),
+    allow_requantize: bool = typer.Option(
+        False,
+        "--allow-requantize",
+        help="quantize weights that are already quantized (loses more quality than quantizing F16)",
+    ),
+    imatrix: Path | None = typer.Option(
+        None, "--imatrix", help="importance matrix (GGUF from llama-imatrix) for --quantize"
+    ),
+):
     """Create a model from a Modelfile (or --from another model).
 
     --quantize quantizes GGUF weights and prints a quality report."""
@@ -144,18 +165,27 @@ def create(name: str = typer.Argument(..., help="name of the new model, e.g. me/
         if not file.is_file():
             raise InvalidInput(f"no Modelfile at {file}", hint="pass one with -f PATH, or name a model with --from")
         request, base = parse_modelfile(file.read_text(encoding="utf-8")), file.resolve().parent
-    update = {"model": name, "quantize": quantize, "format": fmt or request.format,
-              "allow_requantize": allow_requantize, "imatrix": str(imatrix.resolve()) if imatrix else None}
+    update = {
+        "model": name,
+        "quantize": quantize,
+        "format": fmt or request.format,
+        "allow_requantize": allow_requantize,
+        "imatrix": str(imatrix.resolve()) if imatrix else None,
+    }
     request = request.model_copy(update={**update, **({"from_": from_} if from_ else {})})
     render_pull(create_model(request, _store(), base_dir=base))
 
 
 # ---------------------------------------------------------------------------------------------------------- verify
 
+
 @app.command()
-def verify(model: str | None = typer.Argument(None, help="one stored model (default: all)"),
-           repair: bool = typer.Option(False, "--repair", help="download corrupt or missing catalog and Hugging "
-                                                              "Face blobs again in place, then prune")):
+def verify(
+    model: str | None = typer.Argument(None, help="one stored model (default: all)"),
+    repair: bool = typer.Option(
+        False, "--repair", help="download corrupt or missing catalog and Hugging Face blobs again in place, then prune"
+    ),
+):
     """Re-hash the blobs of one model or all; exit 1 if any is bad.
 
     Each corrupt or missing blob is named; --repair downloads corrupt catalog and Hugging Face blobs again."""
@@ -171,8 +201,11 @@ def verify(model: str | None = typer.Argument(None, help="one stored model (defa
             _print_lines(f"still: {problem}" for problem in problems)
         _print_prune(store.prune(on_wait=_say_waiting))
     if problems:
-        hint = ("pull or create the affected models again" if repair else
-                "run `localllm verify --repair` to download them again, or `localllm rm` the affected models")
+        hint = (
+            "pull or create the affected models again"
+            if repair
+            else "run `localllm verify --repair` to download them again, or `localllm rm` the affected models"
+        )
         raise IntegrityError(f"{len(problems)} problem(s) found", hint=hint)
     console.print("all blobs intact")
 

@@ -28,8 +28,9 @@ def plan(
     num_ctx: int | None = typer.Option(None, "--num-ctx", min=16, help="context per slot"),
     num_parallel: int | None = typer.Option(None, "--num-parallel", min=1, help="slots"),
     kv_type: str | None = typer.Option(None, "--kv-type", help="f16, q8_0 or q4_0"),
-    num_gpu: int | None = typer.Option(None, "--num-gpu", min=-1, max=100_000,
-                                          help="layers to offload (default: all that fit)"),
+    num_gpu: int | None = typer.Option(
+        None, "--num-gpu", min=-1, max=100_000, help="layers to offload (default: all that fit)"
+    ),
     rpc: str | None = typer.Option(None, "--rpc", help="RPC workers host:port,... (default LOCALLLM_RPC)"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
 ) -> None:
@@ -41,16 +42,34 @@ def plan(
     from ..engine.prefix_cache import ram_limit
     from ..models.plan import total_with_shared_weights
 
-    overrides = {k: v for k, v in {"num_ctx": num_ctx, "num_parallel": num_parallel, "kv_type": kv_type,
-                                    "num_gpu": num_gpu, "rpc": rpc}.items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in {
+            "num_ctx": num_ctx,
+            "num_parallel": num_parallel,
+            "kv_type": kv_type,
+            "num_gpu": num_gpu,
+            "rpc": rpc,
+        }.items()
+        if v is not None
+    }
     plans = [_plan_one(model, overrides) for model in models]
     total = total_with_shared_weights([(identity, mem) for _, identity, mem, _ in plans])
     available = plans[0][2].available
     cache_ram, cache_disk = ram_limit(), config.CACHE_DISK.get()
     if as_json:
-        rows = [{"model": name, **{k: v for k, v in mem.__dict__.items() if not isinstance(v, tuple)},
-                 "total": mem.total, "fits": mem.fits, "cache_ram_limit": cache_ram, "cache_disk_limit": cache_disk,
-                 "placement": _placement_json(placement)} for name, _, mem, placement in plans]
+        rows = [
+            {
+                "model": name,
+                **{k: v for k, v in mem.__dict__.items() if not isinstance(v, tuple)},
+                "total": mem.total,
+                "fits": mem.fits,
+                "cache_ram_limit": cache_ram,
+                "cache_disk_limit": cache_disk,
+                "placement": _placement_json(placement),
+            }
+            for name, _, mem, placement in plans
+        ]
         console.print_json(json.dumps(rows[0] if len(rows) == 1 else {"models": rows, "total": total}))
     else:
         seen: set = set()
@@ -60,13 +79,18 @@ def plan(
                 console.print(_placement_table(placement))
             seen.add(identity)
         if len(plans) > 1:
-            verdict = "" if available is None else \
-                f" ({'fits' if total <= available else 'does not fit'} in {_mib(available)} available)"
+            verdict = (
+                ""
+                if available is None
+                else f" ({'fits' if total <= available else 'does not fit'} in {_mib(available)} available)"
+            )
             console.print(f"[bold]all {len(plans)} models: {_mib(total)}[/] (shared weights counted once){verdict}")
     if available is not None and total > available:  # a script can test the exit code; unknown memory is no failure
         names = ", ".join(name for name, _, _, _ in plans)
-        raise LocalLLMError(f"{names} does not fit: it needs {_mib(total)} and {_mib(available)} is available",
-                            hint="lower --num-ctx or --num-parallel, or use --kv-type q8_0")
+        raise LocalLLMError(
+            f"{names} does not fit: it needs {_mib(total)} and {_mib(available)} is available",
+            hint="lower --num-ctx or --num-parallel, or use --kv-type q8_0",
+        )
 
 
 def _plan_one(model: str, overrides: dict):
@@ -110,18 +134,36 @@ def _table(name: str, mem: MemoryPlan, *, shared: bool, cache_ram: int, cache_di
 def _placement_json(placement: Placement | None) -> dict | None:
     if placement is None:
         return None
-    return {"n_gpu_layers": placement.n_gpu_layers, "fits": placement.fits, "devices": [
-        {"device": s.device.name, "description": s.device.description, "kind": s.device.kind, "layers": s.layers,
-         "weights": s.weights, "kv": s.kv, "compute": s.compute, "total": s.total, "free": s.device.free,
-         "usable": s.device.usable, "fits": s.fits} for s in placement.shares]}
+    return {
+        "n_gpu_layers": placement.n_gpu_layers,
+        "fits": placement.fits,
+        "devices": [
+            {
+                "device": s.device.name,
+                "description": s.device.description,
+                "kind": s.device.kind,
+                "layers": s.layers,
+                "weights": s.weights,
+                "kv": s.kv,
+                "compute": s.compute,
+                "total": s.total,
+                "free": s.device.free,
+                "usable": s.device.usable,
+                "fits": s.fits,
+            }
+            for s in placement.shares
+        ],
+    }
 
 
 def _placement_table(placement: Placement) -> Table:
     """Per device, the numbers the loader uses: what it holds, against its free memory less the margin."""
     units = sum(s.layers for s in placement.shares)
     verdict = "fits" if placement.fits else "[red]does not fit: lower num_ctx or num_parallel, or add a device[/]"
-    table = Table(title=f"placement: {placement.n_gpu_layers} of {units} layers offloaded ({verdict})",
-                  caption="usable: free memory less a margin (5%, at least 256 MiB)")
+    table = Table(
+        title=f"placement: {placement.n_gpu_layers} of {units} layers offloaded ({verdict})",
+        caption="usable: free memory less a margin (5%, at least 256 MiB)",
+    )
     for column in ("device", "layers", "weights", "KV cache", "compute", "total", "usable"):
         table.add_column(column, justify="left" if column == "device" else "right")
     for s in placement.shares:

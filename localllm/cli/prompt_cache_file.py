@@ -54,7 +54,7 @@ def read_prompt_cache(path: Path) -> tuple[api.PromptCacheSession, bytes]:
     if length > _MAX_SESSION or len(raw) < start + length:
         raise InvalidInput(f"{path} is truncated")
     try:
-        session = api.PromptCacheSession.model_validate_json(raw[start: start + length])
+        session = api.PromptCacheSession.model_validate_json(raw[start : start + length])
     except ValidationError as exc:
         raise InvalidInput(f"{path} holds no readable conversation: {exc.errors()[0]['msg']}") from None
-    return session, raw[start + length:]
+    return session, raw[start + length :]

@@ -33,11 +33,18 @@ from .app import console as stdout_console
 
 # ---------------------------------------------------------------------------------------------------------- pull
 
+
 def render_pull(stream: Iterable[api.PullProgress], *, to: Console | None = None) -> None:
     """Show a pull (or create) stream: byte counts as a progress bar with rate and ETA, other steps as lines."""
     console = to or stdout_console
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   TimeRemainingColumn(), console=console)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
     tasks: dict[str, TaskID] = {}
     last_line = None
     try:
@@ -60,6 +67,7 @@ def render_pull(stream: Iterable[api.PullProgress], *, to: Console | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------- units
+
 
 def human_size(size: int) -> str:
     """Decimal units, as Ollama prints them: 98 MB, 1.2 GB."""
@@ -106,16 +114,22 @@ def human_duration(nanoseconds: int) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- show
 
+
 def print_show(info: api.ShowResponse, *, to: Console | None = None) -> None:
     """`localllm show MODEL` without flags: the model's facts, then capabilities, template, system, parameters and
     license."""
     console = to or stdout_console
     print_model_facts(info, to=console)
     adapters = "\n".join(f"{a.path} (scale {a.scale:g})" for a in info.adapters)
-    for title, text in (("Capabilities", "\n".join(info.capabilities)), ("Adapters", adapters),
-                        ("Quantization", _report_text(info.quantization_report)), ("Template", info.template),
-                        ("System", info.system), ("Parameters", info.parameters),
-                        ("License", _first_lines(info.license, 3))):
+    for title, text in (
+        ("Capabilities", "\n".join(info.capabilities)),
+        ("Adapters", adapters),
+        ("Quantization", _report_text(info.quantization_report)),
+        ("Template", info.template),
+        ("System", info.system),
+        ("Parameters", info.parameters),
+        ("License", _first_lines(info.license, 3)),
+    ):
         if text:
             console.print(f"\n[bold]{title}[/]")
             console.print(_indent(text), markup=False, highlight=False, soft_wrap=True)
@@ -129,10 +143,17 @@ def print_model_facts(info: api.ShowResponse, *, to: Console | None = None) -> N
     facts.add_column(style="bold")
     facts.add_column(overflow="fold")
     details = info.details
-    for label, value in (("architecture", details.family), ("parameters", details.parameter_size),
-                         ("quantization", details.quantization_level), ("context length", context_length(info)),
-                         ("format", details.format), ("parent", details.parent_model), ("draft", info.draft),
-                         ("path", info.path), ("split parts", len(info.parts) or None)):
+    for label, value in (
+        ("architecture", details.family),
+        ("parameters", details.parameter_size),
+        ("quantization", details.quantization_level),
+        ("context length", context_length(info)),
+        ("format", details.format),
+        ("parent", details.parent_model),
+        ("draft", info.draft),
+        ("path", info.path),
+        ("split parts", len(info.parts) or None),
+    ):
         if value:
             facts.add_row(f"  {label}", str(value))
     console = to or stdout_console
@@ -159,24 +180,31 @@ def _indent(text: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- timings
 
+
 def timing_rows(t: api.Timings) -> list[tuple[str, str]]:
     """Ollama's --verbose figures for one answer, plus ours: prompt tokens reused from the cache, speculation.
 
     The prompt eval count and rate are over the tokens actually evaluated; the reused ones are counted apart (their
     time is not in prompt_eval_duration, so counting them would inflate the rate)."""
     evaluated = max(0, t.prompt_eval_count - t.prompt_cache_count)
-    rows = [("total duration", human_duration(t.total_duration)),
-            ("load duration", human_duration(t.load_duration)),
-            ("prompt eval count", f"{evaluated} token(s)"),
-            ("prompt cache", f"{t.prompt_cache_count} token(s) reused"),
-            ("prompt eval duration", human_duration(t.prompt_eval_duration)),
-            ("prompt eval rate", _rate_text(evaluated, t.prompt_eval_duration)),
-            ("eval count", f"{t.eval_count} token(s)"),
-            ("eval duration", human_duration(t.eval_duration)),
-            ("eval rate", _rate_text(t.eval_count, t.eval_duration))]
+    rows = [
+        ("total duration", human_duration(t.total_duration)),
+        ("load duration", human_duration(t.load_duration)),
+        ("prompt eval count", f"{evaluated} token(s)"),
+        ("prompt cache", f"{t.prompt_cache_count} token(s) reused"),
+        ("prompt eval duration", human_duration(t.prompt_eval_duration)),
+        ("prompt eval rate", _rate_text(evaluated, t.prompt_eval_duration)),
+        ("eval count", f"{t.eval_count} token(s)"),
+        ("eval duration", human_duration(t.eval_duration)),
+        ("eval rate", _rate_text(t.eval_count, t.eval_duration)),
+    ]
     if t.draft_count:
-        rows.append(("speculation", f"{t.draft_accepted}/{t.draft_count} drafted tokens accepted "
-                                    f"({t.draft_accepted / t.draft_count:.0%})"))
+        rows.append(
+            (
+                "speculation",
+                f"{t.draft_accepted}/{t.draft_count} drafted tokens accepted ({t.draft_accepted / t.draft_count:.0%})",
+            )
+        )
     if t.truncated_tokens:
         rows.append(("truncated", f"{t.truncated_tokens} prompt token(s) dropped"))
     return rows
@@ -195,8 +223,7 @@ def _rate_text(count: int, duration_ns: int) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- ps
 
-PS_COLUMNS = ("NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "LAYERS", "SPEC", "PREFIX CACHE",
-              "UNTIL")
+PS_COLUMNS = ("NAME", "ID", "SIZE", "BACKEND", "BUSY", "CTX/SLOT", "KV", "LAYERS", "SPEC", "PREFIX CACHE", "UNTIL")
 # Below this width the ID goes (`localllm ps | cat` prints it) and the long headers shorten, so a row fits 80 columns.
 PS_WIDE = 100
 _NARROW_HEADERS = {"CTX/SLOT": "CTX", "PREFIX CACHE": "CACHE"}
@@ -206,9 +233,22 @@ _WRAPPABLE = frozenset({"BACKEND", "LAYERS", "SPEC", "PREFIX CACHE", "UNTIL"})
 
 def ps_rows(models: Iterable[api.ProcessModel]) -> list[tuple[str, ...]]:
     """`localllm ps`: effective values, never totals to divide (context is per slot; BUSY is busy/total slots)."""
-    return [(row.name, row.digest[:12], _size_text(row), _backend_text(row), _slots_text(row),
-             str(row.context_length), _kv_text(row), _placement_text(row), _speculation_text(row),
-             _prefix_cache_text(row), _until_text(row)) for row in models]
+    return [
+        (
+            row.name,
+            row.digest[:12],
+            _size_text(row),
+            _backend_text(row),
+            _slots_text(row),
+            str(row.context_length),
+            _kv_text(row),
+            _placement_text(row),
+            _speculation_text(row),
+            _prefix_cache_text(row),
+            _until_text(row),
+        )
+        for row in models
+    ]
 
 
 def _until_text(row: api.ProcessModel) -> str:
@@ -238,14 +278,14 @@ def ps_text(models: Iterable[api.ProcessModel]) -> str:
 
 
 def _backend_text(row: api.ProcessModel) -> str:
-    """"llama.cpp, 2 threads (auto)": the CPU threads its decode steps use now, tuned as it runs or pinned."""
+    """ "llama.cpp, 2 threads (auto)": the CPU threads its decode steps use now, tuned as it runs or pinned."""
     if not row.threads:
         return row.backend
     return f"{row.backend}, {row.threads} thread{'s' if row.threads > 1 else ''}{' (auto)' if row.threads_auto else ''}"
 
 
 def _kv_text(row: api.ProcessModel) -> str:
-    """"f16, flash off": the cache type, and flash attention where it is not left to the backend."""
+    """ "f16, flash off": the cache type, and flash attention where it is not left to the backend."""
     if row.flash_attn is None:
         return row.kv_type
     return f"{row.kv_type}, flash {'on' if row.flash_attn else 'off'}"
@@ -266,8 +306,9 @@ def _placement_text(row: api.ProcessModel) -> str:
     """Where the layers run, "CPU 10, RPC0 127.0.0.1:50052 21"; the num_gpu setting where the backend placed none."""
     if not row.placement:
         return _gpu_text(row.gpu_layers)
-    return ", ".join(f"{p.device}{' ' + p.description if p.device.startswith('RPC') else ''} {p.layers}"
-                     for p in row.placement)
+    return ", ".join(
+        f"{p.device}{' ' + p.description if p.device.startswith('RPC') else ''} {p.layers}" for p in row.placement
+    )
 
 
 def _gpu_text(layers: int) -> str:
@@ -330,7 +371,7 @@ class _Tail:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         lines = console.render_lines(self.renderable, options, pad=False)
-        yield _Lines(lines[-max(1, console.height - 2):])
+        yield _Lines(lines[-max(1, console.height - 2) :])
 
 
 class MarkdownStream:
@@ -349,8 +390,9 @@ class MarkdownStream:
         self._pending = ""
         self._thinking = ""
         self._printed_lines = 0
-        self._live = Live(Spinner("dots", text=waiting, style="dim"), console=console, transient=True,
-                          refresh_per_second=8)
+        self._live = Live(
+            Spinner("dots", text=waiting, style="dim"), console=console, transient=True, refresh_per_second=8
+        )
 
     def __enter__(self) -> MarkdownStream:
         self._live.start()
@@ -389,7 +431,7 @@ class MarkdownStream:
         if not self._finished.strip():
             return
         lines = self._console.render_lines(Markdown(self._finished), self._console.options, pad=False)
-        self._console.print(_Lines(lines[self._printed_lines:]), end="")
+        self._console.print(_Lines(lines[self._printed_lines :]), end="")
         self._printed_lines = len(lines)
 
 

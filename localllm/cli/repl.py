@@ -106,6 +106,7 @@ HELP_PARAMETERS = """Parameters (any Modelfile parameter is accepted):
 
 # ---------------------------------------------------------------------------------------------------------- input
 
+
 class LineReader:
     """A prompt_toolkit line editor with a persistent history (up arrow, Ctrl-R) and bracketed paste, so pasted
     text with newlines arrives as one message.
@@ -124,7 +125,8 @@ class LineReader:
             history_file.parent.mkdir(parents=True, exist_ok=True)
         self._history = _switchable_history(str(history_file)) if history_file is not None else None
         self.session: PromptSession = PromptSession(
-            history=self._history if self._history is not None else InMemoryHistory())
+            history=self._history if self._history is not None else InMemoryHistory()
+        )
         self._placeholder = FormattedText([("#808080", PLACEHOLDER)])
         self._interrupted = False
 
@@ -245,7 +247,7 @@ def unquote(text: str) -> str:
     text = text.strip()
     for quote in (TRIPLE_QUOTE, '"'):
         if len(text) >= 2 * len(quote) and text.startswith(quote) and text.endswith(quote):
-            return text[len(quote):-len(quote)].strip()
+            return text[len(quote) : -len(quote)].strip()
     if text.startswith(TRIPLE_QUOTE) or text.endswith(TRIPLE_QUOTE):
         return text.replace(TRIPLE_QUOTE, "").strip()
     return text
@@ -253,8 +255,10 @@ def unquote(text: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- answers
 
-def stream_reply(stream: Iterator[api.ChatChunk], on_text: Callable[[str], None],
-                 on_thinking: Callable[[str], None] | None = None) -> api.ChatChunk | None:
+
+def stream_reply(
+    stream: Iterator[api.ChatChunk], on_text: Callable[[str], None], on_thinking: Callable[[str], None] | None = None
+) -> api.ChatChunk | None:
     """Feed each piece of an answer to `on_text` (and of its thinking to `on_thinking`) and return its last chunk
     (which carries the timings).
 
@@ -290,11 +294,19 @@ def prepare_model(client: Client, load: api.ChatRequest, *, to: Console) -> None
 
 # ---------------------------------------------------------------------------------------------------------- repl
 
+
 class Repl:
     """The chat loop. Each slash command is one small method, found through `_commands`."""
 
-    def __init__(self, client: Client, conversation: Conversation, *, reader: LineInput, verbose: bool = False,
-                 hide_thinking: bool = False):
+    def __init__(
+        self,
+        client: Client,
+        conversation: Conversation,
+        *,
+        reader: LineInput,
+        verbose: bool = False,
+        hide_thinking: bool = False,
+    ):
         self.client = client
         self.conversation = conversation
         self.reader = reader
@@ -302,8 +314,16 @@ class Repl:
         self.wordwrap = True
         self.hide_thinking = hide_thinking
         self._commands: dict[str, Callable[[str], bool | None]] = {
-            "/set": self._set, "/show": self._show, "/load": self._load, "/save": self._save, "/clear": self._clear,
-            "/stats": self._stats, "/help": self._help, "/?": self._help, "/bye": self._bye, "/exit": self._bye,
+            "/set": self._set,
+            "/show": self._show,
+            "/load": self._load,
+            "/save": self._save,
+            "/clear": self._clear,
+            "/stats": self._stats,
+            "/help": self._help,
+            "/?": self._help,
+            "/bye": self._bye,
+            "/exit": self._bye,
         }
 
     def run(self) -> None:
@@ -354,7 +374,7 @@ class Repl:
         try:
             if self.reader.take_interrupt():
                 raise KeyboardInterrupt
-            with keys_not_echoed(), (MarkdownStream(console) if self.wordwrap else RawStream(console)) as view:
+            with keys_not_echoed(), MarkdownStream(console) if self.wordwrap else RawStream(console) as view:
                 final = stream_reply(self.client.chat(request), show, think)
         except KeyboardInterrupt:
             interrupt_handled()
@@ -385,8 +405,15 @@ class Repl:
         return False
 
     def _help(self, rest: str) -> None:
-        topics = {"": HELP, "set": HELP_SET, "show": HELP_SHOW, "shortcuts": HELP_SHORTCUTS, "shortcut": HELP_SHORTCUTS,
-                  "parameter": HELP_PARAMETERS, "parameters": HELP_PARAMETERS}
+        topics = {
+            "": HELP,
+            "set": HELP_SET,
+            "show": HELP_SHOW,
+            "shortcuts": HELP_SHORTCUTS,
+            "shortcut": HELP_SHORTCUTS,
+            "parameter": HELP_PARAMETERS,
+            "parameters": HELP_PARAMETERS,
+        }
         text = topics.get(rest.strip().lower().lstrip("/"))
         if text is None:
             raise InvalidInput(f"no help for {rest.strip()!r}", hint="type /? for the list of commands")
@@ -399,16 +426,24 @@ class Repl:
     def _set(self, rest: str) -> None:
         what, value = _split_first(rest)
         setters: dict[str, Callable[[str], None]] = {
-            "parameter": self._set_parameter, "system": self._set_system, "format": self._set_format,
-            "noformat": self._set_noformat, "verbose": self._set_verbose, "quiet": self._set_quiet,
-            "history": self._set_history, "nohistory": self._set_nohistory, "wordwrap": self._set_wordwrap,
+            "parameter": self._set_parameter,
+            "system": self._set_system,
+            "format": self._set_format,
+            "noformat": self._set_noformat,
+            "verbose": self._set_verbose,
+            "quiet": self._set_quiet,
+            "history": self._set_history,
+            "nohistory": self._set_nohistory,
+            "wordwrap": self._set_wordwrap,
             "nowordwrap": self._set_nowordwrap,
-            "think": self._set_think, "nothink": self._set_nothink,
+            "think": self._set_think,
+            "nothink": self._set_nothink,
         }
         setter = setters.get(what.lower())
         if setter is None:
-            raise InvalidInput(f"unknown /set option {what!r}" if what else "/set needs an option",
-                               hint="type /? set for the list")
+            raise InvalidInput(
+                f"unknown /set option {what!r}" if what else "/set needs an option", hint="type /? set for the list"
+            )
         setter(value)
 
     def _set_parameter(self, value: str) -> None:
@@ -472,15 +507,20 @@ class Repl:
             self._show_parameters()
             return
         info = self.client.show(self.conversation.model)
-        texts = {"template": info.template, "modelfile": info.modelfile, "license": info.license,
-                 "system": self.conversation.system or info.system}
+        texts = {
+            "template": info.template,
+            "modelfile": info.modelfile,
+            "license": info.license,
+            "system": self.conversation.system or info.system,
+        }
         if what == "info":
             print_model_facts(info, to=console)
         elif what in texts:
             console.print(texts[what] or f"No {what} was specified for this model.", highlight=False, markup=False)
         else:
-            raise InvalidInput(f"unknown /show option {what!r}" if what else "/show needs an option",
-                               hint="type /? show for the list")
+            raise InvalidInput(
+                f"unknown /show option {what!r}" if what else "/show needs an option", hint="type /? show for the list"
+            )
 
     def _show_parameters(self) -> None:
         info = self.client.show(self.conversation.model)
@@ -489,8 +529,9 @@ class Repl:
             for name, value in sorted(self.conversation.options.items()):
                 console.print(f"{name:<24}{_plain(value)}", highlight=False, markup=False)
         console.print("Model defined parameters:")
-        console.print(info.parameters or "No additional parameters were specified for this model.",
-                      highlight=False, markup=False)
+        console.print(
+            info.parameters or "No additional parameters were specified for this model.", highlight=False, markup=False
+        )
 
     def _load(self, rest: str) -> None:
         name = rest.strip()
@@ -519,18 +560,26 @@ class Repl:
             raise InvalidInput("nothing to save yet", hint="send a message first")
         state = self.client.save_prompt_cache(self.conversation.request())
         write_prompt_cache(path, self.conversation.session(), state)
-        console.print(f"Saved this chat and its prompt cache to {path} ({len(state) / 2**20:.1f} MiB)",
-                      highlight=False, markup=False)
+        console.print(
+            f"Saved this chat and its prompt cache to {path} ({len(state) / 2**20:.1f} MiB)",
+            highlight=False,
+            markup=False,
+        )
 
     def _load_prompt_cache(self, path: Path) -> None:
         session, state = read_prompt_cache(path)
-        request = api.ChatRequest(model=session.model, options=dict(session.options),
-                                  keep_alive=self.conversation.keep_alive)
+        request = api.ChatRequest(
+            model=session.model, options=dict(session.options), keep_alive=self.conversation.keep_alive
+        )
         prepare_model(self.client, request, to=console)
         tokens = self.client.load_prompt_cache(request, state)
         self.conversation.resume(session)
-        console.print(f"Loaded a chat of {len(session.messages)} message(s) with {session.model}; {tokens} tokens "
-                      "of its prompt cache are ready", highlight=False, markup=False)
+        console.print(
+            f"Loaded a chat of {len(session.messages)} message(s) with {session.model}; {tokens} tokens "
+            "of its prompt cache are ready",
+            highlight=False,
+            markup=False,
+        )
 
     def _stats(self, rest: str) -> None:
         figures = self.conversation.figures
@@ -551,20 +600,36 @@ class Repl:
 def _chat_rows(conversation: Conversation) -> list[tuple[str, str]]:
     f = conversation.figures
     speed = f.tokens_per_second
-    rows = [("answers", str(f.answers)), ("generated", f"{f.generated_tokens} token(s)"),
-            ("eval rate", f"{speed:.2f} tokens/s" if speed is not None else "-"),
-            ("prompt tokens", f"{f.prompt_tokens}, {f.cached_tokens} reused from cache"
-                              + (f" ({f.cache_share:.0%})" if f.cache_share is not None else ""))]
-    rows.append(("speculation", f"{f.accepted}/{f.drafted} drafted tokens accepted ({f.acceptance:.0%})"
-                 if f.acceptance is not None else "none drafted"))
+    rows = [
+        ("answers", str(f.answers)),
+        ("generated", f"{f.generated_tokens} token(s)"),
+        ("eval rate", f"{speed:.2f} tokens/s" if speed is not None else "-"),
+        (
+            "prompt tokens",
+            f"{f.prompt_tokens}, {f.cached_tokens} reused from cache"
+            + (f" ({f.cache_share:.0%})" if f.cache_share is not None else ""),
+        ),
+    ]
+    rows.append(
+        (
+            "speculation",
+            f"{f.accepted}/{f.drafted} drafted tokens accepted ({f.acceptance:.0%})"
+            if f.acceptance is not None
+            else "none drafted",
+        )
+    )
     return rows
 
 
 def _engine_rows(row: api.ProcessModel) -> list[tuple[str, str]]:
-    acceptance = (f", {row.draft_accepted}/{row.draft_count} accepted" if row.draft_count else "")
-    return [("backend", row.backend), ("slots", f"{row.slots_busy}/{row.slots_total} busy, {row.queue_depth} queued"),
-            ("context", f"{row.context_length} tokens per slot"), ("kv cache", row.kv_type),
-            ("speculation", row.speculation + acceptance)]
+    acceptance = f", {row.draft_accepted}/{row.draft_count} accepted" if row.draft_count else ""
+    return [
+        ("backend", row.backend),
+        ("slots", f"{row.slots_busy}/{row.slots_total} busy, {row.queue_depth} queued"),
+        ("context", f"{row.context_length} tokens per slot"),
+        ("kv cache", row.kv_type),
+        ("speculation", row.speculation + acceptance),
+    ]
 
 
 def _split_first(text: str) -> tuple[str, str]:
@@ -575,4 +640,3 @@ def _split_first(text: str) -> tuple[str, str]:
 
 def _plain(value) -> str:
     return " ".join(map(str, value)) if isinstance(value, list) else str(value)
-

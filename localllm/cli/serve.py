@@ -12,8 +12,7 @@ from .. import config
 from ..errors import LocalLLMError
 from .app import app, console, err_console
 
-_ENV_HELP = "Environment variables:\n\n" + "\n\n".join(
-    f"  {line}" for line in config.describe().splitlines())
+_ENV_HELP = "Environment variables:\n\n" + "\n\n".join(f"  {line}" for line in config.describe().splitlines())
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -25,21 +24,28 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise LocalLLMError(f"cannot listen on {host}:{port}: {exc.strerror}",
-                            hint="is another `localllm serve` running? set LOCALLLM_HOST to another address") from None
+        raise LocalLLMError(
+            f"cannot listen on {host}:{port}: {exc.strerror}",
+            hint="is another `localllm serve` running? set LOCALLLM_HOST to another address",
+        ) from None
     return sock
 
 
 def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
 
 
 @app.command(epilog=_ENV_HELP)
-def serve(status: bool = typer.Option(False, "--status", help="say whether a server runs on LOCALLLM_HOST, where, "
-                                                              "and how to stop it (exit 1 when none does)"),
-          stop: bool = typer.Option(False, "--stop", help="stop the server that `run` or `tui` started in the "
-                                                          "background")) -> None:
+def serve(
+    status: bool = typer.Option(
+        False,
+        "--status",
+        help="say whether a server runs on LOCALLLM_HOST, where, and how to stop it (exit 1 when none does)",
+    ),
+    stop: bool = typer.Option(False, "--stop", help="stop the server that `run` or `tui` started in the background"),
+) -> None:
     """Serve the Ollama and OpenAI APIs (--status, --stop).
 
     Listens on LOCALLLM_HOST (default 127.0.0.1:11435) until Ctrl+C."""
@@ -65,16 +71,20 @@ def _status() -> None:
         raise typer.Exit(1)
     pid = f" (pid {health.pid})" if health.pid is not None else ""
     if not health.ours:
-        console.print(f"a localllm server{pid} runs at {url}, for another LOCALLLM_HOME than "
-                      f"{config.HOME.get()}", highlight=False)
+        console.print(
+            f"a localllm server{pid} runs at {url}, for another LOCALLLM_HOME than {config.HOME.get()}", highlight=False
+        )
         raise typer.Exit(1)
     console.print(f"localllm server running at {url}{pid}, serving {config.HOME.get()}", highlight=False)
     if _background_pid(health.pid) is not None:
         console.print(f"started in the background; log: {server_log_path()}", highlight=False)
         console.print("stop it with `localllm serve --stop`", highlight=False)
     else:
-        console.print("started with `localllm serve`: stop it with Ctrl+C in its terminal"
-                      + (f" or `kill {health.pid}`" if health.pid is not None else ""), highlight=False)
+        console.print(
+            "started with `localllm serve`: stop it with Ctrl+C in its terminal"
+            + (f" or `kill {health.pid}`" if health.pid is not None else ""),
+            highlight=False,
+        )
 
 
 def _stop() -> None:
@@ -89,9 +99,10 @@ def _stop() -> None:
         stop_background_server(pid)
         console.print(f"stopped the localllm server at {url} (pid {pid})", highlight=False)
     elif health is not None and health.ours:
-        raise LocalLLMError(f"the server at {url} was not started in the background by `run` or `tui`",
-                            hint="stop it with Ctrl+C in its terminal"
-                                 + (f" or `kill {health.pid}`" if health.pid is not None else ""))
+        raise LocalLLMError(
+            f"the server at {url} was not started in the background by `run` or `tui`",
+            hint="stop it with Ctrl+C in its terminal" + (f" or `kill {health.pid}`" if health.pid is not None else ""),
+        )
     else:
         console.print(f"no background localllm server is running for {config.HOME.get()}", highlight=False)
 
@@ -114,10 +125,14 @@ def _serve() -> None:
     level = config.LOG_LEVEL.get()
     _configure_logging(level)
     sock = _listen(host, port)
-    server = uvicorn.Server(uvicorn.Config(create_app(bound_host=host), log_level=level, access_log=False,
-                                           timeout_graceful_shutdown=5))
-    console.print(f"localllm is serving on {config.base_url() if host in ('0.0.0.0', '::') else _url(host, port)}"
-                  " (Ctrl+C stops it)", highlight=False)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(bound_host=host), log_level=level, access_log=False, timeout_graceful_shutdown=5)
+    )
+    console.print(
+        f"localllm is serving on {config.base_url() if host in ('0.0.0.0', '::') else _url(host, port)}"
+        " (Ctrl+C stops it)",
+        highlight=False,
+    )
     server.run(sockets=[sock])
 
 

@@ -26,13 +26,20 @@ def _is_loopback(host: str) -> bool:
 
 @app.command()
 def worker(
-    host: str = typer.Option("127.0.0.1", "--host", help="address to bind; anything but loopback is reachable by "
-                             "others, with no authentication"),
+    host: str = typer.Option(
+        "127.0.0.1",
+        "--host",
+        help="address to bind; anything but loopback is reachable by others, with no authentication",
+    ),
     port: int = typer.Option(DEFAULT_PORT, "--port", min=1, max=65535, help="port to bind"),
-    threads: int | None = typer.Option(None, "--threads", min=1, max=1024,
-                                          help="CPU threads when serving the CPU (default: LOCALLLM_NUM_THREAD)"),
-    cache_dir: Path | None = typer.Option(None, "--cache-dir", help="keep received weights here, so a model "
-                                             "loads faster the next time (llama.cpp's rpc-server --cache)"),
+    threads: int | None = typer.Option(
+        None, "--threads", min=1, max=1024, help="CPU threads when serving the CPU (default: LOCALLLM_NUM_THREAD)"
+    ),
+    cache_dir: Path | None = typer.Option(
+        None,
+        "--cache-dir",
+        help="keep received weights here, so a model loads faster the next time (llama.cpp's rpc-server --cache)",
+    ),
 ) -> None:
     """Lend this machine's GPUs (or CPU) to a localllm elsewhere, over RPC.
 
@@ -47,10 +54,18 @@ def worker(
             f"[bold red]!!! WARNING: the RPC worker listens on {host}:{port}, beyond this machine.[/]\n"
             "[bold red]!!! llama.cpp's RPC protocol has no authentication and no encryption: anyone who can reach "
             "this port can use these devices and read what they hold. Never expose it to an open network; bind a "
-            "private interface behind a firewall.[/]", highlight=False)
+            "private interface behind a firewall.[/]",
+            highlight=False,
+        )
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
-    console.print(f"localllm worker on {host}:{port} (Ctrl+C stops it); on the other machine: "
-                  f"LOCALLLM_RPC={host}:{port}", highlight=False)
-    serve_worker(host, port, threads=threads or config.NUM_THREAD.get() or physical_cores(),
-                 cache_dir=str(cache_dir) if cache_dir is not None else None)
+    console.print(
+        f"localllm worker on {host}:{port} (Ctrl+C stops it); on the other machine: LOCALLLM_RPC={host}:{port}",
+        highlight=False,
+    )
+    serve_worker(
+        host,
+        port,
+        threads=threads or config.NUM_THREAD.get() or physical_cores(),
+        cache_dir=str(cache_dir) if cache_dir is not None else None,
+    )

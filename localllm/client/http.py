@@ -36,8 +36,15 @@ M = TypeVar("M", bound=BaseModel)
 DEFAULT_TIMEOUT = httpx.Timeout(10.0, read=None)
 
 _ERRORS_BY_STATUS: dict[int, type[LocalLLMError]] = {
-    400: InvalidInput, 401: Unauthorized, 403: Forbidden, 404: ModelNotFound, 413: PayloadTooLarge, 499: Cancelled,
-    501: BackendUnavailable, 502: NetworkError, 503: QueueFull,
+    400: InvalidInput,
+    401: Unauthorized,
+    403: Forbidden,
+    404: ModelNotFound,
+    413: PayloadTooLarge,
+    499: Cancelled,
+    501: BackendUnavailable,
+    502: NetworkError,
+    503: QueueFull,
 }
 
 
@@ -70,8 +77,13 @@ def server_running(base_url: str | None = None) -> bool:
 class HttpClient:
     """Client over a running server. Use as a context manager, or call close()."""
 
-    def __init__(self, base_url: str | None = None, *, api_key: str | None = None,
-                 timeout: httpx.Timeout | float | None = DEFAULT_TIMEOUT):
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        api_key: str | None = None,
+        timeout: httpx.Timeout | float | None = DEFAULT_TIMEOUT,
+    ):
         self.base_url = normalize_url(base_url)
         key = config.API_KEY.get() if api_key is None else api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -93,11 +105,15 @@ class HttpClient:
         try:
             yield
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise ServerUnreachable(f"no localllm server answers at {self.base_url} ({exc})",
-                                    hint="start one with `localllm serve`, or set LOCALLLM_HOST") from None
+            raise ServerUnreachable(
+                f"no localllm server answers at {self.base_url} ({exc})",
+                hint="start one with `localllm serve`, or set LOCALLLM_HOST",
+            ) from None
         except httpx.TransportError as exc:
-            raise ServerUnreachable(f"lost the connection to the server at {self.base_url}: {exc!r}",
-                                    hint="is `localllm serve` still running?") from None
+            raise ServerUnreachable(
+                f"lost the connection to the server at {self.base_url}: {exc!r}",
+                hint="is `localllm serve` still running?",
+            ) from None
 
     def _call(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
         with self._reaching_server():
@@ -195,8 +211,12 @@ class HttpClient:
     def load_prompt_cache(self, request: api.ChatRequest, data: bytes) -> int:
         which = request.model_copy(update={"messages": []}).model_dump_json(exclude_none=True, by_alias=True)
         with self._reaching_server():
-            response = self._http.post("/api/prompt-cache/load", params={"request": which}, content=data,
-                                       headers={"Content-Type": "application/octet-stream"})
+            response = self._http.post(
+                "/api/prompt-cache/load",
+                params={"request": which},
+                content=data,
+                headers={"Content-Type": "application/octet-stream"},
+            )
         if response.status_code >= 400:
             raise error_for(response)
         return int(response.json()["tokens"])

@@ -173,8 +173,9 @@ class LocalClient:
         same prompt prefill it once."""
         return RequestStream(lambda token: self._generate_batch(requests, token))
 
-    def _generate_batch(self, requests: list[api.GenerateRequest],
-                        token: CancelToken) -> Iterator[tuple[int, api.GenerateChunk]]:
+    def _generate_batch(
+        self, requests: list[api.GenerateRequest], token: CancelToken
+    ) -> Iterator[tuple[int, api.GenerateChunk]]:
         for request in requests:
             _refuse_images(request.images)
         with self._admitted(requests, token, self._prepare_generate) as (loaded, prepared, streams, waited):
@@ -189,8 +190,9 @@ class LocalClient:
                     yield index, self._generate_chunk(request.model, chunk, loaded, waited, context, answer)
 
     @contextmanager
-    def _admitted(self, requests: list[Any], token: CancelToken,
-                  prepare: Callable[..., tuple[Any, ...]]) -> Iterator[tuple[Loaded, list[Any], list[Stream], float]]:
+    def _admitted(
+        self, requests: list[Any], token: CancelToken, prepare: Callable[..., tuple[Any, ...]]
+    ) -> Iterator[tuple[Loaded, list[Any], list[Stream], float]]:
         """Load the requests' one model, prepare each (`prepare(loaded, model, request, ready, token)` returns its
         GenerationParams first) and submit them all in one step; yields (loaded, prepared, streams, seconds waited
         for the model). A client that leaves while its requests wait in the queue frees their places (the token),
@@ -217,8 +219,9 @@ class LocalClient:
         load, _ = resolve_options(model, requests[0].options)
         return model, load, _keep_alive(requests[0].keep_alive)
 
-    def _prepare_generate(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest,
-                          ready: float, token: CancelToken) -> tuple[GenerationParams, _Answer]:
+    def _prepare_generate(
+        self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest, ready: float, token: CancelToken
+    ) -> tuple[GenerationParams, _Answer]:
         sampling = _bound_sampling(loaded, _generate_sampling(loaded, model, request))
         think = parse_think(request.think)
         template = _template(loaded, model, request.template)
@@ -227,28 +230,54 @@ class LocalClient:
         answer = _Answer.start(loaded, template, text, think, sampling.stop)
         context = _checked_tokens(loaded, request.context or [], "context")
         tokens = context + (self._tokenize(loaded, text) if text else [])
-        params = GenerationParams(tokens, sampling, answer.grammar(grammar_for_format(request.format)),
-                                  request.truncate, _logprobs_wanted(request), started=ready,
-                                  keep_prefix=sampling.keep_prefix)
+        params = GenerationParams(
+            tokens,
+            sampling,
+            answer.grammar(grammar_for_format(request.format)),
+            request.truncate,
+            _logprobs_wanted(request),
+            started=ready,
+            keep_prefix=sampling.keep_prefix,
+        )
         return params, answer
 
-    def _generate_text(self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest,
-                       template: str | None, think: Think, token: CancelToken) -> str:
+    def _generate_text(
+        self,
+        loaded: Loaded,
+        model: ResolvedModel,
+        request: api.GenerateRequest,
+        template: str | None,
+        think: Think,
+        token: CancelToken,
+    ) -> str:
         if request.raw:
             return request.prompt
         messages = _messages_with_system(model, request.system, [api.Message(role="user", content=request.prompt)])
         return self._render(loaded, model, messages, template=template, extra=think.template_variables(), token=token)
 
     @staticmethod
-    def _generate_chunk(name: str, chunk: EngineChunk, loaded: Loaded, load_seconds: float,
-                        context: list[int] | None, answer: _Answer) -> api.GenerateChunk:
+    def _generate_chunk(
+        name: str, chunk: EngineChunk, loaded: Loaded, load_seconds: float, context: list[int] | None, answer: _Answer
+    ) -> api.GenerateChunk:
         split = answer.feed(chunk)
         if not chunk.done:
-            return api.GenerateChunk(model=name, response=split.content, thinking=split.thinking or None,
-                                     tokens=list(chunk.tokens), logprobs=_logprobs(loaded, chunk))
-        return api.GenerateChunk(model=name, response=split.content, thinking=split.thinking or None, done=True,
-                                 done_reason=chunk.done_reason, context=context, stop_sequence=answer.stop_sequence,
-                                 **_timing_fields(chunk, load_seconds))
+            return api.GenerateChunk(
+                model=name,
+                response=split.content,
+                thinking=split.thinking or None,
+                tokens=list(chunk.tokens),
+                logprobs=_logprobs(loaded, chunk),
+            )
+        return api.GenerateChunk(
+            model=name,
+            response=split.content,
+            thinking=split.thinking or None,
+            done=True,
+            done_reason=chunk.done_reason,
+            context=context,
+            stop_sequence=answer.stop_sequence,
+            **_timing_fields(chunk, load_seconds),
+        )
 
     def chat(self, request: api.ChatRequest) -> Iterator[api.ChatChunk]:
         return RequestStream(lambda token: self._chat(request, token))
@@ -257,8 +286,10 @@ class LocalClient:
         if not request.messages:
             model = self.store.resolve(request.model)
             load, _ = resolve_options(model, request.options)
-            yield from (api.ChatChunk(model=c.model, done=True, done_reason=c.done_reason)
-                        for c in self._load_only(model, load, _keep_alive(request.keep_alive), request.model))
+            yield from (
+                api.ChatChunk(model=c.model, done=True, done_reason=c.done_reason)
+                for c in self._load_only(model, load, _keep_alive(request.keep_alive), request.model)
+            )
             return
         yield from (chunk for _, chunk in self._chat_batch([request], token))
 
@@ -283,18 +314,27 @@ class LocalClient:
                 for chunk in chunks:
                     yield index, chunk
 
-    def _prepare_chat(self, loaded: Loaded, model: ResolvedModel, request: api.ChatRequest, ready: float,
-                      token: CancelToken) -> tuple[GenerationParams, list[api.Tool] | None, _Answer]:
+    def _prepare_chat(
+        self, loaded: Loaded, model: ResolvedModel, request: api.ChatRequest, ready: float, token: CancelToken
+    ) -> tuple[GenerationParams, list[api.Tool] | None, _Answer]:
         _, sampling = resolve_options(model, request.options)
         grammar = grammar_for_format(request.format) or tool_choice_grammar(request.tools, request.tool_choice)
         tools = request.tools if request.tool_choice != "none" else None
         if _template(loaded, model) is None:
             sampling = transcript_sampling(sampling)
         sampling = _bound_sampling(loaded, sampling)
-        tokens, answer = self._chat_prompt(loaded, model, request, tools, parse_think(request.think), sampling.stop,
-                                           token)
-        params = GenerationParams(tokens, sampling, answer.grammar(grammar), request.truncate,
-                                  _logprobs_wanted(request), started=ready, keep_prefix=sampling.keep_prefix)
+        tokens, answer = self._chat_prompt(
+            loaded, model, request, tools, parse_think(request.think), sampling.stop, token
+        )
+        params = GenerationParams(
+            tokens,
+            sampling,
+            answer.grammar(grammar),
+            request.truncate,
+            _logprobs_wanted(request),
+            started=ready,
+            keep_prefix=sampling.keep_prefix,
+        )
         return params, tools, answer
 
     def count_tokens(self, request: api.ChatRequest) -> int:
@@ -307,19 +347,33 @@ class LocalClient:
             tokens, _ = self._chat_prompt(loaded, model, request, tools, parse_think(request.think), [])
         return len(tokens)
 
-    def _chat_prompt(self, loaded: Loaded, model: ResolvedModel, request: api.ChatRequest, tools,
-                     think: Think, stops: list[str],
-                     token: CancelToken | None = None) -> tuple[list[int], _Answer]:
+    def _chat_prompt(
+        self,
+        loaded: Loaded,
+        model: ResolvedModel,
+        request: api.ChatRequest,
+        tools,
+        think: Think,
+        stops: list[str],
+        token: CancelToken | None = None,
+    ) -> tuple[list[int], _Answer]:
         template = _template(loaded, model)
         check_thinking(request.model, template, think)
         messages = _messages_with_system(model, None, request.messages)
-        text = self._render(loaded, model, messages, tools=[t.model_dump() for t in tools] if tools else None,
-                            extra=think.template_variables(), token=token)
+        text = self._render(
+            loaded,
+            model,
+            messages,
+            tools=[t.model_dump() for t in tools] if tools else None,
+            extra=think.template_variables(),
+            token=token,
+        )
         tokens = self._tokenize(loaded, text)
         return tokens, _Answer.start(loaded, template, text, think, stops, prompt_tokens=len(tokens))
 
-    def _chat_with_tools(self, name: str, stream, loaded: Loaded, load_seconds: float, tools,
-                         answer: _Answer) -> Iterator[api.ChatChunk]:
+    def _chat_with_tools(
+        self, name: str, stream, loaded: Loaded, load_seconds: float, tools, answer: _Answer
+    ) -> Iterator[api.ChatChunk]:
         # Tool calls can only be recognised once the whole answer is known, so the text is held until the end.
         parts: list[str] = []
         thinking: list[str] = []
@@ -329,13 +383,21 @@ class LocalClient:
             thinking.append(split.thinking)
             if chunk.done:
                 content, calls = parse_tool_calls("".join(parts), tools)
-                message = api.Message(role="assistant", content=content, thinking="".join(thinking) or None,
-                                      tool_calls=calls or None)
-                yield api.ChatChunk(model=name, message=message, done=True, done_reason=chunk.done_reason,
-                                    stop_sequence=answer.stop_sequence, **_timing_fields(chunk, load_seconds))
+                message = api.Message(
+                    role="assistant", content=content, thinking="".join(thinking) or None, tool_calls=calls or None
+                )
+                yield api.ChatChunk(
+                    model=name,
+                    message=message,
+                    done=True,
+                    done_reason=chunk.done_reason,
+                    stop_sequence=answer.stop_sequence,
+                    **_timing_fields(chunk, load_seconds),
+                )
 
-    def _chat_forced_call(self, name: str, stream, loaded: Loaded, load_seconds: float,
-                          answer: _Answer) -> Iterator[api.ChatChunk]:
+    def _chat_forced_call(
+        self, name: str, stream, loaded: Loaded, load_seconds: float, answer: _Answer
+    ) -> Iterator[api.ChatChunk]:
         """A call the grammar forces ({"name": ..., "arguments": {...}}) streams as it is generated: its id and name
         first, then pieces of its arguments' JSON; one cut off by num_predict ends with its partial arguments. A
         thinking model's thinking comes first, apart."""
@@ -348,28 +410,48 @@ class LocalClient:
             if not chunk.done:
                 if deltas or split.thinking:
                     message = api.Message(role="assistant", thinking=split.thinking or None)
-                    yield api.ChatChunk(model=name, message=message, tool_call_deltas=deltas or None,
-                                        tokens=list(chunk.tokens))
+                    yield api.ChatChunk(
+                        model=name, message=message, tool_call_deltas=deltas or None, tokens=list(chunk.tokens)
+                    )
                 continue
             deltas += call.finish()
             complete = call.complete()
-            message = api.Message(role="assistant", thinking="".join(thinking) or None,
-                                  tool_calls=[complete] if complete else None)
-            yield api.ChatChunk(model=name, message=message, tool_call_deltas=deltas or None, done=True,
-                                done_reason=chunk.done_reason, **_timing_fields(chunk, load_seconds))
+            message = api.Message(
+                role="assistant", thinking="".join(thinking) or None, tool_calls=[complete] if complete else None
+            )
+            yield api.ChatChunk(
+                model=name,
+                message=message,
+                tool_call_deltas=deltas or None,
+                done=True,
+                done_reason=chunk.done_reason,
+                **_timing_fields(chunk, load_seconds),
+            )
 
     @staticmethod
-    def _chat_chunk(name: str, chunk: EngineChunk, loaded: Loaded, load_seconds: float,
-                    answer: _Answer) -> api.ChatChunk:
+    def _chat_chunk(
+        name: str, chunk: EngineChunk, loaded: Loaded, load_seconds: float, answer: _Answer
+    ) -> api.ChatChunk:
         split = answer.feed(chunk)
         message = api.Message(role="assistant", content=split.content, thinking=split.thinking or None)
         if not chunk.done:
             # The first chunk also says how long the prompt is, for streams that announce it before the answer
             # (Anthropic's message_start); Ollama's NDJSON leaves timing fields off all but the last chunk.
-            return api.ChatChunk(model=name, message=message, tokens=list(chunk.tokens),
-                                 logprobs=_logprobs(loaded, chunk), prompt_eval_count=answer.announce())
-        return api.ChatChunk(model=name, message=message, done=True, done_reason=chunk.done_reason,
-                             stop_sequence=answer.stop_sequence, **_timing_fields(chunk, load_seconds))
+            return api.ChatChunk(
+                model=name,
+                message=message,
+                tokens=list(chunk.tokens),
+                logprobs=_logprobs(loaded, chunk),
+                prompt_eval_count=answer.announce(),
+            )
+        return api.ChatChunk(
+            model=name,
+            message=message,
+            done=True,
+            done_reason=chunk.done_reason,
+            stop_sequence=answer.stop_sequence,
+            **_timing_fields(chunk, load_seconds),
+        )
 
     def embed(self, request: api.EmbedRequest) -> api.EmbedResponse:
         model = self.store.resolve(request.model)
@@ -381,16 +463,21 @@ class LocalClient:
             vectors = loaded.engine.embed(tokenized) if tokenized else []
         if request.dimensions is not None:
             vectors = [_shorten(vector, request.dimensions) for vector in vectors]
-        return api.EmbedResponse(model=request.model, embeddings=vectors,
-                                 total_duration=int((time.perf_counter() - t0) * 1e9),
-                                 load_duration=int((t_loaded - t0) * 1e9),
-                                 prompt_eval_count=sum(map(len, tokenized)))
+        return api.EmbedResponse(
+            model=request.model,
+            embeddings=vectors,
+            total_duration=int((time.perf_counter() - t0) * 1e9),
+            load_duration=int((t_loaded - t0) * 1e9),
+            prompt_eval_count=sum(map(len, tokenized)),
+        )
 
     def _embed_inputs(self, loaded: Loaded, request: api.EmbedRequest) -> list[list[int]]:
         """The inputs as token lists. Ollama: "" or [] embeds nothing (the model is loaded: clients preload so)."""
         if request.input_tokens is not None:
-            return [self._fit_embed(loaded, _checked_tokens(loaded, tokens, f"input {i}"), request.truncate)
-                    for i, tokens in enumerate(request.input_tokens)]
+            return [
+                self._fit_embed(loaded, _checked_tokens(loaded, tokens, f"input {i}"), request.truncate)
+                for i, tokens in enumerate(request.input_tokens)
+            ]
         texts = [request.input] if isinstance(request.input, str) else list(request.input)
         if texts == [""]:
             return []
@@ -425,21 +512,35 @@ class LocalClient:
 
     # ----------------------------------------------------------------------------------------------- helpers
 
-    def _load_only(self, model: ResolvedModel, load: api.LoadOptions, keep_alive: float | None,
-                   name: str) -> Iterator[api.GenerateChunk]:
+    def _load_only(
+        self, model: ResolvedModel, load: api.LoadOptions, keep_alive: float | None, name: str
+    ) -> Iterator[api.GenerateChunk]:
         with self.pool.acquire(model, load, keep_alive=keep_alive):
             pass
         reason = "unload" if keep_alive is not None and keep_alive <= 0 else "load"
         yield api.GenerateChunk(model=name, done=True, done_reason=reason)
 
-    def _render(self, loaded: Loaded, model: ResolvedModel, messages: list[api.Message], *,
-                template: str | None = None, tools: list | None = None,
-                extra: dict[str, Any] | None = None, token: CancelToken | None = None) -> str:
+    def _render(
+        self,
+        loaded: Loaded,
+        model: ResolvedModel,
+        messages: list[api.Message],
+        *,
+        template: str | None = None,
+        tools: list | None = None,
+        extra: dict[str, Any] | None = None,
+        token: CancelToken | None = None,
+    ) -> str:
         meta = loaded.engine.model.meta
-        return render_chat(_template(loaded, model, template), [m.model_dump(exclude_none=True) for m in messages],
-                           tools=tools, bos_token=_token_text(loaded, meta.bos_token),
-                           eos_token=_token_text(loaded, meta.eos_token), extra=extra,
-                           cancelled=(lambda: token.cancelled) if token is not None else None)
+        return render_chat(
+            _template(loaded, model, template),
+            [m.model_dump(exclude_none=True) for m in messages],
+            tools=tools,
+            bos_token=_token_text(loaded, meta.bos_token),
+            eos_token=_token_text(loaded, meta.eos_token),
+            extra=extra,
+            cancelled=(lambda: token.cancelled) if token is not None else None,
+        )
 
     @staticmethod
     def _tokenize(loaded: Loaded, text: str) -> list[int]:
@@ -458,8 +559,9 @@ def _template(loaded: Loaded, model: ResolvedModel, override: str | None = None)
 class _Answer:
     """One answer on its way out: its thinking split from its content, and which stop string ended it."""
 
-    def __init__(self, loaded: Loaded, splitter: ThinkingSplitter | None, thinks: bool, stops: list[str],
-                 prompt_tokens: int = 0):
+    def __init__(
+        self, loaded: Loaded, splitter: ThinkingSplitter | None, thinks: bool, stops: list[str], prompt_tokens: int = 0
+    ):
         self._loaded = loaded
         self._prompt_tokens = prompt_tokens
         self._splitter = splitter
@@ -470,8 +572,16 @@ class _Answer:
         self.stop_sequence: str | None = None
 
     @classmethod
-    def start(cls, loaded: Loaded, template: str | None, prompt: str, think: Think, stops: list[str], *,
-              prompt_tokens: int = 0) -> _Answer:
+    def start(
+        cls,
+        loaded: Loaded,
+        template: str | None,
+        prompt: str,
+        think: Think,
+        stops: list[str],
+        *,
+        prompt_tokens: int = 0,
+    ) -> _Answer:
         # A reasoning model's tags are always split off, even when thinking was turned off and it thinks anyway.
         capable = supports_thinking(template)
         splitter = ThinkingSplitter(opened=opens_thinking(prompt)) if capable else None
@@ -505,7 +615,7 @@ class _Answer:
     def _matched_stop(self) -> str | None:
         # The engine hides the stop string; what the answer's tokens spell beyond the text shown begins with it.
         spelled = b"".join(self._loaded.engine.model.token_bytes(t) for t in self._tokens).decode("utf-8", "replace")
-        rest = spelled[len("".join(self._text)):]
+        rest = spelled[len("".join(self._text)) :]
         return next((s for s in self._stops if rest.startswith(s)), None)
 
 
@@ -526,8 +636,10 @@ def _logprobs(loaded: Loaded, chunk: EngineChunk) -> list[api.TokenLogprob] | No
         raw = piece(token)
         return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
 
-    return [api.TokenLogprob(**entry(lp.token, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
-            for lp in chunk.logprobs]
+    return [
+        api.TokenLogprob(**entry(lp.token, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
+        for lp in chunk.logprobs
+    ]
 
 
 def _token_text(loaded: Loaded, token: int | None) -> str:
@@ -538,8 +650,7 @@ def _token_text(loaded: Loaded, token: int | None) -> str:
     return piece(token) if piece else model.token_bytes(token).decode("utf-8", "replace")
 
 
-def _messages_with_system(model: ResolvedModel, system: str | None,
-                          messages: list[api.Message]) -> list[api.Message]:
+def _messages_with_system(model: ResolvedModel, system: str | None, messages: list[api.Message]) -> list[api.Message]:
     """Modelfile MESSAGEs first, then the system prompt (the request's, else the Modelfile's) unless the conversation
     brings its own."""
     out = list(model.messages) + list(messages)
@@ -561,8 +672,9 @@ def _checked_tokens(loaded: Loaded, tokens: list[int], what: str) -> list[int]:
 def _shorten(vector: list[float], dimensions: int) -> list[float]:
     """The first `dimensions` values, scaled back to unit length (Ollama's and OpenAI's `dimensions`)."""
     if dimensions > len(vector):
-        raise InvalidInput(f"dimensions {dimensions} is more than the model's {len(vector)}",
-                           hint=f"ask for at most {len(vector)}")
+        raise InvalidInput(
+            f"dimensions {dimensions} is more than the model's {len(vector)}", hint=f"ask for at most {len(vector)}"
+        )
     head = vector[:dimensions]
     norm = math.sqrt(sum(v * v for v in head))
     return [v / norm for v in head] if norm > 0 else head
@@ -570,8 +682,9 @@ def _shorten(vector: list[float], dimensions: int) -> list[float]:
 
 def _refuse_images(images: list[str] | None) -> None:
     if images:
-        raise InvalidInput("images are not supported yet: no vision model backend exists in localllm",
-                           hint="send text only")
+        raise InvalidInput(
+            "images are not supported yet: no vision model backend exists in localllm", hint="send text only"
+        )
 
 
 def _process_row(entry: Loaded, sharing: list[str]) -> api.ProcessModel:
@@ -579,22 +692,37 @@ def _process_row(entry: Loaded, sharing: list[str]) -> api.ProcessModel:
     placement = entry.engine.model.placement
     model = entry.model
     return api.ProcessModel(
-        name=model.name, model=model.name, size=model.size, digest=model.digest.removeprefix("sha256-"),
-        details=model.details, expires_at=entry.expires_at, context_length=entry.engine.n_ctx,
-        backend=entry.backend, slots_busy=stats.slots_busy, slots_total=stats.slots_total,
-        queue_depth=stats.queue_depth, kv_type=entry.options.kv_type or "f16",
+        name=model.name,
+        model=model.name,
+        size=model.size,
+        digest=model.digest.removeprefix("sha256-"),
+        details=model.details,
+        expires_at=entry.expires_at,
+        context_length=entry.engine.n_ctx,
+        backend=entry.backend,
+        slots_busy=stats.slots_busy,
+        slots_total=stats.slots_total,
+        queue_depth=stats.queue_depth,
+        kv_type=entry.options.kv_type or "f16",
         gpu_layers=_gpu_layers(entry),
         size_vram=sum(s.total for s in placement.offload) if placement is not None else 0,
         speculation=entry.speculation.kind if entry.speculation is not None else "none",
-        threads=stats.threads, threads_auto=entry.engine.threads is not None,
+        threads=stats.threads,
+        threads_auto=entry.engine.threads is not None,
         flash_attn=entry.options.flash_attn if entry.measured_flash_attn is None else entry.measured_flash_attn,
         flash_attn_measured=entry.measured_flash_attn is not None,
-        draft_count=stats.draft_tokens, draft_accepted=stats.accepted_tokens,
-        status="removed" if entry.removed else None, cache_ram_bytes=stats.cache_ram_bytes,
-        cache_ram_limit=stats.cache_ram_limit, cache_disk_bytes=stats.cache_disk_bytes,
-        cache_disk_limit=stats.cache_disk_limit, prefix_cache_hits=dict(stats.prefix_hits),
-        prefix_cache_tokens=dict(stats.prefix_tokens), shares_weights_with=sharing,
-        placement=_placement_rows(placement))
+        draft_count=stats.draft_tokens,
+        draft_accepted=stats.accepted_tokens,
+        status="removed" if entry.removed else None,
+        cache_ram_bytes=stats.cache_ram_bytes,
+        cache_ram_limit=stats.cache_ram_limit,
+        cache_disk_bytes=stats.cache_disk_bytes,
+        cache_disk_limit=stats.cache_disk_limit,
+        prefix_cache_hits=dict(stats.prefix_hits),
+        prefix_cache_tokens=dict(stats.prefix_tokens),
+        shares_weights_with=sharing,
+        placement=_placement_rows(placement),
+    )
 
 
 def _generate_sampling(loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest) -> api.SamplingOptions:
@@ -616,5 +744,8 @@ def _gpu_layers(entry: Loaded) -> int:
 def _placement_rows(placement: Placement | None) -> list[api.DeviceLayers]:
     if placement is None:
         return []
-    return [api.DeviceLayers(device=s.device.name, description=s.device.description, layers=s.layers,
-                             memory=s.total) for s in placement.shares if s.layers or s.device.kind == "cpu"]
+    return [
+        api.DeviceLayers(device=s.device.name, description=s.device.description, layers=s.layers, memory=s.total)
+        for s in placement.shares
+        if s.layers or s.device.kind == "cpu"
+    ]

@@ -109,11 +109,15 @@ class CacheKeeper:
             if data is None:
                 raise InvalidInput("this backend cannot save sequence states")
             held = as_tokens(slot.cached)
-            return b"".join(encode_state(cache.digest, cache.shape.fingerprint, held,
-                                         cache.shape.saved_floor(len(slot.cached)), data))
+            return b"".join(
+                encode_state(
+                    cache.digest, cache.shape.fingerprint, held, cache.shape.saved_floor(len(slot.cached)), data
+                )
+            )
         assert entry is not None
-        return b"".join(encode_state(cache.digest, cache.shape.fingerprint, entry.tokens, entry.floor,
-                                     cache.load(entry)))
+        return b"".join(
+            encode_state(cache.digest, cache.shape.fingerprint, entry.tokens, entry.floor, cache.load(entry))
+        )
 
     def import_(self, blob: bytes) -> int:
         """Pin a state from export() in the cache; the number of tokens it holds."""
@@ -121,15 +125,21 @@ class CacheKeeper:
         try:
             state = decode_state(blob, cache.digest, cache.shape.fingerprint)
         except CacheFileError as exc:
-            raise InvalidInput(f"the prompt cache cannot be loaded: {exc}",
-                               hint="it was saved with another model, build or load options") from None
+            raise InvalidInput(
+                f"the prompt cache cannot be loaded: {exc}",
+                hint="it was saved with another model, build or load options",
+            ) from None
         if cache.put(state.tokens.tolist(), state.data, pinned=True) is None:
-            raise InvalidInput(f"the prompt cache ({len(state.data):,} bytes) does not fit in the prefix cache",
-                               hint="raise LOCALLLM_CACHE_RAM")
+            raise InvalidInput(
+                f"the prompt cache ({len(state.data):,} bytes) does not fit in the prefix cache",
+                hint="raise LOCALLLM_CACHE_RAM",
+            )
         return int(state.tokens.shape[0])
 
     def _cache_for_files(self) -> PrefixCache:
         if self.cache is None or not self.cache.shape.fingerprint:
-            raise InvalidInput("prompt-cache files need the prefix cache, which is off for this model",
-                               hint="set LOCALLLM_CACHE_RAM above 0 (and use the llama.cpp backend)")
+            raise InvalidInput(
+                "prompt-cache files need the prefix cache, which is off for this model",
+                hint="set LOCALLLM_CACHE_RAM above 0 (and use the llama.cpp backend)",
+            )
         return self.cache

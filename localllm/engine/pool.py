@@ -48,8 +48,9 @@ def validate_options(kind: type, values: dict[str, Any]):
         raise InvalidInput(f"option {where}: {err['msg']} (got {err.get('input')!r})") from None
 
 
-def resolve_options(model: ResolvedModel, options: dict[str, Any] | None
-                    ) -> tuple[api.LoadOptions, api.SamplingOptions]:
+def resolve_options(
+    model: ResolvedModel, options: dict[str, Any] | None
+) -> tuple[api.LoadOptions, api.SamplingOptions]:
     """Modelfile parameters, then request options on top; split by lifetime."""
     base_load, base_sampling = api.split_options(model.parameters)
     req_load, req_sampling = api.split_options(options)
@@ -69,14 +70,16 @@ def effective_adapters(model: ResolvedModel, load: api.LoadOptions) -> list[api.
 
 def effective_load(load: api.LoadOptions) -> api.LoadOptions:
     """Fill unset load options from the environment, so two requests that mean the same thing compare equal."""
-    return load.model_copy(update={
-        "num_ctx": load.num_ctx or config.CONTEXT_LENGTH.get(),
-        "num_parallel": load.num_parallel or config.NUM_PARALLEL.get(),
-        "num_thread": load.num_thread or config.NUM_THREAD.get(),  # None: tuned as it runs
-        "kv_type": load.kv_type or config.KV_CACHE_TYPE.get(),
-        "flash_attn": config.FLASH_ATTENTION.get() if load.flash_attn is None else load.flash_attn,
-        "rpc": ",".join(config.RPC.get()) if load.rpc is None else load.rpc,  # "" (none) stays ""
-    })
+    return load.model_copy(
+        update={
+            "num_ctx": load.num_ctx or config.CONTEXT_LENGTH.get(),
+            "num_parallel": load.num_parallel or config.NUM_PARALLEL.get(),
+            "num_thread": load.num_thread or config.NUM_THREAD.get(),  # None: tuned as it runs
+            "kv_type": load.kv_type or config.KV_CACHE_TYPE.get(),
+            "flash_attn": config.FLASH_ATTENTION.get() if load.flash_attn is None else load.flash_attn,
+            "rpc": ",".join(config.RPC.get()) if load.rpc is None else load.rpc,  # "" (none) stays ""
+        }
+    )
 
 
 @dataclass(eq=False)
@@ -116,8 +119,9 @@ class ModelPool:
         self._reaper.start()
 
     @contextmanager
-    def acquire(self, model: ResolvedModel, load: api.LoadOptions, *,
-                keep_alive: float | None = None) -> Iterator[Loaded]:
+    def acquire(
+        self, model: ResolvedModel, load: api.LoadOptions, *, keep_alive: float | None = None
+    ) -> Iterator[Loaded]:
         """Hold a loaded model for one request; keep_alive (seconds, inf forever) starts counting on release.
         The options are checked against the model and the machine first (models/options.py)."""
         facts = model_facts(model.weights, model.format)
@@ -153,8 +157,10 @@ class ModelPool:
 
     def _unload_when_idle(self, entry: Loaded, *, reason: str) -> None:
         if entry.users > 0:
-            raise QueueFull(f"{entry.model.name} is busy with other load options ({reason})",
-                            hint="retry when its requests finish, or use the same options")
+            raise QueueFull(
+                f"{entry.model.name} is busy with other load options ({reason})",
+                hint="retry when its requests finish, or use the same options",
+            )
         self._unload(entry)
 
     def _make_room(self) -> None:
@@ -162,8 +168,10 @@ class ModelPool:
         while len(self._loaded) >= limit:
             idle = [e for e in self._loaded.values() if e.users == 0]
             if not idle:
-                raise QueueFull(f"all {len(self._loaded)} loaded models are busy (LOCALLLM_MAX_LOADED_MODELS={limit})",
-                                hint="retry shortly or raise LOCALLLM_MAX_LOADED_MODELS")
+                raise QueueFull(
+                    f"all {len(self._loaded)} loaded models are busy (LOCALLLM_MAX_LOADED_MODELS={limit})",
+                    hint="retry shortly or raise LOCALLLM_MAX_LOADED_MODELS",
+                )
             self._unload(min(idle, key=lambda e: e.last_used))
 
     def _load(self, model: ResolvedModel, load: api.LoadOptions, keep_alive: float | None) -> Loaded:
@@ -174,9 +182,13 @@ class ModelPool:
         # The entry keeps the options asked for (a request that asks the same again reuses it); the context gets
         # the probe's findings for what was left open.
         context_load = probed.applied_to(load)
-        loaded = get_backend(backend_name).load(model.weights, context_load, n_seq=load.num_parallel or 1,
-                                                n_ctx=load.num_ctx or config.CONTEXT_LENGTH.get(),
-                                                adapters=effective_adapters(model, load))
+        loaded = get_backend(backend_name).load(
+            model.weights,
+            context_load,
+            n_seq=load.num_parallel or 1,
+            n_ctx=load.num_ctx or config.CONTEXT_LENGTH.get(),
+            adapters=effective_adapters(model, load),
+        )
         seconds = time.perf_counter() - t0
         try:
             factory = self._speculation_factory
@@ -186,14 +198,33 @@ class ModelPool:
             loaded.close()
             raise
         tuner = ThreadTuner(physical_cores()) if load.num_thread is None and loaded.adjustable_threads else None
-        engine = ModelEngine(loaded, max_queue=config.MAX_QUEUE.get(), load_seconds=seconds,
-                             speculation=speculation, threads=tuner, pinned_threads=load.num_thread or 0,
-                             prefix_cache=prefix_cache)
-        log.info("loaded %s on %s in %.2fs: %d slots x %d tokens", model.name, backend_name, seconds,
-                 loaded.n_seq, loaded.n_ctx)
-        return Loaded(model=model, options=load, engine=engine, backend=backend_name, load_seconds=seconds,
-                      keep_alive=config.KEEP_ALIVE.get() if keep_alive is None else keep_alive,
-                      speculation=speculation, measured_flash_attn=probed.flash_attn_for(load))
+        engine = ModelEngine(
+            loaded,
+            max_queue=config.MAX_QUEUE.get(),
+            load_seconds=seconds,
+            speculation=speculation,
+            threads=tuner,
+            pinned_threads=load.num_thread or 0,
+            prefix_cache=prefix_cache,
+        )
+        log.info(
+            "loaded %s on %s in %.2fs: %d slots x %d tokens",
+            model.name,
+            backend_name,
+            seconds,
+            loaded.n_seq,
+            loaded.n_ctx,
+        )
+        return Loaded(
+            model=model,
+            options=load,
+            engine=engine,
+            backend=backend_name,
+            load_seconds=seconds,
+            keep_alive=config.KEEP_ALIVE.get() if keep_alive is None else keep_alive,
+            speculation=speculation,
+            measured_flash_attn=probed.flash_attn_for(load),
+        )
 
     def _release(self, entry: Loaded, keep_alive: float | None) -> None:
         with self._lock:
@@ -265,16 +296,20 @@ class ModelPool:
     def sharing_weights(self, entry: Loaded) -> list[str]:
         """Names of the other loaded models that use `entry`'s weights in memory (`ps`)."""
         mine = entry.engine.model.weights
-        return sorted(other.model.name for other in self.entries()
-                      if other is not entry and other.engine.model.weights == mine)
+        return sorted(
+            other.model.name for other in self.entries() if other is not entry and other.engine.model.weights == mine
+        )
 
     def _reap_forever(self) -> None:
         while not self._stopping.wait(0.5):
             self._notice_removals()
             now = datetime.now(timezone.utc)
             with self._lock:
-                expired = [e for e in self._loaded.values()
-                           if e.users == 0 and e.expires_at is not None and e.expires_at <= now]
+                expired = [
+                    e
+                    for e in self._loaded.values()
+                    if e.users == 0 and e.expires_at is not None and e.expires_at <= now
+                ]
             for entry in expired:
                 self._unload(entry)
 

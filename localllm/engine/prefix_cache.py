@@ -267,7 +267,8 @@ class PrefixCache:
         disk = [e for e in self.entries if e.path is not None]
         return CacheFigures(
             ram=TierFigures(sum(e.size for e in ram), len(ram), self.ram_limit),
-            disk=TierFigures(sum(e.size for e in disk), len(disk), self.disk.limit if self.disk else 0))
+            disk=TierFigures(sum(e.size for e in disk), len(disk), self.disk.limit if self.disk else 0),
+        )
 
     # ----------------------------------------------------------------------------------------------- eviction
 
@@ -370,8 +371,9 @@ class DiskTier:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as handle:
-                for part in encode_state(self.digest, self.fingerprint, entry.tokens, entry.floor, data,
-                                         pinned=entry.pinned):
+                for part in encode_state(
+                    self.digest, self.fingerprint, entry.tokens, entry.floor, data, pinned=entry.pinned
+                ):
                     handle.write(part)
             os.replace(tmp, path)
         except OSError as exc:  # a full or read-only disk costs the entry, never the request
@@ -412,8 +414,13 @@ class DiskTier:
         expected = offset + 4 * header["n_tokens"] + header["size"]
         if tokens.shape[0] != header["n_tokens"] or path.stat().st_size != expected:
             raise CacheFileError(f"{path.name}: truncated")
-        return Entry(tokens=tokens, floor=int(header["floor"]), size=int(header["size"]), path=path,
-                     pinned=bool(header.get("pinned")))
+        return Entry(
+            tokens=tokens,
+            floor=int(header["floor"]),
+            size=int(header["size"]),
+            path=path,
+            pinned=bool(header.get("pinned")),
+        )
 
 
 @dataclass(frozen=True)
@@ -423,13 +430,22 @@ class SavedState:
     data: bytes
 
 
-def encode_state(digest: str, fingerprint: str, tokens: np.ndarray, floor: int, data: bytes, *,
-                 pinned: bool = False) -> tuple[bytes, bytes, bytes]:
+def encode_state(
+    digest: str, fingerprint: str, tokens: np.ndarray, floor: int, data: bytes, *, pinned: bool = False
+) -> tuple[bytes, bytes, bytes]:
     """A saved state as the parts of a file (disk tier, prompt-cache files): header, tokens, state."""
     raw_tokens = tokens.astype("<i4").tobytes()
-    header = json.dumps({"digest": digest, "fingerprint": fingerprint, "floor": int(floor),
-                         "n_tokens": int(tokens.shape[0]), "size": len(data), "pinned": pinned,
-                         "checksum": _checksum(raw_tokens, data)}).encode()
+    header = json.dumps(
+        {
+            "digest": digest,
+            "fingerprint": fingerprint,
+            "floor": int(floor),
+            "n_tokens": int(tokens.shape[0]),
+            "size": len(data),
+            "pinned": pinned,
+            "checksum": _checksum(raw_tokens, data),
+        }
+    ).encode()
     return MAGIC + _HEADER_LEN.pack(len(header)) + header, raw_tokens, data
 
 
@@ -454,9 +470,10 @@ def read_header(raw: bytes, digest: str, fingerprint: str) -> tuple[dict, int]:
     if length > _MAX_HEADER or len(raw) < start + length:
         raise CacheFileError("truncated header")
     try:
-        header = json.loads(raw[start: start + length])
-        valid = isinstance(header, dict) and all(isinstance(header.get(k), int) and header[k] >= 0
-                                                 for k in ("floor", "n_tokens", "size"))
+        header = json.loads(raw[start : start + length])
+        valid = isinstance(header, dict) and all(
+            isinstance(header.get(k), int) and header[k] >= 0 for k in ("floor", "n_tokens", "size")
+        )
     except ValueError:
         valid = False
     if not valid:

@@ -178,10 +178,18 @@ def _share_prefills(requests: list[Request]) -> None:
 
 
 class ModelEngine:
-    def __init__(self, model: LoadedModel, *, max_queue: int, num_batch: int | None = None,
-                 load_seconds: float = 0.0, speculation: Speculation | None = None,
-                 threads: ThreadTuner | None = None, pinned_threads: int = 0,
-                 prefix_cache: PrefixCache | None = None):
+    def __init__(
+        self,
+        model: LoadedModel,
+        *,
+        max_queue: int,
+        num_batch: int | None = None,
+        load_seconds: float = 0.0,
+        speculation: Speculation | None = None,
+        threads: ThreadTuner | None = None,
+        pinned_threads: int = 0,
+        prefix_cache: PrefixCache | None = None,
+    ):
         self.model = model
         self.n_slots = model.n_seq
         self.n_ctx = model.n_ctx
@@ -194,8 +202,14 @@ class ModelEngine:
         self._threads_now = 0
         # Prefixes evicted from the slots, in RAM and on disk (engine/prefix_cache.py); only this thread touches it.
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
-        self._scheduler = Scheduler(n_slots=model.n_seq, n_ctx=model.n_ctx, n_batch=num_batch or model.n_batch,
-                                    max_queue=max_queue, kv_pad=model.kv_pad, prefix_cache=self.prefix_cache)
+        self._scheduler = Scheduler(
+            n_slots=model.n_seq,
+            n_ctx=model.n_ctx,
+            n_batch=num_batch or model.n_batch,
+            max_queue=max_queue,
+            kv_pad=model.kv_pad,
+            prefix_cache=self.prefix_cache,
+        )
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._outstanding = 0
         self._lock = threading.Lock()
@@ -225,20 +239,27 @@ class ModelEngine:
         fitted = [self._fit_prompt(params) for params in batch]
         with self._lock:
             if self._outstanding + len(batch) > self.n_slots + self.max_queue:
-                raise QueueFull(f"all {self.n_slots} slots are busy and {self.max_queue} requests are waiting",
-                                hint="retry shortly, or raise LOCALLLM_MAX_QUEUE / LOCALLLM_NUM_PARALLEL")
+                raise QueueFull(
+                    f"all {self.n_slots} slots are busy and {self.max_queue} requests are waiting",
+                    hint="retry shortly, or raise LOCALLLM_MAX_QUEUE / LOCALLLM_NUM_PARALLEL",
+                )
             self._outstanding += len(batch)
         admitted = [self._new_request(params, prompt, truncated) for params, (prompt, truncated) in zip(batch, fitted)]
         _share_prefills([request for request, _ in admitted])
         self._inbox.put(_Submit(admitted))
         return [Stream(request, request.sink.outbox) for request, _ in admitted]
 
-    def _new_request(self, params: GenerationParams, prompt: list[int],
-                     truncated: int) -> tuple[_Job, GenerationParams]:
+    def _new_request(
+        self, params: GenerationParams, prompt: list[int], truncated: int
+    ) -> tuple[_Job, GenerationParams]:
         opts = params.sampling
         max_tokens = opts.num_predict if opts.num_predict > 0 else math.inf
-        sink = _Output(queue.SimpleQueue(), TextStream(self.model.token_bytes, opts.stop), truncated=truncated,
-                       logprobs=params.logprobs)
+        sink = _Output(
+            queue.SimpleQueue(),
+            TextStream(self.model.token_bytes, opts.stop),
+            truncated=truncated,
+            logprobs=params.logprobs,
+        )
         if params.started is not None:
             sink.t_submit = params.started
         return Request(prompt=prompt, max_tokens=max_tokens, sink=sink, keep_prefix=params.keep_prefix), params
@@ -279,8 +300,9 @@ class ModelEngine:
     def _fit_prompt(self, params: GenerationParams) -> tuple[list[int], int]:
         prompt, n_ctx = list(params.prompt), self.n_ctx
         if not prompt:
-            raise InvalidInput("the prompt is empty after templating",
-                               hint="the template rendered nothing: check it, or send a prompt")
+            raise InvalidInput(
+                "the prompt is empty after templating", hint="the template rendered nothing: check it, or send a prompt"
+            )
         if len(prompt) < n_ctx:
             return prompt, 0
         if not params.truncate:
@@ -288,7 +310,7 @@ class ModelEngine:
         # Keep the newest tokens (and a leading BOS), leaving a quarter of the context for the answer.
         keep = max(1, n_ctx - max(1, n_ctx // 4))
         head = prompt[:1] if prompt[0] == self.model.meta.bos_token else []
-        tail = prompt[len(prompt) - (keep - len(head)):]
+        tail = prompt[len(prompt) - (keep - len(head)) :]
         return head + tail, len(prompt) - len(head) - len(tail)
 
     # ----------------------------------------------------------------------------------------------- engine thread
@@ -339,8 +361,9 @@ class ModelEngine:
             for tok in request.prompt:
                 sampler.accept(tok)
             if self.speculation is not None:
-                request.drafter = self.speculation.drafter_for(params.sampling, grammar=params.grammar,
-                                                               n_prompt=len(request.prompt))
+                request.drafter = self.speculation.drafter_for(
+                    params.sampling, grammar=params.grammar, n_prompt=len(request.prompt)
+                )
             self._scheduler.admit(request)
         except LocalLLMError as exc:
             self._close_request(request, exc)
@@ -384,8 +407,9 @@ class ModelEngine:
             if room == 0 or req.drafter is None or req.slot is None:
                 continue
             try:
-                req.draft = req.drafter.propose(req.prompt + req.generated, seq=req.slot.seq, busy_slots=busy,
-                                                room=room)
+                req.draft = req.drafter.propose(
+                    req.prompt + req.generated, seq=req.slot.seq, busy_slots=busy, room=room
+                )
             except LocalLLMError as exc:  # speculation only saves time: the request goes on without it
                 log.warning("speculation off for request %d: %s", req.id, exc)
                 req.drafter.close()
@@ -486,8 +510,9 @@ class ModelEngine:
             logits = self.model.logits(row).astype(np.float64)
             logz = float(np.logaddexp.reduce(logits))
             top = _top_indices(logits, top_n)
-            out.append(TokenLogprob(tok, float(logits[tok]) - logz,
-                                    tuple((int(t), float(logits[t]) - logz) for t in top)))
+            out.append(
+                TokenLogprob(tok, float(logits[tok]) - logz, tuple((int(t), float(logits[t]) - logz) for t in top))
+            )
         return out
 
     def _drop_rejected(self, step: Step) -> None:
@@ -529,7 +554,7 @@ class ModelEngine:
             reason = "length"
         if reason is not None:
             # Tokens past the end (after EOS, a stop string or the limit) are not part of the answer.
-            del req.generated[len(req.generated) - len(tokens) + len(shown):]
+            del req.generated[len(req.generated) - len(tokens) + len(shown) :]
         if text or shown:
             logprobs = tuple(out.pending_logprobs[: len(shown)])
             out.pending_logprobs.clear()
@@ -571,11 +596,17 @@ class ModelEngine:
             return max(0, int(seconds * 1e9))
 
         return Timings(
-            total_duration=ns(end - out.t_submit), prompt_eval_count=len(req.prompt),
-            prompt_eval_duration=ns(first - start), eval_count=len(req.generated), eval_duration=ns(end - first),
-            prompt_cache_count=req.n_cached, truncated_tokens=out.truncated, draft_count=req.n_drafted,
+            total_duration=ns(end - out.t_submit),
+            prompt_eval_count=len(req.prompt),
+            prompt_eval_duration=ns(first - start),
+            eval_count=len(req.generated),
+            eval_duration=ns(end - first),
+            prompt_cache_count=req.n_cached,
+            truncated_tokens=out.truncated,
+            draft_count=req.n_drafted,
             draft_accepted=req.n_accepted,
-            draft_mean_accepted=round(req.n_accepted / req.n_draft_steps, 3) if req.n_draft_steps else 0.0)
+            draft_mean_accepted=round(req.n_accepted / req.n_draft_steps, 3) if req.n_draft_steps else 0.0,
+        )
 
     def _close_request(self, req: Request, exc: BaseException) -> None:
         req.done_reason = req.done_reason or "error"  # over: a request that follows it stops waiting for it

@@ -119,8 +119,16 @@ def _prefilling(request: Request | None) -> bool:
 
 
 class Scheduler:
-    def __init__(self, *, n_slots: int, n_ctx: int, n_batch: int, max_queue: int, kv_pad: int = 1,
-                 prefix_cache: PrefixCache | None = None):
+    def __init__(
+        self,
+        *,
+        n_slots: int,
+        n_ctx: int,
+        n_batch: int,
+        max_queue: int,
+        kv_pad: int = 1,
+        prefix_cache: PrefixCache | None = None,
+    ):
         recurrent = prefix_cache is not None and prefix_cache.shape.recurrent
         self.table: SlotTable[Request[Any]] = SlotTable(n_slots, recurrent=recurrent)
         self.cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
@@ -137,8 +145,10 @@ class Scheduler:
     def admit(self, request: Request[Any]) -> None:
         # Waiting requests take the free slots at the next schedule(); only the rest count against the queue.
         if len(self.waiting) >= self.max_queue + len(self.table.free()):
-            raise QueueFull(f"{len(self.waiting)} requests are already waiting for a slot",
-                            hint="retry shortly, or raise LOCALLLM_MAX_QUEUE / LOCALLLM_NUM_PARALLEL")
+            raise QueueFull(
+                f"{len(self.waiting)} requests are already waiting for a slot",
+                hint="retry shortly, or raise LOCALLLM_MAX_QUEUE / LOCALLLM_NUM_PARALLEL",
+            )
         self.waiting.append(request)
 
     def cancel(self, request: Request[Any]) -> None:

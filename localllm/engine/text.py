@@ -62,5 +62,5 @@ class TextStream:
             return ""
         delta = self._match(self._pending, final)
         self.stopped = delta.stopped
-        self._pending = "" if delta.stopped else self._pending[len(delta.text):]
+        self._pending = "" if delta.stopped else self._pending[len(delta.text) :]
         return delta.text

@@ -46,8 +46,16 @@ class ThreadTuner:
     another program's threads winding down. It is tried at once after `patience` steps in a row slower than
     `slowdown` times its baseline (another process took a core)."""
 
-    def __init__(self, max_threads: int, *, rounds: int = 3, first_recheck: int = 64, recheck: int = 1024,
-                 slowdown: float = 1.3, patience: int = 6):
+    def __init__(
+        self,
+        max_threads: int,
+        *,
+        rounds: int = 3,
+        first_recheck: int = 64,
+        recheck: int = 1024,
+        slowdown: float = 1.3,
+        patience: int = 6,
+    ):
         self.candidates = list(range(1, max(1, max_threads) + 1))
         self.rounds = rounds
         self.first_recheck = first_recheck

@@ -57,26 +57,36 @@ def _create_model(request: api.CreateRequest, store: Store, *, base_dir: Path | 
     else:
         parent = yield from _resolve_parent(request.from_ or "", store, base)  # FROM checked in _check_request
     if (parent.format == "mlx" or _wants_mlx(request)) and (parent.adapters or adapters_files):
-        raise InvalidInput("LoRA adapters are not supported on the MLX backend yet",
-                           hint="keep the model and its adapters in GGUF (without --format mlx)")
+        raise InvalidInput(
+            "LoRA adapters are not supported on the MLX backend yet",
+            hint="keep the model and its adapters in GGUF (without --format mlx)",
+        )
     fmt, weights = parent.format, parent.weights_spec
     details = parent.model.details.model_copy(update={"parent_model": parent.label})
     quality = None
     if _wants_mlx(request) and fmt == "gguf":
         weights = yield from _convert_to_mlx(parent.model.weights, store, request.quantize)
         fmt = "mlx"
-        details = details.model_copy(update={"format": "mlx", "quantization_level": (request.quantize or "").upper()
-                                             or details.quantization_level})
+        details = details.model_copy(
+            update={
+                "format": "mlx",
+                "quantization_level": (request.quantize or "").upper() or details.quantization_level,
+            }
+        )
     elif request.quantize:
         weights, quality = yield from _quantize(parent, request, store, base)
         details = _gguf_details(store, weights).model_copy(update={"parent_model": parent.label})
     else:
         yield api.PullProgress(status=f"using existing layer {_describe_weights(weights)}")
-    adapters = parent.adapters + [_store_adapter(path, file, request.adapter_scales.get(path, 1.0), store, parent)
-                                  for path, file in adapters_files.items()]
+    adapters = parent.adapters + [
+        _store_adapter(path, file, request.adapter_scales.get(path, 1.0), store, parent)
+        for path, file in adapters_files.items()
+    ]
     yield api.PullProgress(status="writing manifest")
     store.write_model(
-        target.display, weights=weights, fmt=fmt,
+        target.display,
+        weights=weights,
+        fmt=fmt,
         template=_pick(request.template, parent.model.template),
         system=_pick(request.system, parent.model.system),
         parameters={**parent.model.parameters, **request.parameters},
@@ -103,8 +113,10 @@ def _check_request(request: api.CreateRequest) -> None:
 
         check_quantize(request.quantize)
         if request.adapters:
-            raise InvalidInput("LoRA adapters are not supported on the MLX backend yet",
-                               hint="keep the model and its adapters in GGUF (without --format mlx)")
+            raise InvalidInput(
+                "LoRA adapters are not supported on the MLX backend yet",
+                hint="keep the model and its adapters in GGUF (without --format mlx)",
+            )
     elif request.quantize:
         from ..quant.quantize import quant_type
 
@@ -120,23 +132,32 @@ def _describe_weights(weights: Weights) -> str:
     return f"{len(weights)} GGUF parts" if isinstance(weights, list) else "mlx files"
 
 
-def _quantize(parent: _Parent, request: api.CreateRequest, store: Store, base: Path
-              ) -> Generator[api.PullProgress, None, tuple[str, api.QuantizationReport | None]]:
+def _quantize(
+    parent: _Parent, request: api.CreateRequest, store: Store, base: Path
+) -> Generator[api.PullProgress, None, tuple[str, api.QuantizationReport | None]]:
     """Quantize the parent's GGUF into a new blob; return (digest, quality report)."""
     from ..quant.quality import describe_report
     from ..quant.quantize import run_quantize
 
     if parent.format != "gguf":
-        raise InvalidInput(f"{parent.label} is an {parent.format} model; --quantize works on GGUF weights",
-                           hint="MLX models are quantized when converted: --format mlx --quantize q4")
+        raise InvalidInput(
+            f"{parent.label} is an {parent.format} model; --quantize works on GGUF weights",
+            hint="MLX models are quantized when converted: --format mlx --quantize q4",
+        )
     imatrix = _relative_to(Path(request.imatrix), base) if request.imatrix else None
     scratch = store.scratch_dir()  # inside the store, so the result moves into the blobs without a copy
     try:
         out = scratch / "model.gguf"
-        report = yield from run_quantize(parent.model.weights, out, request.quantize or "", label=parent.label,
-                                         allow_requantize=request.allow_requantize, imatrix=imatrix,
-                                         threads=config.NUM_THREAD.get() or physical_cores(),
-                                         report_tokens=config.QUALITY_TOKENS.get())
+        report = yield from run_quantize(
+            parent.model.weights,
+            out,
+            request.quantize or "",
+            label=parent.label,
+            allow_requantize=request.allow_requantize,
+            imatrix=imatrix,
+            threads=config.NUM_THREAD.get() or physical_cores(),
+            report_tokens=config.QUALITY_TOKENS.get(),
+        )
         for line in describe_report(report) if report else []:
             yield api.PullProgress(status=line)
         yield api.PullProgress(status="writing quantized weights")
@@ -159,8 +180,13 @@ def _check_quantize_early(request: api.CreateRequest, store: Store, base: Path) 
     parent = store.resolve(name)
     if parent.format == "gguf":
         imatrix = _relative_to(Path(request.imatrix), base) if request.imatrix else None
-        check_quantize(parent.weights, quant_type(request.quantize or ""), allow_requantize=request.allow_requantize,
-                       imatrix=imatrix, label=parent.name)
+        check_quantize(
+            parent.weights,
+            quant_type(request.quantize or ""),
+            allow_requantize=request.allow_requantize,
+            imatrix=imatrix,
+            label=parent.name,
+        )
 
 
 def _gguf_details(store: Store, digest: Weights) -> api.ModelDetails:
@@ -175,8 +201,9 @@ def _wants_mlx(request: api.CreateRequest) -> bool:
     return request.format == "mlx" or request.parameters.get("backend") == "mlx"
 
 
-def _convert_to_mlx(gguf: Path, store: Store, quantize: str | None
-                    ) -> Generator[api.PullProgress, None, dict[str, str]]:
+def _convert_to_mlx(
+    gguf: Path, store: Store, quantize: str | None
+) -> Generator[api.PullProgress, None, dict[str, str]]:
     """Convert the parent's GGUF into an MLX folder and add its files as blobs; returns {file name: digest}."""
     import tempfile
 
@@ -225,19 +252,24 @@ def _parent_from_files(files: dict[str, str], store: Store) -> _Parent:
     ggufs = {name: digest for name, digest in files.items() if name.lower().endswith(".gguf")}
     others = sorted(set(files) - set(ggufs))
     if others:
-        raise InvalidInput(f"files {others} are not GGUF: localllm creates models from one .gguf file",
-                           hint="convert safetensors weights to GGUF first (llama.cpp's convert_hf_to_gguf.py)")
+        raise InvalidInput(
+            f"files {others} are not GGUF: localllm creates models from one .gguf file",
+            hint="convert safetensors weights to GGUF first (llama.cpp's convert_hf_to_gguf.py)",
+        )
     if len(ggufs) != 1:
         raise InvalidInput(f"files names {len(ggufs)} .gguf files; localllm creates a model from exactly one")
     name, digest = next(iter(ggufs.items()))
     digest = parse_digest(digest)
     if not store.has_blob(digest):
-        raise InvalidInput(f"blob {digest} for {name!r} is not on the server",
-                           hint="upload it first: POST /api/blobs/<digest> (what the ollama client's create does)")
+        raise InvalidInput(
+            f"blob {digest} for {name!r} is not on the server",
+            hint="upload it first: POST /api/blobs/<digest> (what the ollama client's create does)",
+        )
     path = store.blob_path(digest)
     info = inspect_gguf(path)  # a file that is no GGUF fails here, before a manifest names it
-    model = ResolvedModel(name=name, digest=digest, weights=path, format="gguf", size=path.stat().st_size,
-                          details=info.details())
+    model = ResolvedModel(
+        name=name, digest=digest, weights=path, format="gguf", size=path.stat().st_size, details=info.details()
+    )
     return _Parent(model, digest, [], name)
 
 
@@ -253,8 +285,9 @@ def _adapter_file(path: str, digest: str, store: Store, base: Path) -> Path:
     else:
         file = _relative_to(Path(path).expanduser(), base)
         if not file.is_file():
-            raise InvalidInput(f"adapter file {file} does not exist",
-                               hint="ADAPTER paths are relative to the Modelfile")
+            raise InvalidInput(
+                f"adapter file {file} does not exist", hint="ADAPTER paths are relative to the Modelfile"
+            )
     inspect_lora(file)
     return file
 
@@ -266,8 +299,10 @@ def _store_adapter(path: str, file: Path, scale: float, store: Store, parent: _P
     lora = inspect_lora(file)
     family = parent.model.details.family
     if family and lora.architecture != family:
-        raise InvalidInput(f"adapter {path!r} is for {lora.architecture or 'an unknown architecture'}, but "
-                           f"{parent.label} is {family}", hint="use an adapter trained on this base model")
+        raise InvalidInput(
+            f"adapter {path!r} is for {lora.architecture or 'an unknown architecture'}, but {parent.label} is {family}",
+            hint="use an adapter trained on this base model",
+        )
     return store.add_blob_from_file(file), scale
 
 

@@ -33,8 +33,9 @@ def check_free_space(folder: Path, needed: int, what: str) -> None:
 
 
 @contextmanager
-def disk_full_as_error(what: str, folder: Path, needed: int | None = None, *,
-                       written: int | None = None) -> Iterator[None]:
+def disk_full_as_error(
+    what: str, folder: Path, needed: int | None = None, *, written: int | None = None
+) -> Iterator[None]:
     """Within the block, a write that finds the disk (or the quota) full raises DiskFull instead of OSError.
 
     Args:
@@ -47,8 +48,10 @@ def disk_full_as_error(what: str, folder: Path, needed: int | None = None, *,
         if exc.errno not in _FULL:
             raise
         if needed is None and written is not None:
-            raise DiskFull(f"not enough disk space for {what}: the disk filled up after {size_text(written)} in "
-                           f"{folder}", hint=_HINT) from None
+            raise DiskFull(
+                f"not enough disk space for {what}: the disk filled up after {size_text(written)} in {folder}",
+                hint=_HINT,
+            ) from None
         raise _disk_full(what, folder, needed=needed, free=free_bytes(folder)) from None
 
 

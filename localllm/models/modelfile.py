@@ -47,6 +47,7 @@ class _Instruction:
 
 # ---------------------------------------------------------------------------------------------------------- lexing
 
+
 def _split_lines(text: str) -> list[str]:
     # Only \n, \r\n and \r end a line (as in Ollama); str.splitlines would also split on form feeds and the like.
     return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n").split("\n")
@@ -97,14 +98,16 @@ def _read_instructions(text: str) -> Iterator[_Instruction]:
         while not _is_closed(tail := _quoted_tail(args, name).strip()):
             if index == len(lines):
                 quote = TRIPLE_QUOTE if tail.startswith(TRIPLE_QUOTE) else '"'
-                raise ModelfileError(start, f"unterminated {quote} in {name}: no closing {quote} before the end "
-                                            "of the file")
+                raise ModelfileError(
+                    start, f"unterminated {quote} in {name}: no closing {quote} before the end of the file"
+                )
             args += "\n" + lines[index]
             index += 1
         yield _Instruction(start, name, args.strip())
 
 
 # ---------------------------------------------------------------------------------------------------------- values
+
 
 def _parse_value(ins: _Instruction, raw: str) -> str:
     if not raw.strip():
@@ -127,6 +130,7 @@ def validate_parameter(name: str, value: str, *, line: int) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------- parsing
+
 
 @dataclass
 class _Collected:
@@ -167,7 +171,7 @@ def _add_message(ins: _Instruction, collected: _Collected) -> None:
     if role not in MESSAGE_ROLES:
         raise ModelfileError(ins.line, f"MESSAGE role {role!r} must be one of {', '.join(MESSAGE_ROLES)}")
     if not raw.strip():
-        raise ModelfileError(ins.line, f"MESSAGE {role} needs a text (write \"\" for an empty one)")
+        raise ModelfileError(ins.line, f'MESSAGE {role} needs a text (write "" for an empty one)')
     collected.messages.append(api.Message(role=role, content=_unquote(raw.strip())))
 
 
@@ -183,8 +187,11 @@ def _add_instruction(ins: _Instruction, collected: _Collected) -> None:
     elif ins.name == "ADAPTER":
         _add_adapter(ins, collected)
     elif ins.name in UNSUPPORTED_INSTRUCTIONS:
-        raise ModelfileError(ins.line, f"{ins.name} names a renderer built into Ollama; localllm does not support "
-                                       "it (remove the line; the model's own chat template is used)")
+        raise ModelfileError(
+            ins.line,
+            f"{ins.name} names a renderer built into Ollama; localllm does not support "
+            "it (remove the line; the model's own chat template is used)",
+        )
     elif ins.name not in SKIPPED_INSTRUCTIONS:
         raise ModelfileError(ins.line, f"unknown instruction {ins.name!r}; expected one of {', '.join(INSTRUCTIONS)}")
 
@@ -203,8 +210,11 @@ def _add_adapter(ins: _Instruction, collected: _Collected) -> None:
             path = words[0].strip()
     if scale is not None:
         if not -api.ADAPTER_SCALE_LIMIT <= scale <= api.ADAPTER_SCALE_LIMIT:
-            raise ModelfileError(ins.line, f"ADAPTER scale {tail} is outside -{api.ADAPTER_SCALE_LIMIT:g}.."
-                                           f"{api.ADAPTER_SCALE_LIMIT:g} (1 applies the adapter as trained)")
+            raise ModelfileError(
+                ins.line,
+                f"ADAPTER scale {tail} is outside -{api.ADAPTER_SCALE_LIMIT:g}.."
+                f"{api.ADAPTER_SCALE_LIMIT:g} (1 applies the adapter as trained)",
+            )
         collected.adapter_scales[path] = scale
     collected.adapters[path] = ""
 
@@ -231,15 +241,22 @@ def parse_modelfile(text: str) -> api.CreateRequest:
         _add_instruction(ins, collected)
     if "FROM" not in collected.seen:
         # Line 1: where the FROM belongs.
-        raise ModelfileError(1, "no FROM line: a Modelfile must say which model it builds on "
-                                "(FROM name or FROM ./file.gguf)")
-    return api.CreateRequest(model="", parameters=collected.parameters, messages=collected.messages,
-                             license=_license_field(collected.licenses), adapters=collected.adapters,
-                             adapter_scales=collected.adapter_scales,
-                             **collected.fields)
+        raise ModelfileError(
+            1, "no FROM line: a Modelfile must say which model it builds on (FROM name or FROM ./file.gguf)"
+        )
+    return api.CreateRequest(
+        model="",
+        parameters=collected.parameters,
+        messages=collected.messages,
+        license=_license_field(collected.licenses),
+        adapters=collected.adapters,
+        adapter_scales=collected.adapter_scales,
+        **collected.fields,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- rendering
+
 
 def _needs_quotes(value: str) -> bool:
     return value == "" or "\n" in value or value != value.strip() or value.startswith('"')
@@ -262,8 +279,9 @@ def quote_value(value: str, *, what: str = "value") -> str:
         return value
     quoted = f'"{value}"' if '"' not in value else f"{TRIPLE_QUOTE}{value}{TRIPLE_QUOTE}"
     if _closes_early(quoted):
-        raise InvalidInput(f"{what} {value[:40]!r} cannot be written in a Modelfile: a line inside it ends with "
-                           f"{TRIPLE_QUOTE}")
+        raise InvalidInput(
+            f"{what} {value[:40]!r} cannot be written in a Modelfile: a line inside it ends with {TRIPLE_QUOTE}"
+        )
     return quoted
 
 
@@ -271,13 +289,15 @@ def _render_adapter(path: str, scale: float) -> str:
     if scale == 1.0:
         return f"ADAPTER {quote_value(path, what='ADAPTER')}"
     if _needs_quotes(path) or " " in path:
-        raise InvalidInput(f"adapter {path!r} with scale {scale:g} cannot be written in a Modelfile",
-                           hint="give the adapter file a name without blanks")
+        raise InvalidInput(
+            f"adapter {path!r} with scale {scale:g} cannot be written in a Modelfile",
+            hint="give the adapter file a name without blanks",
+        )
     return f"ADAPTER {path} {scale:g}"
 
 
 def _render_parameter(name: str, value: Any) -> Iterator[str]:
-    for item in (value if isinstance(value, list) else [value]):
+    for item in value if isinstance(value, list) else [value]:
         text = ("true" if item else "false") if isinstance(item, bool) else str(item)
         yield f"PARAMETER {name} {quote_value(text, what=f'parameter {name}')}"
 
@@ -294,12 +314,18 @@ def _as_list(value: str | Iterable[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def render_modelfile(*, from_: str, template: str | None = None, system: str | None = None,
-                     parameters: Mapping[str, Any] | None = None,
-                     messages: Iterable[api.Message | Mapping[str, Any]] = (),
-                     license: str | Iterable[str] | None = None, draft: str | None = None,
-                     adapters: Mapping[str, str] | Iterable[str] | None = None,
-                     adapter_scales: Mapping[str, float] | None = None) -> str:
+def render_modelfile(
+    *,
+    from_: str,
+    template: str | None = None,
+    system: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    messages: Iterable[api.Message | Mapping[str, Any]] = (),
+    license: str | Iterable[str] | None = None,
+    draft: str | None = None,
+    adapters: Mapping[str, str] | Iterable[str] | None = None,
+    adapter_scales: Mapping[str, float] | None = None,
+) -> str:
     """Write a Modelfile that parse_modelfile reads back to the same request.
 
     Args:

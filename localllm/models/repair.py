@@ -45,5 +45,8 @@ def _repair_one(store: Store, digest: str, names: list[str]) -> Progress:
         yield api.PullProgress(status=f"repairing {digest} from hf.co/{hf.repo}", digest=digest)
         yield from hf.pull(store)
         return
-    yield api.PullProgress(status=f"cannot repair {digest} of {', '.join(names)}: it has no catalog or Hugging Face "
-                                  "source; pull or create it again", digest=digest)
+    yield api.PullProgress(
+        status=f"cannot repair {digest} of {', '.join(names)}: it has no catalog or Hugging Face "
+        "source; pull or create it again",
+        digest=digest,
+    )

@@ -45,14 +45,14 @@ from .names import ModelRef, parse_digest, parse_ref
 
 MANIFEST_MEDIA = "application/vnd.localllm.manifest.v1+json"
 MEDIA_GGUF = "application/vnd.localllm.model.gguf"
-MEDIA_MLX = "application/vnd.localllm.model.mlx"          # one layer per file, with its relative "name"
+MEDIA_MLX = "application/vnd.localllm.model.mlx"  # one layer per file, with its relative "name"
 MEDIA_TEMPLATE = "application/vnd.localllm.template"
 MEDIA_SYSTEM = "application/vnd.localllm.system"
 MEDIA_PARAMS = "application/vnd.localllm.params+json"
 MEDIA_MESSAGES = "application/vnd.localllm.messages+json"
 MEDIA_LICENSE = "application/vnd.localllm.license"
 MEDIA_DRAFT = "application/vnd.localllm.draft"
-MEDIA_ADAPTER = "application/vnd.localllm.adapter"         # with its "scale" (default 1)
+MEDIA_ADAPTER = "application/vnd.localllm.adapter"  # with its "scale" (default 1)
 MEDIA_QUALITY = "application/vnd.localllm.quantization-report+json"
 
 WEIGHT_MEDIA = {"gguf": MEDIA_GGUF, "mlx": MEDIA_MLX}
@@ -81,7 +81,7 @@ class ResolvedModel:
     digest: str
     weights: Path
     format: str
-    template: str | None = None          # None: the weights' own chat template applies
+    template: str | None = None  # None: the weights' own chat template applies
     system: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
     messages: list[api.Message] = field(default_factory=list)
@@ -176,10 +176,16 @@ class Store:
         """Every stored model, newest first; details come from the manifest, so no weights file is opened."""
         rows = []
         for manifest in self._all_manifests():
-            rows.append(api.ModelSummary(
-                name=manifest.ref.display, model=manifest.ref.display, modified_at=manifest.modified_at,
-                size=manifest.size, digest=manifest.digest.removeprefix("sha256-"),
-                details=self._details(manifest)))
+            rows.append(
+                api.ModelSummary(
+                    name=manifest.ref.display,
+                    model=manifest.ref.display,
+                    modified_at=manifest.modified_at,
+                    size=manifest.size,
+                    digest=manifest.digest.removeprefix("sha256-"),
+                    details=self._details(manifest),
+                )
+            )
         return sorted(rows, key=lambda row: row.modified_at, reverse=True)
 
     def weights_of(self, name: str) -> tuple[str, Weights]:
@@ -194,8 +200,10 @@ class Store:
 
     def adapter_layers(self, name: str) -> builtins.list[tuple[str, float]]:
         """(digest, scale) of each adapter of a stored model, as write_model takes them."""
-        return [(layer["digest"], float(layer.get("scale", 1.0)))
-                for layer in self._read_manifest(parse_ref(name)).layers_of(MEDIA_ADAPTER)]
+        return [
+            (layer["digest"], float(layer.get("scale", 1.0)))
+            for layer in self._read_manifest(parse_ref(name)).layers_of(MEDIA_ADAPTER)
+        ]
 
     def blob_path(self, digest: str) -> Path:
         return self.blobs_dir / parse_digest(digest)
@@ -271,8 +279,10 @@ class Store:
         collect what a replaced manifest no longer shares. Call with the store lock held."""
         for layer in data.get("layers", []):
             if not self.has_blob(layer["digest"]):
-                raise IntegrityError(f"blob {layer['digest']} of {ref.display!r} is no longer in the store",
-                                     hint="another process removed it meanwhile; pull or create the model again")
+                raise IntegrityError(
+                    f"blob {layer['digest']} of {ref.display!r} is no longer in the store",
+                    hint="another process removed it meanwhile; pull or create the model again",
+                )
         path = self._manifest_path(ref)
         try:
             old: _Manifest | None = self._read_manifest(ref) if path.is_file() else None
@@ -314,8 +324,7 @@ class Store:
         size = path.stat().st_size
         self.blobs_dir.mkdir(parents=True, exist_ok=True)
         check_free_space(self.blobs_dir, size, f"a copy of {path}")
-        with self.writing(), path.open("rb") as source, \
-                disk_full_as_error(f"a copy of {path}", self.blobs_dir, size):
+        with self.writing(), path.open("rb") as source, disk_full_as_error(f"a copy of {path}", self.blobs_dir, size):
             return self._add_blob_from_stream(source)
 
     def add_uploaded_blob(self, digest: str, source: BinaryIO) -> str:
@@ -334,8 +343,10 @@ class Store:
             try:
                 return partial.commit("the upload")
             except IntegrityError as exc:
-                raise InvalidInput(f"the uploaded bytes do not match {parse_digest(digest)}: {exc.message}",
-                                   hint="upload the file whose sha256 the URL names") from None
+                raise InvalidInput(
+                    f"the uploaded bytes do not match {parse_digest(digest)}: {exc.message}",
+                    hint="upload the file whose sha256 the URL names",
+                ) from None
 
     def adopt_blob(self, path: Path) -> str:
         """Move a finished file (written inside the store's root, so the rename stays on one filesystem) into the
@@ -362,8 +373,7 @@ class Store:
         return digest
 
     @contextmanager
-    def open_partial(self, digest: str | None, *, key: str = "", size: int | None = None
-                     ) -> Iterator[PartialBlob]:
+    def open_partial(self, digest: str | None, *, key: str = "", size: int | None = None) -> Iterator[PartialBlob]:
         """A blob being written, locked against other writers; see PartialBlob.
 
         Args:
@@ -374,8 +384,9 @@ class Store:
         digest = parse_digest(digest) if digest is not None else None
         stem = digest or f"download-{hashlib.sha256(key.encode()).hexdigest()[:32]}"
         with self.writing(), file_lock(self._blob_lock_path(stem)), ExitStack() as pins:
-            partial = PartialBlob(self, digest, self.blobs_dir / f"{stem}-partial", size, pins=pins,
-                                  label=key or digest or stem)
+            partial = PartialBlob(
+                self, digest, self.blobs_dir / f"{stem}-partial", size, pins=pins, label=key or digest or stem
+            )
             try:
                 partial.ensure_room()
                 yield partial
@@ -391,13 +402,23 @@ class Store:
                 if not partial.done and partial.completed == 0:
                     partial.discard()  # nothing received: no empty file left behind
 
-    def write_model(self, name: str, *, weights: Weights, fmt: str = "gguf",
-                    template: str | None = None, system: str | None = None,
-                    parameters: dict[str, Any] | None = None, messages: builtins.list[Any] | None = None,
-                    license: str | builtins.list[str] | None = None, draft: str | None = None,
-                    adapters: Sequence[str | tuple[str, float]] | None = None,
-                    details: api.ModelDetails | None = None, source: dict[str, Any] | None = None,
-                    quality: api.QuantizationReport | None = None) -> ResolvedModel:
+    def write_model(
+        self,
+        name: str,
+        *,
+        weights: Weights,
+        fmt: str = "gguf",
+        template: str | None = None,
+        system: str | None = None,
+        parameters: dict[str, Any] | None = None,
+        messages: builtins.list[Any] | None = None,
+        license: str | builtins.list[str] | None = None,
+        draft: str | None = None,
+        adapters: Sequence[str | tuple[str, float]] | None = None,
+        details: api.ModelDetails | None = None,
+        source: dict[str, Any] | None = None,
+        quality: api.QuantizationReport | None = None,
+    ) -> ResolvedModel:
         """Write (or replace) the manifest of `name` from blobs already in the store.
 
         Args:
@@ -414,9 +435,16 @@ class Store:
         ref = parse_ref(name)
         with self.lock():  # the blobs checked here cannot be collected before the manifest names them
             layers = self._weight_layers(weights, fmt)
-            layers += self._extra_layers(template=template, system=system, parameters=parameters,
-                                         messages=messages, license=license, draft=draft, adapters=adapters,
-                                         quality=quality)
+            layers += self._extra_layers(
+                template=template,
+                system=system,
+                parameters=parameters,
+                messages=messages,
+                license=license,
+                draft=draft,
+                adapters=adapters,
+                quality=quality,
+            )
             if details is None and fmt == "gguf":
                 details = _inspect_details(self._gguf_parts(ref.display, layers)[0])
             model_config: dict[str, Any] = {"format": fmt}
@@ -464,14 +492,23 @@ class Store:
     def _prune(self, dry_run: bool) -> api.PruneReport:
         with self.lock():
             named, manifest_digests = self._named()
-            doomed = [path for path in _children(self.blobs_dir)
-                      if _is_leftover(path.name) or (_BLOB_NAME.match(path.name) and path.name not in named)]
+            doomed = [
+                path
+                for path in _children(self.blobs_dir)
+                if _is_leftover(path.name) or (_BLOB_NAME.match(path.name) and path.name not in named)
+            ]
             doomed += [path for path in _children(self.mlx_dir) if path.name not in manifest_digests]
             doomed += [path for path in _children(self.corrupt_dir) if path.name not in named]
-            doomed += [path for path in self.manifests_dir.rglob(".*") if ".tmp-" in path.name] \
-                if self.manifests_dir.is_dir() else []
-            report = api.PruneReport(removed=[str(p.relative_to(self.root)) for p in doomed],
-                                     freed=sum(_size_of(p) for p in doomed), dry_run=dry_run)
+            doomed += (
+                [path for path in self.manifests_dir.rglob(".*") if ".tmp-" in path.name]
+                if self.manifests_dir.is_dir()
+                else []
+            )
+            report = api.PruneReport(
+                removed=[str(p.relative_to(self.root)) for p in doomed],
+                freed=sum(_size_of(p) for p in doomed),
+                dry_run=dry_run,
+            )
             if not dry_run:
                 for path in doomed:
                     _remove(path)
@@ -530,8 +567,11 @@ class Store:
 
     def stored_names(self) -> builtins.list[str]:
         """The names of every stored model, without reading a manifest."""
-        refs = (_ref_from_manifest_path(path.relative_to(self.manifests_dir))
-                for path in sorted(self.manifests_dir.glob("*/*/*/*")) if path.is_file())
+        refs = (
+            _ref_from_manifest_path(path.relative_to(self.manifests_dir))
+            for path in sorted(self.manifests_dir.glob("*/*/*/*"))
+            if path.is_file()
+        )
         return [ref.display for ref in refs if ref is not None]
 
     def _read_manifest(self, ref: ModelRef) -> _Manifest:
@@ -540,13 +580,16 @@ class Store:
             raw = path.read_bytes()
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             suggestion = None if find_entry(ref) else did_you_mean(ref.display, self.stored_names())
-            raise ModelNotFound(f"model {ref.display!r} not found",
-                                hint=suggestion or f"pull it with `localllm pull {ref.display}`") from None
+            raise ModelNotFound(
+                f"model {ref.display!r} not found", hint=suggestion or f"pull it with `localllm pull {ref.display}`"
+            ) from None
         try:
             data = json.loads(raw)
         except ValueError:
-            raise ModelFormatError(f"the manifest of {ref.display!r} at {path} is not valid JSON",
-                                   hint=f"remove it with `localllm rm {ref.display}` and pull again") from None
+            raise ModelFormatError(
+                f"the manifest of {ref.display!r} at {path} is not valid JSON",
+                hint=f"remove it with `localllm rm {ref.display}` and pull again",
+            ) from None
         modified = datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc)
         return _Manifest(ref, data, f"sha256-{hashlib.sha256(raw).hexdigest()}", modified)
 
@@ -560,9 +603,18 @@ class Store:
                     continue
 
     def _resolve_manifest(self, manifest: _Manifest) -> ResolvedModel:
-        texts = {media: [self._read_text(manifest, layer) for layer in manifest.layers_of(media)]
-                 for media in (MEDIA_TEMPLATE, MEDIA_SYSTEM, MEDIA_PARAMS, MEDIA_MESSAGES, MEDIA_LICENSE,
-                               MEDIA_DRAFT, MEDIA_QUALITY)}
+        texts = {
+            media: [self._read_text(manifest, layer) for layer in manifest.layers_of(media)]
+            for media in (
+                MEDIA_TEMPLATE,
+                MEDIA_SYSTEM,
+                MEDIA_PARAMS,
+                MEDIA_MESSAGES,
+                MEDIA_LICENSE,
+                MEDIA_DRAFT,
+                MEDIA_QUALITY,
+            )
+        }
         parts = self._weight_parts(manifest)
         quality = _last(texts[MEDIA_QUALITY])
         return ResolvedModel(
@@ -578,9 +630,12 @@ class Store:
             messages=[api.Message.model_validate(m) for m in json.loads(_last(texts[MEDIA_MESSAGES]) or "[]")],
             license="\n\n".join(texts[MEDIA_LICENSE]) or None,
             draft=_last(texts[MEDIA_DRAFT]),
-            adapters=[api.LoraAdapter(path=str(self._existing_blob(manifest, layer["digest"])),
-                                      scale=float(layer.get("scale", 1.0)))
-                      for layer in manifest.layers_of(MEDIA_ADAPTER)],
+            adapters=[
+                api.LoraAdapter(
+                    path=str(self._existing_blob(manifest, layer["digest"])), scale=float(layer.get("scale", 1.0))
+                )
+                for layer in manifest.layers_of(MEDIA_ADAPTER)
+            ],
             size=manifest.size,
             modified_at=manifest.modified_at,
             details=self._details(manifest),
@@ -592,8 +647,10 @@ class Store:
     def _existing_blob(self, manifest: _Manifest, digest: str) -> Path:
         path = self.blob_path(digest)
         if not path.is_file():
-            raise IntegrityError(f"model {manifest.ref.display!r}: blob {digest} is missing",
-                                 hint=f"pull or create {manifest.ref.display} again")
+            raise IntegrityError(
+                f"model {manifest.ref.display!r}: blob {digest} is missing",
+                hint=f"pull or create {manifest.ref.display} again",
+            )
         return path
 
     def _weights_path(self, manifest: _Manifest) -> Path:
@@ -671,11 +728,14 @@ class Store:
             return [self._layer(MEDIA_GGUF, weights)]
         if not isinstance(weights, dict) or not weights:
             raise InvalidInput("MLX weights are a mapping {relative file name: digest}")
-        return [dict(self._layer(MEDIA_MLX, digest), name=str(_safe_relative(rel)))
-                for rel, digest in sorted(weights.items())]
+        return [
+            dict(self._layer(MEDIA_MLX, digest), name=str(_safe_relative(rel)))
+            for rel, digest in sorted(weights.items())
+        ]
 
-    def _extra_layers(self, *, template, system, parameters, messages, license, draft, adapters, quality
-                      ) -> builtins.list[dict[str, Any]]:
+    def _extra_layers(
+        self, *, template, system, parameters, messages, license, draft, adapters, quality
+    ) -> builtins.list[dict[str, Any]]:
         texts: list[tuple[str, str | None]] = [(MEDIA_TEMPLATE, template), (MEDIA_SYSTEM, system)]
         if parameters:
             texts.append((MEDIA_PARAMS, json.dumps(parameters, sort_keys=True)))
@@ -688,17 +748,23 @@ class Store:
             texts.append((MEDIA_DRAFT, parse_ref(draft).display))
         if quality is not None:
             texts.append((MEDIA_QUALITY, quality.model_dump_json()))
-        layers = [self._layer(media, self.add_blob_from_bytes(text.encode("utf-8")))
-                  for media, text in texts if text is not None]
+        layers = [
+            self._layer(media, self.add_blob_from_bytes(text.encode("utf-8")))
+            for media, text in texts
+            if text is not None
+        ]
         pairs = [(item, 1.0) if isinstance(item, str) else item for item in adapters or []]
-        return layers + [dict(self._layer(MEDIA_ADAPTER, digest), **({"scale": scale} if scale != 1.0 else {}))
-                         for digest, scale in pairs]
+        return layers + [
+            dict(self._layer(MEDIA_ADAPTER, digest), **({"scale": scale} if scale != 1.0 else {}))
+            for digest, scale in pairs
+        ]
 
     def _layer(self, media: str, digest: str) -> dict[str, Any]:
         path = self.blob_path(digest)
         if not path.is_file():
-            raise InvalidInput(f"blob {parse_digest(digest)} is not in the store",
-                               hint="add it first (pull or add_blob_from_file)")
+            raise InvalidInput(
+                f"blob {parse_digest(digest)} is not in the store", hint="add it first (pull or add_blob_from_file)"
+            )
         return {"mediaType": media, "digest": parse_digest(digest), "size": path.stat().st_size}
 
     def _add_blob_from_stream(self, source: BinaryIO) -> str:
@@ -727,8 +793,16 @@ class PartialBlob:
     the source's validator (a strong ETag or Last-Modified) and the total size. `commit()` checks size and sha256,
     then renames the file into place."""
 
-    def __init__(self, store: Store, digest: str | None, path: Path, size: int | None, *,
-                 pins: ExitStack | None = None, label: str = ""):
+    def __init__(
+        self,
+        store: Store,
+        digest: str | None,
+        path: Path,
+        size: int | None,
+        *,
+        pins: ExitStack | None = None,
+        label: str = "",
+    ):
         self.store = store
         self.digest = digest
         self.path = path
@@ -795,8 +869,9 @@ class PartialBlob:
 
     def write(self, data: bytes) -> None:
         assert self._file is not None, "the blob is already stored"
-        with disk_full_as_error(f"pulling {self.label}", self.path.parent, self._still_needed(),
-                                written=self.completed):
+        with disk_full_as_error(
+            f"pulling {self.label}", self.path.parent, self._still_needed(), written=self.completed
+        ):
             self._file.write(data)
         self._hasher.update(data)
         self.completed += len(data)
@@ -814,15 +889,18 @@ class PartialBlob:
         if self.done:
             return self.digest or ""
         assert self._file is not None
-        with disk_full_as_error(f"pulling {self.label}", self.path.parent, self._still_needed(),
-                                written=self.completed):
+        with disk_full_as_error(
+            f"pulling {self.label}", self.path.parent, self._still_needed(), written=self.completed
+        ):
             _sync(self._file)
         actual = f"sha256-{self._hasher.hexdigest()}"
         problem = self._mismatch(actual)
         if problem:
             self.discard()
-            raise IntegrityError(f"{problem}{' from ' + source if source else ''}; the download was discarded",
-                                 hint="pull again; if it keeps failing the source is serving other bytes")
+            raise IntegrityError(
+                f"{problem}{' from ' + source if source else ''}; the download was discarded",
+                hint="pull again; if it keeps failing the source is serving other bytes",
+            )
         self.close()
         if self._pins is not None and self.digest is None:
             self._pins.enter_context(file_lock(self.store._blob_lock_path(actual)))
@@ -857,6 +935,7 @@ class PartialBlob:
 
 # ---------------------------------------------------------------------------------------------------- helpers
 
+
 def _resolve_file(ref: ModelRef) -> ResolvedModel:
     path = ref.path.resolve() if ref.path else None
     if path is None or not path.is_file():
@@ -867,10 +946,15 @@ def _resolve_file(ref: ModelRef) -> ResolvedModel:
     from ..quant.gguf import split_parts
 
     return ResolvedModel(
-        name=str(path), digest=f"sha256-{hashlib.sha256(identity).hexdigest()}", weights=path, format="gguf",
+        name=str(path),
+        digest=f"sha256-{hashlib.sha256(identity).hexdigest()}",
+        weights=path,
+        format="gguf",
         parts=split_parts(path),
-        size=stat.st_size, modified_at=datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc),
-        details=_inspect_details(path))
+        size=stat.st_size,
+        modified_at=datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc),
+        details=_inspect_details(path),
+    )
 
 
 def _inspect_details(path: Path) -> api.ModelDetails:
@@ -899,8 +983,10 @@ def _safe_relative(name: str) -> PurePosixPath:
     """A file name inside an MLX folder: relative, no `..`, plain characters only."""
     rel = PurePosixPath(name)
     if not name or rel.is_absolute() or not all(_MLX_FILE_PART.match(part) for part in rel.parts):
-        raise InvalidName(f"file name {name!r} in an MLX model is not valid",
-                          hint="use relative paths of letters, digits, '.', '-' and '_'")
+        raise InvalidName(
+            f"file name {name!r} in an MLX model is not valid",
+            hint="use relative paths of letters, digits, '.', '-' and '_'",
+        )
     return rel
 
 

@@ -50,12 +50,22 @@ NORM_EPSILONS = ("attention.layer_norm_epsilon", "attention.layer_norm_rms_epsil
 _V = gguf.GGUFValueType
 _U64 = struct.Struct("<Q")
 _SCALAR_FORMATS = {
-    _V.UINT8: "<B", _V.INT8: "<b", _V.UINT16: "<H", _V.INT16: "<h", _V.UINT32: "<I", _V.INT32: "<i",
-    _V.FLOAT32: "<f", _V.BOOL: "<?", _V.UINT64: "<Q", _V.INT64: "<q", _V.FLOAT64: "<d",
+    _V.UINT8: "<B",
+    _V.INT8: "<b",
+    _V.UINT16: "<H",
+    _V.INT16: "<h",
+    _V.UINT32: "<I",
+    _V.INT32: "<i",
+    _V.FLOAT32: "<f",
+    _V.BOOL: "<?",
+    _V.UINT64: "<Q",
+    _V.INT64: "<q",
+    _V.FLOAT64: "<d",
 }
 
 
 # ---------------------------------------------------------------------------------------------------------- result
+
 
 @dataclass(frozen=True)
 class GGUFInfo:
@@ -88,8 +98,13 @@ class GGUFInfo:
         return self.file_type
 
     def details(self) -> api.ModelDetails:
-        return api.ModelDetails(format="gguf", family=self.architecture, families=[self.architecture],
-                                parameter_size=self.parameter_size, quantization_level=self.quantization_level)
+        return api.ModelDetails(
+            format="gguf",
+            family=self.architecture,
+            families=[self.architecture],
+            parameter_size=self.parameter_size,
+            quantization_level=self.quantization_level,
+        )
 
     def model_info(self) -> dict[str, Any]:
         """Ollama's /api/show `model_info`: every key, long arrays as null, plus general.parameter_count."""
@@ -100,6 +115,7 @@ class GGUFInfo:
 
 
 # ---------------------------------------------------------------------------------------------------------- reading
+
 
 class _Cursor:
     """Reads little-endian GGUF values from a buffer, refusing to read past its end."""
@@ -115,8 +131,10 @@ class _Cursor:
 
     def need(self, n: int, what: str) -> None:
         if n > self.size - self.offset:
-            raise self.fail(f"{what} at byte {self.offset} needs {n} bytes but only {self.size - self.offset} "
-                            "remain (truncated or corrupt)")
+            raise self.fail(
+                f"{what} at byte {self.offset} needs {n} bytes but only {self.size - self.offset} "
+                "remain (truncated or corrupt)"
+            )
 
     def scalar(self, fmt: str, what: str) -> Any:
         width = struct.calcsize(fmt)
@@ -132,7 +150,7 @@ class _Cursor:
 
     def string(self, what: str) -> str:
         length = self.string_length(what)
-        raw = self.buf[self.offset:self.offset + length]
+        raw = self.buf[self.offset : self.offset + length]
         self.offset += length
         return raw.decode("utf-8", errors="replace")
 
@@ -168,8 +186,10 @@ def _skip_strings(cursor: _Cursor, count: int, key: str) -> None:
         length = length_at(buf, offset)[0]
         offset += 8 + length
         if offset > cursor.size:
-            raise cursor.fail(f"item of {key!r} ({length} bytes) at byte {offset - length} needs more than the "
-                              f"{cursor.size - offset + length} bytes that remain (truncated or corrupt)")
+            raise cursor.fail(
+                f"item of {key!r} ({length} bytes) at byte {offset - length} needs more than the "
+                f"{cursor.size - offset + length} bytes that remain (truncated or corrupt)"
+            )
     cursor.offset = offset
 
 
@@ -191,8 +211,7 @@ def _read_numbers(cursor: _Cursor, item_type: gguf.GGUFValueType, count: int, ke
     return values
 
 
-def _read_array(cursor: _Cursor, key: str, *, whole: bool = False
-                ) -> tuple[list[Any] | None, tuple[str, int]]:
+def _read_array(cursor: _Cursor, key: str, *, whole: bool = False) -> tuple[list[Any] | None, tuple[str, int]]:
     """Read an array value: (its items, or None when too long to decode, (item type name, length)). Numeric arrays
     of up to LLAMA_MAX_LAYERS items are decoded: per-layer hyperparameters are checked against llama.cpp's limits.
     `whole` decodes it whatever its length (its length was checked against the file's bytes first)."""
@@ -202,8 +221,10 @@ def _read_array(cursor: _Cursor, key: str, *, whole: bool = False
     count = cursor.scalar("<Q", f"array length of {key!r}")
     summary = (item_type.name.lower(), count)
     if whole:
-        cursor.need(count * (8 if item_type == _V.STRING else struct.calcsize(_SCALAR_FORMATS[item_type])),
-                    f"{count} items of {key!r}")
+        cursor.need(
+            count * (8 if item_type == _V.STRING else struct.calcsize(_SCALAR_FORMATS[item_type])),
+            f"{count} items of {key!r}",
+        )
     if item_type != _V.STRING and count <= LLAMA_MAX_LAYERS:
         return _read_numbers(cursor, item_type, count, key), summary
     if count > MAX_ARRAY_ITEMS and not whole:
@@ -238,16 +259,21 @@ def _read_preamble(cursor: _Cursor) -> tuple[int, int]:
     version = cursor.scalar("<I", "version")
     if version not in SUPPORTED_VERSIONS:
         endian = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
-        raise cursor.fail(f"unsupported GGUF version {version}{endian}; localllm reads versions "
-                          f"{' and '.join(map(str, SUPPORTED_VERSIONS))}")
+        raise cursor.fail(
+            f"unsupported GGUF version {version}{endian}; localllm reads versions "
+            f"{' and '.join(map(str, SUPPORTED_VERSIONS))}"
+        )
     n_tensors = cursor.scalar("<Q", "tensor count")
     n_kv = cursor.scalar("<Q", "metadata count")
     if n_tensors * MIN_TENSOR_INFO_BYTES + n_kv * MIN_KV_BYTES > cursor.size - HEADER_BYTES:
-        raise cursor.fail(f"header claims {n_tensors} tensors and {n_kv} metadata keys, "
-                          f"impossible in a file of {cursor.size} bytes")
+        raise cursor.fail(
+            f"header claims {n_tensors} tensors and {n_kv} metadata keys, impossible in a file of {cursor.size} bytes"
+        )
     if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
-        raise cursor.fail(f"header claims {n_tensors} tensors and {n_kv} metadata keys; localllm reads at most "
-                          f"{MAX_TENSORS} tensors and {MAX_KV} keys")
+        raise cursor.fail(
+            f"header claims {n_tensors} tensors and {n_kv} metadata keys; localllm reads at most "
+            f"{MAX_TENSORS} tensors and {MAX_KV} keys"
+        )
     return n_tensors, n_kv
 
 
@@ -311,12 +337,14 @@ def _read_tensors(cursor: _Cursor, count: int, header: _Header) -> None:
             raise cursor.fail(f"tensor {tensor.name!r} appears twice")
         seen.add(tensor.name)
         if tensor.offset % alignment:
-            raise cursor.fail(f"tensor {tensor.name!r} starts at offset {tensor.offset}, "
-                              f"not a multiple of the alignment {alignment}")
+            raise cursor.fail(
+                f"tensor {tensor.name!r} starts at offset {tensor.offset}, not a multiple of the alignment {alignment}"
+            )
         end = data_start + tensor.offset + tensor.nbytes
         if end > cursor.size:
-            raise cursor.fail(f"tensor {tensor.name!r} ends at byte {end} but the file has only {cursor.size} "
-                              "bytes (truncated)")
+            raise cursor.fail(
+                f"tensor {tensor.name!r} ends at byte {end} but the file has only {cursor.size} bytes (truncated)"
+            )
         header.tensors.append(tensor)
 
 
@@ -370,6 +398,7 @@ def read_arrays(path: Path, keys: frozenset[str]) -> dict[str, list[Any]]:
 # are refused here, at inspection (pull, create, show), with the value and the rule. Anything else llama.cpp would
 # abort on is caught by the load probe (backends/llama_cpp/probe.py).
 
+
 class _Hparams:
     """Typed reads of `<arch>.*` numbers: scalars, or per-layer arrays (their items)."""
 
@@ -413,8 +442,10 @@ def _expert_problems(hp: _Hparams) -> Iterator[str]:
     elif experts and groups >= experts:
         yield f"{hp.key('expert_group_count')} is {groups}, not fewer than the {experts} experts"
     elif groups > 1 and (experts % groups or not 0 < groups_used < groups):
-        yield (f"{hp.key('expert_group_count')} {groups} with expert_group_used_count {groups_used} does not fit "
-               f"{experts} experts (groups must divide them, and 0 < used < groups)")
+        yield (
+            f"{hp.key('expert_group_count')} {groups} with expert_group_used_count {groups_used} does not fit "
+            f"{experts} experts (groups must divide them, and 0 < used < groups)"
+        )
 
 
 def _number_problems(hp: _Hparams) -> Iterator[str]:
@@ -438,6 +469,7 @@ def _check_hparams(cursor: _Cursor, header: _Header) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------- facts
+
 
 def format_parameter_size(count: int) -> str:
     """Ollama-style size: one decimal below 10, none above ("1.2B", "8.0B", "135M", "70B")."""
@@ -498,12 +530,16 @@ def inspect_gguf(path: Path) -> GGUFInfo:
     params = sum(tensor.elements for tensor in header.tensors)
     tensor_bytes = sum(tensor.nbytes for tensor in header.tensors)
     return GGUFInfo(
-        path=path, architecture=arch, name=_text(meta, gguf.Keys.General.NAME) or "",
-        parameter_count=params, parameter_size=format_parameter_size(params),
+        path=path,
+        architecture=arch,
+        name=_text(meta, gguf.Keys.General.NAME) or "",
+        parameter_count=params,
+        parameter_size=format_parameter_size(params),
         file_type=_file_type_name(meta.get(gguf.Keys.General.FILE_TYPE), header.tensors),
         tensor_types=dict(Counter(tensor.type.name for tensor in header.tensors)),
         bits_per_weight=tensor_bytes * 8 / params if params else 0.0,
-        tensor_bytes=tensor_bytes, file_size=sum(part.stat().st_size for part in parts),
+        tensor_bytes=tensor_bytes,
+        file_size=sum(part.stat().st_size for part in parts),
         context_length=_arch_int(meta, arch, gguf.Keys.LLM.CONTEXT_LENGTH),
         embedding_length=_arch_int(meta, arch, gguf.Keys.LLM.EMBEDDING_LENGTH),
         block_count=_arch_int(meta, arch, gguf.Keys.LLM.BLOCK_COUNT),
@@ -512,7 +548,8 @@ def inspect_gguf(path: Path) -> GGUFInfo:
         vocab_size=header.arrays.get(gguf.Keys.Tokenizer.LIST, (None, None))[1],
         has_mtp=(_arch_int(meta, arch, gguf.Keys.LLM.NEXTN_PREDICT_LAYERS) or 0) > 0,
         license=_text(meta, gguf.Keys.General.LICENSE),
-        metadata=meta, arrays=header.arrays,
+        metadata=meta,
+        arrays=header.arrays,
         tensor_sizes={tensor.name: tensor.nbytes for tensor in header.tensors},
     )
 
@@ -547,8 +584,12 @@ def split_position(metadata: dict[str, Any], path: Path) -> tuple[int, int]:
     """
     count = metadata.get(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, 1)
     number = metadata.get(gguf.Keys.Split.LLM_KV_SPLIT_NO, 0)
-    if not isinstance(count, int) or not isinstance(number, int) or not 1 <= count <= MAX_SPLIT_PARTS \
-            or not 0 <= number < count:
+    if (
+        not isinstance(count, int)
+        or not isinstance(number, int)
+        or not 1 <= count <= MAX_SPLIT_PARTS
+        or not 0 <= number < count
+    ):
         raise ModelFormatError(f"{path} has impossible split metadata: split.no {number!r} of split.count {count!r}")
     return number + 1, count
 
@@ -565,14 +606,17 @@ def split_parts(path: Path, metadata: dict[str, Any] | None = None) -> list[Path
         return [path]
     parsed = parse_split_name(path.name)
     if not parsed or parsed[1:] != (number, count):
-        raise ModelFormatError(f"{path} is part {number} of a {count}-part split GGUF, but its name does not say so",
-                               hint=f"keep the names gguf-split gave the parts, e.g. "
-                                    f"{split_part_name('model', number, count)}")
+        raise ModelFormatError(
+            f"{path} is part {number} of a {count}-part split GGUF, but its name does not say so",
+            hint=f"keep the names gguf-split gave the parts, e.g. {split_part_name('model', number, count)}",
+        )
     parts = [path.with_name(split_part_name(parsed[0], i, count)) for i in range(1, count + 1)]
     missing = [part.name for part in parts if not part.is_file()]
     if missing:
-        raise ModelFormatError(f"split GGUF {path.name}: part(s) {', '.join(missing)} missing beside it",
-                               hint="download every part into the same folder")
+        raise ModelFormatError(
+            f"split GGUF {path.name}: part(s) {', '.join(missing)} missing beside it",
+            hint="download every part into the same folder",
+        )
     return parts
 
 
@@ -590,12 +634,15 @@ def _merge_split(parts: list[Path]) -> _Header:
         merged.tensors += header.tensors
     expected = merged.metadata.get(gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
     if expected is not None and expected != len(merged.tensors):
-        raise ModelFormatError(f"split GGUF {parts[0].name}: split.tensors.count is {expected} but the parts hold "
-                               f"{len(merged.tensors)} tensors")
+        raise ModelFormatError(
+            f"split GGUF {parts[0].name}: split.tensors.count is {expected} but the parts hold "
+            f"{len(merged.tensors)} tensors"
+        )
     return merged
 
 
 # ---------------------------------------------------------------------------------------------------------- LoRA
+
 
 @dataclass(frozen=True)
 class LoraInfo:
@@ -618,14 +665,17 @@ def inspect_lora(path: Path) -> LoraInfo:
     try:
         header = _read_header(path)
     except ModelFormatError as exc:
-        raise ModelFormatError(f"adapter {exc.message}",
-                               hint="ADAPTER takes a GGUF LoRA file (convert_lora_to_gguf.py makes one)") from None
+        raise ModelFormatError(
+            f"adapter {exc.message}", hint="ADAPTER takes a GGUF LoRA file (convert_lora_to_gguf.py makes one)"
+        ) from None
     meta = header.metadata
     if meta.get(gguf.Keys.General.TYPE) != "adapter" or meta.get(gguf.Keys.Adapter.TYPE) != "lora":
-        raise ModelFormatError(f"{path} is a GGUF file but not a LoRA adapter (general.type "
-                               f"{meta.get(gguf.Keys.General.TYPE)!r}, adapter.type "
-                               f"{meta.get(gguf.Keys.Adapter.TYPE)!r}; expected 'adapter' and 'lora')",
-                               hint="ADAPTER takes a GGUF LoRA file (convert_lora_to_gguf.py makes one)")
+        raise ModelFormatError(
+            f"{path} is a GGUF file but not a LoRA adapter (general.type "
+            f"{meta.get(gguf.Keys.General.TYPE)!r}, adapter.type "
+            f"{meta.get(gguf.Keys.Adapter.TYPE)!r}; expected 'adapter' and 'lora')",
+            hint="ADAPTER takes a GGUF LoRA file (convert_lora_to_gguf.py makes one)",
+        )
     halves: dict[str, set[str]] = {}
     for tensor in header.tensors:
         base, _, half = tensor.name.rpartition(".")
@@ -635,9 +685,19 @@ def inspect_lora(path: Path) -> LoraInfo:
             raise ModelFormatError(f"LoRA adapter {path}: tensor {tensor.name!r} is neither a lora_a nor a lora_b")
     unpaired = sorted(base for base, found in halves.items() if len(found) != 2)
     if unpaired or not halves:
-        raise ModelFormatError(f"LoRA adapter {path}: " + (f"tensor {unpaired[0]!r} lacks its lora_a or lora_b"
-                                                            if unpaired else "it holds no lora_a / lora_b tensors"))
+        raise ModelFormatError(
+            f"LoRA adapter {path}: "
+            + (
+                f"tensor {unpaired[0]!r} lacks its lora_a or lora_b"
+                if unpaired
+                else "it holds no lora_a / lora_b tensors"
+            )
+        )
     alpha = meta.get(gguf.Keys.Adapter.LORA_ALPHA, 0.0)
-    return LoraInfo(path=path, architecture=_text(meta, gguf.Keys.General.ARCHITECTURE) or "",
-                    alpha=float(alpha) if isinstance(alpha, (int, float)) else 0.0, pairs=len(halves),
-                    tensor_bytes=sum(tensor.nbytes for tensor in header.tensors))
+    return LoraInfo(
+        path=path,
+        architecture=_text(meta, gguf.Keys.General.ARCHITECTURE) or "",
+        alpha=float(alpha) if isinstance(alpha, (int, float)) else 0.0,
+        pairs=len(halves),
+        tensor_bytes=sum(tensor.nbytes for tensor in header.tensors),
+    )

@@ -30,12 +30,24 @@ GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1/Q8_0 blocks hold 32 weights: one MLX quantiz
 
 # llama.cpp also ends generation on these control tokens when the GGUF does not name them (llama-vocab.cpp does
 # the same lookup), so both backends stop at the same place.
-_END_OF_TURN_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                                "<|eom_id|>", "<EOT>", "<|return|>", "<|call|>"})
+_END_OF_TURN_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|eom_id|>",
+        "<EOT>",
+        "<|return|>",
+        "<|call|>",
+    }
+)
 _CONTROL_TOKEN = 3  # tokenizer.ggml.token_type value for control tokens
 
 
 # ------------------------------------------------------------------------------------------------------- metadata
+
 
 class _Metadata:
     """Typed access to a GGUF's key/value fields."""
@@ -61,9 +73,14 @@ class _Metadata:
 # ------------------------------------------------------------------------------------------------------- arch specs
 
 _LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm", "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -82,9 +99,12 @@ class _ArchSpec:
 def _llama_config(meta: _Metadata) -> dict[str, Any]:
     heads = meta.require("attention.head_count")
     config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-        "hidden_size": meta.require("embedding_length"), "num_hidden_layers": meta.require("block_count"),
-        "intermediate_size": meta.require("feed_forward_length"), "num_attention_heads": heads,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": meta.require("embedding_length"),
+        "num_hidden_layers": meta.require("block_count"),
+        "intermediate_size": meta.require("feed_forward_length"),
+        "num_attention_heads": heads,
         "num_key_value_heads": meta.arch_get("attention.head_count_kv", heads),
         "rms_norm_eps": meta.require("attention.layer_norm_rms_epsilon"),
         "rope_theta": meta.arch_get("rope.freq_base", 10000.0),
@@ -100,19 +120,27 @@ def _llama_config(meta: _Metadata) -> dict[str, Any]:
 
 def _gemma3_config(meta: _Metadata) -> dict[str, Any]:
     head_dim = meta.require("attention.key_length")
-    hidden, heads, layers = (meta.require("embedding_length"), meta.require("attention.head_count"),
-                             meta.require("block_count"))
+    hidden, heads, layers = (
+        meta.require("embedding_length"),
+        meta.require("attention.head_count"),
+        meta.require("block_count"),
+    )
     config = {
-        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
-        "hidden_size": hidden, "num_hidden_layers": layers,
-        "intermediate_size": meta.require("feed_forward_length"), "num_attention_heads": heads,
-        "num_key_value_heads": meta.arch_get("attention.head_count_kv", heads), "head_dim": head_dim,
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": meta.require("feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.arch_get("attention.head_count_kv", heads),
+        "head_dim": head_dim,
         "rms_norm_eps": meta.require("attention.layer_norm_rms_epsilon"),
         "rope_theta": meta.arch_get("rope.freq_base", 1_000_000.0),
         "max_position_embeddings": meta.require("context_length"),
         "sliding_window": meta.require("attention.sliding_window"),
         # Fixed for Gemma 3 and therefore not in the GGUF; llama.cpp hard-codes the same two values.
-        "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0,
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
         # llama.cpp scales attention by the head size, except the 62-layer 27B which uses hidden / heads.
         "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
     }
@@ -127,20 +155,31 @@ def _rope_scaling(meta: _Metadata) -> dict[str, Any] | None:
     if kind in (None, "none"):
         return None
     if kind != "linear":
-        raise ModelFormatError(f"rope scaling {kind!r} in this GGUF is not supported by the MLX converter yet",
-                               hint="run it on llama.cpp (the default backend)")
+        raise ModelFormatError(
+            f"rope scaling {kind!r} in this GGUF is not supported by the MLX converter yet",
+            hint="run it on llama.cpp (the default backend)",
+        )
     factor = float(meta.arch_get("rope.scaling.factor", 1.0))
     return {"type": "linear", "rope_type": "linear", "factor": factor}
 
 
 _ARCHS = {
-    "llama": _ArchSpec("llama", {**_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"}, _llama_config,
-                       permute_qk=True),
-    "gemma3": _ArchSpec("gemma3_text", {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-                                        "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-                                        "post_attention_norm": "post_attention_layernorm",
-                                        "post_ffw_norm": "post_feedforward_layernorm"},
-                        _gemma3_config, norm_offset=-1.0),
+    "llama": _ArchSpec(
+        "llama", {**_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"}, _llama_config, permute_qk=True
+    ),
+    "gemma3": _ArchSpec(
+        "gemma3_text",
+        {
+            **_LAYER_NAMES,
+            "ffn_norm": "pre_feedforward_layernorm",
+            "attn_q_norm": "self_attn.q_norm",
+            "attn_k_norm": "self_attn.k_norm",
+            "post_attention_norm": "post_attention_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        },
+        _gemma3_config,
+        norm_offset=-1.0,
+    ),
 }
 
 
@@ -152,19 +191,21 @@ def map_tensor_name(spec: _ArchSpec, name: str) -> str:
         return f"model.layers.{parts[1]}.{spec.layer_names[parts[2]]}.{suffix}"
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
-    raise ModelFormatError(f"tensor {name!r} has no MLX counterpart in the {spec.model_type} conversion",
-                           hint="this GGUF variant is not supported by the MLX converter; run it on llama.cpp")
+    raise ModelFormatError(
+        f"tensor {name!r} has no MLX counterpart in the {spec.model_type} conversion",
+        hint="this GGUF variant is not supported by the MLX converter; run it on llama.cpp",
+    )
 
 
 # ------------------------------------------------------------------------------------------------------- tensors
+
 
 def unpermute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (the inverse of mlx_lm.gguf.permute_weights).
 
     Rows are independent, so the same reshuffle applies to packed codes, scales and biases."""
     rows = weight.shape[0]
-    return (weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:
@@ -173,7 +214,7 @@ def _blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:
 
 
 def _f16_field(blocks: np.ndarray, start: int) -> np.ndarray:
-    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0]
+    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0]
 
 
 def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
@@ -184,7 +225,7 @@ def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
 
 def _q4_codes(blocks: np.ndarray, qs_start: int) -> np.ndarray:
     # A Q4 block stores element j in the low nibble of byte j and element j+16 in the high nibble.
-    qs = blocks[..., qs_start:qs_start + 16]
+    qs = blocks[..., qs_start : qs_start + 16]
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(blocks.shape[0], -1)
 
 
@@ -230,8 +271,9 @@ class _Tensor:
         def mapped(a: np.ndarray | None) -> np.ndarray | None:
             return None if a is None else fn(a)
 
-        return _Tensor(fn(self.weight), mapped(self.scales), mapped(self.biases), bits=self.bits,
-                       float_type=self.float_type)
+        return _Tensor(
+            fn(self.weight), mapped(self.scales), mapped(self.biases), bits=self.bits, float_type=self.float_type
+        )
 
 
 def _read_tensor(tensor, *, keep_packed: bool) -> _Tensor:
@@ -305,6 +347,7 @@ def _to_mlx_arrays(tensors: dict[str, _Tensor]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------------- config
 
+
 def _token_list(meta: _Metadata) -> list[str]:
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
@@ -316,8 +359,9 @@ def end_of_generation_ids(meta: _Metadata, tokens: list[str]) -> list[int]:
     """EOS first, then EOT/EOM when named and the control tokens llama.cpp treats as end of turn."""
     ids = [meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
     types = meta.get("tokenizer.ggml.token_type") or []
-    ids += [i for i, (text, kind) in enumerate(zip(tokens, types))
-            if kind == _CONTROL_TOKEN and text in _END_OF_TURN_TEXTS]
+    ids += [
+        i for i, (text, kind) in enumerate(zip(tokens, types)) if kind == _CONTROL_TOKEN and text in _END_OF_TURN_TEXTS
+    ]
     # The file's own EOS goes first: readers of a single `eos_token_id` take the first entry.
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
@@ -340,9 +384,16 @@ def build_config(spec: _ArchSpec, meta: _Metadata, tensors: dict[str, _Tensor], 
 # ------------------------------------------------------------------------------------------------------- tokenizer
 
 _TOKENIZER_KEYS = {
-    "model": "tokenizer_type", "pre": "pre_tokenizer_type", "tokens": "tokens", "scores": "scores",
-    "token_type": "token_type", "merges": "merges", "bos_token_id": "bos_token_id",
-    "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id", "padding_token_id": "pad_token_id",
+    "model": "tokenizer_type",
+    "pre": "pre_tokenizer_type",
+    "tokens": "tokens",
+    "scores": "scores",
+    "token_type": "token_type",
+    "merges": "merges",
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "unknown_token_id": "unk_token_id",
+    "padding_token_id": "pad_token_id",
     "add_space_prefix": "add_prefix_space",
 }
 
@@ -357,8 +408,12 @@ def _smollm_pre_tokenizer():
     # transformers' GGUF table does not know the name and would keep digit runs together.
     from tokenizers import pre_tokenizers
 
-    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
 
 
 _PRE_TOKENIZER_FIXES = {"smollm": _smollm_pre_tokenizer}
@@ -372,8 +427,10 @@ def build_tokenizer(meta: _Metadata):
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
     except ImportError as exc:
-        raise BackendUnavailable(f"building an MLX tokenizer from GGUF needs transformers' GGUF helpers ({exc})",
-                                 hint="pip install 'localllm[mlx]'") from None
+        raise BackendUnavailable(
+            f"building an MLX tokenizer from GGUF needs transformers' GGUF helpers ({exc})",
+            hint="pip install 'localllm[mlx]'",
+        ) from None
     tok_dict = _gguf_tokenizer_dict(meta)
     try:
         backend, _ = convert_gguf_tokenizer(meta.arch, tok_dict)
@@ -394,8 +451,9 @@ def _add_bos_post_processor(backend, tok_dict: dict[str, Any]) -> None:
     if bos_id is None:
         return
     bos = tok_dict["tokens"][bos_id]
-    backend.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                special_tokens=[(bos, int(bos_id))])
+    backend.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
+    )
 
 
 def tokenizer_config(meta: _Metadata, tokens: list[str]) -> dict[str, Any]:
@@ -405,8 +463,10 @@ def tokenizer_config(meta: _Metadata, tokens: list[str]) -> dict[str, Any]:
 
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token_text("bos"), "eos_token": token_text("eos"),
-        "unk_token": token_text("unknown"), "pad_token": token_text("padding"),
+        "bos_token": token_text("bos"),
+        "eos_token": token_text("eos"),
+        "unk_token": token_text("unknown"),
+        "pad_token": token_text("padding"),
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "model_max_length": int(meta.arch_get("context_length", 0) or 0),
@@ -420,6 +480,7 @@ def tokenizer_config(meta: _Metadata, tokens: list[str]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------------- reading back
 
+
 @dataclass(frozen=True)
 class MlxFolderInfo:
     """What `show` tells about an MLX folder, read from its JSON files (no mlx import, no weights read)."""
@@ -431,10 +492,15 @@ class MlxFolderInfo:
     def model_info(self) -> dict[str, Any]:
         """Ollama-style model_info keys, named like the GGUF ones so `show` reads both the same way."""
         arch = str(self.config.get("model_type", "unknown"))
-        keys = {"context_length": "max_position_embeddings", "embedding_length": "hidden_size",
-                "block_count": "num_hidden_layers", "feed_forward_length": "intermediate_size",
-                "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
-                "vocab_size": "vocab_size"}
+        keys = {
+            "context_length": "max_position_embeddings",
+            "embedding_length": "hidden_size",
+            "block_count": "num_hidden_layers",
+            "feed_forward_length": "intermediate_size",
+            "attention.head_count": "num_attention_heads",
+            "attention.head_count_kv": "num_key_value_heads",
+            "vocab_size": "vocab_size",
+        }
         info: dict[str, Any] = {"general.architecture": arch, "general.format": "mlx"}
         info.update({f"{arch}.{key}": self.config[name] for key, name in keys.items() if name in self.config})
         if "quantization" in self.config:
@@ -449,8 +515,9 @@ def mlx_details(config: dict[str, Any]) -> ModelDetails:
     family = str(config.get("model_type", ""))
     bits = (config.get("quantization") or {}).get("bits")
     level = f"Q{bits}" if bits else str(config.get("torch_dtype", "")).replace("float", "F").replace("bF", "BF")
-    return api.ModelDetails(format="mlx", family=family, families=[family] if family else None,
-                            quantization_level=level.upper())
+    return api.ModelDetails(
+        format="mlx", family=family, families=[family] if family else None, quantization_level=level.upper()
+    )
 
 
 def inspect_mlx_folder(folder: Path) -> MlxFolderInfo:
@@ -469,6 +536,7 @@ def inspect_mlx_folder(folder: Path) -> MlxFolderInfo:
 
 
 # ------------------------------------------------------------------------------------------------------- writing
+
 
 def _write_json(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -501,8 +569,9 @@ def _require_mlx() -> None:
     try:
         import mlx.core  # noqa: F401  (writes the safetensors and requantizes)
     except ImportError as exc:
-        raise BackendUnavailable(f"converting to MLX needs mlx ({exc.name} is missing)",
-                                 hint="pip install 'localllm[mlx]'") from None
+        raise BackendUnavailable(
+            f"converting to MLX needs mlx ({exc.name} is missing)", hint="pip install 'localllm[mlx]'"
+        ) from None
 
 
 def _open_reader(gguf_path: Path):
@@ -519,8 +588,10 @@ def _open_reader(gguf_path: Path):
 def check_quantize(quantize: str | None) -> None:
     """InvalidInput naming `quantize` unless it is None or one of QUANTIZE_CHOICES."""
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
-        raise InvalidInput(f"quantize {quantize!r} is not available for MLX output",
-                           hint=f"use one of {', '.join(QUANTIZE_CHOICES)}, or none to keep the GGUF's own")
+        raise InvalidInput(
+            f"quantize {quantize!r} is not available for MLX output",
+            hint=f"use one of {', '.join(QUANTIZE_CHOICES)}, or none to keep the GGUF's own",
+        )
 
 
 def _check_request(out_dir: Path, quantize: str | None) -> None:
@@ -548,8 +619,10 @@ def convert_gguf_to_mlx(gguf_path: Path, out_dir: Path, *, quantize: str | None 
     meta = _Metadata(reader)
     spec = _ARCHS.get(meta.arch)
     if spec is None:
-        raise ModelFormatError(f"architecture {meta.arch!r} cannot be converted to MLX yet",
-                               hint=f"supported: {', '.join(sorted(_ARCHS))}; run it on llama.cpp instead")
+        raise ModelFormatError(
+            f"architecture {meta.arch!r} cannot be converted to MLX yet",
+            hint=f"supported: {', '.join(sorted(_ARCHS))}; run it on llama.cpp instead",
+        )
     tokens = _token_list(meta)
     tensors = _convert_tensors(reader, spec, meta, quantize)
     config = build_config(spec, meta, tensors, tokens)

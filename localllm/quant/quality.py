@@ -59,7 +59,7 @@ class _Reader:
         data = text.encode("utf-8")
         buf = (self.ll.llama_token * (len(data) + 16))()
         n = self.ll.llama_tokenize(self.vocab, data, len(data), buf, len(buf), True, False)
-        return list(buf[:max(n, 0)])
+        return list(buf[: max(n, 0)])
 
     def read(self, tokens: list[int], *, all_logits: bool = True) -> np.ndarray:
         """Decode `tokens` from position 0 of an empty context; the logits of every position (a view, valid until
@@ -88,8 +88,9 @@ class _Reader:
         for _ in range(DECODE_TOKENS):
             self._decode([token], position, False)
             position += 1
-            token = int(np.argmax(np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx),
-                                                        shape=(1, self.n_vocab))[0]))
+            token = int(
+                np.argmax(np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx), shape=(1, self.n_vocab))[0])
+            )
         return DECODE_TOKENS / max(time.perf_counter() - start, 1e-9)
 
     def close(self) -> None:
@@ -122,24 +123,24 @@ class _Tally:
         self.scored += len(rows)
 
 
-def measure_quality(source: Path, quantized: Path, *, qtype: str, label: str, threads: int, tokens: int,
-                    emit: Callable[[dict], None]) -> api.QuantizationReport:
+def measure_quality(
+    source: Path, quantized: Path, *, qtype: str, label: str, threads: int, tokens: int, emit: Callable[[dict], None]
+) -> api.QuantizationReport:
     """Compare `quantized` with `source` on the first `tokens` tokens of the built-in text (both models loaded
     here; each chunk read by one, then the other)."""
     emit({"status": "measuring quality against the source (fixed text)"})
     first, second = _Reader(source, threads), _Reader(quantized, threads)
     try:
-        text_tokens = first.tokenize(TEXT)[:max(tokens, 2)]
+        text_tokens = first.tokenize(TEXT)[: max(tokens, 2)]
         tally = _Tally()
         for start in range(0, len(text_tokens) - 1, CHUNK):
-            chunk = text_tokens[start:start + CHUNK]
+            chunk = text_tokens[start : start + CHUNK]
             a, b = first.read(chunk), second.read(chunk)  # two contexts, two logits buffers
             following = np.array(chunk[1:] + [-1], dtype=np.int64)
             for row in range(0, len(chunk), ROWS):
-                tally.add(a[row:row + ROWS], b[row:row + ROWS], following[row:row + ROWS])
+                tally.add(a[row : row + ROWS], b[row : row + ROWS], following[row : row + ROWS])
         emit({"status": "measuring decode speed of both models"})
-        speeds = (first.decode_speed(text_tokens[:DECODE_PROMPT]),
-                  second.decode_speed(text_tokens[:DECODE_PROMPT]))
+        speeds = (first.decode_speed(text_tokens[:DECODE_PROMPT]), second.decode_speed(text_tokens[:DECODE_PROMPT]))
     finally:
         first.close()
         second.close()
@@ -148,12 +149,20 @@ def measure_quality(source: Path, quantized: Path, *, qtype: str, label: str, th
     size_source = sum(part.stat().st_size for part in split_parts(source))
     size_quantized = quantized.stat().st_size
     return api.QuantizationReport(
-        quantize=qtype, source=label, text=TEXT_ID, tokens=tally.positions,
-        top1_agreement=tally.agree / max(tally.positions, 1), mean_kl=tally.kl / max(tally.positions, 1),
+        quantize=qtype,
+        source=label,
+        text=TEXT_ID,
+        tokens=tally.positions,
+        top1_agreement=tally.agree / max(tally.positions, 1),
+        mean_kl=tally.kl / max(tally.positions, 1),
         perplexity_source=float(np.exp(tally.nll_source / max(tally.scored, 1))),
         perplexity_quantized=float(np.exp(tally.nll_quantized / max(tally.scored, 1))),
-        size_source=size_source, size_quantized=size_quantized, size_ratio=size_quantized / max(size_source, 1),
-        decode_tps_source=speeds[0], decode_tps_quantized=speeds[1])
+        size_source=size_source,
+        size_quantized=size_quantized,
+        size_ratio=size_quantized / max(size_source, 1),
+        decode_tps_source=speeds[0],
+        decode_tps_quantized=speeds[1],
+    )
 
 
 def describe_report(report: api.QuantizationReport) -> list[str]:
@@ -162,7 +171,6 @@ def describe_report(report: api.QuantizationReport) -> list[str]:
         f"quality of {report.quantize} against {report.source} ({report.tokens} tokens of {report.text}):",
         f"  top-1 agreement {report.top1_agreement:.1%}, mean KL divergence {report.mean_kl:.4f} nats",
         f"  perplexity {report.perplexity_source:.3f} -> {report.perplexity_quantized:.3f}",
-        f"  size {report.size_source / 1e6:.1f} MB -> {report.size_quantized / 1e6:.1f} MB "
-        f"({report.size_ratio:.2f}x)",
+        f"  size {report.size_source / 1e6:.1f} MB -> {report.size_quantized / 1e6:.1f} MB ({report.size_ratio:.2f}x)",
         f"  decode {report.decode_tps_source:.1f} -> {report.decode_tps_quantized:.1f} tokens/s",
     ]

@@ -27,9 +27,38 @@ from .. import api
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
 
 # The usual llama.cpp quantization types (llama-quantize's names), each a llama_ftype from the gguf package.
-QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S",
-               "Q4_1", "Q4_0", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K", "Q2_K_S", "IQ4_XS", "IQ4_NL", "IQ3_M", "IQ3_S",
-               "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
+QUANT_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q6_K",
+    "Q5_K_M",
+    "Q5_K_S",
+    "Q5_1",
+    "Q5_0",
+    "Q4_K_M",
+    "Q4_K_S",
+    "Q4_1",
+    "Q4_0",
+    "Q3_K_L",
+    "Q3_K_M",
+    "Q3_K_S",
+    "Q2_K",
+    "Q2_K_S",
+    "IQ4_XS",
+    "IQ4_NL",
+    "IQ3_M",
+    "IQ3_S",
+    "IQ3_XS",
+    "IQ3_XXS",
+    "IQ2_M",
+    "IQ2_S",
+    "IQ2_XS",
+    "IQ2_XXS",
+    "IQ1_M",
+    "IQ1_S",
+)
 ALIASES = {"Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M", "FP16": "F16", "FP32": "F32"}
 # Types whose few bits per weight give garbage without an importance matrix (llama.cpp refuses them too).
 NEEDS_IMATRIX = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "Q2_K_S"})
@@ -47,8 +76,10 @@ def quant_type(name: str) -> str:
     key = name.strip().upper()
     key = ALIASES.get(key, key)
     if key not in QUANT_TYPES:
-        raise InvalidInput(f"quantize type {name!r} is not known",
-                           hint=f"use one of {', '.join(t.lower() if t.startswith('Q') else t for t in QUANT_TYPES)}")
+        raise InvalidInput(
+            f"quantize type {name!r} is not known",
+            hint=f"use one of {', '.join(t.lower() if t.startswith('Q') else t for t in QUANT_TYPES)}",
+        )
     return key
 
 
@@ -70,20 +101,32 @@ def check_quantize(source: Path, qtype: str, *, allow_requantize: bool, imatrix:
     info = inspect_gguf(source)
     quantized = sorted(set(info.tensor_types) - UNQUANTIZED)
     if quantized and not allow_requantize:
-        raise InvalidInput(f"{label} is already quantized ({info.file_type}: {', '.join(quantized)} tensors); "
-                           f"quantizing it again to {qtype} compounds the error",
-                           hint="quantize from an F16, BF16 or F32 GGUF, or pass --allow-requantize "
-                                "(allow_requantize) to do it anyway")
+        raise InvalidInput(
+            f"{label} is already quantized ({info.file_type}: {', '.join(quantized)} tensors); "
+            f"quantizing it again to {qtype} compounds the error",
+            hint="quantize from an F16, BF16 or F32 GGUF, or pass --allow-requantize "
+            "(allow_requantize) to do it anyway",
+        )
     if qtype in NEEDS_IMATRIX and imatrix is None:
-        raise InvalidInput(f"{qtype} needs an importance matrix: without one the result is garbage",
-                           hint="make one with llama-imatrix and pass --imatrix PATH, or pick q4_K_M or larger")
+        raise InvalidInput(
+            f"{qtype} needs an importance matrix: without one the result is garbage",
+            hint="make one with llama-imatrix and pass --imatrix PATH, or pick q4_K_M or larger",
+        )
     if imatrix is not None and not imatrix.is_file():
         raise InvalidInput(f"imatrix file {imatrix} does not exist")
 
 
-def run_quantize(source: Path, out: Path, qtype: str, *, label: str, allow_requantize: bool = False,
-                 imatrix: Path | None = None, threads: int = 0, report_tokens: int = 2048
-                 ) -> Generator[api.PullProgress, None, api.QuantizationReport | None]:
+def run_quantize(
+    source: Path,
+    out: Path,
+    qtype: str,
+    *,
+    label: str,
+    allow_requantize: bool = False,
+    imatrix: Path | None = None,
+    threads: int = 0,
+    report_tokens: int = 2048,
+) -> Generator[api.PullProgress, None, api.QuantizationReport | None]:
     """Quantize `source` (a GGUF, the first part of a split one) into `out` in a worker process, yielding progress;
     return the quality report measured on `report_tokens` tokens (None when 0).
 
@@ -93,12 +136,23 @@ def run_quantize(source: Path, out: Path, qtype: str, *, label: str, allow_requa
     """
     qtype = quant_type(qtype)
     check_quantize(source, qtype, allow_requantize=allow_requantize, imatrix=imatrix, label=label)
-    job = {"source": str(source), "out": str(out), "qtype": qtype, "allow_requantize": allow_requantize,
-           "imatrix": str(imatrix) if imatrix else None, "threads": threads, "report_tokens": report_tokens,
-           "label": label}
+    job = {
+        "source": str(source),
+        "out": str(out),
+        "qtype": qtype,
+        "allow_requantize": allow_requantize,
+        "imatrix": str(imatrix) if imatrix else None,
+        "threads": threads,
+        "report_tokens": report_tokens,
+        "label": label,
+    }
     with tempfile.TemporaryFile() as stderr:
-        process = subprocess.Popen([sys.executable, "-m", "localllm.quant.quantize", json.dumps(job)],
-                                   stdout=subprocess.PIPE, stderr=stderr, text=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "localllm.quant.quantize", json.dumps(job)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
         try:
             result = yield from _follow(process, qtype)
         finally:
@@ -120,8 +174,9 @@ def _follow(process: subprocess.Popen, qtype: str) -> Generator[api.PullProgress
     for line in process.stdout:
         message = json.loads(line)
         if "progress" in message:
-            yield api.PullProgress(status=f"quantizing to {qtype}", total=message["total"],
-                                   completed=message["progress"])
+            yield api.PullProgress(
+                status=f"quantizing to {qtype}", total=message["total"], completed=message["progress"]
+            )
         elif "status" in message:
             yield api.PullProgress(status=message["status"])
         elif "report" in message:
@@ -134,6 +189,7 @@ def _follow(process: subprocess.Popen, qtype: str) -> Generator[api.PullProgress
 
 # ---------------------------------------------------------------------------------------------------------- worker
 
+
 def read_imatrix(path: Path) -> dict[str, Any]:
     """An importance matrix GGUF (llama-imatrix's output) as {tensor name: float32 weights}, normalised as
     llama-quantize does (each sum of squares divided by its count; 1 where nothing was counted)."""
@@ -142,8 +198,10 @@ def read_imatrix(path: Path) -> dict[str, Any]:
     try:
         reader = gguf.GGUFReader(str(path))
     except (ValueError, OSError) as exc:
-        raise InvalidInput(f"imatrix {path} is not a GGUF importance matrix: {exc}",
-                           hint="write it with llama-imatrix (its default GGUF output)") from None
+        raise InvalidInput(
+            f"imatrix {path} is not a GGUF importance matrix: {exc}",
+            hint="write it with llama-imatrix (its default GGUF output)",
+        ) from None
     tensors = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1) for t in reader.tensors}
     result = {}
     for name in (n.removesuffix(".in_sum2") for n in tensors if n.endswith(".in_sum2")):
@@ -187,8 +245,16 @@ class _QuantizeLog:
         return failed[-1] if failed else (self.errors[-1] if self.errors else "llama.cpp gave no reason")
 
 
-def quantize_file(source: Path, out: Path, qtype: str, *, allow_requantize: bool, imatrix: Path | None,
-                  threads: int, emit: Callable[[dict], None]) -> None:
+def quantize_file(
+    source: Path,
+    out: Path,
+    qtype: str,
+    *,
+    allow_requantize: bool,
+    imatrix: Path | None,
+    threads: int,
+    emit: Callable[[dict], None],
+) -> None:
     """Run llama_model_quantize in this process (the worker), emitting progress by source bytes."""
     import llama_cpp
 
@@ -238,13 +304,27 @@ def main(argv: list[str]) -> int:
     job = json.loads(argv[1])
     source, out = Path(job["source"]), Path(job["out"])
     try:
-        quantize_file(source, out, job["qtype"], allow_requantize=job["allow_requantize"],
-                      imatrix=Path(job["imatrix"]) if job["imatrix"] else None, threads=job["threads"], emit=_emit)
+        quantize_file(
+            source,
+            out,
+            job["qtype"],
+            allow_requantize=job["allow_requantize"],
+            imatrix=Path(job["imatrix"]) if job["imatrix"] else None,
+            threads=job["threads"],
+            emit=_emit,
+        )
         if job["report_tokens"]:
             from .quality import measure_quality
 
-            report = measure_quality(source, out, qtype=job["qtype"], label=job["label"], threads=job["threads"],
-                                     tokens=job["report_tokens"], emit=_emit)
+            report = measure_quality(
+                source,
+                out,
+                qtype=job["qtype"],
+                label=job["label"],
+                threads=job["threads"],
+                tokens=job["report_tokens"],
+                emit=_emit,
+            )
             _emit({"report": report.model_dump(mode="json")})
     except LocalLLMError as exc:
         _emit({"error": exc.message, "hint": exc.hint, "kind": "input" if isinstance(exc, InvalidInput) else "format"})

@@ -101,9 +101,12 @@ def create_app(client: Client | None = None, *, bound_host: str | None = None) -
     origins = config.ORIGINS.get()
     if origins:  # outside the guard, so an allowed page can read the guard's errors too
         globs = [o for o in origins if "*" in o and o != "*"]  # chrome-extension://* and the like, as Ollama takes
-        app.add_middleware(CORSMiddleware, allow_origins=[o for o in origins if o not in globs], allow_methods=["*"],
-                           allow_origin_regex="|".join(fnmatch.translate(g) for g in globs) or None,
-                           allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=[o for o in origins if o not in globs],
+            allow_methods=["*"],
+            allow_origin_regex="|".join(fnmatch.translate(g) for g in globs) or None,
+            allow_headers=["*"],
+        )
     app.add_middleware(AccessLog, metrics=state.metrics)
     return app
-

@@ -64,8 +64,9 @@ def _cancel(iterator: Any) -> None:
         iterator.cancel()
 
 
-def _pump(make: Callable[[], Iterator[Any]], deliver: Callable[[Any], bool], stop: threading.Event,
-          started: list) -> None:
+def _pump(
+    make: Callable[[], Iterator[Any]], deliver: Callable[[Any], bool], stop: threading.Event, started: list
+) -> None:
     """The stream's thread: build the iterator, hand over each chunk, end with _END or _Failed. The iterator is
     closed here, before the last item, because a generator cannot be closed from another thread while it waits, and
     because its clean-up (the request's cancel, the model's release) must be over when the response ends."""
@@ -103,8 +104,13 @@ class ChunkStream(Generic[T]):
         self._started: list = []  # the client's iterator, once the pump has made it
 
     @classmethod
-    async def open(cls, make: Callable[[], Iterator[T]], *, observe: Callable[[T], None] | None = None,
-                   disconnected: Callable[[], Awaitable[bool]] | None = None) -> ChunkStream[T]:
+    async def open(
+        cls,
+        make: Callable[[], Iterator[T]],
+        *,
+        observe: Callable[[T], None] | None = None,
+        disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> ChunkStream[T]:
         """Start the request and wait for its first chunk; errors before any output raise here. With `disconnected`
         (Request.is_disconnected), a client that leaves while it waits (queued, loading) cancels the request and
         Cancelled is raised."""
@@ -125,8 +131,9 @@ class ChunkStream(Generic[T]):
                 loop.call_soon_threadsafe(limiter.release_on_behalf_of, stream)
             return True
 
-        threading.Thread(target=_pump, args=(make, deliver, stream._stop, stream._started), name="localllm-stream",
-                         daemon=True).start()
+        threading.Thread(
+            target=_pump, args=(make, deliver, stream._stop, stream._started), name="localllm-stream", daemon=True
+        ).start()
         try:
             stream._first = await stream._first_chunk(disconnected)
         except BaseException:

@@ -35,8 +35,11 @@ class _EngineCollector(Collector):
             "queue_depth": GaugeMetricFamily("localllm_queue_depth", "requests waiting for a slot", labels=["model"]),
             "slots_busy": GaugeMetricFamily("localllm_slots_busy", "slots decoding a request", labels=["model"]),
             "slots_total": GaugeMetricFamily("localllm_slots_total", "slots of the loaded model", labels=["model"]),
-            "threads": GaugeMetricFamily("localllm_threads", "CPU threads of the model's decode steps now (0: the "
-                                         "backend chooses, as MLX does)", labels=["model"]),
+            "threads": GaugeMetricFamily(
+                "localllm_threads",
+                "CPU threads of the model's decode steps now (0: the backend chooses, as MLX does)",
+                labels=["model"],
+            ),
         }
         rows = self._client.ps().models
         for row in rows:
@@ -49,12 +52,17 @@ class _EngineCollector(Collector):
 
 def _prefix_cache_families(rows: list[api.ProcessModel]) -> list[GaugeMetricFamily | CounterMetricFamily]:
     """Prefix-cache figures by tier: requests that reused a prefix, the prompt tokens they skipped, bytes held."""
-    hits = CounterMetricFamily("localllm_prefix_cache_hits", "requests that reused a cached prompt prefix, by tier",
-                               labels=["model", "tier"])
-    tokens = CounterMetricFamily("localllm_prefix_cache_tokens_reused", "prompt tokens reused from the prefix cache, "
-                                 "by tier", labels=["model", "tier"])
-    held = GaugeMetricFamily("localllm_prefix_cache_bytes", "bytes of saved prefixes held, by tier",
-                             labels=["model", "tier"])
+    hits = CounterMetricFamily(
+        "localllm_prefix_cache_hits", "requests that reused a cached prompt prefix, by tier", labels=["model", "tier"]
+    )
+    tokens = CounterMetricFamily(
+        "localllm_prefix_cache_tokens_reused",
+        "prompt tokens reused from the prefix cache, by tier",
+        labels=["model", "tier"],
+    )
+    held = GaugeMetricFamily(
+        "localllm_prefix_cache_bytes", "bytes of saved prefixes held, by tier", labels=["model", "tier"]
+    )
     for row in rows:
         for tier in ("slot", "ram", "disk"):
             hits.add_metric([row.name, tier], row.prefix_cache_hits.get(tier, 0))
@@ -69,17 +77,33 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter("localllm_requests", "HTTP requests", ["method", "route", "status"], registry=reg)
-        self.duration = Histogram("localllm_request_duration_seconds", "HTTP request time, streaming included",
-                                  ["route"], registry=reg)
-        self.tokens_in = Counter("localllm_prompt_tokens", "prompt tokens of answered requests, cached ones included",
-                                 ["model"], registry=reg)
+        self.duration = Histogram(
+            "localllm_request_duration_seconds", "HTTP request time, streaming included", ["route"], registry=reg
+        )
+        self.tokens_in = Counter(
+            "localllm_prompt_tokens",
+            "prompt tokens of answered requests, cached ones included",
+            ["model"],
+            registry=reg,
+        )
         self.tokens_out = Counter("localllm_generated_tokens", "tokens generated", ["model"], registry=reg)
-        self.cached = Counter("localllm_prompt_cached_tokens", "prompt tokens reused from the prefix cache",
-                              ["model"], registry=reg)
-        self.load_seconds = Histogram("localllm_model_load_seconds", "time to load a model", ["model"],
-                                      buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=reg)
-        self.tokens_per_second = Histogram("localllm_tokens_per_second", "generation speed of one answer", ["model"],
-                                           buckets=(1, 5, 10, 20, 50, 100, 200, 500, 1000), registry=reg)
+        self.cached = Counter(
+            "localllm_prompt_cached_tokens", "prompt tokens reused from the prefix cache", ["model"], registry=reg
+        )
+        self.load_seconds = Histogram(
+            "localllm_model_load_seconds",
+            "time to load a model",
+            ["model"],
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120),
+            registry=reg,
+        )
+        self.tokens_per_second = Histogram(
+            "localllm_tokens_per_second",
+            "generation speed of one answer",
+            ["model"],
+            buckets=(1, 5, 10, 20, 50, 100, 200, 500, 1000),
+            registry=reg,
+        )
         reg.register(_EngineCollector(client))
 
     def observe_chunk(self, chunk: api.Timings) -> None:

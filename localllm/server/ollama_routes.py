@@ -39,6 +39,7 @@ def asks_unload(keep_alive: Any) -> bool:
 
 # ---------------------------------------------------------------------------------------------------------- models
 
+
 @router.get("/api/version")
 def version(state: State) -> JSONResponse:
     return json_of(api.VersionResponse(version=state.client.version()))
@@ -113,6 +114,7 @@ async def upload_blob(digest: str, state: State, http: Request) -> Response:
 
 # ---------------------------------------------------------------------------------------------------------- inference
 
+
 async def check_tools(state: State, model: str, tools: bool) -> None:
     """Ollama's 400 for tools the model cannot be shown (its wording, which clients match on). Thinking a model
     cannot do is refused by the client, on every route (thinking.check_thinking)."""
@@ -126,8 +128,9 @@ async def generate(body: api.GenerateRequest, state: State, http: Request) -> Re
     body.options = api.request_options(body.options)
     if not body.prompt and not body.context and asks_unload(body.keep_alive):
         return await unload(body.model, state)
-    chunks = await ChunkStream.open(lambda: state.client.generate(body), observe=state.metrics.observe_chunk,
-                                    disconnected=http.is_disconnected)
+    chunks = await ChunkStream.open(
+        lambda: state.client.generate(body), observe=state.metrics.observe_chunk, disconnected=http.is_disconnected
+    )
     if body.stream:
         return ndjson_response(chunks)
     collected = await chunks.collect(disconnected=http.is_disconnected)
@@ -140,8 +143,9 @@ async def chat(body: api.ChatRequest, state: State, http: Request) -> Response:
     if not body.messages and asks_unload(body.keep_alive):
         return await unload(body.model, state, chat=True)
     await check_tools(state, body.model, bool(body.tools))
-    chunks = await ChunkStream.open(lambda: state.client.chat(body), observe=state.metrics.observe_chunk,
-                                    disconnected=http.is_disconnected)
+    chunks = await ChunkStream.open(
+        lambda: state.client.chat(body), observe=state.metrics.observe_chunk, disconnected=http.is_disconnected
+    )
     if body.stream:
         return ndjson_response(chunks)
     collected = await chunks.collect(disconnected=http.is_disconnected)
@@ -180,8 +184,9 @@ class LegacyEmbeddingsRequest(BaseModel):
 
 @router.post("/api/embeddings")
 def embeddings(body: LegacyEmbeddingsRequest, state: State) -> JSONResponse:
-    request = api.EmbedRequest(model=body.model, input=body.prompt, options=api.request_options(body.options),
-                               keep_alive=body.keep_alive)
+    request = api.EmbedRequest(
+        model=body.model, input=body.prompt, options=api.request_options(body.options), keep_alive=body.keep_alive
+    )
     response = state.client.embed(request)
     state.metrics.observe_embed(response)
     return JSONResponse({"embedding": response.embeddings[0] if response.embeddings else []})

@@ -31,6 +31,7 @@ NDJSON = "application/x-ndjson"
 
 # ---------------------------------------------------------------------------------------------------------- errors
 
+
 def error_headers(exc: Exception) -> dict[str, str]:
     if isinstance(exc, QueueFull):
         return {"Retry-After": str(exc.retry_after)}
@@ -39,17 +40,33 @@ def error_headers(exc: Exception) -> dict[str, str]:
     return {}
 
 
-_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                 404: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-                 503: "server_overloaded"}
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    503: "server_overloaded",
+}
 # OpenAI's string `code`s: clients map errors by them (litellm's ContextWindowExceededError comes only from
 # context_length_exceeded). The most specific class wins; otherwise the code follows the status.
 _OPENAI_CODES: tuple[tuple[type[LocalLLMError], str], ...] = (
-    (ContextOverflow, "context_length_exceeded"), (ModelNotFound, "model_not_found"),
-    (QueueFull, "rate_limit_exceeded"), (Unauthorized, "invalid_api_key"), (PayloadTooLarge, "request_too_large"))
-_OPENAI_STATUS_CODES = {400: "invalid_request_error", 401: "invalid_api_key", 403: "permission_denied",
-                        404: "not_found", 413: "request_too_large", 415: "unsupported_media_type",
-                        503: "server_overloaded"}
+    (ContextOverflow, "context_length_exceeded"),
+    (ModelNotFound, "model_not_found"),
+    (QueueFull, "rate_limit_exceeded"),
+    (Unauthorized, "invalid_api_key"),
+    (PayloadTooLarge, "request_too_large"),
+)
+_OPENAI_STATUS_CODES = {
+    400: "invalid_request_error",
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    503: "server_overloaded",
+}
 
 
 def openai_code(exc: Exception | None, status: int) -> str:
@@ -60,24 +77,37 @@ def openai_code(exc: Exception | None, status: int) -> str:
 
 
 # Anthropic's error type for each status (its API reference, "Errors").
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                    503: "overloaded_error"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 def anthropic_error(message: str, status: int) -> dict[str, Any]:
     return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
 
 
-def error_json(message: str, status: int, path: str, headers: dict[str, str] | None = None,
-               exc: Exception | None = None) -> JSONResponse:
+def error_json(
+    message: str, status: int, path: str, headers: dict[str, str] | None = None, exc: Exception | None = None
+) -> JSONResponse:
     """Ollama's `{"error": "..."}`; under /v1 OpenAI's `{"error": {"message", "type", "param", "code"}}`, which
     its client libraries read; under /v1/messages Anthropic's."""
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         body: dict[str, Any] = anthropic_error(message, status)
     elif path.startswith("/v1/"):
-        body = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"), "param": None,
-                          "code": openai_code(exc, status)}}
+        body = {
+            "error": {
+                "message": message,
+                "type": _OPENAI_TYPES.get(status, "server_error"),
+                "param": None,
+                "code": openai_code(exc, status),
+            }
+        }
     else:
         body = {"error": message}
     return JSONResponse(body, status_code=status, headers=headers)
@@ -137,6 +167,7 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------------- streams
 
+
 def client_gone() -> Response:
     """What a handler returns when its client left before the answer was ready (nobody reads it; 499 is nginx's
     code for that, and it shows in the access log)."""
@@ -186,12 +217,14 @@ def sse_response(stream: ChunkStream, render: Callable[[ChunkStream], AsyncItera
 
 # -------------------------------------------------------------------------------------------- non-streamed answers
 
+
 def merge_generate(chunks: list[api.GenerateChunk]) -> api.GenerateChunk:
     """One non-streamed answer: all the text, with the final chunk's reason and timings."""
     last = chunks[-1]
     thinking = "".join(c.thinking or "" for c in chunks)
-    return last.model_copy(update={"response": "".join(c.response for c in chunks), "thinking": thinking or None,
-                                   **_joined_tokens(chunks)})
+    return last.model_copy(
+        update={"response": "".join(c.response for c in chunks), "thinking": thinking or None, **_joined_tokens(chunks)}
+    )
 
 
 def merge_chat(chunks: list[api.ChatChunk]) -> api.ChatChunk:

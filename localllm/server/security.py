@@ -59,15 +59,20 @@ class GuardSettings:
         host = bound_host if bound_host is not None else config.HOST.get()[0]
         extra = {h.lower() for h in config.ALLOWED_HOSTS.get()}
         names = {"localhost", host.lower(), socket.gethostname().lower()} | extra
-        return cls(allowed_hosts=frozenset(names), api_key=config.API_KEY.get(), max_body=config.MAX_BODY.get(),
-                   any_host="*" in extra, origins=tuple(o.lower() for o in config.ORIGINS.get()))
+        return cls(
+            allowed_hosts=frozenset(names),
+            api_key=config.API_KEY.get(),
+            max_body=config.MAX_BODY.get(),
+            any_host="*" in extra,
+            origins=tuple(o.lower() for o in config.ORIGINS.get()),
+        )
 
 
 def host_name(header: str) -> str:
     """The name in a Host header without its port: "[::1]:80" → "::1", "example.com:80" → "example.com"."""
     header = header.strip().lower()
     if header.startswith("["):
-        return header[1:header.find("]")] if "]" in header else header
+        return header[1 : header.find("]")] if "]" in header else header
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
@@ -143,19 +148,31 @@ class GuardMiddleware:
     def _check(self, scope: Scope) -> None:
         headers = Headers(scope=scope)
         if not host_allowed(headers.get("host"), self.settings):
-            raise Forbidden(f"Host {headers.get('host')!r} is not allowed",
-                            hint="call the server by 127.0.0.1 or localhost, or add the name to LOCALLLM_ALLOWED_HOSTS")
+            raise Forbidden(
+                f"Host {headers.get('host')!r} is not allowed",
+                hint="call the server by 127.0.0.1 or localhost, or add the name to LOCALLLM_ALLOWED_HOSTS",
+            )
         if not origin_allowed(headers.get("origin"), self.settings):
-            raise Forbidden(f"requests from the web page {headers.get('origin')!r} are not allowed",
-                            hint="add the page's origin to LOCALLLM_ORIGINS to let it call this server")
-        if self._needs_key(scope) and not key_matches(headers.get("authorization"), self.settings.api_key,
-                                                      headers.get("x-api-key")):
-            raise Unauthorized("missing or wrong API key",
-                               hint="send `Authorization: Bearer <key>` or `x-api-key: <key>` with LOCALLLM_API_KEY")
-        if (scope["method"] in BODY_METHODS and not scope["path"].startswith(BINARY_BODY_ROUTES)
-                and not body_type_allowed(headers.get("content-type"))):
-            raise UnsupportedMediaType(f"the request body is {headers.get('content-type')!r}; this route reads JSON",
-                                       hint="send it with `Content-Type: application/json`")
+            raise Forbidden(
+                f"requests from the web page {headers.get('origin')!r} are not allowed",
+                hint="add the page's origin to LOCALLLM_ORIGINS to let it call this server",
+            )
+        if self._needs_key(scope) and not key_matches(
+            headers.get("authorization"), self.settings.api_key, headers.get("x-api-key")
+        ):
+            raise Unauthorized(
+                "missing or wrong API key",
+                hint="send `Authorization: Bearer <key>` or `x-api-key: <key>` with LOCALLLM_API_KEY",
+            )
+        if (
+            scope["method"] in BODY_METHODS
+            and not scope["path"].startswith(BINARY_BODY_ROUTES)
+            and not body_type_allowed(headers.get("content-type"))
+        ):
+            raise UnsupportedMediaType(
+                f"the request body is {headers.get('content-type')!r}; this route reads JSON",
+                hint="send it with `Content-Type: application/json`",
+            )
         length = headers.get("content-length")
         if scope["path"].startswith(UNLIMITED_BODY_PREFIX):
             return
@@ -168,8 +185,10 @@ class GuardMiddleware:
         return not (scope["path"] in OPEN_PATHS and scope["method"] in ("GET", "HEAD"))
 
     def _too_large(self, size: str) -> PayloadTooLarge:
-        return PayloadTooLarge(f"the request body ({size} bytes) is over the limit of {self.settings.max_body} bytes",
-                               hint="raise LOCALLLM_MAX_BODY")
+        return PayloadTooLarge(
+            f"the request body ({size} bytes) is over the limit of {self.settings.max_body} bytes",
+            hint="raise LOCALLLM_MAX_BODY",
+        )
 
     def _limited(self, receive: Receive) -> Receive:
         """Count body bytes as they arrive: a chunked upload has no Content-Length to check up front."""

@@ -9,8 +9,9 @@ from ..client.protocol import Client
 from ..errors import BackendUnavailable, LocalLLMError
 
 
-def run_tui(client: Client, *, model: str | None = None, notice: LocalLLMError | None = None,
-            log_file: Path | None = None) -> None:
+def run_tui(
+    client: Client, *, model: str | None = None, notice: LocalLLMError | None = None, log_file: Path | None = None
+) -> None:
     """Run the TUI until the user quits; errors it shows are also logged to `log_file` with their cause."""
     try:
         from .app import LocalLLMApp

@@ -23,8 +23,15 @@ class LocalLLMApp(App[None]):
     TITLE = "localllm"
     BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
 
-    def __init__(self, client: Client, *, model: str | None = None, system: str | None = None,
-                 options: dict[str, Any] | None = None, notice: LocalLLMError | None = None):
+    def __init__(
+        self,
+        client: Client,
+        *,
+        model: str | None = None,
+        system: str | None = None,
+        options: dict[str, Any] | None = None,
+        notice: LocalLLMError | None = None,
+    ):
         """
         Args:
             client: where models live: an HttpClient (the usual case) or a LocalClient.

@@ -105,8 +105,9 @@ def loaded_weights_users(key: WeightsKey) -> int:
 class LlamaCppBackend:
     name = "llama.cpp"
 
-    def load(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int,
-             adapters: Sequence[LoraAdapter] = ()) -> LlamaCppModel:
+    def load(
+        self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int, adapters: Sequence[LoraAdapter] = ()
+    ) -> LlamaCppModel:
         _init_backend()
         if not Path(path).is_file():
             raise ModelFormatError(f"weights file {path} does not exist")
@@ -118,8 +119,17 @@ class LlamaCppBackend:
         try:
             ctx = _new_context(model, options, n_seq=n_seq, n_ctx=n_ctx)
             loras = _apply_adapters(model, ctx, adapters)
-            return LlamaCppModel(path, model, ctx, options, n_seq=n_seq, placement=placed.placement,
-                                 release_weights=partial(_WEIGHTS.release, key), weights=key, adapters=loras)
+            return LlamaCppModel(
+                path,
+                model,
+                ctx,
+                options,
+                n_seq=n_seq,
+                placement=placed.placement,
+                release_weights=partial(_WEIGHTS.release, key),
+                weights=key,
+                adapters=loras,
+            )
         except BaseException:
             _free_adapters(loras)
             if ctx is not None:
@@ -131,8 +141,9 @@ class LlamaCppBackend:
         return place_model(path, options, n_seq=n_seq, n_ctx=n_ctx).placement
 
 
-def _load_over_rpc(path: Path, options: LoadOptions, placed: PlacedModel, *, n_seq: int, n_ctx: int,
-                   adapters: Sequence[LoraAdapter]) -> LlamaCppModel:
+def _load_over_rpc(
+    path: Path, options: LoadOptions, placed: PlacedModel, *, n_seq: int, n_ctx: int, adapters: Sequence[LoraAdapter]
+) -> LlamaCppModel:
     """A load with layers on RPC workers: its own weights (never shared), and every native call that may reach a
     worker through the guard, which gives up when a worker is lost."""
     guard = RpcGuard(placed.endpoints)
@@ -149,9 +160,18 @@ def _load_over_rpc(path: Path, options: LoadOptions, placed: PlacedModel, *, n_s
     except BaseException:
         guard.close()
         raise
-    return LlamaCppModel(path, model, ctx, options, n_seq=n_seq, placement=placed.placement,
-                         release_weights=partial(llama_cpp.llama_model_free, model), weights=(str(path), id(model)),
-                         adapters=loras, guard=guard)
+    return LlamaCppModel(
+        path,
+        model,
+        ctx,
+        options,
+        n_seq=n_seq,
+        placement=placed.placement,
+        release_weights=partial(llama_cpp.llama_model_free, model),
+        weights=(str(path), id(model)),
+        adapters=loras,
+        guard=guard,
+    )
 
 
 class _Adapters:
@@ -179,9 +199,10 @@ def _apply_adapters(model, ctx, adapters: Sequence[LoraAdapter]) -> _Adapters:
             with _WEIGHTS.lock:
                 handle = llama_cpp.llama_adapter_lora_init(model, str(adapter.path).encode())
             if not handle:
-                raise ModelFormatError(f"llama.cpp could not apply the LoRA adapter {adapter.path}",
-                                       hint="the adapter must be trained for this base model (same architecture and "
-                                            "tensor shapes)")
+                raise ModelFormatError(
+                    f"llama.cpp could not apply the LoRA adapter {adapter.path}",
+                    hint="the adapter must be trained for this base model (same architecture and tensor shapes)",
+                )
             handles.append(handle)
         result = _Adapters(handles, [float(a.scale) for a in adapters])
         result.set_on(ctx)
@@ -227,8 +248,10 @@ def _load_weights(path: Path, options: LoadOptions, placed: PlacedModel):
     params.load_mtp = True
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
-        raise ModelFormatError(f"llama.cpp could not load {path}",
-                               hint="the file is not a GGUF model this llama.cpp supports; `localllm verify` checks it")
+        raise ModelFormatError(
+            f"llama.cpp could not load {path}",
+            hint="the file is not a GGUF model this llama.cpp supports; `localllm verify` checks it",
+        )
     return model
 
 
@@ -272,8 +295,10 @@ def _new_context(model, options: LoadOptions, *, n_seq: int, n_ctx: int, embeddi
         ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
         # Almost always memory (models/options.check_memory catches most cases before this): the request's fault.
-        raise InvalidInput(f"llama.cpp could not create a context of {n_seq} x {n_ctx} tokens",
-                            hint="lower num_ctx or num_parallel; `localllm plan` shows the memory needed")
+        raise InvalidInput(
+            f"llama.cpp could not create a context of {n_seq} x {n_ctx} tokens",
+            hint="lower num_ctx or num_parallel; `localllm plan` shows the memory needed",
+        )
     return ctx
 
 
@@ -316,9 +341,20 @@ class LlamaCppModel:
     kv_pad = 256
     adjustable_threads = True
 
-    def __init__(self, path: Path, model, ctx, options: LoadOptions, *, n_seq: int, weights: Hashable,
-                 release_weights: Callable[[], None], adapters: _Adapters, placement: Placement | None = None,
-                 guard: RpcGuard | None = None):
+    def __init__(
+        self,
+        path: Path,
+        model,
+        ctx,
+        options: LoadOptions,
+        *,
+        n_seq: int,
+        weights: Hashable,
+        release_weights: Callable[[], None],
+        adapters: _Adapters,
+        placement: Placement | None = None,
+        guard: RpcGuard | None = None,
+    ):
         self.path = path
         self.options = options
         self.weights = weights  # equal for every load that shares this llama_model (_WEIGHTS)
@@ -400,8 +436,10 @@ class LlamaCppModel:
             b.logits[i] = batch.logits[i]
         status = self._decode_native(b) if self._guard is not None else llama_cpp.llama_decode(self._ctx, b)
         if status != 0:
-            raise LocalLLMError(f"llama_decode failed with status {status} on a batch of {n} tokens",
-                                hint="1 means the KV cache is full: lower num_parallel or raise num_ctx")
+            raise LocalLLMError(
+                f"llama_decode failed with status {status} on a batch of {n} tokens",
+                hint="1 means the KV cache is full: lower num_parallel or raise num_ctx",
+            )
 
     def _decode_native(self, batch) -> int:
         def decode_and_wait() -> int:
@@ -425,8 +463,7 @@ class LlamaCppModel:
         values = cast(Any, self._logits_row.from_address(ctypes.addressof(ptr.contents)))  # a ctypes array: a buffer
         return np.frombuffer(values, dtype=np.float32)
 
-    def make_sampler(self, options: SamplingOptions, *,
-                     grammar: str | None = None) -> LlamaCppSampler | GreedySampler:
+    def make_sampler(self, options: SamplingOptions, *, grammar: str | None = None) -> LlamaCppSampler | GreedySampler:
         if GreedySampler.fits(options, grammar):
             return GreedySampler(self, _biases(self, options))
         return LlamaCppSampler(self, options, grammar)
@@ -449,12 +486,15 @@ class LlamaCppModel:
         params = _context_params(self.options, n_seq=self.n_seq, n_ctx=self.n_ctx)
         # A state loads only into a context with the same streams (slots), cell count, KV types and V layout, written
         # by the same llama.cpp.
-        fingerprint = (f"llama-cpp-python {llama_cpp.__version__}; slots {self.n_seq}; ctx {self.n_ctx}; "
-                       f"k {params.type_k}; v {params.type_v}; flash {params.flash_attn_type}")
+        fingerprint = (
+            f"llama-cpp-python {llama_cpp.__version__}; slots {self.n_seq}; ctx {self.n_ctx}; "
+            f"k {params.type_k}; v {params.type_v}; flash {params.flash_attn_type}"
+        )
         model = self._model
         recurrent = bool(llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
-        return CacheShape(window=max(0, llama_cpp.llama_model_n_swa(self._model)), recurrent=recurrent,
-                          fingerprint=fingerprint)
+        return CacheShape(
+            window=max(0, llama_cpp.llama_model_n_swa(self._model)), recurrent=recurrent, fingerprint=fingerprint
+        )
 
     def save_seq(self, seq: int) -> bytes | None:
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
@@ -532,8 +572,9 @@ class LlamaCppModel:
         if not self.meta.has_mtp:
             return None
         params = _context_params(self.options, n_seq=self.n_seq, n_ctx=self.n_ctx)
-        return LlamaMtpHead(self._model, self._ctx, params, n_seq=self.n_seq, n_ctx=self.n_ctx,
-                            n_vocab=self.meta.n_vocab)
+        return LlamaMtpHead(
+            self._model, self._ctx, params, n_seq=self.n_seq, n_ctx=self.n_ctx, n_vocab=self.meta.n_vocab
+        )
 
     def grammar_probe(self, grammar: str) -> GrammarProbe | None:
         return LlamaGrammarProbe(self._model, grammar)
@@ -617,8 +658,9 @@ class GreedySampler:
 
 
 def _has_penalties(opts: SamplingOptions) -> bool:
-    return (opts.repeat_penalty != 1.0 or bool(opts.presence_penalty) or bool(opts.frequency_penalty)) \
-        and opts.repeat_last_n != 0
+    return (
+        opts.repeat_penalty != 1.0 or bool(opts.presence_penalty) or bool(opts.frequency_penalty)
+    ) and opts.repeat_last_n != 0
 
 
 def _biases(model: LlamaCppModel, opts: SamplingOptions) -> dict[int, float]:
@@ -656,8 +698,11 @@ def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: str | Non
         yield llama_cpp.llama_sampler_init_logit_bias(model.meta.n_vocab, len(wanted), biases)
     if _has_penalties(opts):
         last_n = model.n_ctx if opts.repeat_last_n == -1 else opts.repeat_last_n
-        yield _Penalties(llama_cpp.llama_sampler_init_penalties(model.meta.n_vocab, last_n, opts.repeat_penalty,
-                                                                 opts.frequency_penalty, opts.presence_penalty))
+        yield _Penalties(
+            llama_cpp.llama_sampler_init_penalties(
+                model.meta.n_vocab, last_n, opts.repeat_penalty, opts.frequency_penalty, opts.presence_penalty
+            )
+        )
     if grammar:
         smpl = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
         if not smpl:

@@ -70,16 +70,22 @@ class FlashTrial:
         """None for anything that is not a trial this code wrote (an old or edited memory file)."""
         try:
             assert isinstance(data, dict)
-            return cls(depth=int(data["depth"]), threads=int(data["threads"]), on=StepTimes(**data["on"]),
-                       off=StepTimes(**data["off"]))
+            return cls(
+                depth=int(data["depth"]),
+                threads=int(data["threads"]),
+                on=StepTimes(**data["on"]),
+                off=StepTimes(**data["off"]),
+            )
         except (AssertionError, KeyError, TypeError, ValueError):
             return None
 
     def describe(self) -> str:
         threads = f"{self.threads} thread{'s' if self.threads > 1 else ''}"
-        return (f"at depth {self.depth} on {threads}: flash attention on {self.on.at_depth * 1000:.1f} ms, off "
-                f"{self.off.at_depth * 1000:.1f} ms (a {SHORT_BATCH}-token batch and one token); prefill on "
-                f"{self.on.prefill * 1000:.0f} ms, off {self.off.prefill * 1000:.0f} ms")
+        return (
+            f"at depth {self.depth} on {threads}: flash attention on {self.on.at_depth * 1000:.1f} ms, off "
+            f"{self.off.at_depth * 1000:.1f} ms (a {SHORT_BATCH}-token batch and one token); prefill on "
+            f"{self.on.prefill * 1000:.0f} ms, off {self.off.prefill * 1000:.0f} ms"
+        )
 
 
 def affordable_depth(seconds_per_token: float) -> int:
@@ -111,8 +117,9 @@ def run_trial(weights: Path, load: api.LoadOptions) -> FlashTrial | None:
     models: dict[bool, LlamaCppModel] = {}
     try:
         for flash in (True, False):
-            models[flash] = backend.load(weights, options.model_copy(update={"flash_attn": flash}), n_seq=1,
-                                         n_ctx=n_ctx)
+            models[flash] = backend.load(
+                weights, options.model_copy(update={"flash_attn": flash}), n_seq=1, n_ctx=n_ctx
+            )
         if not _on_cpu(models[True]):
             return None
         tokens = _tokens(models[True].meta.n_vocab, MAX_DEPTH + SHORT_BATCH)
@@ -126,8 +133,8 @@ def run_trial(weights: Path, load: api.LoadOptions) -> FlashTrial | None:
         one: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(ROUNDS):  # alternating, so that a change in the machine's load touches both alike
             for flash, model in models.items():
-                short[flash].append(_timed(model, tokens[depth:depth + SHORT_BATCH], depth))
-                one[flash].append(_timed(model, tokens[depth:depth + 1], depth))
+                short[flash].append(_timed(model, tokens[depth : depth + SHORT_BATCH], depth))
+                one[flash].append(_timed(model, tokens[depth : depth + 1], depth))
         times = {flash: StepTimes(prefill[flash], min(short[flash]), min(one[flash])) for flash in models}
         return FlashTrial(depth=depth, threads=threads, on=times[True], off=times[False])
     finally:
@@ -161,7 +168,7 @@ def _prefill(model: LlamaCppModel, tokens: list[int]) -> float:
     model.remove(0, 0)
     start = time.perf_counter()
     for begin in range(0, len(tokens), model.n_batch):
-        _decode(model, tokens[begin:begin + model.n_batch], begin)
+        _decode(model, tokens[begin : begin + model.n_batch], begin)
     return time.perf_counter() - start
 
 

@@ -46,8 +46,7 @@ PROBE_VERSION = "2"  # raise when the probe checks more: what it remembered no l
 PROBE_CTX = 256  # context of the child's one slot: enough for the probe's tokens, cheap to allocate
 PROBE_TOKENS = 4  # decoded together first (the prompt path), then one more alone (the generation path)
 # Tokenized and detokenized by the child: ASCII, controls, several scripts and an emoji, as users type them.
-PROBE_TEXT = ("Hello, world!\n\t{\"a\": [1, 2.5]} <b>x</b> Grüße, ça va? Привет Ωμέγα 中文 日本語 한국어 "
-              "🙂\r\n")
+PROBE_TEXT = 'Hello, world!\n\t{"a": [1, 2.5]} <b>x</b> Grüße, ça va? Привет Ωμέγα 中文 日本語 한국어 🙂\r\n'
 # The child's exit status: 0 loaded and decoded; EXIT_REFUSED a clean LocalLLMError (the in-process load will say
 # the same); EXIT_PYTHON_ERROR an uncaught Python error. Anything else is a death: a signal on POSIX, an abort's 3 or
 # an exception code on Windows.
@@ -112,8 +111,10 @@ class LoadProbe:
             log.warning("the load probe of %s could not run: %s", weights.name, outcome.stderr[-_STDERR_TAIL:])
         elif outcome.returncode != EXIT_REFUSED:
             log.warning("%s crashed llama.cpp in the load probe: %s", weights, outcome.stderr[-_STDERR_TAIL:])
-            raise ModelFormatError(f"{weights} crashed llama.cpp while loading: {_crash_line(outcome)}",
-                                   hint="the file is damaged or needs another llama.cpp; only this load failed")
+            raise ModelFormatError(
+                f"{weights} crashed llama.cpp while loading: {_crash_line(outcome)}",
+                hint="the file is damaged or needs another llama.cpp; only this load failed",
+            )
         return Probed()
 
 
@@ -169,17 +170,33 @@ def _timeout(weights: Path) -> float:
 
 
 def _run_child(weights: Path, load: api.LoadOptions) -> subprocess.CompletedProcess:
-    options = load.model_copy(update={"num_ctx": PROBE_CTX, "num_parallel": 1, "draft": None, "embedding": False,
-                                      "num_batch": max(load.num_batch, PROBE_TOKENS)})
+    options = load.model_copy(
+        update={
+            "num_ctx": PROBE_CTX,
+            "num_parallel": 1,
+            "draft": None,
+            "embedding": False,
+            "num_batch": max(load.num_batch, PROBE_TOKENS),
+        }
+    )
     # No backtrace: ggml would otherwise try to attach a debugger to the dying child.
     env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
     command = [sys.executable, "-m", "localllm.backends.llama_cpp.probe", str(weights)]
     try:
-        return subprocess.run(command, input=options.model_dump_json(), capture_output=True, text=True,
-                              errors="replace", env=env, timeout=_timeout(weights))
+        return subprocess.run(
+            command,
+            input=options.model_dump_json(),
+            capture_output=True,
+            text=True,
+            errors="replace",
+            env=env,
+            timeout=_timeout(weights),
+        )
     except subprocess.TimeoutExpired:
-        raise ModelFormatError(f"{weights} did not load within {_timeout(weights):.0f} s in the load probe",
-                               hint="the file may be damaged; only this load failed") from None
+        raise ModelFormatError(
+            f"{weights} did not load within {_timeout(weights):.0f} s in the load probe",
+            hint="the file may be damaged; only this load failed",
+        ) from None
 
 
 def _reported_trial(stdout: str) -> FlashTrial | None:
@@ -210,6 +227,7 @@ def _crash_line(outcome: subprocess.CompletedProcess) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- child
+
 
 def _probe_tokens(n_vocab: int, bos: int | None) -> list[int]:
     first = bos if bos is not None else 0

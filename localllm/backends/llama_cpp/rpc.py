@@ -48,8 +48,10 @@ T = TypeVar("T")
 
 REBUILD_COMMAND = "bash scripts/setup.sh"
 # --no-cache-dir: pip caches the wheel by the sdist, not by CMAKE_ARGS, and would reinstall the build without RPC.
-REBUILD_PIP = (f'CMAKE_ARGS="-DGGML_RPC=ON" {sys.executable} -m pip install --force-reinstall --no-deps '
-               f'--no-cache-dir --no-binary llama-cpp-python llama-cpp-python=={llama_cpp.__version__}')
+REBUILD_PIP = (
+    f'CMAKE_ARGS="-DGGML_RPC=ON" {sys.executable} -m pip install --force-reinstall --no-deps '
+    f"--no-cache-dir --no-binary llama-cpp-python llama-cpp-python=={llama_cpp.__version__}"
+)
 PROBE_SECONDS = 3.0
 _DEV_TYPES: dict[int, DeviceKind] = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 
@@ -60,8 +62,10 @@ def supports_rpc() -> bool:
 
 def require_rpc() -> None:
     if not supports_rpc():
-        raise BackendUnavailable("this llama-cpp-python was built without llama.cpp's RPC backend",
-                                 hint=f"rebuild it: `{REBUILD_COMMAND}` (or `{REBUILD_PIP}`)")
+        raise BackendUnavailable(
+            "this llama-cpp-python was built without llama.cpp's RPC backend",
+            hint=f"rebuild it: `{REBUILD_COMMAND}` (or `{REBUILD_PIP}`)",
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------- ggml
@@ -72,8 +76,11 @@ class _Ggml:
 
     def __init__(self) -> None:
         lib_dir = Path(llama_cpp.__file__).parent / "lib"
-        self._libs = [ctypes.CDLL(str(path)) for stem in ("ggml-base", "ggml", "ggml-rpc")
-                      for path in _library_files(lib_dir, stem)[:1]]
+        self._libs = [
+            ctypes.CDLL(str(path))
+            for stem in ("ggml-base", "ggml", "ggml-rpc")
+            for path in _library_files(lib_dir, stem)[:1]
+        ]
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         self.dev_count = self._fn("ggml_backend_dev_count", sz, [])
         self.dev_get = self._fn("ggml_backend_dev_get", vp, [sz])
@@ -97,16 +104,18 @@ class _Ggml:
             if fn is not None:
                 fn.restype, fn.argtypes = restype, argtypes
                 return fn
-        raise BackendUnavailable(f"llama-cpp-python's ggml libraries lack {name}",
-                                 hint=f"rebuild it: `{REBUILD_COMMAND}`")
+        raise BackendUnavailable(
+            f"llama-cpp-python's ggml libraries lack {name}", hint=f"rebuild it: `{REBUILD_COMMAND}`"
+        )
 
     def rpc_proc(self, name: str, prototype):
         reg = self.reg_by_name(b"RPC")
         address = self.reg_proc(reg, name.encode()) if reg else None
         if not address:
             require_rpc()
-            raise BackendUnavailable(f"llama.cpp's RPC backend does not offer {name}",
-                                     hint=f"rebuild it: `{REBUILD_COMMAND}`")
+            raise BackendUnavailable(
+                f"llama.cpp's RPC backend does not offer {name}", hint=f"rebuild it: `{REBUILD_COMMAND}`"
+            )
         return prototype(address)
 
     def kind(self, dev: int) -> DeviceKind:
@@ -117,15 +126,21 @@ class _Ggml:
         """Asks the device for its free memory: for an RPC device, a round trip to its worker."""
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         self.dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-        return DeviceReport(name=self.dev_name(dev).decode(), description=self.dev_description(dev).decode(),
-                            kind=self.kind(dev), free=free.value, total=total.value)
+        return DeviceReport(
+            name=self.dev_name(dev).decode(),
+            description=self.dev_description(dev).decode(),
+            kind=self.kind(dev),
+            free=free.value,
+            total=total.value,
+        )
 
 
 def _library_files(lib_dir: Path, stem: str) -> list[Path]:
     """The file the loader mapped for libllama first: its soname (libggml.so.0). A wheel holds the unversioned name
     as a copy, not a link, and loading that copy would give a second ggml with registries and callbacks of its own."""
     patterns = {"win32": [f"{stem}.dll"], "darwin": [f"lib{stem}.*.dylib", f"lib{stem}.dylib"]}.get(
-        sys.platform, [f"lib{stem}.so.[0-9]*", f"lib{stem}.so"])
+        sys.platform, [f"lib{stem}.so.[0-9]*", f"lib{stem}.so"]
+    )
     for pattern in patterns:
         found = sorted(lib_dir.glob(pattern), key=lambda p: len(p.name))
         if found:
@@ -175,14 +190,18 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 def probe(endpoint: str) -> None:
     """A TCP connect first: llama.cpp aborts the process when it cannot connect."""
     if endpoint in _losses.endpoints:
-        raise WorkerLost(f"the RPC worker at {endpoint} went away earlier in this process",
-                         hint="llama.cpp keeps its dead connection: restart this server to use that address again")
+        raise WorkerLost(
+            f"the RPC worker at {endpoint} went away earlier in this process",
+            hint="llama.cpp keeps its dead connection: restart this server to use that address again",
+        )
     host, port = parse_endpoint(endpoint)
     try:
         socket.create_connection((host, port), timeout=PROBE_SECONDS).close()
     except OSError as exc:
-        raise WorkerLost(f"cannot reach the RPC worker at {endpoint}: {exc.strerror or exc}",
-                         hint=f"start one there: `localllm worker --host {host} --port {port}`") from None
+        raise WorkerLost(
+            f"cannot reach the RPC worker at {endpoint}: {exc.strerror or exc}",
+            hint=f"start one there: `localllm worker --host {host} --port {port}`",
+        ) from None
 
 
 def worker_devices(endpoints: Sequence[str]) -> list[Device]:
@@ -222,8 +241,12 @@ def serve_worker(host: str, port: int, *, threads: int, cache_dir: str | None) -
     chosen = [h for h in every if g.kind(h) in ("gpu", "igpu")] or [h for h in every if g.kind(h) == "cpu"][:1]
     if not chosen:
         raise BackendUnavailable("ggml reports no device to serve")
-    start = g.rpc_proc("ggml_backend_rpc_start_server", ctypes.CFUNCTYPE(
-        None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)))
+    start = g.rpc_proc(
+        "ggml_backend_rpc_start_server",
+        ctypes.CFUNCTYPE(
+            None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)
+        ),
+    )
     handles = (ctypes.c_void_p * len(chosen))(*chosen)
     endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     # ggml's accept loop never returns to Python, so Python's handlers would never run: Ctrl+C and SIGTERM end the
@@ -234,8 +257,9 @@ def serve_worker(host: str, port: int, *, threads: int, cache_dir: str | None) -
     sys.stderr.flush()
     start(endpoint.encode(), cache_dir.encode() if cache_dir else None, threads, len(chosen), handles)
     # ggml returns only when it could not start (it has printed why): a busy port, a bad address.
-    raise WorkerLost(f"llama.cpp's RPC server could not listen on {endpoint}",
-                     hint="is the port in use? choose another with --port")
+    raise WorkerLost(
+        f"llama.cpp's RPC server could not listen on {endpoint}", hint="is the port in use? choose another with --port"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- placement
@@ -270,17 +294,25 @@ def place_model(path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> 
     devices = worker_devices(endpoints) + local_devices()
     reports = [d.report for d in devices]
     try:
-        mem = plan_memory(inspect_gguf(path), options.model_copy(update={
-            "num_ctx": n_ctx, "num_parallel": n_seq, "kv_type": options.kv_type or "f16"}))
+        mem = plan_memory(
+            inspect_gguf(path),
+            options.model_copy(update={"num_ctx": n_ctx, "num_parallel": n_seq, "kv_type": options.kv_type or "f16"}),
+        )
     except ModelFormatError as exc:  # llama.cpp may still load it: let it place the layers
         log.warning("no memory plan for %s (%s): llama.cpp splits the layers by free memory", path.name, exc)
         host = DeviceReport(name="CPU", description="", kind="cpu", free=available_memory() or 0, total=0)
         return PlacedModel(unplanned_placement(host, reports, options.num_gpu), devices, endpoints)
     placement = place_layers(mem, host_report(mem), reports, options.num_gpu)
     if not placement.fits:
-        log.warning("%s may not fit: %s", path.name, "; ".join(
-            f"{s.device.name} needs {s.total / 2**20:.0f} MiB of {s.device.usable / 2**20:.0f} MiB usable"
-            for s in placement.shares if not s.fits))
+        log.warning(
+            "%s may not fit: %s",
+            path.name,
+            "; ".join(
+                f"{s.device.name} needs {s.total / 2**20:.0f} MiB of {s.device.usable / 2**20:.0f} MiB usable"
+                for s in placement.shares
+                if not s.fits
+            ),
+        )
     return PlacedModel(placement, devices, endpoints)
 
 
@@ -315,8 +347,11 @@ def _on_abort(message: bytes | None) -> None:
     _losses.endpoints.update(unreachable or known)
     _losses.message = text.split(": ", 1)[-1]
     _losses.changed.set()
-    log.error("RPC worker lost (%s): %s; the models placed there fail their requests and are abandoned",
-              ", ".join(unreachable or known) or "unknown", _losses.message)
+    log.error(
+        "RPC worker lost (%s): %s; the models placed there fail their requests and are abandoned",
+        ", ".join(unreachable or known) or "unknown",
+        _losses.message,
+    )
     threading.Event().wait()  # park this native thread for good: returning would abort() the whole server
 
 
@@ -370,9 +405,11 @@ class RpcGuard:
         lost = [e for e in self.endpoints if e in _losses.endpoints]
         if self.lost or lost:
             self.lost = True
-            raise WorkerLost(f"the RPC worker at {', '.join(lost) or 'an address'} went away "
-                             f"({_losses.message or 'connection lost'})",
-                             hint="restart the worker and this server; the model placed there was abandoned")
+            raise WorkerLost(
+                f"the RPC worker at {', '.join(lost) or 'an address'} went away "
+                f"({_losses.message or 'connection lost'})",
+                hint="restart the worker and this server; the model placed there was abandoned",
+            )
 
     def _serve(self) -> None:
         while (item := self._calls.get()) is not None:

@@ -33,8 +33,9 @@ class LlamaMtpHead:
         params.ctx_other = self._ctx_tgt
         self._ctx = llama_cpp.llama_init_from_model(self._model, params)
         if not self._ctx:
-            raise LocalLLMError("llama.cpp could not create the MTP context for this model",
-                                hint="use spec_type ngram or draft")
+            raise LocalLLMError(
+                "llama.cpp could not create the MTP context for this model", hint="use spec_type ngram or draft"
+            )
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self.n_vocab = n_vocab
         self.n_embd = llama_cpp.llama_model_n_embd_out(self._model)
@@ -67,7 +68,7 @@ class LlamaMtpHead:
             self._add(token, pos, seq, h, output=False)
         self._process(f"following a batch of {len(batch)} rows")
         for seq, row in first.items():
-            self._verified[seq] = h_tgt[row: last[seq] + 1].copy()
+            self._verified[seq] = h_tgt[row : last[seq] + 1].copy()
             self._pending[seq] = h_tgt[last[seq]]
 
     def accept(self, seq: int, *, start: int, accepted: int) -> None:
@@ -173,7 +174,7 @@ class LlamaGrammarProbe:
     def allowed(self, generated: Sequence[int], draft: Sequence[int]) -> int:
         """How many leading tokens of `draft` the grammar accepts after `generated`; an end-of-generation token
         ends the draft (the target stops there anyway)."""
-        for token in generated[self._seen:]:
+        for token in generated[self._seen :]:
             llama_cpp.llama_sampler_accept(self._grammar, token)
         self._seen = len(generated)
         probe = llama_cpp.llama_sampler_clone(self._grammar)

@@ -56,7 +56,7 @@ class PromptLookup:
         for end in range(self._indexed, len(tokens) - 1):
             for n, index in self._last_end.items():
                 if end + 1 >= n:
-                    index[tuple(tokens[end + 1 - n: end + 1])] = end
+                    index[tuple(tokens[end + 1 - n : end + 1])] = end
         self._indexed = max(self._indexed, len(tokens) - 1)
 
     def lookup(self, tokens: Sequence[int], limit: int) -> tuple[list[int], int]:
@@ -66,9 +66,9 @@ class PromptLookup:
         for n in self.sizes:
             if len(tokens) < n:
                 continue
-            end = self._last_end[n].get(tuple(tokens[len(tokens) - n:]))
+            end = self._last_end[n].get(tuple(tokens[len(tokens) - n :]))
             if end is not None:
-                return list(tokens[end + 1: min(len(tokens), end + 1 + limit)]), match_length(tokens, end)
+                return list(tokens[end + 1 : min(len(tokens), end + 1 + limit)]), match_length(tokens, end)
         return [], 0
 
 
@@ -86,10 +86,10 @@ def lookup_draft(tokens: Sequence[int], limit: int, sizes: Sequence[int] = NGRAM
     for n in sorted(sizes, reverse=True):
         if len(tokens) <= n:
             continue
-        tail = list(tokens[len(tokens) - n:])
+        tail = list(tokens[len(tokens) - n :])
         for end in range(len(tokens) - 2, n - 2, -1):
-            if list(tokens[end + 1 - n: end + 1]) == tail:
-                return list(tokens[end + 1: end + 1 + limit]), match_length(tokens, end)
+            if list(tokens[end + 1 - n : end + 1]) == tail:
+                return list(tokens[end + 1 : end + 1 + limit]), match_length(tokens, end)
     return [], 0
 
 
@@ -126,22 +126,30 @@ class NgramDrafter:
 
 # ---------------------------------------------------------------------------------------------------------- draft model
 
+
 def check_same_vocab(target: LoadedModel, draft: LoadedModel, *, draft_name: str) -> None:
     """A draft model must spell every token the target knows the same way; InvalidInput names the first difference.
 
     Vocabularies may differ in size by padding only (as llama.cpp allows); drafts are then kept to the shared ids."""
     t, d = target.meta, draft.meta
     if abs(t.n_vocab - d.n_vocab) > 128:
-        raise InvalidInput(f"draft model {draft_name} has {d.n_vocab} tokens but the model has {t.n_vocab}",
-                           hint="a draft model must share the model's tokenizer: pick one from the same family")
+        raise InvalidInput(
+            f"draft model {draft_name} has {d.n_vocab} tokens but the model has {t.n_vocab}",
+            hint="a draft model must share the model's tokenizer: pick one from the same family",
+        )
     if (t.bos_token, t.eos_token) != (d.bos_token, d.eos_token):
-        raise InvalidInput(f"draft model {draft_name} has BOS/EOS tokens {d.bos_token}/{d.eos_token} but the model "
-                           f"has {t.bos_token}/{t.eos_token}", hint="pick a draft model from the same family")
+        raise InvalidInput(
+            f"draft model {draft_name} has BOS/EOS tokens {d.bos_token}/{d.eos_token} but the model "
+            f"has {t.bos_token}/{t.eos_token}",
+            hint="pick a draft model from the same family",
+        )
     for token in range(min(t.n_vocab, d.n_vocab)):
         if target.token_bytes(token) != draft.token_bytes(token):
-            raise InvalidInput(f"draft model {draft_name} spells token {token} as {draft.token_bytes(token)!r} but the "
-                               f"model spells it {target.token_bytes(token)!r}",
-                               hint="a draft model must share the model's tokenizer: pick one from the same family")
+            raise InvalidInput(
+                f"draft model {draft_name} spells token {token} as {draft.token_bytes(token)!r} but the "
+                f"model spells it {target.token_bytes(token)!r}",
+                hint="a draft model must share the model's tokenizer: pick one from the same family",
+            )
 
 
 class DraftModel:
@@ -166,7 +174,7 @@ class DraftModel:
         self._keep(seq, shared)
         row = -1
         for start in range(shared, len(tokens), self.model.n_batch):
-            row = self._decode(seq, tokens[start: start + self.model.n_batch], start=start)
+            row = self._decode(seq, tokens[start : start + self.model.n_batch], start=start)
         return self.model.logits(row)
 
     def advance(self, seq: int, token: int, pos: int) -> np.ndarray:
@@ -200,8 +208,9 @@ class DraftModel:
         self.model.close()
 
 
-def draft_from(source: DraftSource, seq: int, tokens: Sequence[int], window: DraftWindow, *, busy_slots: int,
-               room: int) -> list[int]:
+def draft_from(
+    source: DraftSource, seq: int, tokens: Sequence[int], window: DraftWindow, *, busy_slots: int, room: int
+) -> list[int]:
     """The drafting loop over any DraftSource: greedy tokens while the window finds each one worth its row."""
     room = min(room, source.n_ctx - len(tokens))
     run = window.start(busy_slots=busy_slots, draft_seconds=source.seconds_per_token, room=room)
@@ -250,6 +259,7 @@ class SourceDrafter:
 
 # ---------------------------------------------------------------------------------------------------------- grammar
 
+
 class GrammarCheckedDrafter:
     """Wraps a drafter for a grammar-constrained request: the draft passes through the request's grammar and stops at
     the first token the grammar forbids (the target could never accept it, so verifying it would be wasted)."""
@@ -264,7 +274,7 @@ class GrammarCheckedDrafter:
         draft = self.inner.propose(tokens, seq=seq, busy_slots=busy_slots, room=room)
         if not draft:
             return draft
-        return draft[: self._probe.allowed(tokens[self._n_prompt:], draft)]
+        return draft[: self._probe.allowed(tokens[self._n_prompt :], draft)]
 
     def feedback(self, *, drafted: int, accepted: int) -> None:
         self.inner.feedback(drafted=drafted, accepted=accepted)

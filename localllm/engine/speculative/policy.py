@@ -33,8 +33,13 @@ class StepCost:
         # Each step weighs as many as its rows: large draft steps pay the slope, not the few small steps.
         m, w = self.memory, float(rows)
         n, sx, sxx, sy, sxy = self._sums
-        self._sums = (m * n + w, m * sx + w * rows, m * sxx + w * rows * rows, m * sy + w * seconds,
-                      m * sxy + w * rows * seconds)
+        self._sums = (
+            m * n + w,
+            m * sx + w * rows,
+            m * sxx + w * rows * rows,
+            m * sy + w * seconds,
+            m * sxy + w * rows * seconds,
+        )
         self._stale = True  # solved when a draft is next sized: steps with no speculating request never pay for it
 
     @property
@@ -100,8 +105,9 @@ class DraftWindow:
         """Could a draft of any window pay in a batch of `busy_slots`? (the module's any_draft_pays)"""
         return any_draft_pays(cost, busy_slots)
 
-    def __init__(self, limit: int, cost: StepCost, *, memory: float = 0.95, prior_weight: float = 2.0,
-                 margin: float = MARGIN):
+    def __init__(
+        self, limit: int, cost: StepCost, *, memory: float = 0.95, prior_weight: float = 2.0, margin: float = MARGIN
+    ):
         self.limit = limit
         self.cost = cost
         self.margin = margin
@@ -125,8 +131,9 @@ class DraftWindow:
         """Probability that a draft token the drafter is `confidence` sure of is right, the drafter's own word
         counting as `prior_weight` trials of its band."""
         b = self.band(confidence)
-        return min(PER_TOKEN_CEILING,
-                   (self._hits[b] + self.prior_weight * confidence) / (self._trials[b] + self.prior_weight))
+        return min(
+            PER_TOKEN_CEILING, (self._hits[b] + self.prior_weight * confidence) / (self._trials[b] + self.prior_weight)
+        )
 
     def start(self, *, busy_slots: int, draft_seconds: float = 0.0, room: int | None = None) -> DraftRun:
         """Begin sizing one step's draft of at most `room` tokens; `draft_seconds` is what drafting one token costs

@@ -30,7 +30,6 @@ _MISSING_HINT = {
 }
 
 
-
 class Speculation:
     """What one loaded model offers for speculative decoding, and each request's drafter.
 
@@ -38,8 +37,14 @@ class Speculation:
     else n-gram lookup; none (or spec_max_draft 0) turns speculation off for that request. The engine thread calls
     every method but the constructor."""
 
-    def __init__(self, target: LoadedModel, *, draft: DraftModel | None = None, mtp: MtpHead | None = None,
-                 window: type[DraftWindow] = DraftWindow):
+    def __init__(
+        self,
+        target: LoadedModel,
+        *,
+        draft: DraftModel | None = None,
+        mtp: MtpHead | None = None,
+        window: type[DraftWindow] = DraftWindow,
+    ):
         self.target = target
         self.draft_model = draft
         self.mtp = mtp
@@ -65,8 +70,10 @@ class Speculation:
             return None
         builder = self._builders.get(kind)
         if builder is None:
-            raise InvalidInput(f"spec_type {kind!r} is not available for this model",
-                               hint=_MISSING_HINT[kind] + f"; it offers {', '.join(sorted(self._builders))}")
+            raise InvalidInput(
+                f"spec_type {kind!r} is not available for this model",
+                hint=_MISSING_HINT[kind] + f"; it offers {', '.join(sorted(self._builders))}",
+            )
         drafter = builder(self._window(opts.spec_max_draft, self.cost))
         probe = self.target.grammar_probe(grammar) if grammar else None
         return drafter if probe is None else GrammarCheckedDrafter(drafter, probe, n_prompt=n_prompt)
@@ -101,8 +108,7 @@ class Speculation:
             self.draft_model = None
 
 
-def load_speculation(store: Store, model: ResolvedModel, load: LoadOptions,
-                     loaded: LoadedModel) -> Speculation:
+def load_speculation(store: Store, model: ResolvedModel, load: LoadOptions, loaded: LoadedModel) -> Speculation:
     """The pool's drafter factory: called once per model load, on the loading thread, before the engine starts."""
     draft = None
     if load.draft:
@@ -129,8 +135,9 @@ def open_draft_model(weights: Path, load: LoadOptions, target: LoadedModel, *, n
     from ...backends import choose_backend, get_backend
 
     options = load.model_copy(update={"draft": None})
-    model = get_backend(choose_backend(options.backend, weights)).load(weights, options, n_seq=target.n_seq,
-                                                                       n_ctx=target.n_ctx)
+    model = get_backend(choose_backend(options.backend, weights)).load(
+        weights, options, n_seq=target.n_seq, n_ctx=target.n_ctx
+    )
     try:
         check_same_vocab(target, model, draft_name=name)
     except BaseException:

@@ -32,8 +32,12 @@ def stop_reason(chunk: api.ChatChunk) -> str:
 
 
 def usage(chunk: api.Timings) -> dict[str, Any]:
-    return {"input_tokens": chunk.prompt_eval_count - chunk.prompt_cache_count, "output_tokens": chunk.eval_count,
-            "cache_read_input_tokens": chunk.prompt_cache_count, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": chunk.prompt_eval_count - chunk.prompt_cache_count,
+        "output_tokens": chunk.eval_count,
+        "cache_read_input_tokens": chunk.prompt_cache_count,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def signature(thinking: str) -> str:
@@ -60,12 +64,20 @@ def content_blocks(message: api.Message) -> list[dict[str, Any]]:
 
 
 def message(merged: api.ChatChunk, model: str, message_id: str) -> dict[str, Any]:
-    return {"id": message_id, "type": "message", "role": "assistant", "model": model,
-            "content": content_blocks(merged.message), "stop_reason": stop_reason(merged),
-            "stop_sequence": merged.stop_sequence, "usage": usage(merged)}
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content_blocks(merged.message),
+        "stop_reason": stop_reason(merged),
+        "stop_sequence": merged.stop_sequence,
+        "usage": usage(merged),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------- stream
+
 
 @dataclass
 class MessageEvents:
@@ -94,30 +106,51 @@ class MessageEvents:
 
     def _start(self, chunk: api.ChatChunk) -> list[tuple[str, dict[str, Any]]]:
         self._started = True
-        start: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
-                                 "content": [], "stop_reason": None, "stop_sequence": None,
-                                 "usage": {"input_tokens": chunk.prompt_eval_count, "output_tokens": 0}}
+        start: dict[str, Any] = {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": chunk.prompt_eval_count, "output_tokens": 0},
+        }
         return [("message_start", {"type": "message_start", "message": start}), ("ping", {"type": "ping"})]
 
     def _delta(self, kind: str, delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        out = self._open_block(kind, {"type": "thinking", "thinking": ""} if kind == "thinking"
-                               else {"type": "text", "text": ""}) if self._open != kind else []
+        out = (
+            self._open_block(
+                kind, {"type": "thinking", "thinking": ""} if kind == "thinking" else {"type": "text", "text": ""}
+            )
+            if self._open != kind
+            else []
+        )
         return out + [("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})]
 
     def _open_block(self, kind: str, block: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         out = self._close_block()
         self._index += 1
         self._open = kind
-        return out + [("content_block_start", {"type": "content_block_start", "index": self._index,
-                                               "content_block": block})]
+        return out + [
+            ("content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block})
+        ]
 
     def _close_block(self) -> list[tuple[str, dict[str, Any]]]:
         if self._open is None:
             return []
         out = []
         if self._open == "thinking":
-            out.append(("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": {
-                "type": "signature_delta", "signature": signature("".join(self._thinking))}}))
+            out.append(
+                (
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": self._index,
+                        "delta": {"type": "signature_delta", "signature": signature("".join(self._thinking))},
+                    },
+                )
+            )
         self._open = None
         return out + [("content_block_stop", {"type": "content_block_stop", "index": self._index})]
 
@@ -128,8 +161,16 @@ class MessageEvents:
         for call in chunk.message.tool_calls or []:
             block = tool_use_block(call)
             out += self._open_block("tool_use", {**block, "input": {}})
-            out.append(("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}))
+            out.append(
+                (
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": self._index,
+                        "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
+                    },
+                )
+            )
         out += self._close_block()
         delta = {"stop_reason": stop_reason(chunk), "stop_sequence": chunk.stop_sequence}
         out.append(("message_delta", {"type": "message_delta", "delta": delta, "usage": usage(chunk)}))

@@ -47,8 +47,9 @@ class MessagesRequest(_Wire):
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
-    output_config: dict[str, Any] | None = Field(None, description="format (a JSON schema) is honoured; effort "
-                                                    "is accepted and left to the model")
+    output_config: dict[str, Any] | None = Field(
+        None, description="format (a JSON schema) is honoured; effort is accepted and left to the model"
+    )
     output_format: dict[str, Any] | None = Field(None, description="the older name of output_config.format")
     metadata: dict[str, Any] | None = None
     stream: bool = False
@@ -69,6 +70,7 @@ class CountTokensRequest(_Wire):
 
 # ---------------------------------------------------------------------------------------------------------- request
 
+
 def chat_request(body: MessagesRequest | CountTokensRequest) -> api.ChatRequest:
     messages = chat_messages(body.messages)
     system = system_text(body.system)
@@ -77,12 +79,23 @@ def chat_request(body: MessagesRequest | CountTokensRequest) -> api.ChatRequest:
     tools = [_tool(t) for t in body.tools or [] if _runs_locally(t)] or None
     options: dict[str, Any] = {}
     if isinstance(body, MessagesRequest):
-        options = {"num_predict": body.max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-                   "top_k": body.top_k, "stop": body.stop_sequences}
-    return api.ChatRequest(model=body.model, messages=messages, tools=tools, tool_choice=tool_choice(body.tool_choice),
-                           think=think(body.thinking), stream=getattr(body, "stream", False),
-                           format=output_format(body.output_config, body.output_format),
-                           options={name: value for name, value in options.items() if value is not None})
+        options = {
+            "num_predict": body.max_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "stop": body.stop_sequences,
+        }
+    return api.ChatRequest(
+        model=body.model,
+        messages=messages,
+        tools=tools,
+        tool_choice=tool_choice(body.tool_choice),
+        think=think(body.thinking),
+        stream=getattr(body, "stream", False),
+        format=output_format(body.output_config, body.output_format),
+        options={name: value for name, value in options.items() if value is not None},
+    )
 
 
 def output_format(config: dict[str, Any] | None, legacy: dict[str, Any] | None) -> api.Format:
@@ -91,7 +104,7 @@ def output_format(config: dict[str, Any] | None, legacy: dict[str, Any] | None) 
     if not fmt:
         return None
     if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-        raise InvalidInput("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}")
+        raise InvalidInput('output_config.format must be {"type": "json_schema", "schema": {...}}')
     return fmt["schema"]
 
 
@@ -142,11 +155,13 @@ def _runs_locally(tool: AnthropicTool) -> bool:
 
 
 def _tool(tool: AnthropicTool) -> api.Tool:
-    return api.Tool(function=api.ToolFunction(name=tool.name, description=tool.description,
-                                              parameters=tool.input_schema))
+    return api.Tool(
+        function=api.ToolFunction(name=tool.name, description=tool.description, parameters=tool.input_schema)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- messages
+
 
 def chat_messages(messages: list[AnthropicMessage]) -> list[api.Message]:
     """Anthropic messages as ours. A tool_result names its call by id; we name the tool, found from that id."""
@@ -172,14 +187,19 @@ def _assistant(blocks: list[dict[str, Any]], where: str, tool_names: dict[str, s
         elif kind == "redacted_thinking":
             continue  # opaque by design; nothing a local model can read
         elif kind == "tool_use":
-            call = api.ToolCall(id=block.get("id"), function=api.ToolCallFunction(
-                name=str(block.get("name", "")), arguments=_tool_input(block.get("input"), f"{where}.{j}.input")))
+            call = api.ToolCall(
+                id=block.get("id"),
+                function=api.ToolCallFunction(
+                    name=str(block.get("name", "")), arguments=_tool_input(block.get("input"), f"{where}.{j}.input")
+                ),
+            )
             tool_names[call.id or ""] = call.function.name
             calls.append(call)
         else:
             raise _unsupported(kind, f"{where}.{j}")
-    return api.Message(role="assistant", content="".join(texts), thinking="".join(thinking) or None,
-                       tool_calls=calls or None)
+    return api.Message(
+        role="assistant", content="".join(texts), thinking="".join(thinking) or None, tool_calls=calls or None
+    )
 
 
 def _user(blocks: list[dict[str, Any]], where: str, tool_names: dict[str, str]) -> list[api.Message]:
@@ -190,8 +210,13 @@ def _user(blocks: list[dict[str, Any]], where: str, tool_names: dict[str, str]) 
         if kind == "text":
             texts.append(_text_block(block, f"{where}.{j}"))
         elif kind == "tool_result":
-            results.append(api.Message(role="tool", content=_result_text(block, f"{where}.{j}"),
-                                       tool_name=tool_names.get(str(block.get("tool_use_id", "")))))
+            results.append(
+                api.Message(
+                    role="tool",
+                    content=_result_text(block, f"{where}.{j}"),
+                    tool_name=tool_names.get(str(block.get("tool_use_id", ""))),
+                )
+            )
         else:
             raise _unsupported(kind, f"{where}.{j}")
     return results + ([api.Message(role="user", content="".join(texts))] if texts or not results else [])
@@ -221,5 +246,7 @@ def _tool_input(value: Any, where: str) -> dict[str, Any]:
 
 
 def _unsupported(kind: Any, where: str) -> InvalidInput:
-    return InvalidInput(f"{where}: content blocks of type {kind!r} are not supported",
-                        hint="send text, tool_use, tool_result and thinking blocks; no vision model backend exists")
+    return InvalidInput(
+        f"{where}: content blocks of type {kind!r} are not supported",
+        hint="send text, tool_use, tool_result and thinking blocks; no vision model backend exists",
+    )

@@ -22,8 +22,9 @@ router = APIRouter(prefix="/v1/messages")
 @router.post("")
 async def messages(body: MessagesRequest, state: State, http: Request) -> Response:
     request = chat_request(body)
-    chunks = await ChunkStream.open(lambda: state.client.chat(request), observe=state.metrics.observe_chunk,
-                                    disconnected=http.is_disconnected)
+    chunks = await ChunkStream.open(
+        lambda: state.client.chat(request), observe=state.metrics.observe_chunk, disconnected=http.is_disconnected
+    )
     events = render.MessageEvents(model=body.model)
     if body.stream:
         return StreamResponse(render.sse_events(chunks, events), chunks, media_type="text/event-stream")

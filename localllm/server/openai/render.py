@@ -32,18 +32,27 @@ def finish_reason(done_reason: str | None, *, tool_calls: bool = False) -> str:
 def usage(*chunks: api.Timings, per_prompt: int = 1) -> dict[str, Any]:
     """Usage of answers in index order, `per_prompt` of them to each prompt: OpenAI counts each prompt once (its
     first answer's figures) and every answer's tokens."""
-    firsts = chunks[::max(1, per_prompt)]
+    firsts = chunks[:: max(1, per_prompt)]
     prompt = sum(c.prompt_eval_count for c in firsts)
     completion = sum(c.eval_count for c in chunks)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.prompt_cache_count for c in firsts)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(c.prompt_cache_count for c in firsts)},
+    }
 
 
 def tool_calls(calls: list[api.ToolCall]) -> list[dict[str, Any]]:
     """OpenAI carries arguments as a JSON string."""
-    return [{"id": call.id or new_id("call"), "type": "function",
-             "function": {"name": call.function.name, "arguments": json.dumps(call.function.arguments)}}
-            for call in calls]
+    return [
+        {
+            "id": call.id or new_id("call"),
+            "type": "function",
+            "function": {"name": call.function.name, "arguments": json.dumps(call.function.arguments)},
+        }
+        for call in calls
+    ]
 
 
 def delta_calls(deltas: list[api.ToolCallDelta]) -> list[dict[str, Any]]:
@@ -98,22 +107,37 @@ class Envelope:
         self.id = self.id or new_id(self.prefix)
 
     def wrap(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "system_fingerprint": FINGERPRINT, "choices": choices, **extra}
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": FINGERPRINT,
+            "choices": choices,
+            **extra,
+        }
 
 
 # ---------------------------------------------------------------------------------------------------------- chat
 
+
 def chat_choice(index: int, merged: api.ChatChunk) -> dict[str, Any]:
-    calls = tool_calls(merged.message.tool_calls) if merged.message.tool_calls else \
-        delta_calls(merged.tool_call_deltas or [])
+    calls = (
+        tool_calls(merged.message.tool_calls)
+        if merged.message.tool_calls
+        else delta_calls(merged.tool_call_deltas or [])
+    )
     message: dict[str, Any] = {"role": "assistant", "content": merged.message.content if not calls else None}
     if calls:
         message["tool_calls"] = calls
     if merged.message.thinking:
         message["reasoning_content"] = merged.message.thinking
-    return {"index": index, "message": message, "logprobs": chat_logprobs(merged.logprobs),
-            "finish_reason": finish_reason(merged.done_reason, tool_calls=bool(calls))}
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": chat_logprobs(merged.logprobs),
+        "finish_reason": finish_reason(merged.done_reason, tool_calls=bool(calls)),
+    }
 
 
 def chat_completion(answers: list[api.ChatChunk], envelope: Envelope) -> dict[str, Any]:
@@ -159,17 +183,23 @@ class ChatEvents:
     def closing(self) -> list[dict[str, Any]]:
         if not self.include_usage or not self.finals:
             return []
-        return [self.envelope.wrap("chat.completion.chunk", [],
-                                   usage=usage(*self.finals, per_prompt=len(self.finals)))]
+        return [self.envelope.wrap("chat.completion.chunk", [], usage=usage(*self.finals, per_prompt=len(self.finals)))]
 
-    def _delta(self, index: int, delta: dict[str, Any], *, finish: str | None = None,
-               logprobs: list[api.TokenLogprob] | None = None) -> dict[str, Any]:
+    def _delta(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        *,
+        finish: str | None = None,
+        logprobs: list[api.TokenLogprob] | None = None,
+    ) -> dict[str, Any]:
         choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
         extra = {"usage": None} if self.include_usage else {}
         return self.envelope.wrap("chat.completion.chunk", [choice], **extra)
 
 
 # ---------------------------------------------------------------------------------------------------------- completions
+
 
 @dataclass
 class CompletionLogprobs:
@@ -184,21 +214,30 @@ class CompletionLogprobs:
         for lp in logprobs:
             offsets.append(self.offset)
             self.offset += len(lp.token)
-        return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{t.token: t.logprob for t in lp.top_logprobs} for lp in logprobs],
-                "text_offset": offsets}
+        return {
+            "tokens": [lp.token for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{t.token: t.logprob for t in lp.top_logprobs} for lp in logprobs],
+            "text_offset": offsets,
+        }
 
 
-def text_completion(answers: list[api.GenerateChunk], envelope: Envelope, echoes: list[str] | None = None,
-                    n: int = 1) -> dict[str, Any]:
+def text_completion(
+    answers: list[api.GenerateChunk], envelope: Envelope, echoes: list[str] | None = None, n: int = 1
+) -> dict[str, Any]:
     """The merged answers (one per choice, `n` per prompt) as one text_completion; `echoes[i]` is prepended to
     choice i (`echo`)."""
     choices = []
     for index, merged in enumerate(answers):
         echo = echoes[index] if echoes else ""
-        choices.append({"index": index, "text": echo + merged.response,
-                        "logprobs": CompletionLogprobs(len(echo)).render(merged.logprobs),
-                        "finish_reason": finish_reason(merged.done_reason)})
+        choices.append(
+            {
+                "index": index,
+                "text": echo + merged.response,
+                "logprobs": CompletionLogprobs(len(echo)).render(merged.logprobs),
+                "finish_reason": finish_reason(merged.done_reason),
+            }
+        )
     return envelope.wrap("text_completion", choices, usage=usage(*answers, per_prompt=n))
 
 
@@ -221,8 +260,12 @@ class CompletionEvents:
         finish = finish_reason(chunk.done_reason) if chunk.done else None
         if chunk.done:
             self.finals.append(chunk)
-        choice = {"index": index, "text": text, "logprobs": self.logprobs[index].render(chunk.logprobs),
-                  "finish_reason": finish}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": self.logprobs[index].render(chunk.logprobs),
+            "finish_reason": finish,
+        }
         return [self.envelope.wrap("text_completion", [choice])]
 
     def closing(self) -> list[dict[str, Any]]:
@@ -232,6 +275,7 @@ class CompletionEvents:
 
 
 # ---------------------------------------------------------------------------------------------------------- SSE
+
 
 def sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
@@ -247,13 +291,21 @@ async def sse_events(stream: ChunkStream, renderer: ChatEvents | CompletionEvent
             yield sse(event)
     except Exception as exc:  # noqa: BLE001 - the status line is gone; the error travels as an event
         status = getattr(exc, "status_code", 500)
-        yield sse({"error": {"message": error_payload(exc)["error"], "type": "server_error",
-                             "code": openai_code(exc if isinstance(exc, Exception) else None, status)}})
+        yield sse(
+            {
+                "error": {
+                    "message": error_payload(exc)["error"],
+                    "type": "server_error",
+                    "code": openai_code(exc if isinstance(exc, Exception) else None, status),
+                }
+            }
+        )
         return
     yield b"data: [DONE]\n\n"
 
 
 # ---------------------------------------------------------------------------------------------------------- others
+
 
 def embeddings(response: api.EmbedResponse, encoding: str) -> dict[str, Any]:
     def encode(vector: list[float]) -> Any:
@@ -262,13 +314,21 @@ def embeddings(response: api.EmbedResponse, encoding: str) -> dict[str, Any]:
         return vector
 
     data = [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(response.embeddings)]
-    return {"object": "list", "data": data, "model": response.model,
-            "usage": {"prompt_tokens": response.prompt_eval_count, "total_tokens": response.prompt_eval_count}}
+    return {
+        "object": "list",
+        "data": data,
+        "model": response.model,
+        "usage": {"prompt_tokens": response.prompt_eval_count, "total_tokens": response.prompt_eval_count},
+    }
 
 
 def model_entry(summary: api.ModelSummary) -> dict[str, Any]:
-    return {"id": summary.name, "object": "model", "created": int(summary.modified_at.timestamp()),
-            "owned_by": "localllm"}
+    return {
+        "id": summary.name,
+        "object": "model",
+        "created": int(summary.modified_at.timestamp()),
+        "owned_by": "localllm",
+    }
 
 
 def model_list(models: api.ListResponse) -> dict[str, Any]:

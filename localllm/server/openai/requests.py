@@ -65,7 +65,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning_effort: str | None = Field(None, description="none, minimal, low, medium or high")
-    reasoning: dict[str, Any] | None = Field(None, description="{\"effort\": ...}, as some clients send it")
+    reasoning: dict[str, Any] | None = Field(None, description='{"effort": ...}, as some clients send it')
 
     @property
     def think(self) -> bool | str | None:
@@ -91,13 +91,19 @@ class EmbeddingRequest(_Wire):
 
 # ---------------------------------------------------------------------------------------------------------- options
 
+
 def sampling_options(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
     """OpenAI's sampling fields as our flat options; unset fields leave the Modelfile's values in force."""
     options: dict[str, Any] = {
-        "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
-        "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
-        "num_predict": max_tokens, "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
-        "logit_bias": _logit_bias(body.logit_bias), "ignore_eos": body.ignore_eos or None,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "seed": body.seed,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+        "num_predict": max_tokens,
+        "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
+        "logit_bias": _logit_bias(body.logit_bias),
+        "ignore_eos": body.ignore_eos or None,
     }
     return {name: value for name, value in options.items() if value is not None}
 
@@ -128,14 +134,23 @@ def response_format(fmt: dict[str, Any] | None) -> api.Format:
 
 # ---------------------------------------------------------------------------------------------------------- chat
 
+
 def chat_requests(body: ChatCompletionRequest) -> list[api.ChatRequest]:
     """One api request per choice (`n`); with a seed, choice i samples with seed + i so the choices differ."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     request = api.ChatRequest(
-        model=body.model, messages=chat_messages(body.messages), stream=body.stream,
-        options=sampling_options(body, max_tokens), format=response_format(body.response_format),
-        tools=body.tools, tool_choice=body.tool_choice, keep_alive=body.keep_alive,
-        logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, think=body.think)
+        model=body.model,
+        messages=chat_messages(body.messages),
+        stream=body.stream,
+        options=sampling_options(body, max_tokens),
+        format=response_format(body.response_format),
+        tools=body.tools,
+        tool_choice=body.tool_choice,
+        keep_alive=body.keep_alive,
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        think=body.think,
+    )
     return [_choice(request, body.seed, i) for i in range(body.n)]
 
 
@@ -153,9 +168,14 @@ def chat_messages(messages: list[ChatMessage]) -> list[api.Message]:
         calls = [_tool_call(call, f"messages.{i}.tool_calls.{j}") for j, call in enumerate(message.tool_calls or [])]
         tool_names.update({c.id: c.function.name for c in calls if c.id})
         role = "system" if message.role == "developer" else message.role
-        out.append(api.Message(role=role, content=message_text(message.content, f"messages.{i}.content"),
-                               tool_calls=calls or None,
-                               tool_name=tool_names.get(message.tool_call_id or "") or message.name))
+        out.append(
+            api.Message(
+                role=role,
+                content=message_text(message.content, f"messages.{i}.content"),
+                tool_calls=calls or None,
+                tool_name=tool_names.get(message.tool_call_id or "") or message.name,
+            )
+        )
     return out
 
 
@@ -165,8 +185,10 @@ def message_text(content: str | list[dict[str, Any]] | None, where: str) -> str:
     texts = []
     for part in content:
         if part.get("type") != "text":
-            raise InvalidInput(f"{where}: content parts of type {part.get('type')!r} are not supported",
-                               hint="send text only; no vision model backend exists in localllm yet")
+            raise InvalidInput(
+                f"{where}: content parts of type {part.get('type')!r} are not supported",
+                hint="send text only; no vision model backend exists in localllm yet",
+            )
         texts.append(str(part.get("text", "")))
     return "".join(texts)
 
@@ -179,11 +201,13 @@ def _tool_call(call: dict[str, Any], where: str) -> api.ToolCall:
             arguments = json.loads(arguments)
         except ValueError:
             raise InvalidInput(f"{where}.function.arguments is not valid JSON: {arguments[:80]!r}") from None
-    return api.ToolCall(id=call.get("id"), function=api.ToolCallFunction(name=function.get("name", ""),
-                                                                         arguments=arguments))
+    return api.ToolCall(
+        id=call.get("id"), function=api.ToolCallFunction(name=function.get("name", ""), arguments=arguments)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- completions
+
 
 def completion_requests(body: CompletionRequest) -> tuple[list[api.GenerateRequest], list[str] | None]:
     """One api request per prompt and choice (OpenAI orders them prompt by prompt, n each), and the text each
@@ -198,9 +222,17 @@ def completion_requests(body: CompletionRequest) -> tuple[list[api.GenerateReque
     for prompt in prompts:
         text, tokens = (prompt, None) if isinstance(prompt, str) else ("", prompt)
         request = api.GenerateRequest(
-            model=body.model, prompt=text, context=tokens, raw=True, stream=body.stream,
-            options=sampling_options(body, body.max_tokens), keep_alive=body.keep_alive, suffix=body.suffix,
-            logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
+            model=body.model,
+            prompt=text,
+            context=tokens,
+            raw=True,
+            stream=body.stream,
+            options=sampling_options(body, body.max_tokens),
+            keep_alive=body.keep_alive,
+            suffix=body.suffix,
+            logprobs=body.logprobs is not None,
+            top_logprobs=body.logprobs or 0,
+        )
         requests += [_choice(request, body.seed, i) for i in range(body.n)]
         echoes += [text] * body.n
     return requests, echoes if body.echo else None
@@ -228,13 +260,18 @@ def embed_request(body: EmbeddingRequest) -> api.EmbedRequest:
     if not value:
         raise InvalidInput("input is an empty list", hint="send at least one text or token list")
     if all(isinstance(item, int) for item in value):
-        return api.EmbedRequest(model=body.model, input=[], input_tokens=[list(value)],
-                                dimensions=body.dimensions, truncate=False)
+        return api.EmbedRequest(
+            model=body.model, input=[], input_tokens=[list(value)], dimensions=body.dimensions, truncate=False
+        )
     for i, item in enumerate(value):
         if not item:
             raise InvalidInput(f"input {i} is empty", hint="embed non-empty texts")
     if all(isinstance(item, str) for item in value):
-        return api.EmbedRequest(model=body.model, input=list(value), dimensions=body.dimensions,
-                                truncate=False)
-    return api.EmbedRequest(model=body.model, input=[], input_tokens=[list(item) for item in value],  # type: ignore
-                            dimensions=body.dimensions, truncate=False)
+        return api.EmbedRequest(model=body.model, input=list(value), dimensions=body.dimensions, truncate=False)
+    return api.EmbedRequest(
+        model=body.model,
+        input=[],
+        input_tokens=[list(item) for item in value],  # type: ignore
+        dimensions=body.dimensions,
+        truncate=False,
+    )

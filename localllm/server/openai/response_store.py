@@ -41,8 +41,10 @@ def load(response_id: str) -> api.StoredResponse:
     try:
         return api.StoredResponse.model_validate_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ResponseNotFound(f"response {response_id!r} not found",
-                               hint="it was never stored (store: false), deleted, or pruned by age or count") from None
+        raise ResponseNotFound(
+            f"response {response_id!r} not found",
+            hint="it was never stored (store: false), deleted, or pruned by age or count",
+        ) from None
 
 
 def delete(response_id: str) -> None:

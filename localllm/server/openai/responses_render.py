@@ -28,28 +28,45 @@ def new_id(prefix: str) -> str:
 
 
 def usage(chunk: api.Timings) -> dict[str, Any]:
-    return {"input_tokens": chunk.prompt_eval_count,
-            "input_tokens_details": {"cached_tokens": chunk.prompt_cache_count},
-            "output_tokens": chunk.eval_count, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": chunk.prompt_eval_count + chunk.eval_count}
+    return {
+        "input_tokens": chunk.prompt_eval_count,
+        "input_tokens_details": {"cached_tokens": chunk.prompt_cache_count},
+        "output_tokens": chunk.eval_count,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chunk.prompt_eval_count + chunk.eval_count,
+    }
 
 
 def reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id or new_id("rs"), "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}]}
+    return {
+        "type": "reasoning",
+        "id": item_id or new_id("rs"),
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
 
 
 def message_item(text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     content = [part] if status == "completed" else []
-    return {"type": "message", "id": item_id or new_id("msg"), "status": status, "role": "assistant",
-            "content": content}
+    return {
+        "type": "message",
+        "id": item_id or new_id("msg"),
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
 
 
 def function_call_item(call: api.ToolCall, arguments: str | None = None, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": new_id("fc"), "call_id": call.id or new_id("call"),
-            "name": call.function.name, "status": status,
-            "arguments": json.dumps(call.function.arguments) if arguments is None else arguments}
+    return {
+        "type": "function_call",
+        "id": new_id("fc"),
+        "call_id": call.id or new_id("call"),
+        "name": call.function.name,
+        "status": status,
+        "arguments": json.dumps(call.function.arguments) if arguments is None else arguments,
+    }
 
 
 def output_items(message: api.Message) -> list[dict[str, Any]]:
@@ -64,9 +81,13 @@ def answer_message(items: list[dict[str, Any]]) -> api.Message:
     """The assistant turn the output items make, as the stored conversation keeps it."""
     text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
     thinking = "".join(p["text"] for i in items if i["type"] == "reasoning" for p in i["content"])
-    calls = [api.ToolCall(id=i["call_id"], function=api.ToolCallFunction(name=i["name"],
-                                                                         arguments=json.loads(i["arguments"])))
-             for i in items if i["type"] == "function_call"]
+    calls = [
+        api.ToolCall(
+            id=i["call_id"], function=api.ToolCallFunction(name=i["name"], arguments=json.loads(i["arguments"]))
+        )
+        for i in items
+        if i["type"] == "function_call"
+    ]
     return api.Message(role="assistant", content=text, thinking=thinking or None, tool_calls=calls or None)
 
 
@@ -82,18 +103,27 @@ class ResponseFrame:
         body = self.body
         incomplete = final is not None and final.done_reason == "length"
         return {
-            "id": self.id, "object": "response", "created_at": self.created_at,
-            "status": "incomplete" if incomplete else status, "model": body.model, "output": output,
-            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "previous_response_id": body.previous_response_id, "store": body.store,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": "incomplete" if incomplete else status,
+            "model": body.model,
+            "output": output,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "previous_response_id": body.previous_response_id,
+            "store": body.store,
             "temperature": body.temperature if body.temperature is not None else 1.0,
             "top_p": body.top_p if body.top_p is not None else 1.0,
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-            "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls,
+            "tool_choice": body.tool_choice or "auto",
+            "parallel_tool_calls": body.parallel_tool_calls,
             "text": body.text or {"format": {"type": "text"}},
             "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
-            "truncation": "disabled", "metadata": body.metadata or {},
+            "truncation": "disabled",
+            "metadata": body.metadata or {},
             "usage": usage(final) if final is not None else None,
         }
 
@@ -102,6 +132,7 @@ class ResponseFrame:
 
 
 # ---------------------------------------------------------------------------------------------------------- stream
+
 
 @dataclass
 class ResponseEvents:
@@ -119,8 +150,10 @@ class ResponseEvents:
         out: list[dict[str, Any]] = []
         if self._seq == 0:
             in_progress = self.frame.response("in_progress", [])
-            out += [self._event("response.created", response=in_progress),
-                    self._event("response.in_progress", response=in_progress)]
+            out += [
+                self._event("response.created", response=in_progress),
+                self._event("response.in_progress", response=in_progress),
+            ]
         if chunk.message.thinking:
             out += self._delta("reasoning", chunk.message.thinking)
         if chunk.message.content:
@@ -152,10 +185,15 @@ class ResponseEvents:
         if kind == "reasoning":
             item["status"] = "in_progress"
         self._open, self._text = item, []
-        part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else \
-            {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return out + [self._event("response.output_item.added", output_index=len(self.items), item=dict(item)),
-                      self._event("response.content_part.added", **self._where(), content_index=0, part=part)]
+        part = (
+            {"type": "reasoning_text", "text": ""}
+            if kind == "reasoning"
+            else {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        )
+        return out + [
+            self._event("response.output_item.added", output_index=len(self.items), item=dict(item)),
+            self._event("response.content_part.added", **self._where(), content_index=0, part=part),
+        ]
 
     def _close_item(self) -> list[dict[str, Any]]:
         if self._open is None:
@@ -164,9 +202,11 @@ class ResponseEvents:
         done = reasoning_item(text, self._open["id"]) if kind == "reasoning" else message_item(text, self._open["id"])
         part = done["content"][0]
         name = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
-        out = [self._event(name, **self._where(), content_index=0, text=text),
-               self._event("response.content_part.done", **self._where(), content_index=0, part=part),
-               self._event("response.output_item.done", output_index=len(self.items), item=done)]
+        out = [
+            self._event(name, **self._where(), content_index=0, text=text),
+            self._event("response.content_part.done", **self._where(), content_index=0, part=part),
+            self._event("response.output_item.done", output_index=len(self.items), item=done),
+        ]
         self.items.append(done)
         self._open = None
         return out
@@ -179,11 +219,16 @@ class ResponseEvents:
         for call in chunk.message.tool_calls or []:
             item = function_call_item(call)
             where = {"item_id": item["id"], "output_index": len(self.items)}
-            out += [self._event("response.output_item.added", output_index=len(self.items),
-                                item={**item, "arguments": "", "status": "in_progress"}),
-                    self._event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
-                    self._event("response.function_call_arguments.done", **where, arguments=item["arguments"]),
-                    self._event("response.output_item.done", output_index=len(self.items), item=item)]
+            out += [
+                self._event(
+                    "response.output_item.added",
+                    output_index=len(self.items),
+                    item={**item, "arguments": "", "status": "in_progress"},
+                ),
+                self._event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
+                self._event("response.function_call_arguments.done", **where, arguments=item["arguments"]),
+                self._event("response.output_item.done", output_index=len(self.items), item=item),
+            ]
             self.items.append(item)
         self.final = self.frame.response("completed", self.items, chunk)
         kind = "response.incomplete" if self.final["status"] == "incomplete" else "response.completed"
@@ -197,8 +242,9 @@ def sse(event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: ".encode() + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def sse_events(stream: ChunkStream, renderer: ResponseEvents,
-                     on_done: Callable[[dict[str, Any], list[dict[str, Any]]], None]) -> AsyncIterator[bytes]:
+async def sse_events(
+    stream: ChunkStream, renderer: ResponseEvents, on_done: Callable[[dict[str, Any], list[dict[str, Any]]], None]
+) -> AsyncIterator[bytes]:
     """The event stream; `on_done(response, items)` runs once the answer is whole (to store it)."""
     try:
         async for chunk in stream:

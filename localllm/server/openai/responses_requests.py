@@ -54,6 +54,7 @@ class ResponsesRequest(_Wire):
 
 # ---------------------------------------------------------------------------------------------------------- request
 
+
 def chat_request(body: ResponsesRequest, history: list[api.Message]) -> api.ChatRequest:
     """The chat request for one turn: this turn's instructions, the stored conversation (`history`), its input."""
     calls = {call.id: call.function.name for m in history for call in m.tool_calls or [] if call.id}
@@ -61,10 +62,15 @@ def chat_request(body: ResponsesRequest, history: list[api.Message]) -> api.Chat
     options = {"num_predict": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p}
     tools = [_tool(t) for t in body.tools or [] if _is_function(t)] or None
     return api.ChatRequest(
-        model=body.model, messages=messages, tools=tools, tool_choice=tool_choice(body.tool_choice),
-        format=text_format(body.text), think=think_from_effort((body.reasoning or {}).get("effort"),
-                                                               field_name="reasoning.effort"),
-        options={name: value for name, value in options.items() if value is not None}, keep_alive=body.keep_alive)
+        model=body.model,
+        messages=messages,
+        tools=tools,
+        tool_choice=tool_choice(body.tool_choice),
+        format=text_format(body.text),
+        think=think_from_effort((body.reasoning or {}).get("effort"), field_name="reasoning.effort"),
+        options={name: value for name, value in options.items() if value is not None},
+        keep_alive=body.keep_alive,
+    )
 
 
 def turn_instructions(body: ResponsesRequest) -> list[api.Message]:
@@ -78,8 +84,10 @@ def tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | N
     if not isinstance(choice, dict):
         return choice
     if choice.get("type") != "function" or not choice.get("name"):
-        raise InvalidInput(f"tool_choice {json.dumps(choice)[:120]} is not valid",
-                           hint='use "auto", "none", "required" or {"type": "function", "name": ...}')
+        raise InvalidInput(
+            f"tool_choice {json.dumps(choice)[:120]} is not valid",
+            hint='use "auto", "none", "required" or {"type": "function", "name": ...}',
+        )
     return {"type": "function", "function": {"name": choice["name"]}}
 
 
@@ -108,14 +116,17 @@ def _is_function(tool: ResponseTool) -> bool:
 
 
 def _tool(tool: ResponseTool) -> api.Tool:
-    return api.Tool(function=api.ToolFunction(name=tool.name, description=tool.description or "",
-                                              parameters=tool.parameters or {"type": "object"}))
+    return api.Tool(
+        function=api.ToolFunction(
+            name=tool.name, description=tool.description or "", parameters=tool.parameters or {"type": "object"}
+        )
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- input
 
-def input_messages(items: str | list[dict[str, Any]],
-                   earlier_calls: dict[str, str] | None = None) -> list[api.Message]:
+
+def input_messages(items: str | list[dict[str, Any]], earlier_calls: dict[str, str] | None = None) -> list[api.Message]:
     """The input as messages; a function_call_output names its tool, found by call_id here or in `earlier_calls`
     (call_id → name, from the stored conversation)."""
     if isinstance(items, str):
@@ -139,11 +150,18 @@ def input_messages(items: str | list[dict[str, Any]],
             thinking = ""
         elif kind == "function_call_output":
             output = item.get("output", "")
-            out.append(api.Message(role="tool", content=output if isinstance(output, str) else json.dumps(output),
-                                   tool_name=names.get(str(item.get("call_id", "")))))
+            out.append(
+                api.Message(
+                    role="tool",
+                    content=output if isinstance(output, str) else json.dumps(output),
+                    tool_name=names.get(str(item.get("call_id", ""))),
+                )
+            )
         else:
-            raise InvalidInput(f"{where}: items of type {kind!r} are not supported",
-                               hint="send messages, function_call, function_call_output and reasoning items")
+            raise InvalidInput(
+                f"{where}: items of type {kind!r} are not supported",
+                hint="send messages, function_call, function_call_output and reasoning items",
+            )
     return out
 
 
@@ -154,14 +172,19 @@ def _message(item: dict[str, Any], where: str, thinking: str) -> api.Message:
     content = item.get("content", "")
     if isinstance(content, list):
         content = "".join(_part_text(part, f"{where}.content.{j}") for j, part in enumerate(content))
-    return api.Message(role="system" if role == "developer" else role, content=str(content),
-                       thinking=thinking or None if role == "assistant" else None)
+    return api.Message(
+        role="system" if role == "developer" else role,
+        content=str(content),
+        thinking=thinking or None if role == "assistant" else None,
+    )
 
 
 def _part_text(part: dict[str, Any], where: str) -> str:
     if part.get("type") not in ("input_text", "output_text", "text"):
-        raise InvalidInput(f"{where}: content parts of type {part.get('type')!r} are not supported",
-                           hint="send text only; no vision model backend exists in localllm yet")
+        raise InvalidInput(
+            f"{where}: content parts of type {part.get('type')!r} are not supported",
+            hint="send text only; no vision model backend exists in localllm yet",
+        )
     return str(part.get("text", ""))
 
 
@@ -173,8 +196,9 @@ def _function_call(item: dict[str, Any], where: str) -> api.ToolCall:
         raise InvalidInput(f"{where}.arguments is not valid JSON: {str(arguments)[:80]!r}") from None
     if not isinstance(parsed, dict):
         raise InvalidInput(f"{where}.arguments must be a JSON object")
-    return api.ToolCall(id=item.get("call_id"), function=api.ToolCallFunction(name=str(item.get("name", "")),
-                                                                              arguments=parsed))
+    return api.ToolCall(
+        id=item.get("call_id"), function=api.ToolCallFunction(name=str(item.get("name", "")), arguments=parsed)
+    )
 
 
 def _assistant_turn(out: list[api.Message], thinking: str) -> api.Message:

@@ -29,13 +29,14 @@ async def create_response(body: ResponsesRequest, state: State, http: Request) -
     if body.previous_response_id:
         history = (await run_in_threadpool(response_store.load, body.previous_response_id)).messages
     request = chat_request(body, history)
-    chunks = await ChunkStream.open(lambda: state.client.chat(request), observe=state.metrics.observe_chunk,
-                                    disconnected=http.is_disconnected)
+    chunks = await ChunkStream.open(
+        lambda: state.client.chat(request), observe=state.metrics.observe_chunk, disconnected=http.is_disconnected
+    )
     frame = render.ResponseFrame(body)
 
     def keep(response: dict[str, Any], items: list[dict[str, Any]]) -> None:
         if body.store:
-            conversation = request.messages[len(turn_instructions(body)):] + [render.answer_message(items)]
+            conversation = request.messages[len(turn_instructions(body)) :] + [render.answer_message(items)]
             response_store.save(api.StoredResponse(response=response, messages=conversation))
 
     if body.stream:

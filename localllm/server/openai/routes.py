@@ -42,8 +42,9 @@ def by_choice(items: list[tuple[int, Any]], merge: Callable[[list[Any]], Any]) -
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, state: State, http: Request) -> Response:
     requests = chat_requests(body)
-    chunks = await ChunkStream.open(lambda: state.client.chat_batch(requests), observe=_observe(state),
-                                    disconnected=http.is_disconnected)
+    chunks = await ChunkStream.open(
+        lambda: state.client.chat_batch(requests), observe=_observe(state), disconnected=http.is_disconnected
+    )
     envelope = render.Envelope(model=body.model, prefix="chatcmpl")
     if body.stream:
         events = render.ChatEvents(envelope, include_usage=body.include_usage)
@@ -57,8 +58,9 @@ async def chat_completions(body: ChatCompletionRequest, state: State, http: Requ
 @router.post("/completions")
 async def completions(body: CompletionRequest, state: State, http: Request) -> Response:
     requests, echoes = completion_requests(body)
-    chunks = await ChunkStream.open(lambda: state.client.generate_batch(requests), observe=_observe(state),
-                                    disconnected=http.is_disconnected)
+    chunks = await ChunkStream.open(
+        lambda: state.client.generate_batch(requests), observe=_observe(state), disconnected=http.is_disconnected
+    )
     envelope = render.Envelope(model=body.model, prefix="cmpl")
     if body.stream:
         events = render.CompletionEvents(envelope, include_usage=body.include_usage, echoes=echoes, n=body.n)

@@ -114,8 +114,9 @@ class ChatScreen(Screen):
                 parts.append(chunk.message.content)
                 if chunk.message.thinking:
                     self.app.call_from_thread(self._show_thinking, reply, chunk.message.thinking)
-                self.app.call_from_thread(_awaited(self._show_piece), markdown, chunk.message.content,
-                                          _live_rate(tokens, started), reply)
+                self.app.call_from_thread(
+                    _awaited(self._show_piece), markdown, chunk.message.content, _live_rate(tokens, started), reply
+                )
                 if chunk.done:
                     final = chunk
         except LocalLLMError as exc:
@@ -134,8 +135,7 @@ class ChatScreen(Screen):
         view = reply.thinking or self.query_one(MessageList).add_thinking(reply)
         view.add(text)
 
-    async def _show_piece(self, markdown: MarkdownStream, text: str, speed: float | None,
-                          reply: MessageView) -> None:
+    async def _show_piece(self, markdown: MarkdownStream, text: str, speed: float | None, reply: MessageView) -> None:
         if text and reply.thinking is not None:
             reply.thinking.finish()  # the answer has begun: the thinking folds away above it
         await markdown.write(text)
@@ -160,10 +160,15 @@ class ChatScreen(Screen):
         f = self.conversation.figures
         last = f.last
         panel = self.query_one(EnginePanel)
-        panel.figures = replace(panel.figures, live_rate=None,
-                                last_rate=rate(last.eval_count, last.eval_duration) if last else None,
-                                prompt_tokens=f.prompt_tokens, cached_tokens=f.cached_tokens, drafted=f.drafted,
-                                accepted=f.accepted)
+        panel.figures = replace(
+            panel.figures,
+            live_rate=None,
+            last_rate=rate(last.eval_count, last.eval_duration) if last else None,
+            prompt_tokens=f.prompt_tokens,
+            cached_tokens=f.cached_tokens,
+            drafted=f.drafted,
+            accepted=f.accepted,
+        )
 
     # ----------------------------------------------------------------------------------------------- engine panel
 
@@ -226,8 +231,9 @@ class ChatScreen(Screen):
             else:
                 system = system if system is not None else (info.system or None)
                 options = {**options_from_show(info.parameters), **options}
-        self.app.call_from_thread(self.app.push_screen, SettingsScreen(Settings(system=system, options=options)),
-                                  self.apply_settings)
+        self.app.call_from_thread(
+            self.app.push_screen, SettingsScreen(Settings(system=system, options=options)), self.apply_settings
+        )
 
     def apply_settings(self, settings: Settings | None) -> None:
         if settings is None:

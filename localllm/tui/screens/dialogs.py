@@ -28,8 +28,9 @@ class Settings:
 
 def format_options(options: dict[str, Any]) -> str:
     """One `name value` line per option, the way the dialog shows and reads them."""
-    return "\n".join(f"{name} {' '.join(map(str, value)) if isinstance(value, list) else value}"
-                     for name, value in options.items())
+    return "\n".join(
+        f"{name} {' '.join(map(str, value)) if isinstance(value, list) else value}" for name, value in options.items()
+    )
 
 
 def parse_options(text: str) -> dict[str, Any]:

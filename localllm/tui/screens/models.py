@@ -49,8 +49,9 @@ class ModelsScreen(Screen[str | None]):
             yield ModelDetails(id="details")
         with Vertical(id="pull-area"):
             with Horizontal(id="pull-row"):
-                yield Input(placeholder="model to pull: smollm2:135m, hf.co/<org>/<repo>, a URL or a .gguf path",
-                            id="pull-name")
+                yield Input(
+                    placeholder="model to pull: smollm2:135m, hf.co/<org>/<repo>, a URL or a .gguf path", id="pull-name"
+                )
                 yield Button("Pull", id="pull", variant="primary")
             yield PullView(id="pull-progress")
         yield Footer()
@@ -77,8 +78,14 @@ class ModelsScreen(Screen[str | None]):
         table = self.query_one(DataTable)
         table.clear()
         for row in sorted(listing.models, key=lambda m: m.name):
-            table.add_row(row.name, _size(row.size), row.details.format, row.details.quantization_level,
-                          row.modified_at.strftime("%Y-%m-%d"), key=row.name)
+            table.add_row(
+                row.name,
+                _size(row.size),
+                row.details.format,
+                row.details.quantization_level,
+                row.modified_at.strftime("%Y-%m-%d"),
+                key=row.name,
+            )
         names = [m.name for m in sorted(listing.models, key=lambda m: m.name)]
         if self.current in names:
             table.move_cursor(row=names.index(self.current))

@@ -41,7 +41,7 @@ class EnginePanel(Static):
 
 
 def thread_text(p: api.ProcessModel) -> str:
-    """"2 (auto)" while the engine tunes the count, "4" when pinned, "-" where the backend (MLX) chooses."""
+    """ "2 (auto)" while the engine tunes the count, "4" when pinned, "-" where the backend (MLX) chooses."""
     if not p.threads:
         return "-"
     return f"{p.threads} (auto)" if p.threads_auto else str(p.threads)
@@ -53,9 +53,14 @@ def _rows(f: EngineFigures) -> list[tuple[str, str]]:
     if p is None:
         rows.append(("Engine", "not loaded"))
     else:
-        rows += [("Backend", p.backend), ("Slots", f"{p.slots_busy}/{p.slots_total} busy"),
-                 ("Queue", str(p.queue_depth)), ("Context", f"{p.context_length}/slot"), ("KV", p.kv_type),
-                 ("Threads", thread_text(p))]
+        rows += [
+            ("Backend", p.backend),
+            ("Slots", f"{p.slots_busy}/{p.slots_total} busy"),
+            ("Queue", str(p.queue_depth)),
+            ("Context", f"{p.context_length}/slot"),
+            ("KV", p.kv_type),
+            ("Threads", thread_text(p)),
+        ]
     rate = f.live_rate if f.live_rate is not None else f.last_rate
     rows.append(("Speed", f"{rate:.1f} tok/s" if rate is not None else "-"))
     share = f" ({f.cached_tokens / f.prompt_tokens:.0%})" if f.prompt_tokens else ""

@@ -31,10 +31,18 @@ def _facts(info: api.ShowResponse) -> list[tuple[str, str]]:
     from ...models.info import context_length
 
     d = info.details
-    rows = [("Architecture", d.family), ("Parameters", d.parameter_size), ("Quantization", d.quantization_level),
-            ("Context", str(context_length(info) or "")), ("Format", d.format),
-            ("Capabilities", ", ".join(info.capabilities)), ("Parent", d.parent_model), ("Draft", info.draft or ""),
-            ("System", info.system), ("Parameters set", _one_per_line(info.parameters))]
+    rows = [
+        ("Architecture", d.family),
+        ("Parameters", d.parameter_size),
+        ("Quantization", d.quantization_level),
+        ("Context", str(context_length(info) or "")),
+        ("Format", d.format),
+        ("Capabilities", ", ".join(info.capabilities)),
+        ("Parent", d.parent_model),
+        ("Draft", info.draft or ""),
+        ("System", info.system),
+        ("Parameters set", _one_per_line(info.parameters)),
+    ]
     return [(label, value) for label, value in rows if value]
 
 

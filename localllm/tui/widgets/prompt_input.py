@@ -23,8 +23,13 @@ class PromptInput(TextArea):
         text: str
 
     def __init__(self, **kwargs) -> None:
-        super().__init__(placeholder="Send a message (Enter sends, Ctrl+J new line)", soft_wrap=True,
-                         show_line_numbers=False, highlight_cursor_line=False, **kwargs)
+        super().__init__(
+            placeholder="Send a message (Enter sends, Ctrl+J new line)",
+            soft_wrap=True,
+            show_line_numbers=False,
+            highlight_cursor_line=False,
+            **kwargs,
+        )
 
     def action_submit(self) -> None:
         text = self.text.strip()
