@@ -148,7 +148,7 @@ def test_cp_then_rm(tiny):
     assert invoke("cp", "tiny", "me/copy:v2").output.strip() == "copied 'tiny:latest' to 'me/copy:v2'"
     assert "me/copy:v2" in invoke("list").output
     assert invoke("rm", "tiny", "me/copy:v2").exit_code == 0
-    assert Store().list() == [] and not any(Store().blobs_dir.iterdir())
+    assert Store().list() == [] and not any(Store().blobs.dir.iterdir())
 
 
 def test_rm_with_one_unknown_name_removes_nothing(tiny):
@@ -207,7 +207,7 @@ def test_a_pull_killed_halfway_resumes_and_verifies(tmp_path, isolated_home, mon
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        partial = _wait_for_partial(Store().blobs_dir, at_least=512 * 1024, child=child)
+        partial = _wait_for_partial(Store().blobs.dir, at_least=512 * 1024, child=child)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
         received = partial.stat().st_size

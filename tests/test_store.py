@@ -28,7 +28,7 @@ def gguf(tmp_path) -> Path:
 @pytest.fixture
 def stored(store, gguf) -> str:
     """The digest of the tiny GGUF, stored as `tiny:1`."""
-    digest = store.add_blob_from_file(gguf)
+    digest = store.blobs.add_file(gguf)
     store.write_model("tiny:1", weights=digest)
     return digest
 
@@ -44,13 +44,13 @@ def test_default_root_is_models_under_localllm_home(isolated_home):
 def test_same_bytes_are_stored_once(store, gguf, tmp_path):
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(gguf.read_bytes())
-    first, second = store.add_blob_from_file(gguf), store.add_blob_from_file(copy)
+    first, second = store.blobs.add_file(gguf), store.blobs.add_file(copy)
     assert first == second == "sha256-" + sha256_of(gguf.read_bytes())
-    assert [p.name for p in store.blobs_dir.iterdir()] == [first]
+    assert [p.name for p in store.blobs.dir.iterdir()] == [first]
 
 
 def test_write_model_round_trips_every_layer(store, stored, tmp_path):
-    adapter = store.add_blob_from_bytes(b"adapter weights")
+    adapter = store.blobs.add_bytes(b"adapter weights")
     model = store.write_model(
         "Me/Assistant:V1",
         weights=stored,
@@ -63,20 +63,20 @@ def test_write_model_round_trips_every_layer(store, stored, tmp_path):
         adapters=[adapter],
     )
     assert model.name == "me/assistant:v1"
-    assert model.weights == store.blob_path(stored) and model.format == "gguf"
+    assert model.weights == store.blobs.path(stored) and model.format == "gguf"
     assert (model.template, model.system) == ("{{ messages }}", "Be brief.")
     assert model.parameters == {"temperature": 0.2, "stop": ["<|im_end|>"]}
     assert [(m.role, m.content) for m in model.messages] == [("user", "hi"), ("assistant", "hello")]
     assert model.license == "MIT\n\nextra terms"
     assert model.draft == "smollm2:135m"
-    assert model.adapters == [api.LoraAdapter(path=str(store.blob_path(adapter)), scale=1.0)]
+    assert model.adapters == [api.LoraAdapter(path=str(store.blobs.path(adapter)), scale=1.0)]
     assert model.details.family == "llama" and model.digest.startswith("sha256-")
 
 
 def test_details_are_cached_in_the_manifest_so_list_opens_no_weights(store, stored):
     manifest = json.loads((store.manifests_dir / "localllm/library/tiny/1").read_text())
     assert manifest["config"]["details"]["family"] == "llama"
-    store.blob_path(stored).write_bytes(b"not a gguf any more")  # list must not notice: it reads the manifest only
+    store.blobs.path(stored).write_bytes(b"not a gguf any more")  # list must not notice: it reads the manifest only
     (row,) = store.list()
     assert (row.name, row.details.family, row.details.format) == ("tiny:1", "llama", "gguf")
     assert row.digest == store.resolve("tiny:1").digest.removeprefix("sha256-")
@@ -105,9 +105,9 @@ def test_copy_shares_the_manifest_and_delete_keeps_blobs_in_use(store, stored):
     store.copy("tiny:1", "other/tiny")
     assert store.resolve("other/tiny").digest == store.resolve("tiny:1").digest
     store.delete("tiny:1")
-    assert store.has_blob(stored) and [row.name for row in store.list()] == ["other/tiny:latest"]
+    assert store.blobs.has(stored) and [row.name for row in store.list()] == ["other/tiny:latest"]
     store.delete("other/tiny")
-    assert not store.has_blob(stored) and store.list() == []
+    assert not store.blobs.has(stored) and store.list() == []
     assert not any(store.manifests_dir.iterdir())
 
 
@@ -131,7 +131,7 @@ def test_write_model_refuses_blobs_not_in_the_store(store):
 
 def test_verify_names_corrupt_and_missing_blobs(store, stored):
     assert store.verify() == [] and store.verify("tiny:1") == []
-    path = store.blob_path(stored)
+    path = store.blobs.path(stored)
     data = bytearray(path.read_bytes())
     data[100] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -142,7 +142,7 @@ def test_verify_names_corrupt_and_missing_blobs(store, stored):
 
 
 def test_resolving_a_model_whose_blob_vanished_says_so(store, stored):
-    store.blob_path(stored).unlink()
+    store.blobs.path(stored).unlink()
     with pytest.raises(IntegrityError, match="missing"):
         store.resolve("tiny:1")
 
@@ -156,7 +156,7 @@ def test_a_manifest_that_is_not_json_is_a_clear_error(store, stored):
 
 def test_leftover_temp_files_are_not_models(store, stored):
     (store.manifests_dir / "localllm/library/tiny/.1.tmp-abc").write_text("{}")
-    (store.blobs_dir / ".tmp-abc").write_bytes(b"half")
+    (store.blobs.dir / ".tmp-abc").write_bytes(b"half")
     assert [row.name for row in store.list()] == ["tiny:1"] and store.verify() == []
 
 
@@ -201,11 +201,11 @@ def test_a_file_path_cannot_be_a_store_name(store, stored):
 def test_invalid_digests_touch_nothing(store, stored, digest):
     before = _tree(store.root)
     with pytest.raises(InvalidName, match="digest"):
-        store.blob_path(digest)
+        store.blobs.path(digest)
     with pytest.raises(InvalidName):
         store.write_model("y", weights=digest)
     with pytest.raises(InvalidName):
-        with store.open_partial(digest):
+        with store.blobs.open_partial(digest):
             pass
     assert _tree(store.root) == before
 
@@ -219,18 +219,18 @@ def test_mlx_weights_materialise_as_a_folder_of_links(store):
         "model.safetensors": b"\0" * 32,
         "tokenizer/tokenizer.json": b"{}",
     }
-    digests = {name: store.add_blob_from_bytes(data) for name, data in files.items()}
+    digests = {name: store.blobs.add_bytes(data) for name, data in files.items()}
     model = store.write_model("mlx-tiny", weights=digests, fmt="mlx")
     assert model.format == "mlx" and model.weights.is_dir()
     assert {str(p.relative_to(model.weights)): p.read_bytes() for p in model.weights.rglob("*") if p.is_file()} == files
     assert store.weights_of("mlx-tiny") == ("mlx", digests)
     store.delete("mlx-tiny")
-    assert not model.weights.exists() and not any(store.blobs_dir.iterdir())
+    assert not model.weights.exists() and not any(store.blobs.dir.iterdir())
 
 
 @pytest.mark.parametrize("bad", ["../escape.json", "/etc/passwd", "a/../../b", "", ".hidden/x"])
 def test_mlx_file_names_cannot_escape_the_folder(store, bad):
-    digest = store.add_blob_from_bytes(b"x")
+    digest = store.blobs.add_bytes(b"x")
     with pytest.raises(InvalidName):
         store.write_model("mlx-bad", weights={bad: digest}, fmt="mlx")
     assert store.list() == []
@@ -242,36 +242,36 @@ def test_mlx_file_names_cannot_escape_the_folder(store, bad):
 def test_a_partial_blob_resumes_and_commits(store):
     data = os.urandom(300_000)
     digest = "sha256-" + sha256_of(data)
-    with store.open_partial(digest, size=len(data)) as partial:
+    with store.blobs.open_partial(digest, size=len(data)) as partial:
         partial.write(data[:100_000])  # then the process "dies": the partial file stays
-    with store.open_partial(digest, size=len(data)) as partial:
+    with store.blobs.open_partial(digest, size=len(data)) as partial:
         assert partial.completed == 100_000 and not partial.done
         partial.write(data[100_000:])
         assert partial.commit() == digest
-    assert store.blob_path(digest).read_bytes() == data
-    assert not (store.blobs_dir / f"{digest}-partial").exists()
-    with store.open_partial(digest, size=len(data)) as partial:
+    assert store.blobs.path(digest).read_bytes() == data
+    assert not (store.blobs.dir / f"{digest}-partial").exists()
+    with store.blobs.open_partial(digest, size=len(data)) as partial:
         assert partial.done
 
 
 def test_a_partial_blob_with_other_bytes_is_discarded(store):
     digest = "sha256-" + sha256_of(b"expected")
-    with store.open_partial(digest, size=8) as partial:
+    with store.blobs.open_partial(digest, size=8) as partial:
         partial.write(b"otherbyt")
         with pytest.raises(IntegrityError, match="sha256 mismatch.*from test source"):
             partial.commit("test source")
-    assert not store.has_blob(digest) and list(store.blobs_dir.iterdir()) == []
+    assert not store.blobs.has(digest) and list(store.blobs.dir.iterdir()) == []
 
 
 def test_a_partial_blob_without_a_known_digest_is_named_by_its_bytes(store):
-    with store.open_partial(None, key="http://example.invalid/x.gguf") as partial:
+    with store.blobs.open_partial(None, key="http://example.invalid/x.gguf") as partial:
         partial.write(b"abc")
         digest = partial.commit()
-    assert digest == "sha256-" + sha256_of(b"abc") and store.has_blob(digest)
+    assert digest == "sha256-" + sha256_of(b"abc") and store.blobs.has(digest)
 
 
 def test_a_manifest_that_is_not_json_can_still_be_removed(store, stored):
     (store.manifests_dir / "localllm/library/tiny/1").write_text("{broken")
     store.delete("tiny:1")
-    assert not store.exists("tiny:1") and store.has_blob(stored)  # its blob waits for prune
-    assert store.prune().removed == [f"blobs/{stored}"] and not store.has_blob(stored)
+    assert not store.exists("tiny:1") and store.blobs.has(stored)  # its blob waits for prune
+    assert store.prune().removed == [f"blobs/{stored}"] and not store.blobs.has(stored)

@@ -97,7 +97,7 @@ def test_rm_racing_cp_never_leaves_a_dangling_manifest(store, tmp_path):
         worker.start()
     try:
         for _ in range(ROUNDS):
-            store.write_model("a", weights=store.add_blob_from_bytes(data))
+            store.write_model("a", weights=store.blobs.add_bytes(data))
             barrier.wait(timeout=60)  # both processes go
             barrier.wait(timeout=60)  # both are done
             assert store.verify() == []
@@ -105,7 +105,7 @@ def test_rm_racing_cp_never_leaves_a_dangling_manifest(store, tmp_path):
                 store.delete("b")
             if store.exists("a"):
                 store.delete("a")
-            assert not any(store.blobs_dir.iterdir())  # nothing named, nothing kept
+            assert not any(store.blobs.dir.iterdir())  # nothing named, nothing kept
     finally:
         for worker in workers:
             worker.join(timeout=60)
@@ -131,12 +131,12 @@ def test_a_resumed_pull_of_a_file_changed_upstream_stores_the_new_file(server, h
     hub.if_range = if_range
     url = f"{server}/files/model.gguf"
     error = _fail_halfway(hub, url, store)
-    (partial,) = store.partials()
+    (partial,) = store.blobs.partials()
     assert 0 < partial.stat().st_size < len(ggufs["v1"]) and str(partial) in str(error)  # kept, and said where
     hub.files["model.gguf"] = ggufs["v2"]  # replaced upstream between the two pulls
     list(pull_model(url, store))
     assert store.resolve("model").weights.read_bytes() == ggufs["v2"]
-    assert store.verify() == [] and store.partials() == []
+    assert store.verify() == [] and store.blobs.partials() == []
     assert hub.ranges()[DOWNLOAD_ATTEMPTS] == f"bytes={hub.drop_after * DOWNLOAD_ATTEMPTS}-"  # it tried to resume
 
 
@@ -144,7 +144,7 @@ def test_a_url_without_validators_is_never_resumed(server, hub, store, ggufs):
     hub.validators = False
     url = f"{server}/files/model.gguf"
     _fail_halfway(hub, url, store)
-    assert store.partials() == []  # nothing could prove those bytes later: not kept
+    assert store.blobs.partials() == []  # nothing could prove those bytes later: not kept
     assert hub.ranges() == [None] * DOWNLOAD_ATTEMPTS  # each attempt started over
     hub.files["model.gguf"] = ggufs["v2"]
     list(pull_model(url, store))
@@ -201,30 +201,30 @@ def test_the_api_answers_507_when_the_disk_is_full(server, hub, ggufs, small_dis
     finally:
         client.close()
     assert answer.status_code == 507 and "not enough disk space" in answer.json()["error"]
-    assert Store(small_disk / "models").partials() == []
+    assert Store(small_disk / "models").blobs.partials() == []
 
 
 # ------------------------------------------------------------------------------------------------------- overwrite
 
 
 def test_cp_over_a_name_collects_the_old_blob_and_prune_frees_leftovers(store, tmp_path):
-    old = store.add_blob_from_file(write_tiny_gguf(tmp_path / "old.gguf", name="old", pad_floats=4096))
+    old = store.blobs.add_file(write_tiny_gguf(tmp_path / "old.gguf", name="old", pad_floats=4096))
     store.write_model("target", weights=old)
-    new = store.add_blob_from_file(write_tiny_gguf(tmp_path / "new.gguf", name="new"))
+    new = store.blobs.add_file(write_tiny_gguf(tmp_path / "new.gguf", name="new"))
     store.write_model("source", weights=new)
     result = invoke("cp", "source", "target")
     assert result.exit_code == 0 and "replaced the previous 'target:latest'" in result.output
-    assert "freed" in result.output and not store.has_blob(old)
-    assert store.resolve("target").weights == store.blob_path(new)
+    assert "freed" in result.output and not store.blobs.has(old)
+    assert store.resolve("target").weights == store.blobs.path(new)
     # What a crash leaves behind: a blob nobody names, a partial download, a temp file.
-    (store.blobs_dir / old).write_bytes(b"o" * 5000)
-    (store.blobs_dir / f"{old}-partial").write_bytes(b"p" * 3000)
-    (store.blobs_dir / ".tmp-0123").write_bytes(b"t" * 2000)
+    (store.blobs.dir / old).write_bytes(b"o" * 5000)
+    (store.blobs.dir / f"{old}-partial").write_bytes(b"p" * 3000)
+    (store.blobs.dir / ".tmp-0123").write_bytes(b"t" * 2000)
     dry = invoke("prune", "--dry-run")
-    assert dry.exit_code == 0 and "would free 10 KB" in dry.output and store.has_blob(old)
+    assert dry.exit_code == 0 and "would free 10 KB" in dry.output and store.blobs.has(old)
     pruned = invoke("prune")
     assert pruned.exit_code == 0 and pruned.output.strip().splitlines()[-1] == "freed 10 KB"
-    assert {p.name for p in store.blobs_dir.iterdir()} == _layer_digests(store)
+    assert {p.name for p in store.blobs.dir.iterdir()} == _layer_digests(store)
     assert store.verify() == [] and invoke("prune").output.strip() == "freed 0 B"
 
 
@@ -261,8 +261,8 @@ def test_two_pulls_of_one_file_at_once_make_one_download(server, hub, store, ggu
     command = [sys.executable, "-m", "localllm", "pull", name]
     first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        partial = _wait_for(lambda: next(iter(store.partials()), None), first)  # the first is downloading
-        lock = store.locks_dir / partial.name.replace("-partial", ".lock")
+        partial = _wait_for(lambda: next(iter(store.blobs.partials()), None), first)  # the first is downloading
+        lock = store.blobs.locks_dir / partial.name.replace("-partial", ".lock")
         second = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         _wait_for(lambda: _holds_open(second.pid, lock), second)  # the second waits on the blob's lock
     finally:
@@ -271,7 +271,7 @@ def test_two_pulls_of_one_file_at_once_make_one_download(server, hub, store, ggu
     assert [first.returncode, second.returncode] == [0, 0], outputs
     assert hub.downloads_of(file) == 1
     assert store.resolve(name if kind == "hf" else "model").weights.read_bytes() == ggufs["v1"]
-    assert store.verify() == [] and store.partials() == []
+    assert store.verify() == [] and store.blobs.partials() == []
 
 
 def _wait_for(probe, process: subprocess.Popen):
@@ -368,7 +368,7 @@ def test_prune_waits_for_a_pull_in_progress_and_takes_nothing_from_it(server, hu
     )
     waited, reports = threading.Event(), []
     try:
-        _wait_for(lambda: store.partials(), pull)  # the pull is writing its partial file
+        _wait_for(lambda: store.blobs.partials(), pull)  # the pull is writing its partial file
         pruner = threading.Thread(target=lambda: reports.append(store.prune(on_wait=waited.set)))
         pruner.start()
         assert waited.wait(timeout=120) and not reports  # it waits; it has removed nothing

@@ -121,10 +121,10 @@ class LocalClient:
         return show_model(self.store, model, verbose=verbose)
 
     def has_blob(self, digest: str) -> bool:
-        return self.store.has_blob(digest)
+        return self.store.blobs.has(digest)
 
     def add_blob(self, digest: str, source: BinaryIO) -> None:
-        self.store.add_uploaded_blob(digest, source)
+        self.store.blobs.add_upload(digest, source)
 
     def pull(self, model: str) -> Iterator[api.PullProgress]:
         return pull_model(model, self.store)

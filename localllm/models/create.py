@@ -28,7 +28,7 @@ Progress = Iterator[api.PullProgress]
 def create_model(request: api.CreateRequest, store: Store, *, base_dir: Path | None = None) -> Progress:
     """Store the model `request` describes, yielding progress (the parent is pulled first if it is missing); see
     _create_model. Blobs it adds are safe from `prune` until its manifest names them."""
-    with store.writing():
+    with store.blobs.writing():
         yield from _create_model(request, store, base_dir=base_dir)
 
 
@@ -145,7 +145,7 @@ def _quantize(
             hint="MLX models are quantized when converted: --format mlx --quantize q4",
         )
     imatrix = _relative_to(Path(request.imatrix), base) if request.imatrix else None
-    scratch = store.scratch_dir()  # inside the store, so the result moves into the blobs without a copy
+    scratch = store.blobs.scratch_dir()  # inside the store, so the result moves into the blobs without a copy
     try:
         out = scratch / "model.gguf"
         report = yield from run_quantize(
@@ -161,7 +161,7 @@ def _quantize(
         for line in describe_report(report) if report else []:
             yield api.PullProgress(status=line)
         yield api.PullProgress(status="writing quantized weights")
-        return store.adopt_blob(out), report
+        return store.blobs.adopt(out), report
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         with suppress(OSError):
@@ -193,7 +193,7 @@ def _gguf_details(store: Store, digest: Weights) -> api.ModelDetails:
     from ..quant.gguf import inspect_gguf
 
     assert isinstance(digest, str)
-    return inspect_gguf(store.blob_path(digest)).details()
+    return inspect_gguf(store.blobs.path(digest)).details()
 
 
 def _wants_mlx(request: api.CreateRequest) -> bool:
@@ -215,7 +215,7 @@ def _convert_to_mlx(
         digests: dict[str, str] = {}
         for file in sorted(folder.iterdir()):
             yield api.PullProgress(status=f"writing {file.name}", total=file.stat().st_size)
-            digests[file.name] = store.add_blob_from_file(file)
+            digests[file.name] = store.blobs.add_file(file)
         return digests
 
 
@@ -237,7 +237,7 @@ def _resolve_parent(from_: str, store: Store, base: Path) -> Generator[api.PullP
         path = _relative_to(ref.path or Path(from_), base)
         model = store.resolve(str(path))
         yield api.PullProgress(status=f"copying {path}", total=model.size, completed=0)
-        digests = [store.add_blob_from_file(part) for part in model.parts]  # every part of a split GGUF
+        digests = [store.blobs.add_file(part) for part in model.parts]  # every part of a split GGUF
         return _Parent(model, digests[0] if len(digests) == 1 else digests, [], path.name)
     name = ref.display
     if not store.exists(name):
@@ -260,12 +260,12 @@ def _parent_from_files(files: dict[str, str], store: Store) -> _Parent:
         raise InvalidInput(f"files names {len(ggufs)} .gguf files; localllm creates a model from exactly one")
     name, digest = next(iter(ggufs.items()))
     digest = parse_digest(digest)
-    if not store.has_blob(digest):
+    if not store.blobs.has(digest):
         raise InvalidInput(
             f"blob {digest} for {name!r} is not on the server",
             hint="upload it first: POST /api/blobs/<digest> (what the ollama client's create does)",
         )
-    path = store.blob_path(digest)
+    path = store.blobs.path(digest)
     info = inspect_gguf(path)  # a file that is no GGUF fails here, before a manifest names it
     model = ResolvedModel(
         name=name, digest=digest, weights=path, format="gguf", size=path.stat().st_size, details=info.details()
@@ -279,9 +279,9 @@ def _adapter_file(path: str, digest: str, store: Store, base: Path) -> Path:
     from ..quant.gguf import inspect_lora
 
     if digest:
-        if not store.has_blob(digest):
+        if not store.blobs.has(digest):
             raise InvalidInput(f"adapter blob {digest} for {path!r} is not in the store")
-        file = store.blob_path(digest)
+        file = store.blobs.path(digest)
     else:
         file = _relative_to(Path(path).expanduser(), base)
         if not file.is_file():
@@ -303,7 +303,7 @@ def _store_adapter(path: str, file: Path, scale: float, store: Store, parent: _P
             f"adapter {path!r} is for {lora.architecture or 'an unknown architecture'}, but {parent.label} is {family}",
             hint="use an adapter trained on this base model",
         )
-    return store.add_blob_from_file(file), scale
+    return store.blobs.add_file(file), scale
 
 
 def _draft_name(draft: str, base: Path) -> str:

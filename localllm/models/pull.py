@@ -33,10 +33,12 @@ from urllib.parse import unquote, urlparse
 
 from .. import api, config
 from ..errors import IntegrityError, InvalidName, LocalLLMError, ModelFormatError, ModelNotFound, NetworkError
+from .blobs import PartialBlob
 from .catalog import CatalogEntry, Mirror, WheelMember, WheelMembers, did_you_mean, find_entry
 from .diskspace import size_text
+from .files import CHUNK
 from .names import ModelRef, parse_ref
-from .store import CHUNK, PartialBlob, ResolvedModel, Store
+from .store import ResolvedModel, Store
 
 DEFAULT_QUANT = "Q4_K_M"
 DOWNLOAD_ATTEMPTS = 4  # a dropped connection resumes from the partial file this many times before giving up
@@ -53,7 +55,7 @@ class Source(Protocol):
 def pull_model(name: str, store: Store) -> Progress:
     """Pull `name` into `store`, yielding progress; a model already stored transfers nothing."""
     source = make_source(name, store)
-    with store.writing():  # what it downloads is safe from `prune` until its manifest names it
+    with store.blobs.writing():  # what it downloads is safe from `prune` until its manifest names it
         yield from source.pull(store)
 
 
@@ -65,7 +67,7 @@ def ensure_model(
         return store.resolve(name)
     source = make_source(name, store)
     if not store.exists(source.stored_name):
-        with store.writing():
+        with store.blobs.writing():
             for progress in source.pull(store):
                 if on_progress is not None:
                     on_progress(progress)
@@ -102,7 +104,7 @@ class CatalogSource:
 
     def pull(self, store: Store) -> Progress:
         yield api.PullProgress(status="pulling manifest")
-        with store.pin(self.entry.digest):
+        with store.blobs.pin(self.entry.digest):
             yield from self.fetch_blob(store)
             if not self._manifest_current(store):
                 yield api.PullProgress(status="writing manifest")
@@ -116,7 +118,7 @@ class CatalogSource:
 
     def fetch_blob(self, store: Store) -> Progress:
         """Download the pinned bytes unless the store holds them intact (a corrupt copy is replaced in place)."""
-        if not store.has_trusted_blob(self.entry.digest, self.entry.size):
+        if not store.blobs.has_trusted(self.entry.digest, self.entry.size):
             yield from self._fetch(store)
 
     def _manifest_current(self, store: Store) -> bool:
@@ -142,7 +144,7 @@ class CatalogSource:
         raise NetworkError(f"no mirror of {self.stored_name} delivered its bytes: " + "; ".join(failures))
 
     def _fetch_from(self, mirror: Mirror, store: Store) -> Progress:
-        with store.open_partial(self.entry.digest, size=self.entry.size) as partial:
+        with store.blobs.open_partial(self.entry.digest, size=self.entry.size) as partial:
             if partial.done:
                 return
             yield api.PullProgress(status=f"pulling from the {_mirror_label(mirror)}", digest=self.entry.digest)
@@ -339,8 +341,8 @@ class HFSource:
                 digest = f"sha256-{sibling.lfs.sha256}" if sibling.lfs and sibling.lfs.sha256 else None
                 size = sibling.lfs.size if sibling.lfs else sibling.size
                 if digest is not None:
-                    pins.enter_context(store.pin(digest))
-                if digest is None or not store.has_trusted_blob(digest, size):
+                    pins.enter_context(store.blobs.pin(digest))
+                if digest is None or not store.blobs.has_trusted(digest, size):
                     url = hub.file_url(self.repo, filename, revision)
                     digest = yield from _download_blob(
                         store, url, digest, size, source=f"hf.co/{self.repo}/{filename}", headers=_hf_headers()
@@ -361,13 +363,13 @@ class HFSource:
         for sibling in (s for s in siblings if s.rfilename in wanted):
             digest = f"sha256-{sibling.lfs.sha256}" if sibling.lfs and sibling.lfs.sha256 else None
             size = sibling.lfs.size if sibling.lfs else None
-            if digest is None or not store.has_trusted_blob(digest, size):
+            if digest is None or not store.blobs.has_trusted(digest, size):
                 url = hub.file_url(self.repo, sibling.rfilename, revision)
                 digest = yield from _download_blob(
                     store, url, digest, size, source=f"hf.co/{self.repo}/{sibling.rfilename}", headers=_hf_headers()
                 )
             digests[sibling.rfilename] = digest
-        config_json = json.loads(store.blob_path(digests["config.json"]).read_bytes())
+        config_json = json.loads(store.blobs.path(digests["config.json"]).read_bytes())
         yield api.PullProgress(status="writing manifest")
         store.write_model(
             self.stored_name, weights=digests, fmt="mlx", details=mlx_details(config_json), source=self.source
@@ -490,7 +492,7 @@ class URLSource:
         # Each part's lock is held until the manifest names it: a second pull of the URL waits, then finds it stored.
         with ExitStack() as held:
             for url in self.urls:  # every part of a split GGUF, in order
-                partial = held.enter_context(store.open_partial(None, key=url))
+                partial = held.enter_context(store.blobs.open_partial(None, key=url))
                 if len(self.urls) == 1 and self._pulled_meanwhile(store, before):
                     yield api.PullProgress(status="success")  # by the pull we waited for: its blob is ours
                     return
@@ -512,7 +514,7 @@ class URLSource:
             format_, weights = store.weights_of(self.stored_name)
         except LocalLLMError:
             return False
-        return format_ == "gguf" and isinstance(weights, str) and store.has_trusted_blob(weights)
+        return format_ == "gguf" and isinstance(weights, str) and store.blobs.has_trusted(weights)
 
 
 def split_urls(url: str) -> list[str]:
@@ -537,8 +539,8 @@ class FileSource:
         if not self.path.is_file():
             raise ModelNotFound(f"no GGUF file at {self.path}")
         yield api.PullProgress(status=f"copying {self.path}", total=self.path.stat().st_size, completed=0)
-        with store.writing():
-            digest = store.add_blob_from_file(self.path)
+        with store.blobs.writing():
+            digest = store.blobs.add_file(self.path)
             yield api.PullProgress(status="writing manifest", digest=digest)
             store.write_model(self.stored_name, weights=digest)
         yield api.PullProgress(status="success")
@@ -560,7 +562,7 @@ def _download_blob(
     store: Store, url: str, digest: str | None, size: int | None, *, source: str, headers: dict[str, str] | None = None
 ):
     """Download `url` into the store (resuming a partial file); return the blob's digest."""
-    with store.open_partial(digest, key=url, size=size) as partial:
+    with store.blobs.open_partial(digest, key=url, size=size) as partial:
         if not partial.done:
             yield from download_url(url, partial, headers=headers or {})
             yield api.PullProgress(status="verifying sha256 digest", digest=digest)

@@ -18,7 +18,7 @@ Progress = Iterator[api.PullProgress]
 def repair_blobs(store: Store, name: str | None = None) -> Progress:
     """Fetch each damaged blob of `name` (or of every model) again; a blob with no known source is named in a
     progress line and left for the caller's verify to report."""
-    with store.writing():
+    with store.blobs.writing():
         for digest, names in store.damaged(name).items():
             yield from _repair_one(store, digest, names)
 
@@ -37,7 +37,7 @@ def _repair_one(store: Store, digest: str, names: list[str]) -> Progress:
     entry = next((e for e in CATALOG if e.digest == digest), None)
     if entry is not None:
         yield api.PullProgress(status=f"repairing {digest} from the catalog ({entry.name})", digest=digest)
-        with store.pin(digest):
+        with store.blobs.pin(digest):
             yield from CatalogSource(entry).fetch_blob(store)
         return
     hf = _hf_source(store, names)

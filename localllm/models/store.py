@@ -1,18 +1,14 @@
 """The model store: JSON manifests that name content-addressed blobs. No network here (pull.py fetches).
 
-Layout under the root (`LOCALLLM_HOME/models` by default)::
+Layout under the root (`LOCALLLM_HOME/models` by default); the blobs, their partial downloads, corrupt marks and
+locks are blobs.py's::
 
     manifests/<host>/<namespace>/<name>/<tag>   JSON: config (format, cached details) + layers (media type, digest)
-    blobs/sha256-<64 hex>                        the bytes; the same bytes are stored once
-    blobs/sha256-<64 hex>-partial                a download in progress; the next pull resumes from it
-    blobs/<stem>-partial.json                     what a resumed download must match (validator, size)
+    blobs/ corrupt/ tmp/ locks/<stem>.lock       see blobs.py
     mlx/<manifest digest>/                        an MLX model's files as symlinks to its blobs, built on demand
-    corrupt/<digest>                              blobs `verify` found corrupt: a pull re-checks them before trusting
     split/<digest of the parts>/                  a split GGUF's parts as symlinks named as gguf-split names them
                                                   (llama.cpp finds the parts by name), built on demand
     locks/store.lock                              exclusive: manifest changes and garbage collection
-    locks/writers.lock                            shared by every pull and create in progress; `prune` takes it whole
-    locks/<stem>.lock                             one per blob: one writer, and no collection while it is held
 
 Crash safety comes from the order of writes: a blob is renamed into place only after its sha256 checks, and a
 manifest (written to a temp file, then renamed) only after all its blobs exist. A kill at any moment therefore never
@@ -30,16 +26,17 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import Any
 
 from .. import api, config
-from ..errors import DiskFull, IntegrityError, InvalidInput, InvalidName, ModelFormatError, ModelNotFound
+from ..errors import IntegrityError, InvalidInput, InvalidName, ModelFormatError, ModelNotFound
+from .blobs import Blobs
 from .catalog import did_you_mean, find_entry, with_default_tag
-from .diskspace import check_free_space, disk_full_as_error
+from .files import atomic_write, children, remove, size_of
 from .locks import file_lock, try_file_lock
 from .names import ModelRef, parse_digest, parse_ref
 
@@ -59,9 +56,7 @@ WEIGHT_MEDIA = {"gguf": MEDIA_GGUF, "mlx": MEDIA_MLX}
 MAX_SPLIT_PARTS = 9999  # gguf-split numbers parts with five digits
 # What write_model takes as weights: a GGUF digest, a split GGUF's digests in part order, or MLX {file: digest}.
 Weights = str | list[str] | dict[str, str]
-CHUNK = 1024 * 1024
 _MLX_FILE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
-_BLOB_NAME = re.compile(r"^sha256-[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -121,12 +116,11 @@ class _Manifest:
 class Store:
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else config.models_dir()
-        self.blobs_dir = self.root / "blobs"
         self.manifests_dir = self.root / "manifests"
         self.mlx_dir = self.root / "mlx"
         self.split_dir = self.root / "split"
         self.locks_dir = self.root / "locks"
-        self.corrupt_dir = self.root / "corrupt"
+        self.blobs = Blobs(self.root)
 
     # ------------------------------------------------------------------------------------------------- locks
 
@@ -135,22 +129,6 @@ class Store:
         """The store-wide lock: every manifest change and every blob removal happens inside it (held briefly)."""
         with file_lock(self.locks_dir / "store.lock"):
             yield
-
-    @contextmanager
-    def writing(self) -> Iterator[None]:
-        """Held (shared) by a pull or create from its first new blob until its manifest is written, so that `prune`
-        never collects a blob that is about to be named."""
-        with file_lock(self.locks_dir / "writers.lock", shared=True):
-            yield
-
-    @contextmanager
-    def pin(self, digest: str) -> Iterator[None]:
-        """Hold one blob: a second pull of it waits here, and no collection removes it while held."""
-        with self.writing(), file_lock(self._blob_lock_path(parse_digest(digest))):
-            yield
-
-    def _blob_lock_path(self, stem: str) -> Path:
-        return self.locks_dir / f"{stem}.lock"
 
     # ------------------------------------------------------------------------------------------------- reading
 
@@ -204,24 +182,6 @@ class Store:
             (layer["digest"], float(layer.get("scale", 1.0)))
             for layer in self._read_manifest(parse_ref(name)).layers_of(MEDIA_ADAPTER)
         ]
-
-    def blob_path(self, digest: str) -> Path:
-        return self.blobs_dir / parse_digest(digest)
-
-    def has_blob(self, digest: str) -> bool:
-        return self.blob_path(digest).is_file()
-
-    def has_trusted_blob(self, digest: str, size: int | None = None) -> bool:
-        """The blob is there with the expected size, and re-hashes clean if `verify` found it corrupt before."""
-        path = self.blob_path(digest)
-        if not path.is_file() or (size is not None and path.stat().st_size != size):
-            return False
-        if not self._marked_corrupt(digest):
-            return True
-        if self._check_blob(digest) is not None:
-            return False
-        self._mark_corrupt(digest, False)
-        return True
 
     def manifest_digest(self, name: str) -> str | None:
         """The id of the manifest stored under `name` now (None when there is none): what a loaded model compares
@@ -278,7 +238,7 @@ class Store:
         """Write a manifest whose blobs all exist (checked here, under the store lock, so none can be dangling);
         collect what a replaced manifest no longer shares. Call with the store lock held."""
         for layer in data.get("layers", []):
-            if not self.has_blob(layer["digest"]):
+            if not self.blobs.has(layer["digest"]):
                 raise IntegrityError(
                     f"blob {layer['digest']} of {ref.display!r} is no longer in the store",
                     hint="another process removed it meanwhile; pull or create the model again",
@@ -288,7 +248,7 @@ class Store:
             old: _Manifest | None = self._read_manifest(ref) if path.is_file() else None
         except ModelFormatError:
             old = None
-        _atomic_write(path, _manifest_bytes(data))
+        atomic_write(path, _manifest_bytes(data))
         if old is None:
             return None
         freed = self._collect(old) if old.digest != self._read_manifest(ref).digest else 0
@@ -300,14 +260,12 @@ class Store:
         named, manifest_digests = self._named()
         freed = 0
         for digest in {layer["digest"] for layer in gone.layers} - named:
-            with try_file_lock(self._blob_lock_path(digest)) as free:
-                if free:  # a pull that holds it is about to name it; `prune` collects it later if not
-                    freed += _remove(self.blob_path(digest))
-                    self._mark_corrupt(digest, False)
+            freed += self.blobs.remove_unheld(digest)
         if gone.digest not in manifest_digests:
             shutil.rmtree(self.mlx_dir / gone.digest, ignore_errors=True)
         parts = [layer["digest"] for layer in gone.layers_of(MEDIA_GGUF)]
-        if len(parts) > 1 and not all(self.has_blob(digest) for digest in parts):  # the set is gone: its part names too
+        if len(parts) > 1 and not all(self.blobs.has(digest) for digest in parts):
+            # the set is gone: its part names too
             shutil.rmtree(self._split_folder(parts), ignore_errors=True)
         return freed
 
@@ -315,92 +273,6 @@ class Store:
         """(every blob digest some manifest names, every manifest digest)."""
         manifests = list(self._all_manifests())
         return {layer["digest"] for m in manifests for layer in m.layers}, {m.digest for m in manifests}
-
-    def add_blob_from_file(self, path: Path) -> str:
-        """Copy a file into the blobs (hashing as it goes) and return its digest; known bytes are not stored twice."""
-        path = Path(path).expanduser()
-        if not path.is_file():
-            raise InvalidInput(f"no file at {path}")
-        size = path.stat().st_size
-        self.blobs_dir.mkdir(parents=True, exist_ok=True)
-        check_free_space(self.blobs_dir, size, f"a copy of {path}")
-        with self.writing(), path.open("rb") as source, disk_full_as_error(f"a copy of {path}", self.blobs_dir, size):
-            return self._add_blob_from_stream(source)
-
-    def add_uploaded_blob(self, digest: str, source: BinaryIO) -> str:
-        """Store the bytes a client uploads under the digest it names (Ollama's POST /api/blobs/:digest).
-
-        Raises:
-            InvalidName: the digest is not one.
-            InvalidInput: the bytes have another sha256 (nothing is kept).
-        """
-        with self.open_partial(digest) as partial:
-            if partial.done:
-                return partial.digest or digest
-            partial.restart()  # an upload always starts at its first byte
-            for block in iter(lambda: source.read(CHUNK), b""):
-                partial.write(block)
-            try:
-                return partial.commit("the upload")
-            except IntegrityError as exc:
-                raise InvalidInput(
-                    f"the uploaded bytes do not match {parse_digest(digest)}: {exc.message}",
-                    hint="upload the file whose sha256 the URL names",
-                ) from None
-
-    def adopt_blob(self, path: Path) -> str:
-        """Move a finished file (written inside the store's root, so the rename stays on one filesystem) into the
-        blobs; return its digest. Used for what we make ourselves (a quantized model), to avoid copying gigabytes."""
-        with Path(path).open("rb") as handle:
-            digest = _hash_stream(handle)
-        if self.has_blob(digest):
-            Path(path).unlink()
-        else:
-            os.replace(path, self.blob_path(digest))
-        return digest
-
-    def scratch_dir(self) -> Path:
-        """A fresh folder under the root for work whose result becomes a blob (removed by the caller)."""
-        folder = self.root / "tmp" / uuid.uuid4().hex
-        folder.mkdir(parents=True)
-        return folder
-
-    def add_blob_from_bytes(self, data: bytes) -> str:
-        digest = f"sha256-{hashlib.sha256(data).hexdigest()}"
-        if not self.has_trusted_blob(digest):
-            _atomic_write(self.blob_path(digest), data)
-            self._mark_corrupt(digest, False)
-        return digest
-
-    @contextmanager
-    def open_partial(self, digest: str | None, *, key: str = "", size: int | None = None) -> Iterator[PartialBlob]:
-        """A blob being written, locked against other writers; see PartialBlob.
-
-        Args:
-            digest: the expected digest, or None when the source does not say (the bytes then name the blob).
-            key: names the partial file when the digest is unknown (e.g. the URL), so a retry resumes it.
-            size: the expected size in bytes, when known.
-        """
-        digest = parse_digest(digest) if digest is not None else None
-        stem = digest or f"download-{hashlib.sha256(key.encode()).hexdigest()[:32]}"
-        with self.writing(), file_lock(self._blob_lock_path(stem)), ExitStack() as pins:
-            partial = PartialBlob(
-                self, digest, self.blobs_dir / f"{stem}-partial", size, pins=pins, label=key or digest or stem
-            )
-            try:
-                partial.ensure_room()
-                yield partial
-            except DiskFull:
-                partial.discard()  # never leave the disk full
-                raise
-            except BaseException:
-                if not partial.resumable:
-                    partial.discard()
-                raise
-            finally:
-                partial.close()
-                if not partial.done and partial.completed == 0:
-                    partial.discard()  # nothing received: no empty file left behind
 
     def write_model(
         self,
@@ -467,9 +339,9 @@ class Store:
             for layer in manifest.layers:
                 digest = layer["digest"]
                 if digest not in checked:
-                    checked[digest] = self._check_blob(digest)
-                    if self.has_blob(digest):
-                        self._mark_corrupt(digest, checked[digest] is not None)
+                    checked[digest] = self.blobs.check(digest)
+                    if self.blobs.has(digest):
+                        self.blobs.mark_corrupt(digest, checked[digest] is not None)
                 if checked[digest]:
                     problems.append(f"{manifest.ref.display}: {checked[digest]}")
         return problems
@@ -492,13 +364,8 @@ class Store:
     def _prune(self, dry_run: bool) -> api.PruneReport:
         with self.lock():
             named, manifest_digests = self._named()
-            doomed = [
-                path
-                for path in _children(self.blobs_dir)
-                if _is_leftover(path.name) or (_BLOB_NAME.match(path.name) and path.name not in named)
-            ]
-            doomed += [path for path in _children(self.mlx_dir) if path.name not in manifest_digests]
-            doomed += [path for path in _children(self.corrupt_dir) if path.name not in named]
+            doomed = self.blobs.unneeded(named)
+            doomed += [path for path in children(self.mlx_dir) if path.name not in manifest_digests]
             doomed += (
                 [path for path in self.manifests_dir.rglob(".*") if ".tmp-" in path.name]
                 if self.manifests_dir.is_dir()
@@ -506,24 +373,14 @@ class Store:
             )
             report = api.PruneReport(
                 removed=[str(p.relative_to(self.root)) for p in doomed],
-                freed=sum(_size_of(p) for p in doomed),
+                freed=sum(size_of(p) for p in doomed),
                 dry_run=dry_run,
             )
             if not dry_run:
                 for path in doomed:
-                    _remove(path)
-                self._remove_blob_locks()
+                    remove(path)
+                self.blobs.remove_locks()
             return report
-
-    def _remove_blob_locks(self) -> None:
-        # Safe only here: every holder of a blob lock holds the writers lock first, which prune holds whole.
-        for path in _children(self.locks_dir):
-            if path.suffix == ".lock" and path.name not in ("store.lock", "writers.lock"):
-                path.unlink(missing_ok=True)
-
-    def partials(self) -> builtins.list[Path]:
-        """Partial downloads kept to be resumed (a pull of the same source continues them; `prune` removes them)."""
-        return [path for path in _children(self.blobs_dir) if path.name.endswith("-partial")]
 
     def damaged(self, name: str | None = None) -> dict[str, builtins.list[str]]:
         """{digest: the models naming it} for each missing blob and each blob `verify` marked corrupt."""
@@ -531,30 +388,9 @@ class Store:
         found: dict[str, list[str]] = {}
         for manifest in manifests:
             for digest in dict.fromkeys(layer["digest"] for layer in manifest.layers):
-                if not self.has_blob(digest) or self._marked_corrupt(digest):
+                if not self.blobs.has(digest) or self.blobs.marked_corrupt(digest):
                     found.setdefault(digest, []).append(manifest.ref.display)
         return found
-
-    def _marked_corrupt(self, digest: str) -> bool:
-        return (self.corrupt_dir / parse_digest(digest)).exists()
-
-    def _mark_corrupt(self, digest: str, corrupt: bool) -> None:
-        marker = self.corrupt_dir / parse_digest(digest)
-        if corrupt:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
-        else:
-            marker.unlink(missing_ok=True)
-
-    def _check_blob(self, digest: str) -> str | None:
-        path = self.blob_path(digest)
-        if not path.is_file():
-            return f"blob {digest} is missing"
-        with path.open("rb") as handle:
-            actual = _hash_stream(handle)
-        if actual != digest:
-            return f"blob {digest} is corrupt (its bytes hash to {actual})"
-        return None
 
     # ------------------------------------------------------------------------------------------------- internals
 
@@ -645,7 +481,7 @@ class Store:
         return self._existing_blob(manifest, layer["digest"]).read_text(encoding="utf-8")
 
     def _existing_blob(self, manifest: _Manifest, digest: str) -> Path:
-        path = self.blob_path(digest)
+        path = self.blobs.path(digest)
         if not path.is_file():
             raise IntegrityError(
                 f"model {manifest.ref.display!r}: blob {digest} is missing",
@@ -670,7 +506,7 @@ class Store:
         if not digests:
             raise ModelFormatError(f"the manifest of {label!r} has no GGUF layer")
         if len(digests) == 1:
-            return [self.blob_path(digests[0])]
+            return [self.blobs.path(digests[0])]
         from ..quant.gguf import split_part_name
 
         folder = self._split_folder(digests)
@@ -679,7 +515,7 @@ class Store:
             building = self.split_dir / f".tmp-{uuid.uuid4().hex}"
             building.mkdir(parents=True)
             for name, digest in zip(names, digests):
-                (building / name).symlink_to(os.path.relpath(self.blob_path(digest), building))
+                (building / name).symlink_to(os.path.relpath(self.blobs.path(digest), building))
             try:
                 building.rename(folder)
             except OSError:  # built meanwhile by another process: theirs is identical
@@ -749,9 +585,7 @@ class Store:
         if quality is not None:
             texts.append((MEDIA_QUALITY, quality.model_dump_json()))
         layers = [
-            self._layer(media, self.add_blob_from_bytes(text.encode("utf-8")))
-            for media, text in texts
-            if text is not None
+            self._layer(media, self.blobs.add_bytes(text.encode("utf-8"))) for media, text in texts if text is not None
         ]
         pairs = [(item, 1.0) if isinstance(item, str) else item for item in adapters or []]
         return layers + [
@@ -760,177 +594,12 @@ class Store:
         ]
 
     def _layer(self, media: str, digest: str) -> dict[str, Any]:
-        path = self.blob_path(digest)
+        path = self.blobs.path(digest)
         if not path.is_file():
             raise InvalidInput(
                 f"blob {parse_digest(digest)} is not in the store", hint="add it first (pull or add_blob_from_file)"
             )
         return {"mediaType": media, "digest": parse_digest(digest), "size": path.stat().st_size}
-
-    def _add_blob_from_stream(self, source: BinaryIO) -> str:
-        self.blobs_dir.mkdir(parents=True, exist_ok=True)
-        temp = self.blobs_dir / f".tmp-{uuid.uuid4().hex}"
-        hasher = hashlib.sha256()
-        try:
-            with temp.open("wb") as out:
-                for block in iter(lambda: source.read(CHUNK), b""):
-                    hasher.update(block)
-                    out.write(block)
-                _sync(out)
-            digest = f"sha256-{hasher.hexdigest()}"
-            if self.has_blob(digest):
-                temp.unlink()
-            else:
-                os.replace(temp, self.blob_path(digest))
-            return digest
-        finally:
-            temp.unlink(missing_ok=True)
-
-
-class PartialBlob:
-    """Bytes arriving for one blob. They are appended to a `-partial` file that survives a crash; `completed` says
-    where a resumed download starts. Beside it, `-partial.json` keeps what those bytes must match to be resumed:
-    the source's validator (a strong ETag or Last-Modified) and the total size. `commit()` checks size and sha256,
-    then renames the file into place."""
-
-    def __init__(
-        self,
-        store: Store,
-        digest: str | None,
-        path: Path,
-        size: int | None,
-        *,
-        pins: ExitStack | None = None,
-        label: str = "",
-    ):
-        self.store = store
-        self.digest = digest
-        self.path = path
-        self.meta_path = path.with_name(path.name + ".json")
-        self.size = size
-        self.label = label or path.name
-        self.validator: str | None = None
-        self.done = digest is not None and store.has_trusted_blob(digest, size)
-        self._pins = pins
-        self._hasher = hashlib.sha256()
-        self._file: BinaryIO | None = None
-        self.completed = 0 if self.done else self._resume()
-
-    @property
-    def resumable(self) -> bool:
-        """Whether the bytes kept can be continued later: a pinned digest or a recorded validator proves them."""
-        return self.completed > 0 and (self.digest is not None or self.validator is not None)
-
-    def _resume(self) -> int:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._read_meta()
-        if self.path.exists() and self.size is not None and self.path.stat().st_size > self.size:
-            self.path.unlink()  # longer than the blob can be: not worth trusting
-        file = self._file = self.path.open("a+b")
-        file.seek(0)
-        for block in iter(lambda: file.read(CHUNK), b""):
-            self._hasher.update(block)
-        return file.tell()
-
-    def _read_meta(self) -> None:
-        try:
-            meta = json.loads(self.meta_path.read_text())
-        except (OSError, ValueError):
-            return
-        if isinstance(meta.get("validator"), str):
-            self.validator = meta["validator"]
-        if self.size is None and isinstance(meta.get("size"), int):
-            self.size = meta["size"]
-
-    def remember(self, validator: str | None, size: int | None) -> None:
-        """Record what the source said at the start of a full download, for a later resume to compare against."""
-        self.validator = validator
-        if size is not None and (self.size is None or self.digest is None):
-            self.size = size
-        with disk_full_as_error(f"pulling {self.label}", self.path.parent):
-            _atomic_write(self.meta_path, json.dumps({"validator": validator, "size": self.size}).encode())
-
-    def ensure_room(self) -> None:
-        """Refuse now, before any byte is written, when the rest of the blob cannot fit on the disk."""
-        if self.size is not None and not self.done:
-            check_free_space(self.path.parent, self.size - self.completed, f"pulling {self.label}")
-
-    def restart(self) -> None:
-        """Drop what was received (the source could not resume where we stopped, or its file changed)."""
-        assert self._file is not None
-        self._file.truncate(0)
-        self._file.seek(0)
-        self._hasher = hashlib.sha256()
-        self.completed = 0
-        self.validator = None
-        if self.digest is None:
-            self.size = None  # a URL's size is learned again from the response
-        self.meta_path.unlink(missing_ok=True)
-
-    def write(self, data: bytes) -> None:
-        assert self._file is not None, "the blob is already stored"
-        with disk_full_as_error(
-            f"pulling {self.label}", self.path.parent, self._still_needed(), written=self.completed
-        ):
-            self._file.write(data)
-        self._hasher.update(data)
-        self.completed += len(data)
-
-    def _still_needed(self) -> int | None:
-        return self.size - self.completed if self.size is not None else None
-
-    def commit(self, source: str = "") -> str:
-        """Check the bytes and move them into place; return the digest. A mismatch discards them. A blob learned
-        only now (no digest was known) is pinned until the open_partial block ends, so its manifest can be written.
-
-        Raises:
-            IntegrityError: the size or the sha256 is not the one expected (the message names `source`).
-        """
-        if self.done:
-            return self.digest or ""
-        assert self._file is not None
-        with disk_full_as_error(
-            f"pulling {self.label}", self.path.parent, self._still_needed(), written=self.completed
-        ):
-            _sync(self._file)
-        actual = f"sha256-{self._hasher.hexdigest()}"
-        problem = self._mismatch(actual)
-        if problem:
-            self.discard()
-            raise IntegrityError(
-                f"{problem}{' from ' + source if source else ''}; the download was discarded",
-                hint="pull again; if it keeps failing the source is serving other bytes",
-            )
-        self.close()
-        if self._pins is not None and self.digest is None:
-            self._pins.enter_context(file_lock(self.store._blob_lock_path(actual)))
-        if self.store.has_blob(actual) and not self.store._marked_corrupt(actual):
-            self.path.unlink()
-        else:  # new, or replacing a corrupt copy in place (models that name it are whole again)
-            os.replace(self.path, self.store.blob_path(actual))
-            self.store._mark_corrupt(actual, False)
-        self.meta_path.unlink(missing_ok=True)
-        self.done, self.digest = True, actual
-        return actual
-
-    def _mismatch(self, actual: str) -> str | None:
-        if self.size is not None and self.completed != self.size:
-            return f"received {self.completed} bytes, expected {self.size}"
-        if self.digest and actual != self.digest:
-            return f"sha256 mismatch: expected {self.digest}, got {actual}"
-        return None
-
-    def discard(self) -> None:
-        """Remove the bytes received and what was recorded about them."""
-        self.close()
-        self.path.unlink(missing_ok=True)
-        self.meta_path.unlink(missing_ok=True)
-        self.completed = 0
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -990,63 +659,14 @@ def _safe_relative(name: str) -> PurePosixPath:
     return rel
 
 
-def _hash_stream(handle: BinaryIO) -> str:
-    hasher = hashlib.sha256()
-    for block in iter(lambda: handle.read(CHUNK), b""):
-        hasher.update(block)
-    return f"sha256-{hasher.hexdigest()}"
-
-
 def _manifest_bytes(data: dict[str, Any]) -> bytes:
     return json.dumps(data, indent=1, sort_keys=True).encode("utf-8")
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    try:
-        with disk_full_as_error(f"writing {path.name}", path.parent, len(data)), temp.open("wb") as out:
-            out.write(data)
-            _sync(out)
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
-
-
-def _sync(handle: BinaryIO) -> None:
-    handle.flush()
-    os.fsync(handle.fileno())
 
 
 def _remove_empty_parents(folder: Path, *, stop: Path) -> None:
     while folder != stop and folder.is_dir() and not any(folder.iterdir()):
         folder.rmdir()
         folder = folder.parent
-
-
-def _children(folder: Path) -> list[Path]:
-    return sorted(folder.iterdir()) if folder.is_dir() else []
-
-
-def _remove(path: Path) -> int:
-    """Remove a file, a link or a folder; return the bytes it held (0 if it was gone already)."""
-    size = _size_of(path)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-    return size
-
-
-def _size_of(path: Path) -> int:
-    if path.is_dir() and not path.is_symlink():
-        return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
-    return path.lstat().st_size if path.exists() or path.is_symlink() else 0
-
-
-def _is_leftover(name: str) -> bool:
-    """A temp file of an interrupted write, or a partial download with its notes."""
-    return name.startswith(".") and ".tmp-" in name or name.endswith(("-partial", "-partial.json"))
 
 
 def _last(values: list[str]) -> str | None:

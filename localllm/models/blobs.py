@@ -1,0 +1,393 @@
+"""The store's bytes: content-addressed blobs, the downloads arriving for them, their corrupt marks and their locks.
+
+Layout under the store's root (see store.py for the manifests beside them)::
+
+    blobs/sha256-<64 hex>                        the bytes; the same bytes are stored once
+    blobs/sha256-<64 hex>-partial                a download in progress; the next pull resumes from it
+    blobs/<stem>-partial.json                     what a resumed download must match (validator, size)
+    corrupt/<digest>                              blobs `verify` found corrupt: a pull re-checks them before trusting
+    locks/writers.lock                            shared by every pull and create in progress; `prune` takes it whole
+    locks/<stem>.lock                             one per blob: one writer, and no collection while it is held
+    tmp/<random>/                                 scratch folders for work whose result becomes a blob
+
+A blob is renamed into place only after its sha256 checks, so a blob file is always whole. Removing one is the
+store's business (under its store lock, when no manifest names it); `remove_unheld` refuses blobs a writer holds."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+from ..errors import DiskFull, IntegrityError, InvalidInput
+from .diskspace import check_free_space, disk_full_as_error
+from .files import CHUNK, atomic_write, children, hash_stream, remove, sync
+from .locks import file_lock, try_file_lock
+from .names import parse_digest
+
+BLOB_NAME = re.compile(r"^sha256-[0-9a-f]{64}$")
+
+
+class Blobs:
+    def __init__(self, root: Path):
+        self.dir = root / "blobs"
+        self.locks_dir = root / "locks"
+        self.corrupt_dir = root / "corrupt"
+        self.scratch_root = root / "tmp"
+
+    # ------------------------------------------------------------------------------------------------- locks
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Held (shared) by a pull or create from its first new blob until its manifest is written, so that `prune`
+        never collects a blob that is about to be named."""
+        with file_lock(self.locks_dir / "writers.lock", shared=True):
+            yield
+
+    @contextmanager
+    def pin(self, digest: str) -> Iterator[None]:
+        """Hold one blob: a second pull of it waits here, and no collection removes it while held."""
+        with self.writing(), file_lock(self.lock_path(parse_digest(digest))):
+            yield
+
+    def lock_path(self, stem: str) -> Path:
+        return self.locks_dir / f"{stem}.lock"
+
+    def remove_locks(self) -> None:
+        """Remove every blob's lock file. Safe only while holding the writers lock whole (`prune`): every holder of
+        a blob lock holds the writers lock first."""
+        for path in children(self.locks_dir):
+            if path.suffix == ".lock" and path.name not in ("store.lock", "writers.lock"):
+                path.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------------------------------------- reading
+
+    def path(self, digest: str) -> Path:
+        return self.dir / parse_digest(digest)
+
+    def has(self, digest: str) -> bool:
+        return self.path(digest).is_file()
+
+    def has_trusted(self, digest: str, size: int | None = None) -> bool:
+        """The blob is there with the expected size, and re-hashes clean if `verify` found it corrupt before."""
+        path = self.path(digest)
+        if not path.is_file() or (size is not None and path.stat().st_size != size):
+            return False
+        if not self.marked_corrupt(digest):
+            return True
+        if self.check(digest) is not None:
+            return False
+        self.mark_corrupt(digest, False)
+        return True
+
+    def partials(self) -> list[Path]:
+        """Partial downloads kept to be resumed (a pull of the same source continues them; `prune` removes them)."""
+        return [path for path in children(self.dir) if path.name.endswith("-partial")]
+
+    # ------------------------------------------------------------------------------------------------- adding
+
+    def add_file(self, path: Path) -> str:
+        """Copy a file into the blobs (hashing as it goes) and return its digest; known bytes are not stored twice."""
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise InvalidInput(f"no file at {path}")
+        size = path.stat().st_size
+        self.dir.mkdir(parents=True, exist_ok=True)
+        check_free_space(self.dir, size, f"a copy of {path}")
+        with self.writing(), path.open("rb") as source, disk_full_as_error(f"a copy of {path}", self.dir, size):
+            return self._add_stream(source)
+
+    def add_upload(self, digest: str, source: BinaryIO) -> str:
+        """Store the bytes a client uploads under the digest it names (Ollama's POST /api/blobs/:digest).
+
+        Raises:
+            InvalidName: the digest is not one.
+            InvalidInput: the bytes have another sha256 (nothing is kept).
+        """
+        with self.open_partial(digest) as partial:
+            if partial.done:
+                return partial.digest or digest
+            partial.restart()  # an upload always starts at its first byte
+            for block in iter(lambda: source.read(CHUNK), b""):
+                partial.write(block)
+            try:
+                return partial.commit("the upload")
+            except IntegrityError as exc:
+                raise InvalidInput(
+                    f"the uploaded bytes do not match {parse_digest(digest)}: {exc.message}",
+                    hint="upload the file whose sha256 the URL names",
+                ) from None
+
+    def adopt(self, path: Path) -> str:
+        """Move a finished file (written inside the store's root, so the rename stays on one filesystem) into the
+        blobs; return its digest. Used for what we make ourselves (a quantized model), to avoid copying gigabytes."""
+        with Path(path).open("rb") as handle:
+            digest = hash_stream(handle)
+        if self.has(digest):
+            Path(path).unlink()
+        else:
+            os.replace(path, self.path(digest))
+        return digest
+
+    def scratch_dir(self) -> Path:
+        """A fresh folder under the root for work whose result becomes a blob (removed by the caller)."""
+        folder = self.scratch_root / uuid.uuid4().hex
+        folder.mkdir(parents=True)
+        return folder
+
+    def add_bytes(self, data: bytes) -> str:
+        digest = f"sha256-{hashlib.sha256(data).hexdigest()}"
+        if not self.has_trusted(digest):
+            atomic_write(self.path(digest), data)
+            self.mark_corrupt(digest, False)
+        return digest
+
+    @contextmanager
+    def open_partial(self, digest: str | None, *, key: str = "", size: int | None = None) -> Iterator[PartialBlob]:
+        """A blob being written, locked against other writers; see PartialBlob.
+
+        Args:
+            digest: the expected digest, or None when the source does not say (the bytes then name the blob).
+            key: names the partial file when the digest is unknown (e.g. the URL), so a retry resumes it.
+            size: the expected size in bytes, when known.
+        """
+        digest = parse_digest(digest) if digest is not None else None
+        stem = digest or f"download-{hashlib.sha256(key.encode()).hexdigest()[:32]}"
+        with self.writing(), file_lock(self.lock_path(stem)), ExitStack() as pins:
+            partial = PartialBlob(
+                self, digest, self.dir / f"{stem}-partial", size, pins=pins, label=key or digest or stem
+            )
+            try:
+                partial.ensure_room()
+                yield partial
+            except DiskFull:
+                partial.discard()  # never leave the disk full
+                raise
+            except BaseException:
+                if not partial.resumable:
+                    partial.discard()
+                raise
+            finally:
+                partial.close()
+                if not partial.done and partial.completed == 0:
+                    partial.discard()  # nothing received: no empty file left behind
+
+    def _add_stream(self, source: BinaryIO) -> str:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        temp = self.dir / f".tmp-{uuid.uuid4().hex}"
+        hasher = hashlib.sha256()
+        try:
+            with temp.open("wb") as out:
+                for block in iter(lambda: source.read(CHUNK), b""):
+                    hasher.update(block)
+                    out.write(block)
+                sync(out)
+            digest = f"sha256-{hasher.hexdigest()}"
+            if self.has(digest):
+                temp.unlink()
+            else:
+                os.replace(temp, self.path(digest))
+            return digest
+        finally:
+            temp.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------------------------------------- checking
+
+    def check(self, digest: str) -> str | None:
+        """None when the blob re-hashes to its digest, else what is wrong with it."""
+        path = self.path(digest)
+        if not path.is_file():
+            return f"blob {digest} is missing"
+        with path.open("rb") as handle:
+            actual = hash_stream(handle)
+        if actual != digest:
+            return f"blob {digest} is corrupt (its bytes hash to {actual})"
+        return None
+
+    def marked_corrupt(self, digest: str) -> bool:
+        return (self.corrupt_dir / parse_digest(digest)).exists()
+
+    def mark_corrupt(self, digest: str, corrupt: bool) -> None:
+        marker = self.corrupt_dir / parse_digest(digest)
+        if corrupt:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        else:
+            marker.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------------------------------------- removing
+
+    def remove_unheld(self, digest: str) -> int:
+        """Remove a blob no writer holds (and its corrupt mark); the bytes freed. Call with the store lock held."""
+        with try_file_lock(self.lock_path(digest)) as free:
+            if not free:  # a pull that holds it is about to name it; `prune` collects it later if not
+                return 0
+            freed = remove(self.path(digest))
+            self.mark_corrupt(digest, False)
+            return freed
+
+    def unneeded(self, named: set[str]) -> list[Path]:
+        """What `prune` removes here: blobs and corrupt marks no manifest names, temp files, partial downloads."""
+        found = [
+            path
+            for path in children(self.dir)
+            if is_leftover(path.name) or (BLOB_NAME.match(path.name) and path.name not in named)
+        ]
+        return found + [path for path in children(self.corrupt_dir) if path.name not in named]
+
+
+class PartialBlob:
+    """Bytes arriving for one blob. They are appended to a `-partial` file that survives a crash; `completed` says
+    where a resumed download starts. Beside it, `-partial.json` keeps what those bytes must match to be resumed:
+    the source's validator (a strong ETag or Last-Modified) and the total size. `commit()` checks size and sha256,
+    then renames the file into place."""
+
+    def __init__(
+        self,
+        blobs: Blobs,
+        digest: str | None,
+        path: Path,
+        size: int | None,
+        *,
+        pins: ExitStack | None = None,
+        label: str = "",
+    ):
+        self.blobs = blobs
+        self.digest = digest
+        self.path = path
+        self.meta_path = path.with_name(path.name + ".json")
+        self.size = size
+        self.label = label or path.name
+        self.validator: str | None = None
+        self.done = digest is not None and blobs.has_trusted(digest, size)
+        self._pins = pins
+        self._hasher = hashlib.sha256()
+        self._file: BinaryIO | None = None
+        self.completed = 0 if self.done else self._resume()
+
+    @property
+    def resumable(self) -> bool:
+        """Whether the bytes kept can be continued later: a pinned digest or a recorded validator proves them."""
+        return self.completed > 0 and (self.digest is not None or self.validator is not None)
+
+    def _resume(self) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._read_meta()
+        if self.path.exists() and self.size is not None and self.path.stat().st_size > self.size:
+            self.path.unlink()  # longer than the blob can be: not worth trusting
+        file = self._file = self.path.open("a+b")
+        file.seek(0)
+        for block in iter(lambda: file.read(CHUNK), b""):
+            self._hasher.update(block)
+        return file.tell()
+
+    def _read_meta(self) -> None:
+        try:
+            meta = json.loads(self.meta_path.read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(meta.get("validator"), str):
+            self.validator = meta["validator"]
+        if self.size is None and isinstance(meta.get("size"), int):
+            self.size = meta["size"]
+
+    def remember(self, validator: str | None, size: int | None) -> None:
+        """Record what the source said at the start of a full download, for a later resume to compare against."""
+        self.validator = validator
+        if size is not None and (self.size is None or self.digest is None):
+            self.size = size
+        with disk_full_as_error(f"pulling {self.label}", self.path.parent):
+            atomic_write(self.meta_path, json.dumps({"validator": validator, "size": self.size}).encode())
+
+    def ensure_room(self) -> None:
+        """Refuse now, before any byte is written, when the rest of the blob cannot fit on the disk."""
+        if self.size is not None and not self.done:
+            check_free_space(self.path.parent, self.size - self.completed, f"pulling {self.label}")
+
+    def restart(self) -> None:
+        """Drop what was received (the source could not resume where we stopped, or its file changed)."""
+        assert self._file is not None
+        self._file.truncate(0)
+        self._file.seek(0)
+        self._hasher = hashlib.sha256()
+        self.completed = 0
+        self.validator = None
+        if self.digest is None:
+            self.size = None  # a URL's size is learned again from the response
+        self.meta_path.unlink(missing_ok=True)
+
+    def write(self, data: bytes) -> None:
+        assert self._file is not None, "the blob is already stored"
+        with disk_full_as_error(
+            f"pulling {self.label}", self.path.parent, self._still_needed(), written=self.completed
+        ):
+            self._file.write(data)
+        self._hasher.update(data)
+        self.completed += len(data)
+
+    def _still_needed(self) -> int | None:
+        return self.size - self.completed if self.size is not None else None
+
+    def commit(self, source: str = "") -> str:
+        """Check the bytes and move them into place; return the digest. A mismatch discards them. A blob learned
+        only now (no digest was known) is pinned until the open_partial block ends, so its manifest can be written.
+
+        Raises:
+            IntegrityError: the size or the sha256 is not the one expected (the message names `source`).
+        """
+        if self.done:
+            return self.digest or ""
+        assert self._file is not None
+        with disk_full_as_error(
+            f"pulling {self.label}", self.path.parent, self._still_needed(), written=self.completed
+        ):
+            sync(self._file)
+        actual = f"sha256-{self._hasher.hexdigest()}"
+        problem = self._mismatch(actual)
+        if problem:
+            self.discard()
+            raise IntegrityError(
+                f"{problem}{' from ' + source if source else ''}; the download was discarded",
+                hint="pull again; if it keeps failing the source is serving other bytes",
+            )
+        self.close()
+        if self._pins is not None and self.digest is None:
+            self._pins.enter_context(file_lock(self.blobs.lock_path(actual)))
+        if self.blobs.has(actual) and not self.blobs.marked_corrupt(actual):
+            self.path.unlink()
+        else:  # new, or replacing a corrupt copy in place (models that name it are whole again)
+            os.replace(self.path, self.blobs.path(actual))
+            self.blobs.mark_corrupt(actual, False)
+        self.meta_path.unlink(missing_ok=True)
+        self.done, self.digest = True, actual
+        return actual
+
+    def _mismatch(self, actual: str) -> str | None:
+        if self.size is not None and self.completed != self.size:
+            return f"received {self.completed} bytes, expected {self.size}"
+        if self.digest and actual != self.digest:
+            return f"sha256 mismatch: expected {self.digest}, got {actual}"
+        return None
+
+    def discard(self) -> None:
+        """Remove the bytes received and what was recorded about them."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+        self.meta_path.unlink(missing_ok=True)
+        self.completed = 0
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def is_leftover(name: str) -> bool:
+    """A temp file of an interrupted write, or a partial download with its notes."""
+    return name.startswith(".") and ".tmp-" in name or name.endswith(("-partial", "-partial.json"))
