@@ -82,6 +82,17 @@ class CacheShape:
         return 0
 
 
+@dataclass(frozen=True)
+class LoadCheck:
+    """What a backend's check of weights before their load found on this machine, beyond "they load"."""
+
+    flash_attn: bool | None = None  # the setting measured faster, where the load leaves it open; None: not settled
+
+    def applied_to(self, load: LoadOptions) -> LoadOptions:
+        """`load` with what the check settled filled in."""
+        return load if self.flash_attn is None else load.model_copy(update={"flash_attn": self.flash_attn})
+
+
 class Sampler(Protocol):
     """A per-request sampling chain (temperature, top-k/p, min-p, penalties, seed, logit bias, grammar)."""
 
@@ -193,6 +204,11 @@ class LoadedModel(Protocol):
 
 class Backend(Protocol):
     name: str
+
+    def check(self, path: Path, options: LoadOptions, *, memory: Path) -> LoadCheck:
+        """Before a load: raise ModelFormatError for weights that would bring the process down, and measure what
+        `options` leave open. `memory` is a folder the backend may keep its findings in (once per file, not per
+        load); a path that does not exist is the load's error to give."""
 
     def load(
         self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int, adapters: Sequence[LoraAdapter] = ()

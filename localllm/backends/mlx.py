@@ -25,7 +25,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from ..api import LoadOptions, LoraAdapter, SamplingOptions
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
 from ..models.plan import Placement
-from .base import Batch, CacheShape, ModelMeta
+from .base import Batch, CacheShape, LoadCheck, ModelMeta
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,9 @@ GRAMMAR_UNSUPPORTED = "structured output (grammar / JSON schema) is not supporte
 
 class MlxBackend:
     name = "mlx"
+
+    def check(self, path: Path, options: LoadOptions, *, memory: Path) -> LoadCheck:
+        return LoadCheck()  # mlx raises Python errors for bad weights: the load itself fails cleanly
 
     def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> None:
         return None  # one device, unified memory: nothing to place

@@ -3,7 +3,7 @@ when LOCALLLM_MAX_LOADED_MODELS is reached, and reloads a model whose load optio
 
 Load options come from the model's Modelfile parameters, overridden by the request's options; `needs_reload` compares
 LoadOptions only (sampling options never cause a reload). Entries are per model (its manifest: weights, adapters,
-parameters); models over the same weights share them in memory through the backend (llama_cpp._SharedWeights), each
+parameters); models over the same weights share them in memory through the backend (LoadedModel.weights), each
 entry keeping its own context and slots."""
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from .. import api, config
-from ..backends import choose_backend, get_backend
+from ..backends import choose_backend, get_backend, load_check_memory
 from ..backends.base import LoadedModel
-from ..backends.llama_cpp.probe import LoadProbe
 from ..errors import InvalidInput, QueueFull
 from ..machine import physical_cores
 from ..models.options import bound_load, check_memory, model_facts
@@ -96,7 +95,7 @@ class Loaded:
     last_used: float = field(default_factory=time.monotonic)
     expires_at: datetime | None = None
     speculation: Speculation | None = None  # what the speculation factory built for this load, if any
-    measured_flash_attn: bool | None = None  # chosen by the flash trial (llama_cpp/flash_trial.py), open choice
+    measured_flash_attn: bool | None = None  # chosen by the backend's load check, where the load left it open
     # No name stands for these weights any more (`rm` here or in another process, or the last alias deleted): new
     # requests get 404 from the store, and it unloads when its running requests end.
     removed: bool = False
@@ -113,7 +112,7 @@ class ModelPool:
         self._lock = threading.RLock()
         self._load_lock = threading.Lock()
         self._speculation_factory = speculation_factory
-        self._probe = LoadProbe.for_store(self.store)
+        self._check_memory = load_check_memory(self.store.root)
         self._reaper = threading.Thread(target=self._reap_forever, name="localllm-keepalive", daemon=True)
         self._stopping = threading.Event()
         self._reaper.start()
@@ -178,11 +177,12 @@ class ModelPool:
         backend_name = choose_backend(load.backend, model.weights)
         check_memory(load, model_facts(model.weights, model.format), model.name)
         t0 = time.perf_counter()
-        probed = self._probe.check(model.weights, load, backend=backend_name)  # a file that aborts llama.cpp fails here
+        backend = get_backend(backend_name)
+        checked = backend.check(model.weights, load, memory=self._check_memory)
         # The entry keeps the options asked for (a request that asks the same again reuses it); the context gets
-        # the probe's findings for what was left open.
-        context_load = probed.applied_to(load)
-        loaded = get_backend(backend_name).load(
+        # the check's findings for what was left open.
+        context_load = checked.applied_to(load)
+        loaded = backend.load(
             model.weights,
             context_load,
             n_seq=load.num_parallel or 1,
@@ -223,7 +223,7 @@ class ModelPool:
             load_seconds=seconds,
             keep_alive=config.KEEP_ALIVE.get() if keep_alive is None else keep_alive,
             speculation=speculation,
-            measured_flash_attn=probed.flash_attn_for(load),
+            measured_flash_attn=checked.flash_attn,
         )
 
     def _release(self, entry: Loaded, keep_alive: float | None) -> None:

@@ -11,8 +11,8 @@ The child also runs the flash attention trial (flash_trial.py) where the choice 
 model: its finding comes back on the child's stdout, is remembered with the success, and `check` returns it.
 
 Memory: `<store root>/probes/<blob digest>` (a file path outside the store is named by its path, size and mtime),
-holding the llama.cpp and probe versions that passed and the trial. Only the llama.cpp backend is probed: MLX raises
-Python errors.
+holding the llama.cpp and probe versions that passed and the trial. This is the llama.cpp backend's load check
+(checked.py, Backend.check); MLX raises Python errors and checks nothing.
 
 Run as a module, this file is the child: `python -m localllm.backends.llama_cpp.probe WEIGHTS` with the LoadOptions
 as JSON on stdin; its exit status says how it went (EXIT_REFUSED and its neighbours below)."""
@@ -30,15 +30,11 @@ import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ... import api
 from ...errors import LocalLLMError, ModelFormatError
 from . import flash_trial
 from .flash_trial import FlashTrial
-
-if TYPE_CHECKING:
-    from ...models.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -82,18 +78,14 @@ class LoadProbe:
     def __init__(self, memory_dir: Path):
         self.memory_dir = Path(memory_dir)
 
-    @classmethod
-    def for_store(cls, store: Store) -> LoadProbe:
-        return cls(store.root / "probes")
-
-    def check(self, weights: Path, load: api.LoadOptions, *, backend: str = "llama.cpp") -> Probed:
+    def check(self, weights: Path, load: api.LoadOptions) -> Probed:
         """Return what was learned when `weights` loaded (now or before) in a child; raise ModelFormatError when the
         child died.
 
         A child that failed cleanly (a missing tensor, a context too large) is not remembered and not raised: the
         in-process load that follows fails the same way, with its own error type and status."""
         weights = Path(weights)
-        if backend != "llama.cpp" or not weights.is_file():  # a missing file is the real load's error to give
+        if not weights.is_file():  # a missing file (or an MLX folder) is the real load's error to give
             return Probed()
         entry = self.memory_dir / weights_key(weights)
         remembered = _recall(entry)
