@@ -8,9 +8,8 @@ import os
 import pytest
 
 from localllm import api
-from localllm.engine.pool import effective_load, resolve_options
 from localllm.errors import InvalidInput
-from localllm.models.options import ModelFacts, bound_load, bound_sampling
+from localllm.models.options import ModelFacts, bound_load, bound_sampling, effective_load, resolve_options
 from localllm.models.store import ResolvedModel
 
 SHORT = ModelFacts(context_length=2048, vocab_size=32000)

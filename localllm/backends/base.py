@@ -210,11 +210,10 @@ class Backend(Protocol):
         `options` leave open. `memory` is a folder the backend may keep its findings in (once per file, not per
         load); a path that does not exist is the load's error to give."""
 
-    def load(
-        self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int, adapters: Sequence[LoraAdapter] = ()
-    ) -> LoadedModel:
-        """Load the weights at `path` (a split GGUF's first part) with `adapters` applied; a backend that cannot
-        apply adapters raises InvalidInput."""
+    def load(self, path: Path, options: LoadOptions, *, adapters: Sequence[LoraAdapter] = ()) -> LoadedModel:
+        """Load the weights at `path` (a split GGUF's first part) with `adapters` applied, in num_parallel
+        sequences of num_ctx tokens (`options` have their defaults filled: models/options.context_size); a
+        backend that cannot apply adapters raises InvalidInput."""
 
-    def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> Placement | None:
+    def placement(self, path: Path, options: LoadOptions) -> Placement | None:
         """Where load() would put the layers with these options, by the devices' free memory now."""

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from ..api import LoadOptions, LoraAdapter, SamplingOptions
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
+from ..models.options import context_size
 from ..models.plan import Placement
 from .base import Batch, CacheShape, LoadCheck, ModelMeta
 
@@ -38,14 +39,13 @@ class MlxBackend:
     def check(self, path: Path, options: LoadOptions, *, memory: Path) -> LoadCheck:
         return LoadCheck()  # mlx raises Python errors for bad weights: the load itself fails cleanly
 
-    def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> None:
+    def placement(self, path: Path, options: LoadOptions) -> None:
         return None  # one device, unified memory: nothing to place
 
-    def load(
-        self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int, adapters: Sequence[LoraAdapter] = ()
-    ) -> MlxModel:
+    def load(self, path: Path, options: LoadOptions, *, adapters: Sequence[LoraAdapter] = ()) -> MlxModel:
         import mlx_lm
 
+        n_seq, n_ctx = context_size(options)
         if adapters:
             raise InvalidInput(
                 "LoRA adapters are not supported on the MLX backend yet",

@@ -27,13 +27,13 @@ from ..chat.thinking import (
     supports_thinking,
     thinking_grammar,
 )
-from ..engine.pool import Loaded, ModelPool, resolve_options
+from ..engine.pool import Loaded, ModelPool
 from ..engine.runner import EngineChunk, GenerationParams, Stream
 from ..engine.speculative.speculation import load_speculation
 from ..errors import ContextOverflow, InvalidInput
 from ..models.create import create_model
 from ..models.info import show_model
-from ..models.options import bound_sampling
+from ..models.options import bound_sampling, resolve_options
 from ..models.plan import Placement
 from ..models.pull import pull_model
 from ..models.store import ResolvedModel, Store

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from .. import api
 from ..backends import choose_backend, get_backend
+from ..models.options import effective_load
 from ..models.plan import Placement
 from ..models.store import ResolvedModel
-from .pool import effective_load
 
 
 def placement(model: ResolvedModel, load: api.LoadOptions) -> Placement | None:
     """What the loader would do now with these options: the same function, the same devices' free memory."""
     load = effective_load(load)
     backend = get_backend(choose_backend(load.backend, model.weights))
-    return backend.placement(model.weights, load, n_seq=load.num_parallel or 1, n_ctx=load.num_ctx or 0)
+    return backend.placement(model.weights, load)
 
 
 def serve_worker(host: str, port: int, *, threads: int, cache_dir: str | None) -> None:

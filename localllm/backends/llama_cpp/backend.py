@@ -25,6 +25,7 @@ import numpy as np
 from ...api import LoadOptions, LoraAdapter, SamplingOptions
 from ...errors import InvalidInput, LocalLLMError, ModelFormatError, WorkerLost
 from ...machine import physical_cores
+from ...models.options import context_size
 from ...models.plan import Placement
 from ..base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead
 from .rpc import PlacedModel, RpcGuard, place_model
@@ -105,9 +106,8 @@ def loaded_weights_users(key: WeightsKey) -> int:
 class LlamaCppBackend:
     name = "llama.cpp"
 
-    def load(
-        self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int, adapters: Sequence[LoraAdapter] = ()
-    ) -> LlamaCppModel:
+    def load(self, path: Path, options: LoadOptions, *, adapters: Sequence[LoraAdapter] = ()) -> LlamaCppModel:
+        n_seq, n_ctx = context_size(options)
         _init_backend()
         if not Path(path).is_file():
             raise ModelFormatError(f"weights file {path} does not exist")
@@ -137,7 +137,8 @@ class LlamaCppBackend:
             _WEIGHTS.release(key)
             raise
 
-    def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> Placement:
+    def placement(self, path: Path, options: LoadOptions) -> Placement:
+        n_seq, n_ctx = context_size(options)
         return place_model(path, options, n_seq=n_seq, n_ctx=n_ctx).placement
 
 

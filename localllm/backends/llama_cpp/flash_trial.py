@@ -117,9 +117,7 @@ def run_trial(weights: Path, load: api.LoadOptions) -> FlashTrial | None:
     models: dict[bool, LlamaCppModel] = {}
     try:
         for flash in (True, False):
-            models[flash] = backend.load(
-                weights, options.model_copy(update={"flash_attn": flash}), n_seq=1, n_ctx=n_ctx
-            )
+            models[flash] = backend.load(weights, options.model_copy(update={"flash_attn": flash}))
         if not _on_cpu(models[True]):
             return None
         tokens = _tokens(models[True].meta.n_vocab, MAX_DEPTH + SHORT_BATCH)

@@ -231,7 +231,7 @@ def probe_load(weights: Path, load: api.LoadOptions) -> None:
     from ..base import Batch
     from .backend import LlamaCppBackend
 
-    model = LlamaCppBackend().load(weights, load, n_seq=1, n_ctx=PROBE_CTX)
+    model = LlamaCppBackend().load(weights, load.model_copy(update={"num_ctx": PROBE_CTX, "num_parallel": 1}))
     try:
         for token in model.tokenize(PROBE_TEXT):  # a vocabulary without byte fallback aborts on unknown text
             model.token_bytes(token)
