@@ -131,11 +131,10 @@ def open_mtp_head(loaded: LoadedModel) -> MtpHead | None:
 
 
 def open_draft_model(weights: Path, load: LoadOptions, target: LoadedModel, *, name: str) -> DraftModel:
-    """Load a draft model beside `target` (`load` is the target's: same slots and context per slot), checking it
-    shares the vocabulary."""
+    """Load a draft model beside `target` (same slots and context per slot), checking it shares the vocabulary."""
     from ...backends import choose_backend, get_backend
 
-    options = load.model_copy(update={"draft": None})
+    options = load.model_copy(update={"draft": None, "num_parallel": target.n_seq, "num_ctx": target.n_ctx})
     model = get_backend(choose_backend(options.backend, weights)).load(weights, options)
     try:
         check_same_vocab(target, model, draft_name=name)
