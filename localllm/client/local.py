@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, BinaryIO, Generic, TypeVar
 
-from .. import __version__, api, config
+from .. import __version__, api
 from ..chat.structured import ForcedCallStream, grammar_for_format, parse_tool_calls, tool_choice_grammar
 from ..chat.templates import render_chat, transcript_sampling
 from ..chat.thinking import (
@@ -83,15 +83,6 @@ class RequestStream(Generic[T]):
 
     def cancel(self) -> None:
         self._token.cancel()
-
-
-def _keep_alive(value: Any) -> float | None:
-    if value is None:
-        return None
-    try:
-        return config.parse_duration(value)
-    except ValueError as exc:
-        raise InvalidInput(f"keep_alive {value!r} is not valid: {exc}") from None
 
 
 def _timing_fields(chunk: EngineChunk, load_seconds: float) -> dict[str, Any]:
@@ -163,7 +154,7 @@ class LocalClient:
             # Ollama: an empty prompt loads the model (or unloads it with keep_alive 0) and answers done.
             model = self.store.resolve(request.model)
             load, _ = resolve_options(model, request.options)
-            yield from self._load_only(model, load, _keep_alive(request.keep_alive), request.model)
+            yield from self._load_only(model, load, request.keep_alive, request.model)
             return
         yield from (chunk for _, chunk in self._generate_batch([request], token))
 
@@ -217,7 +208,7 @@ class LocalClient:
             raise InvalidInput(f"a batch of requests must name one model, not {sorted(names)}")
         model = self.store.resolve(requests[0].model)
         load, _ = resolve_options(model, requests[0].options)
-        return model, load, _keep_alive(requests[0].keep_alive)
+        return model, load, requests[0].keep_alive
 
     def _prepare_generate(
         self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest, ready: float, token: CancelToken
@@ -288,7 +279,7 @@ class LocalClient:
             load, _ = resolve_options(model, request.options)
             yield from (
                 api.ChatChunk(model=c.model, done=True, done_reason=c.done_reason)
-                for c in self._load_only(model, load, _keep_alive(request.keep_alive), request.model)
+                for c in self._load_only(model, load, request.keep_alive, request.model)
             )
             return
         yield from (chunk for _, chunk in self._chat_batch([request], token))
@@ -343,7 +334,7 @@ class LocalClient:
         model = self.store.resolve(request.model)
         load, _ = resolve_options(model, request.options)
         tools = request.tools if request.tool_choice != "none" else None
-        with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
+        with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
             tokens, _ = self._chat_prompt(loaded, model, request, tools, parse_think(request.think), [])
         return len(tokens)
 
@@ -457,7 +448,7 @@ class LocalClient:
         model = self.store.resolve(request.model)
         load, _ = resolve_options(model, request.options)
         t0 = time.perf_counter()
-        with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
+        with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
             t_loaded = time.perf_counter()
             tokenized = self._embed_inputs(loaded, request)
             vectors = loaded.engine.embed(tokenized) if tokenized else []
@@ -500,14 +491,14 @@ class LocalClient:
     def save_prompt_cache(self, request: api.ChatRequest) -> bytes:
         model = self.store.resolve(request.model)
         load, _ = resolve_options(model, request.options)
-        with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
+        with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
             text = self._render(loaded, model, _messages_with_system(model, None, request.messages))
             return loaded.engine.export_prefix(self._tokenize(loaded, text))
 
     def load_prompt_cache(self, request: api.ChatRequest, data: bytes) -> int:
         model = self.store.resolve(request.model)
         load, _ = resolve_options(model, request.options)
-        with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
+        with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
             return loaded.engine.import_prefix(data)
 
     # ----------------------------------------------------------------------------------------------- helpers
