@@ -159,6 +159,9 @@ class LoadedModel(Protocol):
     def token_bytes(self, token: int) -> bytes:
         """The raw bytes of one token (may be part of a UTF-8 character)."""
 
+    def token_text(self, token: int) -> str:
+        """The token's own text, special tokens included (for templates that write BOS/EOS themselves)."""
+
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (EOS, EOT, ...)."""
 

@@ -238,6 +238,9 @@ class MlxModel:
             self._bytes_cache[token] = piece
         return piece
 
+    def token_text(self, token: int) -> str:
+        return self.token_bytes(token).decode("utf-8", "replace")  # special tokens decode to their own text
+
     def _token_bytes(self, token: int) -> bytes:
         if token in self._special:
             return b""  # control tokens render as nothing, as llama.cpp's token_to_piece does

@@ -522,7 +522,7 @@ class LocalClient:
         extra: dict[str, Any] | None = None,
         token: CancelToken | None = None,
     ) -> str:
-        meta = loaded.engine.model.meta
+        meta = loaded.engine.meta
         return render_chat(
             _template(loaded, model, template),
             [m.model_dump(exclude_none=True) for m in messages],
@@ -535,7 +535,7 @@ class LocalClient:
 
     @staticmethod
     def _tokenize(loaded: Loaded, text: str) -> list[int]:
-        meta = loaded.engine.model.meta
+        meta = loaded.engine.meta
         bos = _token_text(loaded, meta.bos_token)
         # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
         add_special = not (bos and text.startswith(bos))
@@ -544,7 +544,7 @@ class LocalClient:
 
 def _template(loaded: Loaded, model: ResolvedModel, override: str | None = None) -> str | None:
     """The chat template a prompt is rendered with; None means the plain transcript (a base model)."""
-    return override or model.template or loaded.engine.model.meta.chat_template
+    return override or model.template or loaded.engine.meta.chat_template
 
 
 class _Answer:
@@ -605,13 +605,13 @@ class _Answer:
 
     def _matched_stop(self) -> str | None:
         # The engine hides the stop string; what the answer's tokens spell beyond the text shown begins with it.
-        spelled = b"".join(self._loaded.engine.model.token_bytes(t) for t in self._tokens).decode("utf-8", "replace")
+        spelled = b"".join(self._loaded.engine.token_bytes(t) for t in self._tokens).decode("utf-8", "replace")
         rest = spelled[len("".join(self._text)) :]
         return next((s for s in self._stops if rest.startswith(s)), None)
 
 
 def _bound_sampling(loaded: Loaded, sampling: api.SamplingOptions) -> api.SamplingOptions:
-    return bound_sampling(sampling, n_ctx=loaded.engine.n_ctx, n_vocab=loaded.engine.model.meta.n_vocab)
+    return bound_sampling(sampling, n_ctx=loaded.engine.n_ctx, n_vocab=loaded.engine.meta.n_vocab)
 
 
 def _logprobs_wanted(request: api.GenerateRequest | api.ChatRequest) -> int | None:
@@ -621,7 +621,7 @@ def _logprobs_wanted(request: api.GenerateRequest | api.ChatRequest) -> int | No
 def _logprobs(loaded: Loaded, chunk: EngineChunk) -> list[api.TokenLogprob] | None:
     if not chunk.logprobs:
         return None
-    piece = loaded.engine.model.token_bytes
+    piece = loaded.engine.token_bytes
 
     def entry(token: int, logprob: float) -> dict:
         raw = piece(token)
@@ -634,11 +634,7 @@ def _logprobs(loaded: Loaded, chunk: EngineChunk) -> list[api.TokenLogprob] | No
 
 
 def _token_text(loaded: Loaded, token: int | None) -> str:
-    if token is None:
-        return ""
-    model = loaded.engine.model
-    piece = getattr(model, "token_text", None)
-    return piece(token) if piece else model.token_bytes(token).decode("utf-8", "replace")
+    return "" if token is None else loaded.engine.token_text(token)
 
 
 def _messages_with_system(model: ResolvedModel, system: str | None, messages: list[api.Message]) -> list[api.Message]:
@@ -653,7 +649,7 @@ def _messages_with_system(model: ResolvedModel, system: str | None, messages: li
 
 def _checked_tokens(loaded: Loaded, tokens: list[int], what: str) -> list[int]:
     """Token ids from the client, checked against the vocabulary before they reach native code."""
-    n_vocab = loaded.engine.model.meta.n_vocab
+    n_vocab = loaded.engine.meta.n_vocab
     bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
     if bad is not None:
         raise InvalidInput(f"{what} holds token id {bad}, outside the model's vocabulary of {n_vocab}")
@@ -680,7 +676,7 @@ def _refuse_images(images: list[str] | None) -> None:
 
 def _process_row(entry: Loaded, sharing: list[str]) -> api.ProcessModel:
     stats = entry.engine.snapshot()
-    placement = entry.engine.model.placement
+    placement = entry.engine.placement
     model = entry.model
     return api.ProcessModel(
         name=model.name,
@@ -726,7 +722,7 @@ def _generate_sampling(loaded: Loaded, model: ResolvedModel, request: api.Genera
 
 def _gpu_layers(entry: Loaded) -> int:
     """Layers off the CPU as placed; else the num_gpu asked for (-1: the backend's "all that fit")."""
-    placement = entry.engine.model.placement
+    placement = entry.engine.placement
     if placement is None or any(s.layers == 0 for s in placement.offload):  # llama.cpp split them itself
         return entry.options.num_gpu if entry.options.num_gpu is not None else -1
     return placement.n_gpu_layers
