@@ -38,7 +38,7 @@ _init_lock = threading.Lock()
 _initialised = False
 
 
-def _init_backend() -> None:
+def init_backend() -> None:
     """llama_backend_init once per process, and route llama.cpp's chatter through Python logging."""
     global _initialised
     with _init_lock:
@@ -108,7 +108,7 @@ class LlamaCppBackend:
 
     def load(self, path: Path, options: LoadOptions, *, adapters: Sequence[LoraAdapter] = ()) -> LlamaCppModel:
         n_seq, n_ctx = context_size(options)
-        _init_backend()
+        init_backend()
         if not Path(path).is_file():
             raise ModelFormatError(f"weights file {path} does not exist")
         placed = place_model(path, options, n_seq=n_seq, n_ctx=n_ctx)
@@ -592,11 +592,10 @@ class LlamaCppSampler:
         params = llama_cpp.llama_sampler_chain_default_params()
         params.no_perf = True
         self._chain = llama_cpp.llama_sampler_chain_init(params)
-        self._penalties = None
-        for smpl in _chain_steps(model, opts, grammar):
+        # The chain owns every sampler added to it; this one is also fed the prompt's tokens (accept).
+        self._penalties = _penalties(model, opts)
+        for smpl in _chain_steps(model, opts, grammar, self._penalties):
             llama_cpp.llama_sampler_chain_add(self._chain, smpl)
-            if smpl is not None and getattr(smpl, "_is_penalties", False):
-                self._penalties = smpl
 
     def sample(self, row: int) -> int:
         return llama_cpp.llama_sampler_sample(self._chain, self._ctx, row)
@@ -604,7 +603,7 @@ class LlamaCppSampler:
     def accept(self, token: int) -> None:
         # Prompt tokens count for repetition penalties but must not advance a grammar.
         if self._penalties is not None:
-            llama_cpp.llama_sampler_accept(self._penalties.ptr, token)
+            llama_cpp.llama_sampler_accept(self._penalties, token)
 
     def close(self) -> None:
         if self._chain is not None:
@@ -676,20 +675,17 @@ def _biases(model: LlamaCppModel, opts: SamplingOptions) -> dict[int, float]:
     return biases
 
 
-class _Penalties:
-    """Marks the penalties sampler so the chain can feed it prompt tokens."""
-
-    _is_penalties = True
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-    @property
-    def _as_parameter_(self):
-        return self.ptr
+def _penalties(model: LlamaCppModel, opts: SamplingOptions) -> Any:
+    """llama.cpp's repetition penalties sampler (a llama_sampler pointer), or None where the options ask for none."""
+    if not _has_penalties(opts):
+        return None
+    last_n = model.n_ctx if opts.repeat_last_n == -1 else opts.repeat_last_n
+    return llama_cpp.llama_sampler_init_penalties(
+        model.meta.n_vocab, last_n, opts.repeat_penalty, opts.frequency_penalty, opts.presence_penalty
+    )
 
 
-def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: str | None):
+def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: str | None, penalties: Any):
     vocab = model._vocab
     wanted = _biases(model, opts)  # the same biases GreedySampler applies: one rule for both
     if wanted:
@@ -697,13 +693,8 @@ def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: str | Non
         for i, (tok, bias) in enumerate(wanted.items()):
             biases[i].token, biases[i].bias = llama_cpp.llama_token(tok), bias
         yield llama_cpp.llama_sampler_init_logit_bias(model.meta.n_vocab, len(wanted), biases)
-    if _has_penalties(opts):
-        last_n = model.n_ctx if opts.repeat_last_n == -1 else opts.repeat_last_n
-        yield _Penalties(
-            llama_cpp.llama_sampler_init_penalties(
-                model.meta.n_vocab, last_n, opts.repeat_penalty, opts.frequency_penalty, opts.presence_penalty
-            )
-        )
+    if penalties is not None:
+        yield penalties
     if grammar:
         smpl = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
         if not smpl:
