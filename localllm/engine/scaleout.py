@@ -3,7 +3,7 @@ llama.cpp's RPC server (`localllm worker`)."""
 
 from __future__ import annotations
 
-from .. import api
+from .. import api, backends
 from ..backends import choose_backend, get_backend
 from ..models.options import effective_load
 from ..models.plan import Placement
@@ -19,12 +19,8 @@ def placement(model: ResolvedModel, load: api.LoadOptions) -> Placement | None:
 
 def serve_worker(host: str, port: int, *, threads: int, cache_dir: str | None) -> None:
     """Serve this machine's devices to other localllm (or llama.cpp) processes until the process ends."""
-    from ..backends.llama_cpp import rpc
-
-    rpc.serve_worker(host, port, threads=threads, cache_dir=cache_dir)
+    backends.serve_rpc_worker(host, port, threads=threads, cache_dir=cache_dir)
 
 
 def require_rpc() -> None:
-    from ..backends.llama_cpp import rpc
-
-    rpc.require_rpc()
+    backends.require_rpc()
