@@ -4,8 +4,8 @@ llama.cpp stops the whole process on a failed GGML_ASSERT (a hyperparameter out 
 cannot take), and no Python code can catch that. So the first load of a weights file runs in a child (load, then
 one decode of a few tokens and one of a single token, the two paths a model takes): if the child dies, only that
 request fails, with the assert's own line in its error, and the server lives on. A success is remembered per blob,
-so each file pays the probe once per LOCALLLM_HOME and llama.cpp version (about a second for the catalog models;
-their weights stay in the page cache for the real load that follows).
+so each file pays the probe once per LOCALLLM_HOME and llama.cpp version (seconds for the catalog models; their
+weights stay in the page cache for the real load that follows).
 
 The child also runs the flash attention trial (flash_trial.py) where the choice is open and the CPU runs the
 model: its finding comes back on the child's stdout, is remembered with the success, and `check` returns it.
