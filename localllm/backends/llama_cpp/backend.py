@@ -257,7 +257,6 @@ def _load_weights(path: Path, options: LoadOptions, placed: PlacedModel):
 
 
 def _context_params(options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings: bool = False):
-    from ... import config
 
     params = llama_cpp.llama_context_default_params()
     # Unpinned, the engine's thread tuner sets each step's count; it starts from every physical core.
@@ -273,10 +272,12 @@ def _context_params(options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings:
     # saved state drops the masked cells (CacheShape.saved_floor).
     params.swa_full = True
     params.no_perf = True
-    kv = _KV_TYPES[options.kv_type or config.KV_CACHE_TYPE.get()]
+    # LOCALLLM_KV_CACHE_TYPE and LOCALLLM_FLASH_ATTENTION were applied by models/options.effective_load; unset here
+    # is llama.cpp's own default.
+    kv = _KV_TYPES[options.kv_type or "f16"]
     params.type_k = kv
     params.type_v = kv
-    flash = options.flash_attn if options.flash_attn is not None else config.FLASH_ATTENTION.get()
+    flash = options.flash_attn
     # A quantized V cache needs flash attention in llama.cpp; turn it on rather than fail. Unset: llama.cpp decides.
     if flash or kv != llama_cpp.GGML_TYPE_F16:
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
