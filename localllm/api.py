@@ -10,9 +10,20 @@ import difflib
 import logging
 import math
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+)
 
 from .errors import InvalidInput
 
@@ -25,6 +36,41 @@ def now() -> datetime:
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True, protected_namespaces=())
+
+
+# ---------------------------------------------------------------------------------------------------------- durations
+
+
+def _seconds(value: Any) -> Any:
+    from .config import parse_duration
+
+    return value if value is None else parse_duration(value)  # ValueError says what a duration looks like
+
+
+def _wire_seconds(seconds: float) -> float:
+    return -1 if math.isinf(seconds) else seconds  # JSON has no infinity: -1 is Ollama's "forever"
+
+
+# Ollama's api.Duration (keep_alive): a number of seconds or a Go duration string ("5m", "1h30m"), read as seconds;
+# negative (or past a hundred years) is forever (inf), 0 unloads as soon as the request ends.
+Duration = Annotated[
+    float,
+    BeforeValidator(_seconds),
+    PlainSerializer(_wire_seconds, when_used="json"),
+    WithJsonSchema(
+        {"anyOf": [{"type": "number"}, {"type": "string"}], "description": 'seconds, or "5m", "1h30m"; -1 forever'}
+    ),
+]
+_DURATION = TypeAdapter(Duration)
+
+
+def parse_keep_alive(value: str | float, *, what: str = "keep_alive") -> float:
+    """A keep_alive typed by hand (the CLI's --keepalive) as Duration reads it; InvalidInput naming `what`."""
+    try:
+        return _DURATION.validate_python(value)
+    except ValidationError as exc:
+        reason = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise InvalidInput(f"{what} {value!r} is not valid: {reason}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------- options
@@ -275,7 +321,7 @@ class _InferenceRequest(_Model):
     format: Format = None
     options: dict[str, Any] = Field(default_factory=dict)
     stream: bool = True
-    keep_alive: str | int | float | None = None
+    keep_alive: Duration | None = None
     think: bool | str | None = Field(
         None,
         description='thinking on a reasoning model: true, false, "low", '
@@ -316,7 +362,7 @@ class EmbedRequest(_Model):
     dimensions: int | None = Field(None, ge=1, description="keep the first n dimensions, re-normalized")
     truncate: bool = True
     options: dict[str, Any] = Field(default_factory=dict)
-    keep_alive: str | int | float | None = None
+    keep_alive: Duration | None = None
 
 
 class EmbedResponse(_Model):

@@ -50,8 +50,11 @@ def parse_positive_int(raw: str) -> int:
     return value
 
 
-_DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ms|s|m|h)?$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+# Go's time.ParseDuration, as Ollama reads keep_alive: "300ms", "5m", "1h30m", "-1s"; a bare number is seconds.
+_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
+_DURATION_PART = re.compile(rf"({_NUMBER})(ns|us|µs|μs|ms|s|m|h)")
+_DURATION = re.compile(rf"([-+]?)((?:{_NUMBER}(?:ns|us|µs|μs|ms|s|m|h))+|{_NUMBER})")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 # A keep_alive longer than this is forever: an expiry that far off would not fit a datetime, and nobody means it.
@@ -59,23 +62,32 @@ MAX_DURATION = 100 * 365 * 86400.0
 
 
 def parse_duration(raw: str | int | float) -> float:
-    """Ollama's keep_alive grammar: seconds as a number, or "10m", "1h", "30s"; negative means forever (inf), and so
-    does anything longer than a hundred years.
+    """Ollama's keep_alive grammar: seconds as a number, or a Go duration ("10m", "1h30m", "500ms"); negative means
+    forever (inf), and so does anything longer than a hundred years.
 
     Returns seconds; 0 means unload as soon as the request finishes."""
+    if isinstance(raw, bool):
+        raise ValueError('expected a duration such as 300, "5m", "1h30m" or -1 for forever, not true/false')
     if isinstance(raw, (int, float)):
         try:
             seconds = float(raw)
         except OverflowError:  # an integer too large for a float
             seconds = math.inf
     else:
-        match = _DURATION.match(raw.strip())
-        if not match:
-            raise ValueError('expected a duration such as 300, "5m", "1h" or -1 for forever')
-        seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+        seconds = _go_duration(raw.strip())
     if math.isnan(seconds):
         raise ValueError("expected a number of seconds, not NaN")
     return math.inf if seconds < 0 or seconds > MAX_DURATION else seconds
+
+
+def _go_duration(text: str) -> float:
+    match = _DURATION.fullmatch(text)
+    if not match:
+        raise ValueError('expected a duration such as 300, "5m", "1h30m" or -1 for forever')
+    sign, body = match.groups()
+    parts = _DURATION_PART.findall(body)
+    seconds = sum(float(n) * _UNIT_SECONDS[unit] for n, unit in parts) if parts else float(body)
+    return -seconds if sign == "-" else seconds
 
 
 def parse_host(raw: str) -> tuple[str, int]:

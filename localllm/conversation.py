@@ -103,7 +103,7 @@ class Conversation:
     options: dict[str, Any] = field(default_factory=dict)
     messages: list[api.Message] = field(default_factory=list)
     format: api.Format = None
-    keep_alive: str | int | float | None = None
+    keep_alive: float | None = None  # seconds, as api.Duration reads them
     think: bool | str | None = None  # Ollama's think: None leaves the model's default
     figures: AnswerFigures = field(default_factory=AnswerFigures)
 

@@ -58,7 +58,7 @@ def keep_openmp_barriers_spinning() -> None:
     llama.cpp's CPU threads meet at an OpenMP barrier after every operation of a step. libgomp spins there for about
     3 ms before sleeping, but only while it manages no more threads than the machine has CPUs; past that (a second
     thread that ever ran llama.cpp: another loaded model, a benchmark's raw loop) it spins 100 times and then sleeps in
-    the kernel at every barrier, and two threads decode slower than one (on 2 cores: 30 ms a step against 11 ms).
+    the kernel at every barrier, and two threads decode slower than one (docs/benchmark-notes.md has the figures).
     `active` raises that throttled spin to 1000, enough to cross a barrier awake; GOMP_SPINCOUNT keeps the 3 ms an
     idle thread spins before it sleeps, as without the policy. LLVM's OpenMP reads the policy differently (its threads
     would spin forever), so only a llama.cpp linked to libgomp gets it."""

@@ -27,7 +27,7 @@ def run_mlx_benchmarks(
         rates = {}
         for name, weights in (("llama.cpp", path), ("mlx", folder)):
             log(f"MLX: {name}")
-            model = get_backend(name).load(weights, LoadOptions(num_thread=1, num_ctx=n_ctx), n_seq=1, n_ctx=n_ctx)
+            model = get_backend(name).load(weights, LoadOptions(num_thread=1, num_ctx=n_ctx, num_parallel=1))
             engine = ModelEngine(model, max_queue=1)
             try:
                 prompt = engine.tokenize(LONG_STORY * 8)[:128]

@@ -64,7 +64,7 @@ def run_rpc_benchmarks(
     try:
         for name, rpc in (("local", ""), ("rpc", f"127.0.0.1:{port}")):
             options = LoadOptions(num_thread=threads, num_ctx=n_ctx, num_parallel=1, rpc=rpc)
-            engines[name] = ModelEngine(get_backend("llama.cpp").load(path, options, n_seq=1, n_ctx=n_ctx), max_queue=1)
+            engines[name] = ModelEngine(get_backend("llama.cpp").load(path, options), max_queue=1)
         prompt = engines["local"].tokenize(LONG_STORY)[:128]
         best = {name: 0.0 for name in engines}
         for _ in range(repeats):

@@ -78,7 +78,7 @@ class SpecEngine:
     """Our engine over one model, with the speculation the pool would give it."""
 
     def __init__(self, path: Path, *, threads: int, slots: int):
-        model = LlamaCppBackend().load(path, LoadOptions(num_thread=threads, num_ctx=N_CTX), n_seq=slots, n_ctx=N_CTX)
+        model = LlamaCppBackend().load(path, LoadOptions(num_thread=threads, num_ctx=N_CTX, num_parallel=slots))
         self.speculation = Speculation(model)
         self.engine = ModelEngine(model, max_queue=16, speculation=self.speculation)
 

@@ -33,7 +33,7 @@ GREEDY_NO_EOS = GREEDY.model_copy(update={"ignore_eos": True})
 
 def _load(path, slots: int) -> ModelEngine:
     opts = LoadOptions(num_thread=1, num_ctx=N_CTX, num_parallel=slots)
-    return ModelEngine(LlamaCppBackend().load(path, opts, n_seq=slots, n_ctx=N_CTX), max_queue=8)
+    return ModelEngine(LlamaCppBackend().load(path, opts), max_queue=8)
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
@@ -212,7 +212,7 @@ def test_truncation_reports_dropped_tokens(engine4):
 
 def test_generation_that_fills_the_slot_ends_with_length(smollm2_path):
     engine = ModelEngine(
-        LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1), n_seq=1, n_ctx=256), max_queue=1
+        LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1, num_ctx=256, num_parallel=1)), max_queue=1
     )
     try:
         prompt = engine.tokenize("Count from one to one thousand: one, two, three,")
@@ -227,7 +227,7 @@ def test_generation_that_fills_the_slot_ends_with_length(smollm2_path):
 
 def test_full_queue_is_rejected_at_once(smollm2_path):
     engine = ModelEngine(
-        LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1), n_seq=1, n_ctx=256), max_queue=1
+        LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1, num_ctx=256, num_parallel=1)), max_queue=1
     )
     try:
         prompt = engine.tokenize(PROMPTS[0])
@@ -288,7 +288,7 @@ def test_greedy_shortcut_picks_what_llama_cpps_chain_picks(model_path):
     from localllm.backends.base import Batch
     from localllm.backends.llama_cpp.backend import GreedySampler, LlamaCppSampler
 
-    model = LlamaCppBackend().load(model_path, LoadOptions(num_thread=1, num_ctx=256), n_seq=1, n_ctx=256)
+    model = LlamaCppBackend().load(model_path, LoadOptions(num_thread=1, num_ctx=256, num_parallel=1))
     try:
         tokens = model.tokenize("The capital of France is")
         batch = Batch()

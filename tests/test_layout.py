@@ -1,5 +1,6 @@
 """The package's layout is its architecture: no import cycles between modules (imports inside functions and under
-TYPE_CHECKING included), and the layers point one way (DESIGN.md §3)."""
+TYPE_CHECKING included), the layers point one way (DESIGN.md §3) and private names stay in their modules. Each rule
+is also run on a planted violation, to show it can fail."""
 
 from __future__ import annotations
 
@@ -89,15 +90,87 @@ def test_the_cycle_check_can_fail():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
 
 
-@pytest.mark.parametrize("surface", ["localllm.server", "localllm.cli", "localllm.tui"])
-def test_surfaces_never_import_a_backend(surface):
-    graph = _graph()
-    offenders = {
-        m: sorted(d for d in deps if d.startswith("localllm.backends"))
-        for m, deps in graph.items()
-        if m == surface or m.startswith(surface + ".")
+def _under(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _crossings(
+    graph: dict[str, set[str]], layer: tuple[str, ...], banned: tuple[str, ...], allowed: frozenset[str] = frozenset()
+) -> dict[str, list[str]]:
+    """The modules of `layer` that import a module of `banned` (other than those `allowed`), and what they import."""
+    found = {
+        module: sorted(d for d in deps if _under(d, banned) and d not in allowed)
+        for module, deps in graph.items()
+        if _under(module, layer)
     }
-    assert {m: d for m, d in offenders.items() if d} == {}
+    return {module: deps for module, deps in found.items() if deps}
+
+
+SURFACES = ("localllm.server", "localllm.cli", "localllm.tui")
+# The model manager, GGUF/MLX formats and chat templates sit below the engine: they serve every layer above.
+LOWER = ("localllm.models", "localllm.quant", "localllm.chat")
+ABOVE_LOWER = ("localllm.engine", "localllm.client", *SURFACES)
+# The engine reaches backends through the registry and the Protocol alone: it runs whichever backend it is given.
+ENGINE_MAY_IMPORT = frozenset({"localllm.backends", "localllm.backends.base"})
+
+
+@pytest.mark.parametrize("surface", SURFACES)
+def test_surfaces_never_import_a_backend(surface):
+    assert _crossings(_graph(), (surface,), ("localllm.backends",)) == {}
+
+
+def test_the_engine_imports_no_concrete_backend():
+    assert _crossings(_graph(), ("localllm.engine",), ("localllm.backends",), ENGINE_MAY_IMPORT) == {}
+
+
+def test_models_quant_and_chat_import_nothing_above_them():
+    assert _crossings(_graph(), LOWER, ABOVE_LOWER) == {}
+
+
+def test_each_layer_rule_can_fail():
+    planted = {
+        "localllm.server.app": {"localllm.backends.mlx"},
+        "localllm.engine.pool": {"localllm.backends", "localllm.backends.base", "localllm.backends.llama_cpp.probe"},
+        "localllm.engine.runner": {"localllm.backends.base"},
+        "localllm.models.info": {"localllm.engine.text"},
+        "localllm.quant.quantize": {"localllm.client.local"},
+        "localllm.chat.templates": {"localllm.cli.render", "localllm.models.store"},
+        "localllm.models.store": {"localllm.quant.gguf"},
+    }
+    assert _crossings(planted, SURFACES, ("localllm.backends",)) == {"localllm.server.app": ["localllm.backends.mlx"]}
+    assert _crossings(planted, ("localllm.engine",), ("localllm.backends",), ENGINE_MAY_IMPORT) == {
+        "localllm.engine.pool": ["localllm.backends.llama_cpp.probe"]
+    }
+    assert _crossings(planted, LOWER, ABOVE_LOWER) == {
+        "localllm.models.info": ["localllm.engine.text"],
+        "localllm.quant.quantize": ["localllm.client.local"],
+        "localllm.chat.templates": ["localllm.cli.render"],
+    }
+
+
+def _private_imports(sources: dict[str, str]) -> list[str]:
+    """`from localllm.x import _name` in another module of the package: a private name crossing modules."""
+    found = []
+    for name, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("localllm")):
+                found += [
+                    f"{name}: {a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+    return sorted(found)
+
+
+def test_no_private_name_crosses_modules():
+    assert _private_imports({name: path.read_text() for name, path in _modules().items()}) == []
+
+
+def test_the_private_name_check_can_fail():
+    planted = {
+        "localllm.bench.raw": "from ..backends.llama_cpp.backend import _init_backend, LlamaCppBackend",
+        "localllm.quant.quantize": "def f():\n    from .gguf import _read_header\n",
+        "localllm.backends.llama_cpp.backend": "from llama_cpp import _logger\nfrom .. import __version__",
+    }
+    assert _private_imports(planted) == ["localllm.bench.raw: _init_backend", "localllm.quant.quantize: _read_header"]
 
 
 def test_every_module_imports():

@@ -109,7 +109,7 @@ def tiny_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_folder) -> MlxModel:
-    model = MlxBackend().load(tiny_folder, LoadOptions(), n_seq=3, n_ctx=64)
+    model = MlxBackend().load(tiny_folder, LoadOptions(num_ctx=64, num_parallel=3))
     yield model
     model.close()
 
@@ -170,14 +170,14 @@ def test_meta_comes_from_config_and_tokenizer(tiny, tiny_folder):
 
 def test_missing_or_incomplete_folder_is_a_format_error(tmp_path):
     with pytest.raises(ModelFormatError, match="does not exist"):
-        MlxBackend().load(tmp_path / "nope", LoadOptions(), n_seq=1, n_ctx=16)
+        MlxBackend().load(tmp_path / "nope", LoadOptions(num_ctx=16, num_parallel=1))
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "config.json").write_text("{}")
     with pytest.raises(ModelFormatError, match=r"\*\.safetensors"):
-        MlxBackend().load(tmp_path / "half", LoadOptions(), n_seq=1, n_ctx=16)
+        MlxBackend().load(tmp_path / "half", LoadOptions(num_ctx=16, num_parallel=1))
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     with pytest.raises(ModelFormatError, match="--format mlx"):
-        MlxBackend().load(tmp_path / "m.gguf", LoadOptions(), n_seq=1, n_ctx=16)
+        MlxBackend().load(tmp_path / "m.gguf", LoadOptions(num_ctx=16, num_parallel=1))
 
 
 def test_mlx_repo_pulled_from_the_hub_loads_and_decodes(tiny_folder, tiny, monkeypatch):
@@ -195,7 +195,7 @@ def test_mlx_repo_pulled_from_the_hub_loads_and_decodes(tiny_folder, tiny, monke
     assert statuses[-1] == "success"
     stored = Store().resolve("hf.co/mlx-community/tiny-llama-mlx")
     assert stored.format == "mlx" and choose_backend("auto", stored.weights) == "mlx"
-    pulled = get_backend("mlx").load(stored.weights, LoadOptions(), n_seq=1, n_ctx=64)
+    pulled = get_backend("mlx").load(stored.weights, LoadOptions(num_ctx=64, num_parallel=1))
     try:
         tokens = tiny.tokenize("The capital of France")
         assert _greedy(pulled, tokens, 5) == _greedy(tiny, tokens, 5)
@@ -281,7 +281,7 @@ def test_a_full_context_is_an_error_not_a_wraparound(tiny):
 
 def test_decode_runs_on_another_thread_than_load(tiny_folder, tiny):
     # The engine thread decodes what the pool loaded on another thread: nothing lazy may stay tied to the loader.
-    fresh = MlxBackend().load(tiny_folder, LoadOptions(), n_seq=1, n_ctx=64)
+    fresh = MlxBackend().load(tiny_folder, LoadOptions(num_ctx=64, num_parallel=1))
     tokens = tiny.tokenize("The capital of France")
     result: dict = {}
 
@@ -438,10 +438,10 @@ def _load_pair(gguf_path: Path, mlx_folder: Path):
     from localllm.backends.llama_cpp.backend import LlamaCppBackend
 
     # One thread: llama.cpp collapses when its threads outnumber free cores on a shared machine.
-    opts = LoadOptions(num_thread=1, num_batch=128)
+    opts = LoadOptions(num_thread=1, num_batch=128, num_ctx=128, num_parallel=1)
     return (
-        LlamaCppBackend().load(gguf_path, opts, n_seq=1, n_ctx=128),
-        MlxBackend().load(mlx_folder, opts, n_seq=1, n_ctx=128),
+        LlamaCppBackend().load(gguf_path, opts),
+        MlxBackend().load(mlx_folder, opts),
     )
 
 

@@ -298,7 +298,7 @@ def vocab_size() -> int:
 
 def _incremental_logits(folder: Path, tokens: list[int]) -> np.ndarray:
     """Logits of the last token, decoded one token per step through the backend (cache, masks, positions)."""
-    model = MlxBackend().load(folder, LoadOptions(), n_seq=1, n_ctx=64)
+    model = MlxBackend().load(folder, LoadOptions(num_ctx=64, num_parallel=1))
     try:
         batch = Batch()
         for pos, tok in enumerate(tokens[:-1]):
@@ -331,7 +331,7 @@ def test_tiny_model_converts_exactly(arch, make_config, vocab_size, tmp_path):
 def test_tokenizer_and_template_come_from_metadata(vocab_size, tmp_path):
     TinyExport("llama", llama_config(vocab_size), tmp_path / "m.gguf")
     folder = convert_gguf_to_mlx(tmp_path / "m.gguf", tmp_path / "out")
-    model = MlxBackend().load(folder, LoadOptions(), n_seq=1, n_ctx=32)
+    model = MlxBackend().load(folder, LoadOptions(num_ctx=32, num_parallel=1))
     try:
         source = _train_vocab()
         for text in ("The capital of France is Paris.", "héllo wörld 🙂", "<|im_start|>user\nhi<|im_end|>"):

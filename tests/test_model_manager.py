@@ -266,17 +266,17 @@ def write_imatrix(path: Path, store: Store, model: str) -> Path:
     """An importance matrix as llama-imatrix writes it: `<tensor>.in_sum2` and `.counts` for each matrix."""
     import gguf
 
-    from localllm.quant.gguf import _read_header
+    from localllm.quant.gguf import inspect_gguf
 
     writer = gguf.GGUFWriter(str(path), "")
     writer.add_string("general.type", "imatrix")
-    header = _read_header(store.resolve(model).weights)
+    tensors = inspect_gguf(store.resolve(model).weights).tensor_sizes
     rng = np.random.default_rng(1)
-    for tensor in header.tensors:
-        if tensor.name.startswith("blk.") and tensor.name.endswith(".weight") and "norm" not in tensor.name:
-            n_in = {"ffn_down": 1536}.get(tensor.name.split(".")[2], 576)
-            writer.add_tensor(f"{tensor.name}.in_sum2", rng.uniform(1, 20, n_in).astype(np.float32))
-            writer.add_tensor(f"{tensor.name}.counts", np.array([10.0], dtype=np.float32))
+    for name in tensors:
+        if name.startswith("blk.") and name.endswith(".weight") and "norm" not in name:
+            n_in = {"ffn_down": 1536}.get(name.split(".")[2], 576)
+            writer.add_tensor(f"{name}.in_sum2", rng.uniform(1, 20, n_in).astype(np.float32))
+            writer.add_tensor(f"{name}.counts", np.array([10.0], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

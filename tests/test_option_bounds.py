@@ -3,14 +3,22 @@ the value, the bound and a remedy; defaults are clamped, so a short-context mode
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
+from pydantic import ValidationError
 
 from localllm import api
-from localllm.engine.pool import effective_load, resolve_options
 from localllm.errors import InvalidInput
-from localllm.models.options import ModelFacts, bound_load, bound_sampling
+from localllm.models.options import (
+    ModelFacts,
+    bound_load,
+    bound_sampling,
+    context_size,
+    effective_load,
+    resolve_options,
+)
 from localllm.models.store import ResolvedModel
 
 SHORT = ModelFacts(context_length=2048, vocab_size=32000)
@@ -65,3 +73,44 @@ def test_sampling_window_and_top_k_are_bounded_by_the_loaded_model():
     with pytest.raises(InvalidInput, match="top_k 40000 is over 32000"):
         bound_sampling(api.SamplingOptions(top_k=40000), n_ctx=1024, n_vocab=32000)
     assert bound_sampling(api.SamplingOptions(), n_ctx=32, n_vocab=32000).repeat_last_n == 32  # a default: clamped
+
+
+def test_defaults_are_filled_once_and_size_the_backend_s_context(monkeypatch):
+    monkeypatch.setenv("LOCALLLM_CONTEXT_LENGTH", "1536")
+    monkeypatch.setenv("LOCALLLM_NUM_PARALLEL", "3")
+    assert context_size(effective_load(api.LoadOptions())) == (3, 1536)
+    assert context_size(effective_load(api.LoadOptions(num_ctx=512, num_parallel=1))) == (1, 512)
+    with pytest.raises(ValueError, match="effective_load"):  # a backend never guesses a default of its own
+        context_size(api.LoadOptions(num_ctx=512))
+
+
+@pytest.mark.parametrize(
+    ("wire", "seconds"),
+    [
+        (0, 0.0),
+        (300, 300.0),
+        ("300", 300.0),
+        ("5m", 300.0),
+        ("1h30m", 5400.0),
+        ("500ms", 0.5),
+        (".5s", 0.5),
+        (-1, math.inf),
+        ("-1s", math.inf),
+        ("999999999h", math.inf),
+        (10**400, math.inf),
+    ],
+)
+def test_keep_alive_is_one_duration_read_as_ollama_reads_it(wire, seconds):
+    request = api.ChatRequest(model="m", keep_alive=wire)
+    assert request.keep_alive == seconds
+    # Forever goes over the wire as Ollama's -1 (JSON has no infinity) and reads back the same.
+    sent = request.model_dump(mode="json")["keep_alive"]
+    assert api.ChatRequest.model_validate({"model": "m", "keep_alive": sent}).keep_alive == seconds
+
+
+@pytest.mark.parametrize("wire", ["soon", "1h 30m", "5x", "", float("nan"), True])
+def test_a_bad_keep_alive_is_refused_naming_the_field(wire):
+    with pytest.raises(ValidationError, match="keep_alive"):
+        api.GenerateRequest(model="m", keep_alive=wire)
+    with pytest.raises(InvalidInput, match="--keepalive .* is not valid: expected"):
+        api.parse_keep_alive(wire, what="--keepalive")  # type: ignore[arg-type]

@@ -112,8 +112,8 @@ def test_our_split_points_give_llama_cpp_exactly_our_counts(counts):
 
 def test_workers_are_checked_where_they_are_named_and_count_in_the_load_identity(monkeypatch):
     from localllm import api, config
-    from localllm.engine.pool import effective_load, validate_options
     from localllm.errors import ConfigError, InvalidInput
+    from localllm.models.options import effective_load, validate_options
 
     assert (
         validate_options(api.LoadOptions, {"rpc": " 10.0.0.2:50052, [::1]:7,10.0.0.2:50052"}).rpc

@@ -29,7 +29,7 @@ def model_path(request):
 
 def _engine(path, *, slots: int = 1, digest: str = "sha256-test") -> ModelEngine:
     opts = LoadOptions(num_thread=2, num_ctx=N_CTX, num_parallel=slots)
-    model = LlamaCppBackend().load(path, opts, n_seq=slots, n_ctx=N_CTX)
+    model = LlamaCppBackend().load(path, opts)
     return ModelEngine(model, max_queue=8, prefix_cache=make_prefix_cache(model, digest))
 
 

@@ -44,7 +44,7 @@ N_PREDICT = 40
 def _engine(path: Path, *, slots: int, draft: bool = False, window=FixedWindow):
     # A fixed window drafts every step it can: the adaptive one rightly stops drafting on a busy 2-core machine,
     # which would leave the plumbing untested.
-    model = LlamaCppBackend().load(path, LoadOptions(num_ctx=512), n_seq=slots, n_ctx=512)
+    model = LlamaCppBackend().load(path, LoadOptions(num_ctx=512, num_parallel=slots))
     drafter = open_draft_model(path, LoadOptions(num_ctx=512), model, name="itself") if draft else None
     spec = Speculation(model, draft=drafter, mtp=open_mtp_head(model), window=window)
     return ModelEngine(model, max_queue=8, speculation=spec), spec
@@ -124,7 +124,7 @@ def _margin_under_grammar(engine: ModelEngine, prompt, prefix: list[int], plain:
     measured on a fresh one-slot context of the same weights (the engine's context belongs to its thread)."""
     from localllm.backends.base import Batch
 
-    model = LlamaCppBackend().load(engine.model.path, LoadOptions(num_ctx=512), n_seq=1, n_ctx=512)
+    model = LlamaCppBackend().load(engine.model.path, LoadOptions(num_ctx=512, num_parallel=1))
     probe = model.grammar_probe(grammar_for_format(prompt[1]))
     try:
         assert probe.allowed(prefix, [plain]) == 1 and probe.allowed(prefix, [spec]) == 1, (
@@ -229,7 +229,7 @@ def test_unavailable_spec_type_is_a_clear_error(smollm2_engines):
 
 @pytest.mark.models
 def test_grammar_probe_cuts_drafts_at_the_first_forbidden_token(smollm2_path):
-    model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_ctx=64), n_seq=1, n_ctx=64)
+    model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_ctx=64, num_parallel=1))
     try:
         probe = model.grammar_probe('root ::= [0-9]+ "x"')
         digits = model.tokenize("12", add_special=False) + model.tokenize("34", add_special=False)

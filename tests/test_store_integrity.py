@@ -335,7 +335,7 @@ def test_the_server_notices_a_model_removed_from_the_command_line(models_home, t
     from server_harness import private_home, serve_in_thread
 
     from localllm.client.local import LocalClient
-    from localllm.engine.pool import resolve_options
+    from localllm.models.options import resolve_options
     from localllm.server.app import create_app
 
     home = private_home(models_home, tmp_path / "home")

@@ -11,9 +11,9 @@ from .base import Backend
 
 def get_backend(name: str) -> Backend:
     if name == "llama.cpp":
-        from .llama_cpp.backend import LlamaCppBackend
+        from .llama_cpp.checked import CheckedLlamaCppBackend
 
-        return LlamaCppBackend()
+        return CheckedLlamaCppBackend()
     if name == "mlx":
         try:
             from .mlx import MlxBackend
@@ -23,6 +23,25 @@ def get_backend(name: str) -> Backend:
             ) from None
         return MlxBackend()
     raise InvalidInput(f"unknown backend {name!r}", hint="use auto, llama.cpp or mlx")
+
+
+def serve_rpc_worker(host: str, port: int, *, threads: int, cache_dir: str | None) -> None:
+    """This machine's devices for other processes' llama.cpp loads (`localllm worker`), until the process ends."""
+    from .llama_cpp import rpc
+
+    rpc.serve_worker(host, port, threads=threads, cache_dir=cache_dir)
+
+
+def require_rpc() -> None:
+    """BackendUnavailable, with the rebuild hint, where llama.cpp was built without its RPC backend."""
+    from .llama_cpp import rpc
+
+    rpc.require_rpc()
+
+
+def load_check_memory(models_root: Path) -> Path:
+    """The folder backends keep what their load checks found in (Backend.check): in the store, once per home."""
+    return models_root / "probes"
 
 
 def choose_backend(requested: str, weights: Path) -> str:

@@ -82,6 +82,17 @@ class CacheShape:
         return 0
 
 
+@dataclass(frozen=True)
+class LoadCheck:
+    """What a backend's check of weights before their load found on this machine, beyond "they load"."""
+
+    flash_attn: bool | None = None  # the setting measured faster, where the load leaves it open; None: not settled
+
+    def applied_to(self, load: LoadOptions) -> LoadOptions:
+        """`load` with what the check settled filled in."""
+        return load if self.flash_attn is None else load.model_copy(update={"flash_attn": self.flash_attn})
+
+
 class Sampler(Protocol):
     """A per-request sampling chain (temperature, top-k/p, min-p, penalties, seed, logit bias, grammar)."""
 
@@ -148,6 +159,9 @@ class LoadedModel(Protocol):
     def token_bytes(self, token: int) -> bytes:
         """The raw bytes of one token (may be part of a UTF-8 character)."""
 
+    def token_text(self, token: int) -> str:
+        """The token's own text, special tokens included (for templates that write BOS/EOS themselves)."""
+
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (EOS, EOT, ...)."""
 
@@ -194,11 +208,15 @@ class LoadedModel(Protocol):
 class Backend(Protocol):
     name: str
 
-    def load(
-        self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int, adapters: Sequence[LoraAdapter] = ()
-    ) -> LoadedModel:
-        """Load the weights at `path` (a split GGUF's first part) with `adapters` applied; a backend that cannot
-        apply adapters raises InvalidInput."""
+    def check(self, path: Path, options: LoadOptions, *, memory: Path) -> LoadCheck:
+        """Before a load: raise ModelFormatError for weights that would bring the process down, and measure what
+        `options` leave open. `memory` is a folder the backend may keep its findings in (once per file, not per
+        load); a path that does not exist is the load's error to give."""
 
-    def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> Placement | None:
+    def load(self, path: Path, options: LoadOptions, *, adapters: Sequence[LoraAdapter] = ()) -> LoadedModel:
+        """Load the weights at `path` (a split GGUF's first part) with `adapters` applied, in num_parallel
+        sequences of num_ctx tokens (`options` have their defaults filled: models/options.context_size); a
+        backend that cannot apply adapters raises InvalidInput."""
+
+    def placement(self, path: Path, options: LoadOptions) -> Placement | None:
         """Where load() would put the layers with these options, by the devices' free memory now."""

@@ -24,8 +24,9 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from ..api import LoadOptions, LoraAdapter, SamplingOptions
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
+from ..models.options import context_size
 from ..models.plan import Placement
-from .base import Batch, CacheShape, ModelMeta
+from .base import Batch, CacheShape, LoadCheck, ModelMeta
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +36,16 @@ GRAMMAR_UNSUPPORTED = "structured output (grammar / JSON schema) is not supporte
 class MlxBackend:
     name = "mlx"
 
-    def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> None:
+    def check(self, path: Path, options: LoadOptions, *, memory: Path) -> LoadCheck:
+        return LoadCheck()  # mlx raises Python errors for bad weights: the load itself fails cleanly
+
+    def placement(self, path: Path, options: LoadOptions) -> None:
         return None  # one device, unified memory: nothing to place
 
-    def load(
-        self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int, adapters: Sequence[LoraAdapter] = ()
-    ) -> MlxModel:
+    def load(self, path: Path, options: LoadOptions, *, adapters: Sequence[LoraAdapter] = ()) -> MlxModel:
         import mlx_lm
 
+        n_seq, n_ctx = context_size(options)
         if adapters:
             raise InvalidInput(
                 "LoRA adapters are not supported on the MLX backend yet",
@@ -234,6 +237,9 @@ class MlxModel:
             piece = self._token_bytes(token)
             self._bytes_cache[token] = piece
         return piece
+
+    def token_text(self, token: int) -> str:
+        return self.token_bytes(token).decode("utf-8", "replace")  # special tokens decode to their own text
 
     def _token_bytes(self, token: int) -> bytes:
         if token in self._special:

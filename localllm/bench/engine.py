@@ -87,7 +87,7 @@ class EngineRun:
 def make_engine(path: Path, *, threads: int | None, n_ctx: int, n_slots: int = 1) -> ModelEngine:
     """Our engine on `path`; `threads` pins the count, None tunes it as it runs (the server's default)."""
     opts = LoadOptions(num_thread=threads, num_ctx=n_ctx, num_parallel=n_slots)
-    model = LlamaCppBackend().load(path, opts, n_seq=n_slots, n_ctx=n_ctx)
+    model = LlamaCppBackend().load(path, opts)
     tuner = ThreadTuner(physical_cores()) if threads is None else None
     return ModelEngine(model, max_queue=16, threads=tuner, pinned_threads=threads or 0)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from ..backends.llama_cpp.backend import _init_backend
+from ..backends.llama_cpp.backend import init_backend
 
 
 class RawLoop:
@@ -18,7 +18,7 @@ class RawLoop:
     def __init__(
         self, path: Path, *, n_ctx: int, n_seq: int = 1, threads: int = 1, n_batch: int = 512, ignore_eos: bool = False
     ):
-        _init_backend()
+        init_backend()
         mparams = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         cparams = llama_cpp.llama_context_default_params()

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 @cache
 def http_client() -> httpx.Client:
     """One client for every streamed request the benchmarks time, ours and llama-server's alike. A new httpx client
-    builds an SSL context (about 18 ms here), which the top-level httpx.stream did inside every timed request; a
+    builds an SSL context (milliseconds), which the top-level httpx.stream did inside every timed request; a
     client keeps one, as IDE plugins and SDKs do. No keep-alive: each request still opens its own connection."""
     import httpx
 

@@ -89,7 +89,8 @@ def run(
     """Chat with a model, or ask it once (prompt argument or stdin).
 
     A one-shot run prints the answer alone on stdout; progress and timings go to stderr."""
-    conversation = Conversation(model, keep_alive=_keep_alive(keepalive), format=_format(format))
+    keep_alive = None if keepalive is None else api.parse_keep_alive(keepalive, what="--keepalive")
+    conversation = Conversation(model, keep_alive=keep_alive, format=_format(format))
     _set_think(conversation, think)
     text = _one_shot_prompt(prompt)
     if text is not None and not text.strip():
@@ -131,16 +132,6 @@ def _answer_once(
     sys.stdout.flush()
     if verbose and final is not None:
         print_timings(final, to=err_console)
-
-
-def _keep_alive(value: str | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        config.parse_duration(value)
-    except ValueError as exc:
-        raise InvalidInput(f"--keepalive {value!r} is not valid: {exc}") from None
-    return value
 
 
 def _set_think(conversation: Conversation, value: str | None) -> None:

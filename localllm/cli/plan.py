@@ -94,9 +94,9 @@ def plan(
 
 
 def _plan_one(model: str, overrides: dict):
-    from ..engine.pool import effective_load, resolve_options
     from ..engine.scaleout import placement as place
     from ..errors import InvalidInput
+    from ..models.options import effective_load, resolve_options
     from ..models.plan import plan_memory, weights_identity
     from ..models.store import Store
     from ..quant.gguf import inspect_gguf, inspect_lora

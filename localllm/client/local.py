@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, BinaryIO, Generic, TypeVar
 
-from .. import __version__, api, config
+from .. import __version__, api
 from ..chat.structured import ForcedCallStream, grammar_for_format, parse_tool_calls, tool_choice_grammar
 from ..chat.templates import render_chat, transcript_sampling
 from ..chat.thinking import (
@@ -27,13 +27,13 @@ from ..chat.thinking import (
     supports_thinking,
     thinking_grammar,
 )
-from ..engine.pool import Loaded, ModelPool, resolve_options
+from ..engine.pool import Loaded, ModelPool
 from ..engine.runner import EngineChunk, GenerationParams, Stream
 from ..engine.speculative.speculation import load_speculation
 from ..errors import ContextOverflow, InvalidInput
 from ..models.create import create_model
 from ..models.info import show_model
-from ..models.options import bound_sampling
+from ..models.options import bound_sampling, resolve_options
 from ..models.plan import Placement
 from ..models.pull import pull_model
 from ..models.store import ResolvedModel, Store
@@ -83,15 +83,6 @@ class RequestStream(Generic[T]):
 
     def cancel(self) -> None:
         self._token.cancel()
-
-
-def _keep_alive(value: Any) -> float | None:
-    if value is None:
-        return None
-    try:
-        return config.parse_duration(value)
-    except ValueError as exc:
-        raise InvalidInput(f"keep_alive {value!r} is not valid: {exc}") from None
 
 
 def _timing_fields(chunk: EngineChunk, load_seconds: float) -> dict[str, Any]:
@@ -163,7 +154,7 @@ class LocalClient:
             # Ollama: an empty prompt loads the model (or unloads it with keep_alive 0) and answers done.
             model = self.store.resolve(request.model)
             load, _ = resolve_options(model, request.options)
-            yield from self._load_only(model, load, _keep_alive(request.keep_alive), request.model)
+            yield from self._load_only(model, load, request.keep_alive, request.model)
             return
         yield from (chunk for _, chunk in self._generate_batch([request], token))
 
@@ -217,7 +208,7 @@ class LocalClient:
             raise InvalidInput(f"a batch of requests must name one model, not {sorted(names)}")
         model = self.store.resolve(requests[0].model)
         load, _ = resolve_options(model, requests[0].options)
-        return model, load, _keep_alive(requests[0].keep_alive)
+        return model, load, requests[0].keep_alive
 
     def _prepare_generate(
         self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest, ready: float, token: CancelToken
@@ -288,7 +279,7 @@ class LocalClient:
             load, _ = resolve_options(model, request.options)
             yield from (
                 api.ChatChunk(model=c.model, done=True, done_reason=c.done_reason)
-                for c in self._load_only(model, load, _keep_alive(request.keep_alive), request.model)
+                for c in self._load_only(model, load, request.keep_alive, request.model)
             )
             return
         yield from (chunk for _, chunk in self._chat_batch([request], token))
@@ -343,7 +334,7 @@ class LocalClient:
         model = self.store.resolve(request.model)
         load, _ = resolve_options(model, request.options)
         tools = request.tools if request.tool_choice != "none" else None
-        with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
+        with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
             tokens, _ = self._chat_prompt(loaded, model, request, tools, parse_think(request.think), [])
         return len(tokens)
 
@@ -457,7 +448,7 @@ class LocalClient:
         model = self.store.resolve(request.model)
         load, _ = resolve_options(model, request.options)
         t0 = time.perf_counter()
-        with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
+        with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
             t_loaded = time.perf_counter()
             tokenized = self._embed_inputs(loaded, request)
             vectors = loaded.engine.embed(tokenized) if tokenized else []
@@ -500,14 +491,14 @@ class LocalClient:
     def save_prompt_cache(self, request: api.ChatRequest) -> bytes:
         model = self.store.resolve(request.model)
         load, _ = resolve_options(model, request.options)
-        with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
+        with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
             text = self._render(loaded, model, _messages_with_system(model, None, request.messages))
             return loaded.engine.export_prefix(self._tokenize(loaded, text))
 
     def load_prompt_cache(self, request: api.ChatRequest, data: bytes) -> int:
         model = self.store.resolve(request.model)
         load, _ = resolve_options(model, request.options)
-        with self.pool.acquire(model, load, keep_alive=_keep_alive(request.keep_alive)) as loaded:
+        with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
             return loaded.engine.import_prefix(data)
 
     # ----------------------------------------------------------------------------------------------- helpers
@@ -531,7 +522,7 @@ class LocalClient:
         extra: dict[str, Any] | None = None,
         token: CancelToken | None = None,
     ) -> str:
-        meta = loaded.engine.model.meta
+        meta = loaded.engine.meta
         return render_chat(
             _template(loaded, model, template),
             [m.model_dump(exclude_none=True) for m in messages],
@@ -544,7 +535,7 @@ class LocalClient:
 
     @staticmethod
     def _tokenize(loaded: Loaded, text: str) -> list[int]:
-        meta = loaded.engine.model.meta
+        meta = loaded.engine.meta
         bos = _token_text(loaded, meta.bos_token)
         # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
         add_special = not (bos and text.startswith(bos))
@@ -553,7 +544,7 @@ class LocalClient:
 
 def _template(loaded: Loaded, model: ResolvedModel, override: str | None = None) -> str | None:
     """The chat template a prompt is rendered with; None means the plain transcript (a base model)."""
-    return override or model.template or loaded.engine.model.meta.chat_template
+    return override or model.template or loaded.engine.meta.chat_template
 
 
 class _Answer:
@@ -614,13 +605,13 @@ class _Answer:
 
     def _matched_stop(self) -> str | None:
         # The engine hides the stop string; what the answer's tokens spell beyond the text shown begins with it.
-        spelled = b"".join(self._loaded.engine.model.token_bytes(t) for t in self._tokens).decode("utf-8", "replace")
+        spelled = b"".join(self._loaded.engine.token_bytes(t) for t in self._tokens).decode("utf-8", "replace")
         rest = spelled[len("".join(self._text)) :]
         return next((s for s in self._stops if rest.startswith(s)), None)
 
 
 def _bound_sampling(loaded: Loaded, sampling: api.SamplingOptions) -> api.SamplingOptions:
-    return bound_sampling(sampling, n_ctx=loaded.engine.n_ctx, n_vocab=loaded.engine.model.meta.n_vocab)
+    return bound_sampling(sampling, n_ctx=loaded.engine.n_ctx, n_vocab=loaded.engine.meta.n_vocab)
 
 
 def _logprobs_wanted(request: api.GenerateRequest | api.ChatRequest) -> int | None:
@@ -630,7 +621,7 @@ def _logprobs_wanted(request: api.GenerateRequest | api.ChatRequest) -> int | No
 def _logprobs(loaded: Loaded, chunk: EngineChunk) -> list[api.TokenLogprob] | None:
     if not chunk.logprobs:
         return None
-    piece = loaded.engine.model.token_bytes
+    piece = loaded.engine.token_bytes
 
     def entry(token: int, logprob: float) -> dict:
         raw = piece(token)
@@ -643,11 +634,7 @@ def _logprobs(loaded: Loaded, chunk: EngineChunk) -> list[api.TokenLogprob] | No
 
 
 def _token_text(loaded: Loaded, token: int | None) -> str:
-    if token is None:
-        return ""
-    model = loaded.engine.model
-    piece = getattr(model, "token_text", None)
-    return piece(token) if piece else model.token_bytes(token).decode("utf-8", "replace")
+    return "" if token is None else loaded.engine.token_text(token)
 
 
 def _messages_with_system(model: ResolvedModel, system: str | None, messages: list[api.Message]) -> list[api.Message]:
@@ -662,7 +649,7 @@ def _messages_with_system(model: ResolvedModel, system: str | None, messages: li
 
 def _checked_tokens(loaded: Loaded, tokens: list[int], what: str) -> list[int]:
     """Token ids from the client, checked against the vocabulary before they reach native code."""
-    n_vocab = loaded.engine.model.meta.n_vocab
+    n_vocab = loaded.engine.meta.n_vocab
     bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
     if bad is not None:
         raise InvalidInput(f"{what} holds token id {bad}, outside the model's vocabulary of {n_vocab}")
@@ -689,7 +676,7 @@ def _refuse_images(images: list[str] | None) -> None:
 
 def _process_row(entry: Loaded, sharing: list[str]) -> api.ProcessModel:
     stats = entry.engine.snapshot()
-    placement = entry.engine.model.placement
+    placement = entry.engine.placement
     model = entry.model
     return api.ProcessModel(
         name=model.name,
@@ -735,7 +722,7 @@ def _generate_sampling(loaded: Loaded, model: ResolvedModel, request: api.Genera
 
 def _gpu_layers(entry: Loaded) -> int:
     """Layers off the CPU as placed; else the num_gpu asked for (-1: the backend's "all that fit")."""
-    placement = entry.engine.model.placement
+    placement = entry.engine.placement
     if placement is None or any(s.layers == 0 for s in placement.offload):  # llama.cpp split them itself
         return entry.options.num_gpu if entry.options.num_gpu is not None else -1
     return placement.n_gpu_layers

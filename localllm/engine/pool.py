@@ -1,10 +1,10 @@
 """The model pool: loads models on first use, keeps them for keep_alive, evicts the least recently used idle one
 when LOCALLLM_MAX_LOADED_MODELS is reached, and reloads a model whose load options change.
 
-Load options come from the model's Modelfile parameters, overridden by the request's options; `needs_reload` compares
-LoadOptions only (sampling options never cause a reload). Entries are per model (its manifest: weights, adapters,
-parameters); models over the same weights share them in memory through the backend (llama_cpp._SharedWeights), each
-entry keeping its own context and slots."""
+Load options come as models/options.resolve_options made them (the Modelfile's parameters, then the request's) and
+are completed there once (load_options); `needs_reload` compares LoadOptions only (sampling options never cause a
+reload). Entries are per model (its manifest: weights, adapters, parameters); models over the same weights share them
+in memory through the backend (LoadedModel.weights), each entry keeping its own context and slots."""
 
 from __future__ import annotations
 
@@ -15,17 +15,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
-
-from pydantic import ValidationError
 
 from .. import api, config
-from ..backends import choose_backend, get_backend
+from ..backends import choose_backend, get_backend, load_check_memory
 from ..backends.base import LoadedModel
-from ..backends.llama_cpp.probe import LoadProbe
-from ..errors import InvalidInput, QueueFull
+from ..errors import QueueFull
 from ..machine import physical_cores
-from ..models.options import bound_load, check_memory, model_facts
+from ..models.options import check_memory, effective_adapters, load_options, model_facts
 from ..models.store import ResolvedModel, Store
 from .prefix_cache import make_prefix_cache
 from .runner import ModelEngine
@@ -36,50 +32,6 @@ from .threads import ThreadTuner
 SpeculationFactory = Callable[[ResolvedModel, api.LoadOptions, LoadedModel], Speculation]
 
 log = logging.getLogger(__name__)
-
-
-def validate_options(kind: type, values: dict[str, Any]):
-    """Build LoadOptions / SamplingOptions, turning pydantic's error into one line naming the field."""
-    try:
-        return kind(**values)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise InvalidInput(f"option {where}: {err['msg']} (got {err.get('input')!r})") from None
-
-
-def resolve_options(
-    model: ResolvedModel, options: dict[str, Any] | None
-) -> tuple[api.LoadOptions, api.SamplingOptions]:
-    """Modelfile parameters, then request options on top; split by lifetime."""
-    base_load, base_sampling = api.split_options(model.parameters)
-    req_load, req_sampling = api.split_options(options)
-    load = validate_options(api.LoadOptions, {**base_load, **req_load})
-    sampling = validate_options(api.SamplingOptions, {**base_sampling, **req_sampling})
-    if load.draft is None and model.draft:
-        load = load.model_copy(update={"draft": model.draft})
-    return load, sampling
-
-
-def effective_adapters(model: ResolvedModel, load: api.LoadOptions) -> list[api.LoraAdapter]:
-    """The model's LoRA adapters at the scales this load applies: adapter_scale, when set, overrides each one's."""
-    if load.adapter_scale is None:
-        return list(model.adapters)
-    return [adapter.model_copy(update={"scale": load.adapter_scale}) for adapter in model.adapters]
-
-
-def effective_load(load: api.LoadOptions) -> api.LoadOptions:
-    """Fill unset load options from the environment, so two requests that mean the same thing compare equal."""
-    return load.model_copy(
-        update={
-            "num_ctx": load.num_ctx or config.CONTEXT_LENGTH.get(),
-            "num_parallel": load.num_parallel or config.NUM_PARALLEL.get(),
-            "num_thread": load.num_thread or config.NUM_THREAD.get(),  # None: tuned as it runs
-            "kv_type": load.kv_type or config.KV_CACHE_TYPE.get(),
-            "flash_attn": config.FLASH_ATTENTION.get() if load.flash_attn is None else load.flash_attn,
-            "rpc": ",".join(config.RPC.get()) if load.rpc is None else load.rpc,  # "" (none) stays ""
-        }
-    )
 
 
 @dataclass(eq=False)
@@ -96,7 +48,7 @@ class Loaded:
     last_used: float = field(default_factory=time.monotonic)
     expires_at: datetime | None = None
     speculation: Speculation | None = None  # what the speculation factory built for this load, if any
-    measured_flash_attn: bool | None = None  # chosen by the flash trial (llama_cpp/flash_trial.py), open choice
+    measured_flash_attn: bool | None = None  # chosen by the backend's load check, where the load left it open
     # No name stands for these weights any more (`rm` here or in another process, or the last alias deleted): new
     # requests get 404 from the store, and it unloads when its running requests end.
     removed: bool = False
@@ -113,7 +65,7 @@ class ModelPool:
         self._lock = threading.RLock()
         self._load_lock = threading.Lock()
         self._speculation_factory = speculation_factory
-        self._probe = LoadProbe.for_store(self.store)
+        self._check_memory = load_check_memory(self.store.root)
         self._reaper = threading.Thread(target=self._reap_forever, name="localllm-keepalive", daemon=True)
         self._stopping = threading.Event()
         self._reaper.start()
@@ -123,9 +75,9 @@ class ModelPool:
         self, model: ResolvedModel, load: api.LoadOptions, *, keep_alive: float | None = None
     ) -> Iterator[Loaded]:
         """Hold a loaded model for one request; keep_alive (seconds, inf forever) starts counting on release.
-        The options are checked against the model and the machine first (models/options.py)."""
-        facts = model_facts(model.weights, model.format)
-        entry = self._get_or_load(model, bound_load(effective_load(load), load.model_fields_set, facts), keep_alive)
+        `load` is what the request asked (models/options.resolve_options): its defaults are filled and it is checked
+        against the model and the machine here, once."""
+        entry = self._get_or_load(model, load_options(model, load), keep_alive)
         try:
             yield entry
         finally:
@@ -178,17 +130,12 @@ class ModelPool:
         backend_name = choose_backend(load.backend, model.weights)
         check_memory(load, model_facts(model.weights, model.format), model.name)
         t0 = time.perf_counter()
-        probed = self._probe.check(model.weights, load, backend=backend_name)  # a file that aborts llama.cpp fails here
+        backend = get_backend(backend_name)
+        checked = backend.check(model.weights, load, memory=self._check_memory)
         # The entry keeps the options asked for (a request that asks the same again reuses it); the context gets
-        # the probe's findings for what was left open.
-        context_load = probed.applied_to(load)
-        loaded = get_backend(backend_name).load(
-            model.weights,
-            context_load,
-            n_seq=load.num_parallel or 1,
-            n_ctx=load.num_ctx or config.CONTEXT_LENGTH.get(),
-            adapters=effective_adapters(model, load),
-        )
+        # the check's findings for what was left open.
+        context_load = checked.applied_to(load)
+        loaded = backend.load(model.weights, context_load, adapters=effective_adapters(model, load))
         seconds = time.perf_counter() - t0
         try:
             factory = self._speculation_factory
@@ -223,7 +170,7 @@ class ModelPool:
             load_seconds=seconds,
             keep_alive=config.KEEP_ALIVE.get() if keep_alive is None else keep_alive,
             speculation=speculation,
-            measured_flash_attn=probed.flash_attn_for(load),
+            measured_flash_attn=checked.flash_attn,
         )
 
     def _release(self, entry: Loaded, keep_alive: float | None) -> None:

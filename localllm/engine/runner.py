@@ -14,11 +14,12 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..api import SamplingOptions, Timings
-from ..backends.base import LoadedModel
+from ..backends.base import LoadedModel, ModelMeta
 from ..errors import Cancelled, ContextOverflow, InvalidInput, LocalLLMError, QueueFull
 from .cache_keeper import CacheKeeper
 from .prefix_cache import PrefixCache
@@ -26,6 +27,9 @@ from .scheduler import Request, Scheduler, Step
 from .speculative.speculation import Speculation
 from .text import TextStream
 from .threads import StepKind, ThreadTuner
+
+if TYPE_CHECKING:
+    from ..models.plan import Placement
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +225,24 @@ class ModelEngine:
         self._thread.start()
 
     # ----------------------------------------------------------------------------------------------- any thread
+
+    @property
+    def meta(self) -> ModelMeta:
+        """The loaded weights' facts (vocabulary, special tokens, chat template)."""
+        return self.model.meta
+
+    @property
+    def placement(self) -> Placement | None:
+        """Where the layers went (`ps`); None where the backend does not place them."""
+        return self.model.placement
+
+    def token_bytes(self, token: int) -> bytes:
+        """The raw bytes of one token (may be part of a UTF-8 character)."""
+        return self.model.token_bytes(token)
+
+    def token_text(self, token: int) -> str:
+        """A token's own text, special tokens included (the BOS/EOS a chat template writes)."""
+        return self.model.token_text(token)
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         if self._closed:

@@ -1,8 +1,8 @@
 """How many CPU threads each decode uses, chosen while the model runs instead of fixed at load.
 
 llama.cpp's speed against its thread count depends on the machine and on what else runs there: on an idle machine
-every physical core helps, but once another process takes a core, threads that wait for it stall every step (on two
-cores, two threads with one core busy ran at 0.24x of idle, one thread at 0.9x). So the engine measures: per kind of
+every physical core helps, but once another process takes a core, threads that wait for it stall every step, and
+fewer threads run faster (docs/benchmark-notes.md, "figures kept out of the code"). So the engine measures: per kind of
 step (decode-only, or carrying a prefill chunk), it tries each count from 1 to the physical cores in turn, keeps the
 fastest, tries them again now and then, and at once when its steps slow down. Pure bookkeeping on (threads, rows,
 seconds): the engine thread times each decode and sets the count (backends' `set_threads`)."""

@@ -1,4 +1,7 @@
-"""Bounds on load and sampling options, from the model and the machine, checked before any native call.
+"""Load and sampling options resolved once: the Modelfile's parameters, then the request's, validated, split by
+lifetime, defaults filled (here alone, from LOCALLLM_* settings) and bounded by the model and the machine.
+
+Bounds are checked before any native call.
 
 llama.cpp trusts its numbers: a repeat_last_n of 2^30 is a std::bad_alloc that aborts the process, a num_ctx of 2^30
 wraps in a 32-bit field, a context larger than memory allocates until the machine stalls. So every option that
@@ -14,17 +17,84 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..api import LoadOptions, SamplingOptions
+from pydantic import BaseModel, ValidationError
+
+from .. import config
+from ..api import LoadOptions, LoraAdapter, SamplingOptions, split_options
 from ..errors import InvalidInput, ModelFormatError
 from ..quant.gguf import GGUFInfo, inspect_gguf
 from .plan import plan_memory
+
+if TYPE_CHECKING:
+    from .store import ResolvedModel
 
 log = logging.getLogger(__name__)
 
 GIB = 2**30
 # llama.cpp's context size (all slots together) is a uint32_t.
 MAX_CONTEXT_CELLS = 2**32 - 1
+
+Options = TypeVar("Options", bound=BaseModel)
+
+
+def validate_options(kind: type[Options], values: dict[str, Any]) -> Options:
+    """Build LoadOptions / SamplingOptions, turning pydantic's error into one line naming the field."""
+    try:
+        return kind(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise InvalidInput(f"option {where}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def resolve_options(model: ResolvedModel, options: dict[str, Any] | None) -> tuple[LoadOptions, SamplingOptions]:
+    """What was asked: the Modelfile's parameters, then the request's options on top; split by lifetime. Unset load
+    options stay unset here (load_options fills them), so a reload compares what was asked."""
+    base_load, base_sampling = split_options(model.parameters)
+    req_load, req_sampling = split_options(options)
+    load = validate_options(LoadOptions, {**base_load, **req_load})
+    sampling = validate_options(SamplingOptions, {**base_sampling, **req_sampling})
+    if load.draft is None and model.draft:
+        load = load.model_copy(update={"draft": model.draft})
+    return load, sampling
+
+
+def effective_load(load: LoadOptions) -> LoadOptions:
+    """Fill unset load options from the environment, so two requests that mean the same thing compare equal: the
+    one place their defaults are filled."""
+    return load.model_copy(
+        update={
+            "num_ctx": load.num_ctx or config.CONTEXT_LENGTH.get(),
+            "num_parallel": load.num_parallel or config.NUM_PARALLEL.get(),
+            "num_thread": load.num_thread or config.NUM_THREAD.get(),  # None: tuned as it runs
+            "kv_type": load.kv_type or config.KV_CACHE_TYPE.get(),
+            "flash_attn": config.FLASH_ATTENTION.get() if load.flash_attn is None else load.flash_attn,
+            "rpc": ",".join(config.RPC.get()) if load.rpc is None else load.rpc,  # "" (none) stays ""
+        }
+    )
+
+
+def load_options(model: ResolvedModel, load: LoadOptions) -> LoadOptions:
+    """The options `model` loads with: `load` (as resolve_options made it) with its defaults filled and checked
+    against the model and the machine."""
+    return bound_load(effective_load(load), load.model_fields_set, model_facts(model.weights, model.format))
+
+
+def context_size(load: LoadOptions) -> tuple[int, int]:
+    """(slots, tokens per slot) of options whose defaults are filled (effective_load): what a backend sizes its
+    context by."""
+    if load.num_parallel is None or load.num_ctx is None:
+        raise ValueError("num_ctx and num_parallel are unset: fill them first (models/options.effective_load)")
+    return load.num_parallel, load.num_ctx
+
+
+def effective_adapters(model: ResolvedModel, load: LoadOptions) -> list[LoraAdapter]:
+    """The model's LoRA adapters at the scales this load applies: adapter_scale, when set, overrides each one's."""
+    if load.adapter_scale is None:
+        return list(model.adapters)
+    return [adapter.model_copy(update={"scale": load.adapter_scale}) for adapter in model.adapters]
 
 
 @dataclass(frozen=True)
@@ -63,7 +133,7 @@ def _refuse_or_clamp(name: str, value: int, bound: int, explicit: bool, why: str
 
 
 def bound_load(load: LoadOptions, explicit: set[str], facts: ModelFacts) -> LoadOptions:
-    """Check `load` (effective values: pool.effective_load filled the unset ones) against the model and the
+    """Check `load` (effective values: effective_load filled the unset ones) against the model and the
     machine. `explicit` names the options the request or Modelfile set; the others are clamped, not refused."""
     cores = os.cpu_count() or 1
     threads = load.num_thread  # None: the engine tunes the count as it runs

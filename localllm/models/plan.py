@@ -56,7 +56,7 @@ class MemoryPlan:
 
 
 def plan_memory(info: GGUFInfo, load: LoadOptions, *, adapters: int = 0) -> MemoryPlan:
-    """`load` must carry effective values (engine/pool.effective_load fills them from the environment); `adapters`
+    """`load` must carry effective values (models/options.effective_load fills them from the environment); `adapters`
     is the bytes of the LoRA adapters' tensors (gguf.inspect_lora)."""
     n_ctx, slots, kv_type = load.num_ctx or 0, load.num_parallel or 1, load.kv_type or "f16"
     per_layer = kv_elements_by_layer(info)

@@ -258,9 +258,9 @@ def quantize_file(
     """Run llama_model_quantize in this process (the worker), emitting progress by source bytes."""
     import llama_cpp
 
-    from .gguf import _read_header, split_parts
+    from .gguf import inspect_gguf
 
-    sizes = {t.name: t.nbytes for part in split_parts(source) for t in _read_header(part).tensors}
+    sizes = inspect_gguf(source).tensor_sizes  # every part's, for a split source
     log = _QuantizeLog(sizes, emit)
     global _log_callback  # llama.cpp keeps the pointer: the ctypes object must outlive this call
     _log_callback = llama_cpp.llama_log_callback(log)

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from .. import api, config
+from .. import api
 from ..models.info import require_tools
 from .chunk_stream import ChunkStream
 from .responses import client_gone, merge_chat, merge_generate, ndjson_response
@@ -27,14 +27,9 @@ def json_of(value: BaseModel) -> JSONResponse:
     return JSONResponse(value.model_dump(mode="json", exclude_none=True, by_alias=True))
 
 
-def asks_unload(keep_alive: Any) -> bool:
+def asks_unload(keep_alive: float | None) -> bool:
     """Ollama: a request with nothing to generate and keep_alive 0 unloads the model without loading it."""
-    if keep_alive is None:
-        return False
-    try:
-        return config.parse_duration(keep_alive) == 0
-    except ValueError:
-        return False  # the client reports the bad value with its field name
+    return keep_alive == 0
 
 
 # ---------------------------------------------------------------------------------------------------------- models
@@ -179,7 +174,7 @@ class LegacyEmbeddingsRequest(BaseModel):
     model: str
     prompt: str
     options: dict[str, Any] | None = None
-    keep_alive: str | int | float | None = None
+    keep_alive: api.Duration | None = None
 
 
 @router.post("/api/embeddings")

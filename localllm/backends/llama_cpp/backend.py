@@ -25,6 +25,7 @@ import numpy as np
 from ...api import LoadOptions, LoraAdapter, SamplingOptions
 from ...errors import InvalidInput, LocalLLMError, ModelFormatError, WorkerLost
 from ...machine import physical_cores
+from ...models.options import context_size
 from ...models.plan import Placement
 from ..base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead
 from .rpc import PlacedModel, RpcGuard, place_model
@@ -37,7 +38,7 @@ _init_lock = threading.Lock()
 _initialised = False
 
 
-def _init_backend() -> None:
+def init_backend() -> None:
     """llama_backend_init once per process, and route llama.cpp's chatter through Python logging."""
     global _initialised
     with _init_lock:
@@ -105,10 +106,9 @@ def loaded_weights_users(key: WeightsKey) -> int:
 class LlamaCppBackend:
     name = "llama.cpp"
 
-    def load(
-        self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int, adapters: Sequence[LoraAdapter] = ()
-    ) -> LlamaCppModel:
-        _init_backend()
+    def load(self, path: Path, options: LoadOptions, *, adapters: Sequence[LoraAdapter] = ()) -> LlamaCppModel:
+        n_seq, n_ctx = context_size(options)
+        init_backend()
         if not Path(path).is_file():
             raise ModelFormatError(f"weights file {path} does not exist")
         placed = place_model(path, options, n_seq=n_seq, n_ctx=n_ctx)
@@ -137,7 +137,8 @@ class LlamaCppBackend:
             _WEIGHTS.release(key)
             raise
 
-    def placement(self, path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> Placement:
+    def placement(self, path: Path, options: LoadOptions) -> Placement:
+        n_seq, n_ctx = context_size(options)
         return place_model(path, options, n_seq=n_seq, n_ctx=n_ctx).placement
 
 
@@ -256,7 +257,6 @@ def _load_weights(path: Path, options: LoadOptions, placed: PlacedModel):
 
 
 def _context_params(options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings: bool = False):
-    from ... import config
 
     params = llama_cpp.llama_context_default_params()
     # Unpinned, the engine's thread tuner sets each step's count; it starts from every physical core.
@@ -272,10 +272,12 @@ def _context_params(options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings:
     # saved state drops the masked cells (CacheShape.saved_floor).
     params.swa_full = True
     params.no_perf = True
-    kv = _KV_TYPES[options.kv_type or config.KV_CACHE_TYPE.get()]
+    # LOCALLLM_KV_CACHE_TYPE and LOCALLLM_FLASH_ATTENTION were applied by models/options.effective_load; unset here
+    # is llama.cpp's own default.
+    kv = _KV_TYPES[options.kv_type or "f16"]
     params.type_k = kv
     params.type_v = kv
-    flash = options.flash_attn if options.flash_attn is not None else config.FLASH_ATTENTION.get()
+    flash = options.flash_attn
     # A quantized V cache needs flash attention in llama.cpp; turn it on rather than fail. Unset: llama.cpp decides.
     if flash or kv != llama_cpp.GGML_TYPE_F16:
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -591,11 +593,10 @@ class LlamaCppSampler:
         params = llama_cpp.llama_sampler_chain_default_params()
         params.no_perf = True
         self._chain = llama_cpp.llama_sampler_chain_init(params)
-        self._penalties = None
-        for smpl in _chain_steps(model, opts, grammar):
+        # The chain owns every sampler added to it; this one is also fed the prompt's tokens (accept).
+        self._penalties = _penalties(model, opts)
+        for smpl in _chain_steps(model, opts, grammar, self._penalties):
             llama_cpp.llama_sampler_chain_add(self._chain, smpl)
-            if smpl is not None and getattr(smpl, "_is_penalties", False):
-                self._penalties = smpl
 
     def sample(self, row: int) -> int:
         return llama_cpp.llama_sampler_sample(self._chain, self._ctx, row)
@@ -603,7 +604,7 @@ class LlamaCppSampler:
     def accept(self, token: int) -> None:
         # Prompt tokens count for repetition penalties but must not advance a grammar.
         if self._penalties is not None:
-            llama_cpp.llama_sampler_accept(self._penalties.ptr, token)
+            llama_cpp.llama_sampler_accept(self._penalties, token)
 
     def close(self) -> None:
         if self._chain is not None:
@@ -675,20 +676,17 @@ def _biases(model: LlamaCppModel, opts: SamplingOptions) -> dict[int, float]:
     return biases
 
 
-class _Penalties:
-    """Marks the penalties sampler so the chain can feed it prompt tokens."""
-
-    _is_penalties = True
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-    @property
-    def _as_parameter_(self):
-        return self.ptr
+def _penalties(model: LlamaCppModel, opts: SamplingOptions) -> Any:
+    """llama.cpp's repetition penalties sampler (a llama_sampler pointer), or None where the options ask for none."""
+    if not _has_penalties(opts):
+        return None
+    last_n = model.n_ctx if opts.repeat_last_n == -1 else opts.repeat_last_n
+    return llama_cpp.llama_sampler_init_penalties(
+        model.meta.n_vocab, last_n, opts.repeat_penalty, opts.frequency_penalty, opts.presence_penalty
+    )
 
 
-def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: str | None):
+def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: str | None, penalties: Any):
     vocab = model._vocab
     wanted = _biases(model, opts)  # the same biases GreedySampler applies: one rule for both
     if wanted:
@@ -696,13 +694,8 @@ def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: str | Non
         for i, (tok, bias) in enumerate(wanted.items()):
             biases[i].token, biases[i].bias = llama_cpp.llama_token(tok), bias
         yield llama_cpp.llama_sampler_init_logit_bias(model.meta.n_vocab, len(wanted), biases)
-    if _has_penalties(opts):
-        last_n = model.n_ctx if opts.repeat_last_n == -1 else opts.repeat_last_n
-        yield _Penalties(
-            llama_cpp.llama_sampler_init_penalties(
-                model.meta.n_vocab, last_n, opts.repeat_penalty, opts.frequency_penalty, opts.presence_penalty
-            )
-        )
+    if penalties is not None:
+        yield penalties
     if grammar:
         smpl = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
         if not smpl:

@@ -1,10 +1,11 @@
 """Flash attention on a CPU: measured once per model and machine, in the load probe's child (probe.py).
 
 llama.cpp's default ("auto") turns flash attention on wherever the device has the kernel, CPUs included. On a CPU
-that is not always faster: for smollm2 (head size 64) a 16-token batch after 1,000 cached tokens takes 3x as long
-with it (206 ms against 69 ms on 2 cores), a decode step 1.6x, while gemma3 (head size 256) is level or better with
-it. Which one wins depends on the model's shapes and the CPU, so the child times both at a depth it can afford, and
-the pool turns it off for that model when off is clearly faster (docs/benchmark-notes.md, "flash attention").
+that is not always faster: for a model with small heads (smollm2's 64) short batches and decode steps deep in the
+context are much slower with it, while one with large heads (gemma3's 256) is level or better with it. Which one wins
+depends on the model's shapes and the CPU, so the child times both at a depth it can afford, and the pool turns it
+off for that model when off is clearly faster (docs/benchmark-notes.md, "flash attention" and "figures kept out of
+the code").
 
 The trial fills a context of each kind to `depth` tokens, then alternates the two for a few rounds of the steps a
 conversation spends its time in after the first turn: a short batch (a returning turn's new tokens) and a single
@@ -117,9 +118,7 @@ def run_trial(weights: Path, load: api.LoadOptions) -> FlashTrial | None:
     models: dict[bool, LlamaCppModel] = {}
     try:
         for flash in (True, False):
-            models[flash] = backend.load(
-                weights, options.model_copy(update={"flash_attn": flash}), n_seq=1, n_ctx=n_ctx
-            )
+            models[flash] = backend.load(weights, options.model_copy(update={"flash_attn": flash}))
         if not _on_cpu(models[True]):
             return None
         tokens = _tokens(models[True].meta.n_vocab, MAX_DEPTH + SHORT_BATCH)

@@ -4,15 +4,15 @@ llama.cpp stops the whole process on a failed GGML_ASSERT (a hyperparameter out 
 cannot take), and no Python code can catch that. So the first load of a weights file runs in a child (load, then
 one decode of a few tokens and one of a single token, the two paths a model takes): if the child dies, only that
 request fails, with the assert's own line in its error, and the server lives on. A success is remembered per blob,
-so each file pays the probe once per LOCALLLM_HOME and llama.cpp version (about a second for the catalog models;
-their weights stay in the page cache for the real load that follows).
+so each file pays the probe once per LOCALLLM_HOME and llama.cpp version (seconds for the catalog models; their
+weights stay in the page cache for the real load that follows).
 
 The child also runs the flash attention trial (flash_trial.py) where the choice is open and the CPU runs the
 model: its finding comes back on the child's stdout, is remembered with the success, and `check` returns it.
 
 Memory: `<store root>/probes/<blob digest>` (a file path outside the store is named by its path, size and mtime),
-holding the llama.cpp and probe versions that passed and the trial. Only the llama.cpp backend is probed: MLX raises
-Python errors.
+holding the llama.cpp and probe versions that passed and the trial. This is the llama.cpp backend's load check
+(checked.py, Backend.check); MLX raises Python errors and checks nothing.
 
 Run as a module, this file is the child: `python -m localllm.backends.llama_cpp.probe WEIGHTS` with the LoadOptions
 as JSON on stdin; its exit status says how it went (EXIT_REFUSED and its neighbours below)."""
@@ -30,15 +30,11 @@ import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ... import api
 from ...errors import LocalLLMError, ModelFormatError
 from . import flash_trial
 from .flash_trial import FlashTrial
-
-if TYPE_CHECKING:
-    from ...models.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -82,18 +78,14 @@ class LoadProbe:
     def __init__(self, memory_dir: Path):
         self.memory_dir = Path(memory_dir)
 
-    @classmethod
-    def for_store(cls, store: Store) -> LoadProbe:
-        return cls(store.root / "probes")
-
-    def check(self, weights: Path, load: api.LoadOptions, *, backend: str = "llama.cpp") -> Probed:
+    def check(self, weights: Path, load: api.LoadOptions) -> Probed:
         """Return what was learned when `weights` loaded (now or before) in a child; raise ModelFormatError when the
         child died.
 
         A child that failed cleanly (a missing tensor, a context too large) is not remembered and not raised: the
         in-process load that follows fails the same way, with its own error type and status."""
         weights = Path(weights)
-        if backend != "llama.cpp" or not weights.is_file():  # a missing file is the real load's error to give
+        if not weights.is_file():  # a missing file (or an MLX folder) is the real load's error to give
             return Probed()
         entry = self.memory_dir / weights_key(weights)
         remembered = _recall(entry)
@@ -239,7 +231,7 @@ def probe_load(weights: Path, load: api.LoadOptions) -> None:
     from ..base import Batch
     from .backend import LlamaCppBackend
 
-    model = LlamaCppBackend().load(weights, load, n_seq=1, n_ctx=PROBE_CTX)
+    model = LlamaCppBackend().load(weights, load.model_copy(update={"num_ctx": PROBE_CTX, "num_parallel": 1}))
     try:
         for token in model.tokenize(PROBE_TEXT):  # a vocabulary without byte fallback aborts on unknown text
             model.token_bytes(token)

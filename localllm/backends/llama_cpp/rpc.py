@@ -278,9 +278,8 @@ class PlacedModel:
 def rpc_endpoints(options: LoadOptions) -> list[str]:
     from ... import config
 
-    if options.rpc is None:
-        return config.RPC.get()
-    return config.parse_endpoints(options.rpc)
+    # None: no workers (LOCALLLM_RPC was applied by models/options.effective_load).
+    return config.parse_endpoints(options.rpc) if options.rpc else []
 
 
 def place_model(path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> PlacedModel:

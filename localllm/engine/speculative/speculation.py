@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 from ...api import LoadOptions, SamplingOptions
 from ...backends.base import Batch, MtpHead
-from ...backends.llama_cpp.probe import LoadProbe
 from ...errors import InvalidInput, LocalLLMError
 from .drafters import Drafter, DraftModel, GrammarCheckedDrafter, NgramDrafter, SourceDrafter, check_same_vocab
 from .policy import DraftWindow, StepCost
@@ -112,12 +111,13 @@ def load_speculation(store: Store, model: ResolvedModel, load: LoadOptions, load
     """The pool's drafter factory: called once per model load, on the loading thread, before the engine starts."""
     draft = None
     if load.draft:
-        from ...backends import choose_backend
+        from ...backends import choose_backend, get_backend, load_check_memory
 
         weights = store.resolve(load.draft).weights
         # A draft that would abort llama.cpp fails this load alone; it gets its own flash attention finding.
-        probed = LoadProbe.for_store(store).check(weights, load, backend=choose_backend(load.backend, weights))
-        draft = open_draft_model(weights, probed.applied_to(load), loaded, name=load.draft)
+        backend = get_backend(choose_backend(load.backend, weights))
+        checked = backend.check(weights, load, memory=load_check_memory(store.root))
+        draft = open_draft_model(weights, checked.applied_to(load), loaded, name=load.draft)
     return Speculation(loaded, draft=draft, mtp=open_mtp_head(loaded))
 
 
@@ -134,10 +134,8 @@ def open_draft_model(weights: Path, load: LoadOptions, target: LoadedModel, *, n
     """Load a draft model beside `target` (same slots and context per slot), checking it shares the vocabulary."""
     from ...backends import choose_backend, get_backend
 
-    options = load.model_copy(update={"draft": None})
-    model = get_backend(choose_backend(options.backend, weights)).load(
-        weights, options, n_seq=target.n_seq, n_ctx=target.n_ctx
-    )
+    options = load.model_copy(update={"draft": None, "num_parallel": target.n_seq, "num_ctx": target.n_ctx})
+    model = get_backend(choose_backend(options.backend, weights)).load(weights, options)
     try:
         check_same_vocab(target, model, draft_name=name)
     except BaseException:

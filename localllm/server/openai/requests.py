@@ -41,7 +41,7 @@ class _Sampling(_Wire):
     n: int = Field(1, ge=1, le=128, description="choices per prompt")
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token (llama.cpp extension)")
-    keep_alive: str | int | float | None = Field(None, description="Ollama's keep_alive (extension)")
+    keep_alive: api.Duration | None = Field(None, description="Ollama's keep_alive (extension)")
 
     @property
     def include_usage(self) -> bool:

@@ -49,7 +49,7 @@ class ResponsesRequest(_Wire):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool = True
-    keep_alive: str | int | float | None = Field(None, description="Ollama's keep_alive (extension)")
+    keep_alive: api.Duration | None = Field(None, description="Ollama's keep_alive (extension)")
 
 
 # ---------------------------------------------------------------------------------------------------------- request

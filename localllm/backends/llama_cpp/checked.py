@@ -1,0 +1,20 @@
+"""The llama.cpp backend as the registry hands it out: the backend with its load check.
+
+The check is the load probe (probe.py) with its flash attention trial (flash_trial.py). Both load weights through
+the plain backend in a child process, so the check sits above backend.py rather than in it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...api import LoadOptions
+from ..base import LoadCheck
+from .backend import LlamaCppBackend
+from .probe import LoadProbe
+
+
+class CheckedLlamaCppBackend(LlamaCppBackend):
+    def check(self, path: Path, options: LoadOptions, *, memory: Path) -> LoadCheck:
+        """A file that aborts llama.cpp fails here, in the probe's child, once per file and llama.cpp version."""
+        probed = LoadProbe(memory).check(path, options)
+        return LoadCheck(flash_attn=probed.flash_attn_for(options))
