@@ -68,6 +68,12 @@ class NetworkError(LocalLLMError):
     status_code = 502
 
 
+class NotStoredOffline(NetworkError):
+    """A name the store lacks while offline mode forbids pulling it: absent here (404), no network fault."""
+
+    status_code = 404
+
+
 class DiskFull(LocalLLMError):
     """Not enough free space for a download or a write; the message says what, how much and where."""
 

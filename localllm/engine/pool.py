@@ -23,7 +23,7 @@ from .. import api, config
 from ..backends import choose_backend, get_backend
 from ..backends.base import LoadedModel
 from ..backends.llama_cpp.probe import LoadProbe
-from ..errors import InvalidInput, QueueFull
+from ..errors import InvalidInput, ModelFormatError, ModelNotFound, QueueFull
 from ..machine import physical_cores
 from ..models.options import bound_load, check_memory, model_facts
 from ..models.store import ResolvedModel, Store
@@ -124,8 +124,17 @@ class ModelPool:
     ) -> Iterator[Loaded]:
         """Hold a loaded model for one request; keep_alive (seconds, inf forever) starts counting on release.
         The options are checked against the model and the machine first (models/options.py)."""
-        facts = model_facts(model.weights, model.format)
-        entry = self._get_or_load(model, bound_load(effective_load(load), load.model_fields_set, facts), keep_alive)
+        try:
+            facts = model_facts(model.weights, model.format)
+            entry = self._get_or_load(model, bound_load(effective_load(load), load.model_fields_set, facts), keep_alive)
+        except ModelFormatError:
+            if model.weights.exists():
+                raise
+            # `cp` or `create` over the name (or `rm`) collected the blob this request resolved: no internal path
+            raise ModelNotFound(
+                f"{model.name} was replaced or removed while this request waited for it to load",
+                hint="send the request again: the name now stands for what replaced it",
+            ) from None
         try:
             yield entry
         finally:
@@ -178,7 +187,8 @@ class ModelPool:
         backend_name = choose_backend(load.backend, model.weights)
         check_memory(load, model_facts(model.weights, model.format), model.name)
         t0 = time.perf_counter()
-        probed = self._probe.check(model.weights, load, backend=backend_name)  # a file that aborts llama.cpp fails here
+        # a file (or an adapter on it) that aborts llama.cpp fails here
+        probed = self._probe.check(model.weights, load, backend=backend_name, adapters=effective_adapters(model, load))
         # The entry keeps the options asked for (a request that asks the same again reuses it); the context gets
         # the probe's findings for what was left open.
         context_load = probed.applied_to(load)

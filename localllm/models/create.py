@@ -293,8 +293,9 @@ def _adapter_file(path: str, digest: str, store: Store, base: Path) -> Path:
 
 
 def _store_adapter(path: str, file: Path, scale: float, store: Store, parent: _Parent) -> tuple[str, float]:
-    """Check the adapter fits the parent's architecture, then store it; (digest, scale) for the manifest."""
-    from ..quant.gguf import inspect_lora
+    """Check the adapter fits the parent's architecture and every tensor shape, then store it; (digest, scale) for
+    the manifest."""
+    from ..quant.gguf import check_lora_fits, inspect_gguf, inspect_lora
 
     lora = inspect_lora(file)
     family = parent.model.details.family
@@ -303,6 +304,7 @@ def _store_adapter(path: str, file: Path, scale: float, store: Store, parent: _P
             f"adapter {path!r} is for {lora.architecture or 'an unknown architecture'}, but {parent.label} is {family}",
             hint="use an adapter trained on this base model",
         )
+    check_lora_fits(lora, inspect_gguf(parent.model.weights), parent.label)
     return store.add_blob_from_file(file), scale
 
 

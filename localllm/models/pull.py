@@ -32,7 +32,15 @@ from typing import Protocol
 from urllib.parse import unquote, urlparse
 
 from .. import api, config
-from ..errors import IntegrityError, InvalidName, LocalLLMError, ModelFormatError, ModelNotFound, NetworkError
+from ..errors import (
+    IntegrityError,
+    InvalidName,
+    LocalLLMError,
+    ModelFormatError,
+    ModelNotFound,
+    NetworkError,
+    NotStoredOffline,
+)
 from .catalog import CatalogEntry, Mirror, WheelMember, WheelMembers, did_you_mean, find_entry
 from .diskspace import size_text
 from .names import ModelRef, parse_ref
@@ -696,7 +704,7 @@ def _bytes_progress(partial: PartialBlob) -> api.PullProgress:
 
 def _require_online(what: str) -> None:
     if config.OFFLINE.get():
-        raise NetworkError(
+        raise NotStoredOffline(
             f"{what} is not in the store and LOCALLLM_OFFLINE is set, so it cannot be pulled",
             hint="unset LOCALLLM_OFFLINE (and HF_HUB_OFFLINE) to download it",
         )
