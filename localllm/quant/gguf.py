@@ -34,6 +34,10 @@ MAX_ARRAY_ITEMS = 64
 # model (vocabularies reach 262,144 tokens, headers a few hundred keys and some thousands of tensors): a crafted
 # header cannot make inspection run for minutes or fill memory.
 MAX_STRING_ITEMS = 1 << 22
+# An array decoded whole (`show --verbose`) becomes Python objects of 30 to 60 bytes per item: a count the file's
+# bytes allow (a flipped bit in a 100 MB file allows 25 million) would build gigabytes. Four times the largest
+# vocabulary or merge table.
+MAX_WHOLE_ITEMS = 1 << 20
 MAX_KV = 1 << 16
 MAX_TENSORS = 1 << 18
 # The smallest encodings: a tensor info is name length (8) + n_dims (4) + type (4) + offset (8); a key/value pair is
@@ -226,6 +230,8 @@ def _read_array(cursor: _Cursor, key: str, *, whole: bool = False) -> tuple[list
             count * (8 if item_type == _V.STRING else struct.calcsize(_SCALAR_FORMATS[item_type])),
             f"{count} items of {key!r}",
         )
+        if count > MAX_WHOLE_ITEMS:
+            raise cursor.fail(f"{key!r} holds {count} items; localllm decodes at most {MAX_WHOLE_ITEMS}")
     if item_type != _V.STRING and count <= LLAMA_MAX_LAYERS:
         return _read_numbers(cursor, item_type, count, key), summary
     if count > MAX_ARRAY_ITEMS and not whole:
