@@ -143,6 +143,8 @@ class ServerConflict(LocalLLMError):
 
 
 class WorkerLost(LocalLLMError):
-    """An RPC worker (`localllm worker`) cannot be reached, or went away while a model used it."""
+    """An RPC worker (`localllm worker`) cannot be reached, does not answer, or went away while a model used it:
+    503 while it is gone (the next request after it is back loads the model with it again)."""
 
-    status_code = 502
+    status_code = 503
+    retry_after = 5
