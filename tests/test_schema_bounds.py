@@ -52,6 +52,10 @@ def deep_properties(depth: int) -> dict[str, Any]:
         ({"type": "string", "maxLength": -1}, "non-negative integer"),
         ({"type": "string", "maxLength": 1.5}, "non-negative integer"),
         ({"type": "string", "pattern": "^a{5000}$"}, "pattern repeats {5000}"),
+        # llama.cpp's parser counts max - min unsigned: min above max never ended
+        ({"type": "array", "minItems": 5, "maxItems": 3}, "minItems 5 is more than maxItems 3"),
+        ({"type": "string", "minLength": 2, "maxLength": 1}, "minLength 2 is more than maxLength 1"),
+        ({"type": "string", "pattern": "^a{5,3}$"}, "its minimum is more than its maximum"),
         ({"enum": list(range(1001))}, "enum has 1001 values"),
         ({"type": "object", "properties": {f"p{i}": {} for i in range(1001)}}, "1001 properties"),
         (deep_properties(40), "nests deeper than 32"),

@@ -92,6 +92,10 @@ def _check_keywords(node: dict[str, Any], where: str) -> None:
     for key in REPEAT_KEYS:
         if key in node:
             _check_count(node[key], f"{where}.{key}")
+    for low, high in zip(REPEAT_KEYS[::2], REPEAT_KEYS[1::2], strict=True):
+        # llama.cpp's parser counts max - min repetitions unsigned: min above max would never end
+        if low in node and high in node and node[low] > node[high]:
+            raise InvalidInput(f"{where}.{low} {node[low]} is more than {high} {node[high]}")
     enum = node.get("enum")
     if isinstance(enum, list) and len(enum) > MAX_ENUM:
         raise InvalidInput(f"{where}.enum has {len(enum)} values, over the bound of {MAX_ENUM}", hint=_HINT)
@@ -103,6 +107,9 @@ def _check_keywords(node: dict[str, Any], where: str) -> None:
     pattern = node.get("pattern")
     if isinstance(pattern, str):
         for match in _QUANTIFIER.finditer(pattern):
+            low, high = match.groups()
+            if low and high and int(low) > int(high):
+                raise InvalidInput(f"{where}.pattern repeats {match.group(0)}: its minimum is more than its maximum")
             for number in match.groups():
                 if number and int(number) > MAX_REPEAT:
                     raise InvalidInput(
