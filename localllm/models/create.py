@@ -298,13 +298,13 @@ def _store_adapter(path: str, file: Path, scale: float, store: Store, parent: _P
     from ..quant.gguf import check_lora_fits, inspect_gguf, inspect_lora
 
     lora = inspect_lora(file)
+    check_lora_fits(lora, inspect_gguf(parent.model.weights), parent.label)
     family = parent.model.details.family
     if family and lora.architecture != family:
         raise InvalidInput(
             f"adapter {path!r} is for {lora.architecture or 'an unknown architecture'}, but {parent.label} is {family}",
             hint="use an adapter trained on this base model",
         )
-    check_lora_fits(lora, inspect_gguf(parent.model.weights), parent.label)
     return store.add_blob_from_file(file), scale
 
 

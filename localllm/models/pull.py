@@ -32,15 +32,7 @@ from typing import Protocol
 from urllib.parse import unquote, urlparse
 
 from .. import api, config
-from ..errors import (
-    IntegrityError,
-    InvalidName,
-    LocalLLMError,
-    ModelFormatError,
-    ModelNotFound,
-    NetworkError,
-    NotStoredOffline,
-)
+from ..errors import IntegrityError, InvalidName, LocalLLMError, ModelFormatError, ModelNotFound, NetworkError
 from .catalog import CatalogEntry, Mirror, WheelMember, WheelMembers, did_you_mean, find_entry
 from .diskspace import size_text
 from .names import ModelRef, parse_ref
@@ -703,6 +695,8 @@ def _bytes_progress(partial: PartialBlob) -> api.PullProgress:
 
 
 def _require_online(what: str) -> None:
+    from ..errors import NotStoredOffline  # 404: absent here, not a network fault
+
     if config.OFFLINE.get():
         raise NotStoredOffline(
             f"{what} is not in the store and LOCALLLM_OFFLINE is set, so it cannot be pulled",
