@@ -77,12 +77,12 @@ def create_with(store: Store, name: str, adapter: Path) -> None:
 @pytest.mark.parametrize("pairs, named", BAD.values(), ids=BAD.keys())
 def test_create_refuses_an_adapter_that_does_not_fit_the_base(store, tmp_path, pairs, named):
     adapter = write_adapter(tmp_path / "bad.gguf", pairs)
-    blobs = set(store.blobs_dir.iterdir())
+    blobs = set((store.root / "blobs").iterdir())
     with pytest.raises(ModelFormatError) as refused:
         create_with(store, "smol-bad", adapter)
     assert refused.value.status_code == 400 and named in str(refused.value), refused.value
     assert "does not fit smol" in str(refused.value)
-    assert set(store.blobs_dir.iterdir()) == blobs and not store.exists("smol-bad")
+    assert set((store.root / "blobs").iterdir()) == blobs and not store.exists("smol-bad")
 
 
 def test_create_takes_an_adapter_that_fits(store, tmp_path):
