@@ -227,6 +227,12 @@ RPC = Setting(
     lambda raw: parse_endpoints(raw),
     lambda: [],
 )
+RPC_TIMEOUT = Setting(
+    "LOCALLLM_RPC_TIMEOUT",
+    "seconds an RPC worker may take to answer one call (a decode step; a load gets this plus its transfer time)",
+    lambda raw: float(_bounded_int(raw, 1, 3600)),
+    lambda: 60.0,
+)
 LOG_LEVEL = Setting(
     "LOCALLLM_LOG_LEVEL",
     "server log level: debug, info, warning, error",
@@ -278,6 +284,7 @@ ALL: tuple[Setting, ...] = (
     OFFLINE,
     MAX_BODY,
     RPC,
+    RPC_TIMEOUT,
     LOG_LEVEL,
     CACHE_RAM,
     CACHE_DISK,

@@ -68,6 +68,12 @@ class NetworkError(LocalLLMError):
     status_code = 502
 
 
+class NotStoredOffline(NetworkError):
+    """A name the store lacks while offline mode forbids pulling it: absent here (404), no network fault."""
+
+    status_code = 404
+
+
 class DiskFull(LocalLLMError):
     """Not enough free space for a download or a write; the message says what, how much and where."""
 
@@ -137,6 +143,8 @@ class ServerConflict(LocalLLMError):
 
 
 class WorkerLost(LocalLLMError):
-    """An RPC worker (`localllm worker`) cannot be reached, or went away while a model used it."""
+    """An RPC worker (`localllm worker`) cannot be reached, does not answer, or went away while a model used it:
+    503 while it is gone (the next request after it is back loads the model with it again)."""
 
-    status_code = 502
+    status_code = 503
+    retry_after = 5

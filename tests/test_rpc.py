@@ -156,7 +156,76 @@ def test_a_worker_that_goes_away_mid_answer_ends_that_request_and_the_server_liv
             timeout=60,
             json={"model": "smollm2:135m", "prompt": PROMPT, "stream": False, "options": GREEDY},
         )
-        assert again.status_code == 502 and f"127.0.0.1:{worker_port}" in again.json()["error"]
+        # A fast 503 naming the worker while it is gone...
+        assert again.status_code == 503 and f"127.0.0.1:{worker_port}" in again.json()["error"]
+        assert again.headers["retry-after"]
+        # ...and once it is back, the model loads with it again (it used to need a restart of this server).
+        with started(["worker", "--port", str(worker_port), "--threads", "1"], env, worker_port, tmp_path / "w2.log"):
+            assert len(_generate(url)) > 0
+            ps = httpx.get(f"{url}/api/ps").json()["models"][0]
+            assert any(p["device"].startswith("RPC") for p in ps["placement"]), ps["placement"]
+        assert "Accepted client connection" in (tmp_path / "w2.log").read_text()
+
+
+def test_a_worker_that_accepts_and_never_answers_is_a_fast_503(home, tmp_path):
+    server_port = free_port()
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog), never reads or replies
+    worker = f"127.0.0.1:{listener.getsockname()[1]}"
+    env = _child_env(home, LOCALLLM_HOST=f"127.0.0.1:{server_port}")
+    try:
+        with started(["serve"], env, server_port, tmp_path / "server.log") as server:
+            url = f"http://127.0.0.1:{server_port}"
+            reply = httpx.post(
+                f"{url}/api/generate",
+                timeout=120,  # it hung past 150 s before
+                json={"model": "smollm2:135m", "prompt": "Hi", "stream": False, "options": {**GREEDY, "rpc": worker}},
+            )
+            assert reply.status_code == 503, reply.text
+            assert f"RPC worker at {worker} accepted a connection but did not answer" in reply.json()["error"]
+            assert len(_generate(url, rpc="")) > 0 and server.poll() is None
+    finally:
+        listener.close()
+
+
+def test_a_worker_that_stalls_mid_answer_fails_that_request_within_the_deadline(home, tmp_path):
+    """A worker stopped (SIGSTOP) mid-answer: llama.cpp's client would wait on it for good; the guard's deadline
+    ends that request with a 503-class error, the server answers from this machine, and a worker started again at
+    the address takes the model's layers again."""
+    worker_port, server_port = free_port(), free_port()
+    env = _child_env(
+        home,
+        LOCALLLM_HOST=f"127.0.0.1:{server_port}",
+        LOCALLLM_RPC=f"127.0.0.1:{worker_port}",
+        LOCALLLM_RPC_TIMEOUT="10",
+    )
+    with started(["serve"], env, server_port, tmp_path / "server.log") as server:
+        url = f"http://127.0.0.1:{server_port}"
+        worker_args = ["worker", "--port", str(worker_port), "--threads", "1"]
+        with started(worker_args, env, worker_port, tmp_path / "worker.log") as worker:
+            body = {
+                "model": "smollm2:135m",
+                "prompt": PROMPT,
+                "stream": True,
+                "options": {**GREEDY, "num_predict": 400, "ignore_eos": True},
+            }
+            lines = []
+            with httpx.stream("POST", f"{url}/api/generate", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    lines.append(json.loads(line))
+                    if len(lines) == 3:
+                        worker.send_signal(signal.SIGSTOP)
+            assert f"RPC worker at 127.0.0.1:{worker_port}" in lines[-1].get("error", ""), lines[-1]
+            assert "did not answer within 10 s" in lines[-1]["error"]
+            assert len(_generate(url, rpc="")) > 0 and server.poll() is None
+            stalled = httpx.post(
+                f"{url}/api/generate",
+                timeout=60,
+                json={"model": "smollm2:135m", "prompt": "Hi", "stream": False, "options": GREEDY},
+            )
+            assert stalled.status_code == 503, stalled.text
+            worker.kill()  # a stopped process still dies of SIGKILL
+        with started(worker_args, env, worker_port, tmp_path / "worker2.log"):
+            assert len(_generate(url)) > 0
 
 
 def test_an_unreachable_worker_is_one_clear_error(home, tmp_path):
@@ -171,7 +240,7 @@ def test_an_unreachable_worker_is_one_clear_error(home, tmp_path):
             timeout=60,
             json={"model": "smollm2:135m", "prompt": "Hi", "stream": False, "options": options},
         )
-        assert response.status_code == 502
+        assert response.status_code == 503
         assert f"cannot reach the RPC worker at 127.0.0.1:{port}" in response.json()["error"]
         bad = httpx.post(
             f"{url}/api/generate",

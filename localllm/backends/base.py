@@ -208,10 +208,12 @@ class LoadedModel(Protocol):
 class Backend(Protocol):
     name: str
 
-    def check(self, path: Path, options: LoadOptions, *, memory: Path) -> LoadCheck:
-        """Before a load: raise ModelFormatError for weights that would bring the process down, and measure what
-        `options` leave open. `memory` is a folder the backend may keep its findings in (once per file, not per
-        load); a path that does not exist is the load's error to give."""
+    def check(
+        self, path: Path, options: LoadOptions, *, memory: Path, adapters: Sequence[LoraAdapter] = ()
+    ) -> LoadCheck:
+        """Before a load: raise ModelFormatError for weights (or weights with `adapters` applied) that would bring the
+        process down, and measure what `options` leave open. `memory` is a folder the backend may keep its findings
+        in (once per file, not per load); a path that does not exist is the load's error to give."""
 
     def load(self, path: Path, options: LoadOptions, *, adapters: Sequence[LoraAdapter] = ()) -> LoadedModel:
         """Load the weights at `path` (a split GGUF's first part) with `adapters` applied, in num_parallel

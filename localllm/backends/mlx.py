@@ -36,7 +36,9 @@ GRAMMAR_UNSUPPORTED = "structured output (grammar / JSON schema) is not supporte
 class MlxBackend:
     name = "mlx"
 
-    def check(self, path: Path, options: LoadOptions, *, memory: Path) -> LoadCheck:
+    def check(
+        self, path: Path, options: LoadOptions, *, memory: Path, adapters: Sequence[LoraAdapter] = ()
+    ) -> LoadCheck:
         return LoadCheck()  # mlx raises Python errors for bad weights: the load itself fails cleanly
 
     def placement(self, path: Path, options: LoadOptions) -> None:

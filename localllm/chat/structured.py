@@ -1,7 +1,7 @@
 """Structured output and tool calls: grammars that constrain sampling, and parsing of the tool calls models emit.
 
 `format` ("json" or a JSON schema) and forced tool calls become GBNF grammars for llama.cpp's grammar sampler, so the
-output is valid by construction. JSON schema to GBNF is llama-cpp-python's converter (the one llama.cpp ships)."""
+output is valid by construction. JSON schema to GBNF is schema_grammar's: llama.cpp's converter, bounded."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from ..api import Format, Tool, ToolCall, ToolCallDelta, ToolCallFunction
 from ..errors import InvalidInput
+from .schema_grammar import check_schema, schema_grammar
 
 
 def grammar_for_format(fmt: Format) -> str | None:
@@ -23,17 +24,8 @@ def grammar_for_format(fmt: Format) -> str | None:
 
         return JSON_GBNF
     if isinstance(fmt, dict):
-        return schema_grammar(fmt)
+        return schema_grammar(fmt, "format")
     raise InvalidInput(f"format {fmt!r} is not valid", hint='use "json" or a JSON schema object')
-
-
-def schema_grammar(schema: dict[str, Any]) -> str:
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
-    try:
-        return json_schema_to_gbnf(json.dumps(schema))
-    except Exception as exc:  # the converter raises bare exceptions on schemas it cannot express
-        raise InvalidInput(f"the JSON schema cannot be turned into a grammar: {exc}") from None
 
 
 def tool_call_schema(tools: list[Tool], *, name: str | None = None) -> dict[str, Any]:
@@ -56,7 +48,11 @@ def tool_call_schema(tools: list[Tool], *, name: str | None = None) -> dict[str,
 
 
 def tool_choice_grammar(tools: list[Tool] | None, tool_choice: Any) -> str | None:
-    """A grammar forcing a tool call when tool_choice is "required" or names a function; else None."""
+    """A grammar forcing a tool call when tool_choice is "required" or names a function; else None. Every tool's
+    parameters are held to the schema bounds, forced or not, so a request's fate does not hang on tool_choice."""
+    for tool in tools or []:
+        if tool.function.parameters:
+            check_schema(tool.function.parameters, f"tool {tool.function.name} parameters")
     if not tools or tool_choice in (None, "auto", "none"):
         return None
     if tool_choice == "required":

@@ -19,7 +19,7 @@ from datetime import datetime, timedelta, timezone
 from .. import api, config
 from ..backends import choose_backend, get_backend, load_check_memory
 from ..backends.base import LoadedModel
-from ..errors import QueueFull
+from ..errors import ModelFormatError, ModelNotFound, QueueFull
 from ..machine import physical_cores
 from ..models.options import check_memory, effective_adapters, load_options, model_facts
 from ..models.store import ResolvedModel, Store
@@ -75,9 +75,17 @@ class ModelPool:
         self, model: ResolvedModel, load: api.LoadOptions, *, keep_alive: float | None = None
     ) -> Iterator[Loaded]:
         """Hold a loaded model for one request; keep_alive (seconds, inf forever) starts counting on release.
-        `load` is what the request asked (models/options.resolve_options): its defaults are filled and it is checked
-        against the model and the machine here, once."""
-        entry = self._get_or_load(model, load_options(model, load), keep_alive)
+        The options are checked against the model and the machine first (models/options.py)."""
+        try:
+            entry = self._get_or_load(model, load_options(model, load), keep_alive)
+        except ModelFormatError:
+            if model.weights.exists():
+                raise
+            # `cp` or `create` over the name (or `rm`) collected the blob this request resolved: no internal path
+            raise ModelNotFound(
+                f"{model.name} was replaced or removed while this request waited for it to load",
+                hint="send the request again: the name now stands for what replaced it",
+            ) from None
         try:
             yield entry
         finally:
@@ -131,7 +139,9 @@ class ModelPool:
         check_memory(load, model_facts(model.weights, model.format), model.name)
         t0 = time.perf_counter()
         backend = get_backend(backend_name)
-        checked = backend.check(model.weights, load, memory=self._check_memory)
+        adapters = effective_adapters(model, load)
+        # a file (or an adapter on it) that aborts llama.cpp fails here
+        checked = backend.check(model.weights, load, memory=self._check_memory, adapters=adapters)
         # The entry keeps the options asked for (a request that asks the same again reuses it); the context gets
         # the check's findings for what was left open.
         context_load = checked.applied_to(load)

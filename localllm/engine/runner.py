@@ -20,7 +20,7 @@ import numpy as np
 
 from ..api import SamplingOptions, Timings
 from ..backends.base import LoadedModel, ModelMeta
-from ..errors import Cancelled, ContextOverflow, InvalidInput, LocalLLMError, QueueFull
+from ..errors import Cancelled, ContextOverflow, InvalidInput, LocalLLMError, QueueFull, WorkerLost
 from .cache_keeper import CacheKeeper
 from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler, Step
@@ -338,6 +338,7 @@ class ModelEngine:
     # ----------------------------------------------------------------------------------------------- engine thread
 
     def _run(self) -> None:
+        lost = False
         try:
             while self._serve_inbox(block=self._scheduler.idle):
                 self._propose_drafts()
@@ -345,13 +346,18 @@ class ModelEngine:
                 self._report(step.finished)
                 if step.batch.tokens or step.cache_ops:
                     self._run_step(step)
+        except WorkerLost as exc:
+            lost = True
+            log.error("engine stopped: %s", exc)
+            self._fail_all(exc)
         except BaseException as exc:  # the thread must never die silently: fail everything in flight
             log.exception("engine thread failed")
             self._fail_all(exc if isinstance(exc, LocalLLMError) else LocalLLMError(f"engine failed: {exc}"))
         finally:
             self._closed = True  # new requests get Cancelled, not a queue nobody reads (the pool then reloads)
             self._fail_all(Cancelled("the model was unloaded"))
-            self._keeper.keep_on_disk()
+            if not lost:  # a lost worker's cache would be read through its dead connection, which never returns
+                self._keeper.keep_on_disk()
             if self.speculation is not None:
                 self.speculation.close()
             self.model.close()
@@ -446,6 +452,8 @@ class ModelEngine:
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             self.model.decode(step.batch)
+        except WorkerLost:
+            raise  # the model is abandoned: the engine ends, and the pool loads it again for the next request
         except LocalLLMError as exc:
             for work in step.work:
                 self._scheduler.finish(work.request, "error")

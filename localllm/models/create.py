@@ -293,10 +293,12 @@ def _adapter_file(path: str, digest: str, store: Store, base: Path) -> Path:
 
 
 def _store_adapter(path: str, file: Path, scale: float, store: Store, parent: _Parent) -> tuple[str, float]:
-    """Check the adapter fits the parent's architecture, then store it; (digest, scale) for the manifest."""
-    from ..quant.gguf import inspect_lora
+    """Check the adapter fits the parent's architecture and every tensor shape, then store it; (digest, scale) for
+    the manifest."""
+    from ..quant.gguf import check_lora_fits, inspect_gguf, inspect_lora
 
     lora = inspect_lora(file)
+    check_lora_fits(lora, inspect_gguf(parent.model.weights), parent.label)
     family = parent.model.details.family
     if family and lora.architecture != family:
         raise InvalidInput(

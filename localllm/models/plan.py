@@ -137,6 +137,12 @@ def kv_elements_by_layer(info: GGUFInfo) -> list[int]:
         raise ModelFormatError(
             f"{info.path} lacks the attention metadata a memory plan needs ({arch}.block_count / attention.head_count)"
         )
+    if max(heads) <= 0 or min(kv_heads) < 0:  # hybrid models may have layers without attention, not all of them
+        raise ModelFormatError(
+            f"{info.path.name} has {arch}.attention.head_count {max(heads)} (head_count_kv {min(kv_heads)}): "
+            "a model needs attention heads",
+            hint="the file is damaged or was written wrong; convert the model again",
+        )
     key_len = meta.get(f"{arch}.attention.key_length") or info.embedding_length // max(heads)
     value_len = meta.get(f"{arch}.attention.value_length") or key_len
     return [kv * (key_len + value_len) for kv in kv_heads]

@@ -697,8 +697,10 @@ def _bytes_progress(partial: PartialBlob) -> api.PullProgress:
 
 
 def _require_online(what: str) -> None:
+    from ..errors import NotStoredOffline  # 404: absent here, not a network fault
+
     if config.OFFLINE.get():
-        raise NetworkError(
+        raise NotStoredOffline(
             f"{what} is not in the store and LOCALLLM_OFFLINE is set, so it cannot be pulled",
             hint="unset LOCALLLM_OFFLINE (and HF_HUB_OFFLINE) to download it",
         )

@@ -34,6 +34,10 @@ MAX_ARRAY_ITEMS = 64
 # model (vocabularies reach 262,144 tokens, headers a few hundred keys and some thousands of tensors): a crafted
 # header cannot make inspection run for minutes or fill memory.
 MAX_STRING_ITEMS = 1 << 22
+# An array decoded whole (`show --verbose`) becomes Python objects of 30 to 60 bytes per item: a count the file's
+# bytes allow (a flipped bit in a 100 MB file allows 25 million) would build gigabytes. Four times the largest
+# vocabulary or merge table.
+MAX_WHOLE_ITEMS = 1 << 20
 MAX_KV = 1 << 16
 MAX_TENSORS = 1 << 18
 # The smallest encodings: a tensor info is name length (8) + n_dims (4) + type (4) + offset (8); a key/value pair is
@@ -92,6 +96,7 @@ class GGUFInfo:
     metadata: dict[str, Any] = field(repr=False)  # scalars and short arrays; long arrays are in `arrays`
     arrays: dict[str, tuple[str, int]] = field(repr=False)  # every array key -> (item type, length)
     tensor_sizes: dict[str, int] = field(default_factory=dict, repr=False)  # tensor name -> bytes (layer placement)
+    tensor_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # ggml order: ne[0] first
 
     @property
     def quantization_level(self) -> str:
@@ -225,6 +230,8 @@ def _read_array(cursor: _Cursor, key: str, *, whole: bool = False) -> tuple[list
             count * (8 if item_type == _V.STRING else struct.calcsize(_SCALAR_FORMATS[item_type])),
             f"{count} items of {key!r}",
         )
+        if count > MAX_WHOLE_ITEMS:
+            raise cursor.fail(f"{key!r} holds {count} items; localllm decodes at most {MAX_WHOLE_ITEMS}")
     if item_type != _V.STRING and count <= LLAMA_MAX_LAYERS:
         return _read_numbers(cursor, item_type, count, key), summary
     if count > MAX_ARRAY_ITEMS and not whole:
@@ -239,6 +246,7 @@ class _Tensor(NamedTuple):
     elements: int
     nbytes: int
     offset: int  # from the start of the data section
+    shape: tuple[int, ...] = ()  # ggml order: ne[0] (the row length) first
 
 
 @dataclass
@@ -317,7 +325,7 @@ def _read_tensor_info(cursor: _Cursor, index: int) -> _Tensor:
     block, type_size = gguf.GGML_QUANT_SIZES[ttype]
     if elements >= 2**63 or dims[0] % block:
         raise cursor.fail(f"tensor {name!r} has impossible shape {dims} for type {ttype.name}")
-    return _Tensor(name, ttype, elements, elements // block * type_size, offset)
+    return _Tensor(name, ttype, elements, elements // block * type_size, offset, tuple(dims))
 
 
 def _alignment(cursor: _Cursor, metadata: dict[str, Any]) -> int:
@@ -551,6 +559,7 @@ def inspect_gguf(path: Path) -> GGUFInfo:
         metadata=meta,
         arrays=header.arrays,
         tensor_sizes={tensor.name: tensor.nbytes for tensor in header.tensors},
+        tensor_shapes={tensor.name: tensor.shape for tensor in header.tensors},
     )
 
 
@@ -653,6 +662,7 @@ class LoraInfo:
     alpha: float
     pairs: int  # adapted tensors (each a lora_a / lora_b pair)
     tensor_bytes: int
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # tensor name -> ggml shape
 
 
 def inspect_lora(path: Path) -> LoraInfo:
@@ -700,4 +710,52 @@ def inspect_lora(path: Path) -> LoraInfo:
         alpha=float(alpha) if isinstance(alpha, (int, float)) else 0.0,
         pairs=len(halves),
         tensor_bytes=sum(tensor.nbytes for tensor in header.tensors),
+        shapes={tensor.name: _squeezed(tensor.shape) for tensor in header.tensors},
     )
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A shape without its trailing 1s (ggml treats [n, m, 1] as [n, m]), at least 2-D."""
+    dims = list(shape)
+    while len(dims) > 2 and dims[-1] == 1:
+        dims.pop()
+    return tuple(dims + [1] * (2 - len(dims)))
+
+
+def check_lora_fits(lora: LoraInfo, base: GGUFInfo, label: str) -> None:
+    """Every lora_a / lora_b pair against the base tensor it adapts, as llama.cpp's adapter loader checks them
+    (llama-adapter.cpp) and beyond: a pair whose extra dimensions do not match the base's (a 3-D lora_a on a 2-D
+    weight) passes llama.cpp's checks and then aborts the server at the first multiplication (ggml_can_mul_mat).
+
+    Raises:
+        ModelFormatError (HTTP 400): the tensor, the shapes, and what they should be.
+    """
+    pairs = {tensor.rpartition(".")[0] for tensor in lora.shapes if tensor.endswith((".lora_a", ".lora_b"))}
+    for name in sorted(pairs):
+        problem = _lora_pair_problem(name, lora.shapes[f"{name}.lora_a"], lora.shapes[f"{name}.lora_b"], base)
+        if problem:
+            raise ModelFormatError(
+                f"LoRA adapter {lora.path.name} does not fit {label}: {problem}",
+                hint="use an adapter trained on this base model (convert_lora_to_gguf.py with its --base)",
+            )
+
+
+def _lora_pair_problem(name: str, a: tuple[int, ...], b: tuple[int, ...], base: GGUFInfo) -> str | None:
+    target = base.tensor_shapes.get(name)
+    if target is None:
+        return f"tensor {name!r} is not in the base model"
+    target = _squeezed(target)
+    if a[2:] != target[2:] or b[2:] != target[2:]:
+        return (
+            f"{name} has lora_a {list(a)} and lora_b {list(b)}, whose dimensions past the second must be the base "
+            f"tensor's {list(target[2:])} (base {list(target)})"
+        )
+    if name.endswith("token_embd.weight"):  # A and B are flipped for the embedding (llm_build_inp_embd)
+        fits, rank_a, rank_b = target[0] == b[1] and target[1] == a[1], a[0], b[0]
+    else:
+        fits, rank_a, rank_b = target[0] == a[0] and target[1] == b[1], a[1], b[0]
+    if not fits:
+        return f"{name} has lora_a {list(a)} and lora_b {list(b)}, which do not fit the base tensor {list(target)}"
+    if rank_a != rank_b or rank_a < 1:
+        return f"{name} has lora_a {list(a)} and lora_b {list(b)}: their ranks ({rank_a}, {rank_b}) differ"
+    return None

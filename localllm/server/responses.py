@@ -21,7 +21,15 @@ from starlette.types import Receive, Scope, Send
 
 from .. import api
 from ..api import Timings
-from ..errors import ContextOverflow, LocalLLMError, ModelNotFound, PayloadTooLarge, QueueFull, Unauthorized
+from ..errors import (
+    ContextOverflow,
+    LocalLLMError,
+    ModelNotFound,
+    PayloadTooLarge,
+    QueueFull,
+    Unauthorized,
+    WorkerLost,
+)
 from .chunk_stream import ChunkStream
 
 log = logging.getLogger(__name__)
@@ -33,7 +41,7 @@ NDJSON = "application/x-ndjson"
 
 
 def error_headers(exc: Exception) -> dict[str, str]:
-    if isinstance(exc, QueueFull):
+    if isinstance(exc, (QueueFull, WorkerLost)):
         return {"Retry-After": str(exc.retry_after)}
     if isinstance(exc, Unauthorized):
         return {"WWW-Authenticate": "Bearer"}

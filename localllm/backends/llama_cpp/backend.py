@@ -147,9 +147,13 @@ def _load_over_rpc(
 ) -> LlamaCppModel:
     """A load with layers on RPC workers: its own weights (never shared), and every native call that may reach a
     worker through the guard, which gives up when a worker is lost."""
+    from ... import config
+
     guard = RpcGuard(placed.endpoints)
+    # Loading sends the worker its layers: the deadline allows for a slow link (about 10 MB/s) on top of a call's.
+    load_seconds = config.RPC_TIMEOUT.get() + Path(path).stat().st_size / 10e6
     try:
-        model = guard.call(_load_weights, path, options, placed)
+        model = guard.call_within(load_seconds, _load_weights, path, options, placed)
         try:
             ctx = guard.call(_new_context, model, options, n_seq=n_seq, n_ctx=n_ctx)
             loras = guard.call(_apply_adapters, model, ctx, adapters)

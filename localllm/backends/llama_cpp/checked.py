@@ -5,16 +5,20 @@ the plain backend in a child process, so the check sits above backend.py rather 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
-from ...api import LoadOptions
+from ...api import LoadOptions, LoraAdapter
 from ..base import LoadCheck
 from .backend import LlamaCppBackend
 from .probe import LoadProbe
 
 
 class CheckedLlamaCppBackend(LlamaCppBackend):
-    def check(self, path: Path, options: LoadOptions, *, memory: Path) -> LoadCheck:
-        """A file that aborts llama.cpp fails here, in the probe's child, once per file and llama.cpp version."""
-        probed = LoadProbe(memory).check(path, options)
+    def check(
+        self, path: Path, options: LoadOptions, *, memory: Path, adapters: Sequence[LoraAdapter] = ()
+    ) -> LoadCheck:
+        """A file (or a file with adapters) that aborts llama.cpp fails here, in the probe's child, once per file (or
+        pair) and llama.cpp version."""
+        probed = LoadProbe(memory).check(path, options, adapters=adapters)
         return LoadCheck(flash_attn=probed.flash_attn_for(options))

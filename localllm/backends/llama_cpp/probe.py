@@ -10,9 +10,13 @@ weights stay in the page cache for the real load that follows).
 The child also runs the flash attention trial (flash_trial.py) where the choice is open and the CPU runs the
 model: its finding comes back on the child's stdout, is remembered with the success, and `check` returns it.
 
-Memory: `<store root>/probes/<blob digest>` (a file path outside the store is named by its path, size and mtime),
-holding the llama.cpp and probe versions that passed and the trial. This is the llama.cpp backend's load check
-(checked.py, Backend.check); MLX raises Python errors and checks nothing.
+A model with LoRA adapters is probed as a pair: its first load with those adapters applied runs in the child too (a
+lora_a whose shape passes llama.cpp's checks can still abort the first multiplication).
+
+Memory: `<store root>/probes/<blob digest>` (a file path outside the store is named by its path, size and mtime;
+with adapters, `<weights key>+<hash of the adapters' keys>`), holding the llama.cpp and probe versions that passed
+and the trial. This is the llama.cpp backend's load check (checked.py, Backend.check); MLX raises Python errors and
+checks nothing.
 
 Run as a module, this file is the child: `python -m localllm.backends.llama_cpp.probe WEIGHTS` with the LoadOptions
 as JSON on stdin; its exit status says how it went (EXIT_REFUSED and its neighbours below)."""
@@ -28,6 +32,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,21 +83,29 @@ class LoadProbe:
     def __init__(self, memory_dir: Path):
         self.memory_dir = Path(memory_dir)
 
-    def check(self, weights: Path, load: api.LoadOptions) -> Probed:
-        """Return what was learned when `weights` loaded (now or before) in a child; raise ModelFormatError when the
-        child died.
+    def check(self, weights: Path, load: api.LoadOptions, *, adapters: Sequence[api.LoraAdapter] = ()) -> Probed:
+        """Return what was learned when `weights` (with `adapters` applied) loaded, now or before, in a child; raise
+        ModelFormatError when the child died.
 
         A child that failed cleanly (a missing tensor, a context too large) is not remembered and not raised: the
         in-process load that follows fails the same way, with its own error type and status."""
         weights = Path(weights)
-        if not weights.is_file():  # a missing file (or an MLX folder) is the real load's error to give
+        files = [Path(adapter.path) for adapter in adapters]
+        if not all(f.is_file() for f in [weights, *files]):  # a missing file (or an MLX folder): the real load's error
             return Probed()
-        entry = self.memory_dir / weights_key(weights)
+        if files:  # the weights alone first: their own probe runs the flash trial, which the pair's does not
+            own = self.check(weights, load)
+            self._check_once(weights, load, files)
+            return own
+        return self._check_once(weights, load, [])
+
+    def _check_once(self, weights: Path, load: api.LoadOptions, files: list[Path]) -> Probed:
+        entry = self.memory_dir / pair_key(weights, files)
         remembered = _recall(entry)
         if remembered is not None:
             return remembered
         log.info("first load of %s on this machine: trying it in a child process", weights.name)
-        outcome = _run_child(weights, load)
+        outcome = _run_child(weights, load, files)
         if outcome.returncode == 0:
             probed = Probed(trial=_reported_trial(outcome.stdout))
             if probed.trial is not None:
@@ -103,8 +116,9 @@ class LoadProbe:
             log.warning("the load probe of %s could not run: %s", weights.name, outcome.stderr[-_STDERR_TAIL:])
         elif outcome.returncode != EXIT_REFUSED:
             log.warning("%s crashed llama.cpp in the load probe: %s", weights, outcome.stderr[-_STDERR_TAIL:])
+            what = f"{weights} with its LoRA adapters" if files else str(weights)
             raise ModelFormatError(
-                f"{weights} crashed llama.cpp while loading: {_crash_line(outcome)}",
+                f"{what} crashed llama.cpp while loading: {_crash_line(outcome)}",
                 hint="the file is damaged or needs another llama.cpp; only this load failed",
             )
         return Probed()
@@ -118,6 +132,14 @@ def weights_key(weights: Path) -> str:
     stat = weights.stat()
     identity = f"{weights.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
     return f"file-{hashlib.sha256(identity).hexdigest()}"
+
+
+def pair_key(weights: Path, adapters: Sequence[Path]) -> str:
+    """The memory's name for weights with adapters applied (the weights' own key without any)."""
+    if not adapters:
+        return weights_key(weights)
+    joined = "\0".join(weights_key(adapter) for adapter in adapters)
+    return f"{weights_key(weights)}+{hashlib.sha256(joined.encode()).hexdigest()[:32]}"
 
 
 def _llama_cpp_version() -> str:
@@ -161,7 +183,7 @@ def _timeout(weights: Path) -> float:
     return 60.0 + Path(weights).stat().st_size / 30e6
 
 
-def _run_child(weights: Path, load: api.LoadOptions) -> subprocess.CompletedProcess:
+def _run_child(weights: Path, load: api.LoadOptions, adapters: Sequence[Path] = ()) -> subprocess.CompletedProcess:
     options = load.model_copy(
         update={
             "num_ctx": PROBE_CTX,
@@ -173,7 +195,7 @@ def _run_child(weights: Path, load: api.LoadOptions) -> subprocess.CompletedProc
     )
     # No backtrace: ggml would otherwise try to attach a debugger to the dying child.
     env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
-    command = [sys.executable, "-m", "localllm.backends.llama_cpp.probe", str(weights)]
+    command = [sys.executable, "-m", "localllm.backends.llama_cpp.probe", str(weights), *map(str, adapters)]
     try:
         return subprocess.run(
             command,
@@ -226,12 +248,16 @@ def _probe_tokens(n_vocab: int, bos: int | None) -> list[int]:
     return [first] + [token % n_vocab for token in range(1, PROBE_TOKENS)]
 
 
-def probe_load(weights: Path, load: api.LoadOptions) -> None:
-    """Load `weights`, tokenize text of several scripts and decode a few tokens, then one more: what the child runs."""
+def probe_load(weights: Path, load: api.LoadOptions, adapters: Sequence[Path] = ()) -> None:
+    """Load `weights` (with `adapters` at scale 1, so that they take part in every multiplication), tokenize text
+    of several scripts and decode a few tokens, then one more: what the child runs."""
     from ..base import Batch
     from .backend import LlamaCppBackend
 
-    model = LlamaCppBackend().load(weights, load.model_copy(update={"num_ctx": PROBE_CTX, "num_parallel": 1}))
+    loras = [api.LoraAdapter(path=str(path)) for path in adapters]
+    model = LlamaCppBackend().load(
+        weights, load.model_copy(update={"num_ctx": PROBE_CTX, "num_parallel": 1}), adapters=loras
+    )
     try:
         for token in model.tokenize(PROBE_TEXT):  # a vocabulary without byte fallback aborts on unknown text
             model.token_bytes(token)
@@ -251,13 +277,13 @@ def probe_load(weights: Path, load: api.LoadOptions) -> None:
 
 def _main(argv: list[str]) -> int:
     load = api.LoadOptions.model_validate_json(sys.stdin.read())
-    weights = Path(argv[0])
+    weights, adapters = Path(argv[0]), [Path(arg) for arg in argv[1:]]
     try:
-        probe_load(weights, load)
+        probe_load(weights, load, adapters)
     except LocalLLMError as exc:
         print(exc, flush=True)
         return EXIT_REFUSED
-    trial = _flash_trial(weights, load)
+    trial = None if adapters else _flash_trial(weights, load)  # the weights' own probe runs the trial
     print(json.dumps(trial.to_json() if trial else None), flush=True)
     return 0
 

@@ -6,11 +6,17 @@ A worker (`localllm worker`) is ggml's own RPC server over this machine's device
 `--rpc` does) and places layers on them. The functions are found as the RPC registry's proc addresses, as llama.cpp's
 tools do, so a build with dynamically loaded backends works too.
 
-ggml aborts the process when a worker cannot be reached or goes away (GGML_ABORT in the RPC dispatcher thread). The
-server must outlive a worker, so: a worker is probed with a plain TCP connect before llama.cpp is told of it, and an
-abort callback parks the failing native thread instead of letting abort() run, records the loss, and lets RpcGuard
-end the call that was waiting on it with WorkerLost. What that thread held (the model's buffers on the worker, the
-dead connection, which llama.cpp keeps per address) stays allocated: such a model is abandoned, never freed."""
+ggml aborts the process when a worker cannot be reached or goes away (GGML_ABORT in the RPC dispatcher thread), and
+its client has no timeouts: a worker that accepts and never answers blocks a call for good. The server must outlive
+a worker, so: a worker is checked from Python (a TCP connect and the protocol's HELLO, with a deadline) before
+llama.cpp is told of it; every native call that may reach a worker runs under RpcGuard, which gives up with WorkerLost
+(503) when the call passes its deadline (LOCALLLM_RPC_TIMEOUT) or the worker is lost; and an abort callback parks the
+failing native thread instead of letting abort() run and records the loss. What that thread held (the model's
+buffers on the worker, the dead connection) stays allocated: such a model is abandoned, never freed.
+
+llama.cpp keeps one connection per address string for as long as a buffer holds it, so the abandoned model keeps the
+dead one under that string for good. A worker that is back is reached under a new spelling of its address (a
+leading zero in the port, which llama.cpp's parser reads as the same port): the next load uses it again."""
 
 from __future__ import annotations
 
@@ -19,8 +25,10 @@ import logging
 import queue
 import signal
 import socket
+import struct
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -53,6 +61,9 @@ REBUILD_PIP = (
     f"--no-cache-dir --no-binary llama-cpp-python llama-cpp-python=={llama_cpp.__version__}"
 )
 PROBE_SECONDS = 3.0
+_RPC_CMD_HELLO = 14  # ggml-rpc.cpp: static_assert(RPC_CMD_HELLO == 14)
+_RPC_CAPS = 24  # RPC_CONN_CAPS_SIZE (transport.h)
+_RPC_HELLO_ANSWER = 4 + _RPC_CAPS  # rpc_msg_hello_rsp
 _DEV_TYPES: dict[int, DeviceKind] = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 
 
@@ -187,49 +198,89 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def probe(endpoint: str) -> None:
-    """A TCP connect first: llama.cpp aborts the process when it cannot connect."""
-    if endpoint in _losses.endpoints:
-        raise WorkerLost(
-            f"the RPC worker at {endpoint} went away earlier in this process",
-            hint="llama.cpp keeps its dead connection: restart this server to use that address again",
-        )
+def reach(endpoint: str) -> str:
+    """The spelling of `endpoint` to give llama.cpp, once a worker there has answered; WorkerLost (503) naming it
+    when nothing listens, or when it accepts and does not answer HELLO within PROBE_SECONDS."""
     host, port = parse_endpoint(endpoint)
+    with _registered_lock:
+        spelling = _spellings.get(endpoint, endpoint)
+        lost = spelling in _losses.endpoints
+        # A worker serves one client at a time: while a model of ours holds its connection, HELLO would wait.
+        first_contact = lost or spelling not in _registered
     try:
-        socket.create_connection((host, port), timeout=PROBE_SECONDS).close()
+        with socket.create_connection((host, port), timeout=PROBE_SECONDS) as sock:
+            if first_contact:
+                _hello(sock)
+    except TimeoutError:
+        raise WorkerLost(
+            f"the RPC worker at {endpoint} accepted a connection but did not answer within {PROBE_SECONDS:.0f} s",
+            hint="it is stalled, or serving another client (a worker serves one at a time); restart it",
+        ) from None
     except OSError as exc:
         raise WorkerLost(
             f"cannot reach the RPC worker at {endpoint}: {exc.strerror or exc}",
             hint=f"start one there: `localllm worker --host {host} --port {port}`",
         ) from None
+    if lost:
+        with _registered_lock:
+            spelling = _spellings[endpoint] = _respelled(spelling)
+        log.warning("the RPC worker at %s is back: models load with it again (as %s)", endpoint, spelling)
+    return spelling
 
 
-def worker_devices(endpoints: Sequence[str]) -> list[Device]:
-    """Register each worker's devices with ggml (once per address, as llama.cpp's --rpc does) and return them."""
-    if not endpoints:
+def _hello(sock: socket.socket) -> None:
+    """ggml-rpc's handshake: command 14 (HELLO) with 24 bytes of transport capabilities (none asked); the answer is
+    its size (8 bytes), then major, minor, patch, padding and 24 bytes of capabilities."""
+    sock.sendall(bytes([_RPC_CMD_HELLO]) + struct.pack("<Q", _RPC_CAPS) + bytes(_RPC_CAPS))
+    answer = b""
+    while len(answer) < 8 + _RPC_HELLO_ANSWER:
+        chunk = sock.recv(8 + _RPC_HELLO_ANSWER - len(answer))
+        if not chunk:
+            raise OSError("the worker closed the connection during the handshake")
+        answer += chunk
+    if struct.unpack_from("<Q", answer)[0] != _RPC_HELLO_ANSWER:
+        raise OSError("the worker answered the handshake with an unknown protocol (another llama.cpp version?)")
+
+
+def _respelled(spelling: str) -> str:
+    host, _, port = spelling.rpartition(":")
+    return f"{host}:0{port}"
+
+
+def plain_endpoint(spelling: str) -> str:
+    """The address as the user wrote it, for messages: without the leading zeros of a new spelling."""
+    host, _, port = spelling.rpartition(":")
+    return f"{host}:{int(port)}" if port.isdigit() else spelling
+
+
+def worker_devices(spellings: Sequence[str]) -> list[Device]:
+    """Register each worker's devices with ggml (once per address, as llama.cpp's --rpc does) and return them.
+    `spellings` come from `reach`."""
+    if not spellings:
         return []
     require_rpc()
     install_abort_guard()
     g = ggml()
     add_server = g.rpc_proc("ggml_backend_rpc_add_server", ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p))
     devices: list[Device] = []
-    for endpoint in endpoints:
-        probe(endpoint)
+    for spelling in spellings:
         with _registered_lock:
-            _known.add(endpoint)
-        reg = RpcGuard.once(endpoints, add_server, endpoint.encode())
+            _known.add(spelling)
+        reg = RpcGuard.once(spellings, add_server, spelling.encode())
         if not reg:
-            raise WorkerLost(f"the RPC worker at {endpoint} offers no devices")
+            raise WorkerLost(f"the RPC worker at {plain_endpoint(spelling)} offers no devices")
         with _registered_lock:
-            if endpoint not in _registered:
+            if spelling not in _registered:
                 g.register(reg)
-                _registered.add(endpoint)
-        devices += [Device(g.report(h), h) for h in (g.reg_dev_get(reg, i) for i in range(g.reg_dev_count(reg)))]
+                _registered.add(spelling)
+        for handle in [g.reg_dev_get(reg, i) for i in range(g.reg_dev_count(reg))]:
+            devices.append(Device(RpcGuard.once(spellings, g.report, handle), handle))  # a round trip to the worker
     return devices
 
 
 _known: set[str] = set()  # every address llama.cpp was told of: where a loss can be
 _registered: set[str] = set()
+_spellings: dict[str, str] = {}  # an address as the user gives it -> the spelling llama.cpp knows it by now
 _registered_lock = threading.Lock()
 
 
@@ -290,6 +341,7 @@ def place_model(path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> 
         endpoints = rpc_endpoints(options)
     except ValueError as exc:
         raise InvalidInput(f"option rpc: {exc}") from None
+    endpoints = [reach(endpoint) for endpoint in endpoints]
     devices = worker_devices(endpoints) + local_devices()
     reports = [d.report for d in devices]
     try:
@@ -326,6 +378,11 @@ class _Losses:
         self.message = ""
         self.changed = threading.Event()
 
+    def record(self, endpoints: Sequence[str], message: str) -> None:
+        self.endpoints.update(endpoints)
+        self.message = message
+        self.changed.set()
+
 
 _losses = _Losses()
 _ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
@@ -343,12 +400,10 @@ def _on_abort(message: bytes | None) -> None:
     with _registered_lock:
         known = sorted(_known)
     unreachable = [e for e in known if not _reachable(e)]
-    _losses.endpoints.update(unreachable or known)
-    _losses.message = text.split(": ", 1)[-1]
-    _losses.changed.set()
+    _losses.record(unreachable or known, text.split(": ", 1)[-1])
     log.error(
         "RPC worker lost (%s): %s; the models placed there fail their requests and are abandoned",
-        ", ".join(unreachable or known) or "unknown",
+        ", ".join(plain_endpoint(e) for e in unreachable or known) or "unknown",
         _losses.message,
     )
     threading.Event().wait()  # park this native thread for good: returning would abort() the whole server
@@ -372,8 +427,9 @@ def install_abort_guard() -> None:
 
 class RpcGuard:
     """Runs a model's native calls on a thread of its own while the model uses RPC workers, so that the caller
-    (the engine thread) can give up with WorkerLost when a worker it uses is lost mid-call; the native thread stays
-    blocked in llama.cpp and the model is abandoned (`lost`)."""
+    (the engine thread) can give up with WorkerLost when a worker it uses is lost mid-call, or when the call passes
+    its deadline (llama.cpp's client waits on a silent worker for good); the native thread stays blocked in
+    llama.cpp and the model is abandoned (`lost`)."""
 
     def __init__(self, endpoints: Sequence[str]):
         self.endpoints = tuple(endpoints)
@@ -391,23 +447,42 @@ class RpcGuard:
             guard.close()
 
     def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """`fn(*args, **kwargs)` on the native thread, within LOCALLLM_RPC_TIMEOUT."""
+        from ... import config
+
+        return self.call_within(config.RPC_TIMEOUT.get(), fn, *args, **kwargs)
+
+    def call_within(self, seconds: float, fn: Callable[..., T], *args, **kwargs) -> T:
         self._check()
         future: Future = Future()
         self._calls.put((future, fn, args, kwargs))
+        deadline = time.monotonic() + seconds
         while True:
             done, _ = wait([future], timeout=0.25)
             if done:
                 return future.result()
             self._check()
+            if time.monotonic() > deadline:
+                self._give_up(seconds)
+
+    def _give_up(self, seconds: float) -> None:
+        self.lost = True
+        names = ", ".join(plain_endpoint(e) for e in self.endpoints)
+        _losses.record(self.endpoints, f"no answer within {seconds:.0f} s")
+        log.error("RPC worker %s did not answer within %.0f s: the model placed there is abandoned", names, seconds)
+        raise WorkerLost(
+            f"the RPC worker at {names} did not answer within {seconds:.0f} s (LOCALLLM_RPC_TIMEOUT)",
+            hint="check or restart the worker; the next request after it answers again loads the model with it",
+        )
 
     def _check(self) -> None:
         lost = [e for e in self.endpoints if e in _losses.endpoints]
         if self.lost or lost:
             self.lost = True
+            names = ", ".join(plain_endpoint(e) for e in lost) or "an address"
             raise WorkerLost(
-                f"the RPC worker at {', '.join(lost) or 'an address'} went away "
-                f"({_losses.message or 'connection lost'})",
-                hint="restart the worker and this server; the model placed there was abandoned",
+                f"the RPC worker at {names} went away ({_losses.message or 'connection lost'})",
+                hint="restart the worker: the next request after it is back loads the model with it again",
             )
 
     def _serve(self) -> None:

@@ -103,7 +103,7 @@ def output_format(config: dict[str, Any] | None, legacy: dict[str, Any] | None) 
     fmt = (config or {}).get("format") or legacy
     if not fmt:
         return None
-    if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise InvalidInput('output_config.format must be {"type": "json_schema", "schema": {...}}')
     return fmt["schema"]
 

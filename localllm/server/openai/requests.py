@@ -125,7 +125,8 @@ def response_format(fmt: dict[str, Any] | None) -> api.Format:
     if kind == "json_object":
         return "json"
     if kind == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")  # type: ignore[union-attr]
+        spec = fmt.get("json_schema")  # type: ignore[union-attr]
+        schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise InvalidInput("response_format.json_schema.schema must be a JSON schema object")
         return schema

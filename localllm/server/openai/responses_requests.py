@@ -94,6 +94,8 @@ def tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | N
 def text_format(text: dict[str, Any] | None) -> api.Format:
     """text.format: {"type": "json_schema", "schema": ...} → the schema; json_object → "json"; text → none."""
     fmt = (text or {}).get("format") or {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise InvalidInput('text.format must be an object such as {"type": "json_schema", "schema": {...}}')
     kind = fmt.get("type")
     if kind == "text":
         return None
