@@ -79,7 +79,7 @@ def test_repetition_is_written_as_gbnf_ranges_not_item_by_item():
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path: Path):
-    model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_ctx=64), n_seq=1, n_ctx=64)
+    model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_ctx=64, num_parallel=1))
     yield model
     model.close()
 
