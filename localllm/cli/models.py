@@ -25,11 +25,21 @@ def _store():
 
 
 @app.command()
-def pull(model: str = typer.Argument(..., help="catalog name, hf.co/<org>/<repo>[:<quant>], URL or .gguf path")):
-    """Download a model into the store (an interrupted pull resumes)."""
+def pull(
+    model: str = typer.Argument(
+        ..., help="catalog name, hf.co/<org>/<repo>[:<quant>], URL, .gguf path, or an Ollama library name"
+    ),
+    insecure: bool = typer.Option(False, "--insecure", help="allow a registry over plain http (not loopback)"),
+):
+    """Download a model into the store (an interrupted pull resumes).
+
+    A name is, in this order: an http(s) URL to a GGUF; a catalog name (smollm2:135m); hf.co/<org>/<repo>[:<quant>];
+    a path to a .gguf file; else [host/][namespace/]name[:tag] in an Ollama-style registry, as `ollama pull` resolves
+    it (a name without a host asks LOCALLLM_REGISTRY, default https://registry.ollama.ai; namespace library, tag
+    latest)."""
     from ..models.pull import pull_model
 
-    render_pull(pull_model(model, _store()))
+    render_pull(pull_model(model, _store(), insecure=insecure))
 
 
 # ---------------------------------------------------------------------------------------------------------- list
