@@ -46,8 +46,16 @@ def pull(
 
 
 @app.command("list")
-def list_models(as_json: bool = typer.Option(False, "--json", help="print the list as JSON (as /api/tags does)")):
-    """List the models in the store (also: ls)."""
+def list_models(
+    as_json: bool = typer.Option(False, "--json", help="print the list as JSON (as /api/tags does)"),
+    others: bool = typer.Option(False, "--others", help="list the models of Ollama, LM Studio and the HF cache"),
+):
+    """List the models in the store (also: ls); --others lists what other tools keep, for `localllm import`."""
+    if others:
+        from .others import print_others
+
+        print_others(as_json)
+        return
     rows = _store().list()
     if as_json:
         typer.echo(api.ListResponse(models=rows).model_dump_json(indent=2))

@@ -39,6 +39,7 @@ from .catalog import CatalogEntry, Mirror, WheelMember, WheelMembers, find_entry
 from .diskspace import size_text
 from .files import CHUNK
 from .names import ModelRef, parse_ref
+from .registry import RegistrySource
 from .store import ResolvedModel, Store
 
 DEFAULT_QUANT = "Q4_K_M"
@@ -90,9 +91,8 @@ def make_source(name: str, store: Store | None = None, *, insecure: bool = False
         return HFSource(ref)
     if ref.kind == "file":
         return FileSource(ref.path or Path(name))
-    from .registry import RegistrySource  # it builds on this module's downloads
-
-    return RegistrySource(ref, insecure=insecure, stored=tuple(store.stored_names()) if store is not None else ())
+    stored = tuple(store.stored_names()) if store is not None else ()
+    return RegistrySource(ref, download_url, insecure=insecure, stored=stored)
 
 
 # ------------------------------------------------------------------------------------------------------- catalog

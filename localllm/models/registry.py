@@ -22,16 +22,16 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from pydantic import ValidationError
 
 from .. import api, config
 from ..errors import InvalidInput, InvalidName, ModelFormatError, ModelNotFound, NetworkError
+from .blobs import PartialBlob
 from .catalog import did_you_mean
 from .names import ModelRef, parse_digest
-from .pull import download_url
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,13 @@ MAX_LAYERS = 64
 MAX_TEXT_BYTES = 4 << 20  # one template, system prompt, license, params or messages layer
 MAX_MESSAGES = 1024
 RESOLUTION = "a stored model, a catalog name, hf.co/<org>/<repo>, a URL, a .gguf path, else the Ollama registry"
+
+
+class Download(Protocol):
+    """pull.download_url: appends the rest of `url` to `partial`, resuming a dropped connection (passed in, since
+    pull.py dispatches to this module)."""
+
+    def __call__(self, url: str, partial: PartialBlob, *, headers: dict[str, str]) -> Progress: ...
 
 
 @dataclass(frozen=True)
@@ -212,8 +219,9 @@ def is_loopback(host: str | None) -> bool:
 class RegistrySource:
     """A model in an Ollama-style registry; pulls it as `ollama pull` does."""
 
-    def __init__(self, ref: ModelRef, *, insecure: bool = False, stored: tuple[str, ...] = ()):
+    def __init__(self, ref: ModelRef, download: Download, *, insecure: bool = False, stored: tuple[str, ...] = ()):
         self.ref = ref
+        self.download = download
         self.insecure = insecure
         self.stored_name = ref.display
         self.origin = f"{ref.repository}:{ref.tag}"
@@ -285,7 +293,7 @@ class RegistrySource:
         url = f"{base}/v2/{self.ref.repository}/blobs/{layer.digest.replace('-', ':', 1)}"
         with store.blobs.open_partial(layer.digest, size=layer.size) as partial:
             yield api.PullProgress(status=label, digest=layer.digest, total=layer.size, completed=partial.completed)
-            yield from download_url(url, partial, headers={})
+            yield from self.download(url, partial, headers={})
             yield api.PullProgress(status="verifying sha256 digest", digest=layer.digest)
             partial.commit(f"the {layer.kind} layer of {self.origin}")
 
