@@ -11,7 +11,7 @@ from hfserver import Hub, HubServer, sha256_of, write_tiny_gguf
 from ollama_registry import CHATML_GO, MANIFEST_MEDIA, Registry, RegistryServer
 
 from localllm import api
-from localllm.errors import ConfigError, IntegrityError, InvalidInput, ModelFormatError, ModelNotFound, NetworkError
+from localllm.errors import ConfigError, IntegrityError, InvalidInput, ModelFormatError, ModelNotFound
 from localllm.models.names import parse_ref
 from localllm.models.pull import pull_model
 from localllm.models.registry import registry_base
@@ -134,7 +134,7 @@ def test_a_name_with_a_loopback_host_is_pulled_from_that_host(registry, store, t
 
 def test_offline_never_asks_the_registry(registry, store, monkeypatch):
     monkeypatch.setenv("LOCALLLM_OFFLINE", "1")
-    with pytest.raises(NetworkError, match="LOCALLLM_OFFLINE is set, so the registry .* was not asked"):
+    with pytest.raises(ModelNotFound, match="LOCALLLM_OFFLINE is set, so the registry .* was not asked"):
         list(pull_model("tiny", store))
     assert registry.requests == []
     monkeypatch.delenv("LOCALLLM_OFFLINE")

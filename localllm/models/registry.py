@@ -228,20 +228,23 @@ class RegistrySource:
         self._stored = stored  # for a "did you mean" when the registry has no such name
 
     def pull(self, store: Store) -> Progress:
-        yield api.PullProgress(status="pulling manifest")
+        # Refusals (offline, no such name) come before the first progress line, so /api/pull answers them with a
+        # status code and the CLI with one error line.
         stored = store.exists(self.stored_name)
         nowhere = f"model {self.stored_name!r} is not in the catalog" + ("" if stored else " or the store")
         base = registry_base(self.ref, insecure=self.insecure)
         if config.OFFLINE.get():
             if stored:
+                yield api.PullProgress(status="pulling manifest")
                 yield api.PullProgress(status="success")
                 return
-            raise NetworkError(
+            raise ModelNotFound(  # not found where we may look: a 404, as a name missing from the registry is
                 f"{nowhere}, and LOCALLLM_OFFLINE is set, so the registry {base} was not asked",
                 hint="unset LOCALLLM_OFFLINE (and HF_HUB_OFFLINE) to pull it",
             )
         origin = f"{self.origin} at {base}"
         layers = parse_manifest(self._manifest(base, nowhere), origin)
+        yield api.PullProgress(status="pulling manifest")
         with ExitStack() as pins:  # every layer is safe from `rm` and `prune` until the manifest names it
             for layer in layers:
                 pins.enter_context(store.blobs.pin(layer.digest))
