@@ -177,3 +177,13 @@ def test_a_pulled_library_model_answers_a_chat(registry, store, smollm2_path):
         client.close()
     assert "".join(chunk.message.content for chunk in chunks).strip()
     assert chunks[-1].prompt_eval_count > 0
+
+
+def test_pull_help_states_the_order_names_resolve_in():
+    from typer.testing import CliRunner
+
+    from localllm.cli import app
+
+    text = " ".join(CliRunner().invoke(app, ["pull", "--help"], env={"COLUMNS": "200"}).output.split())
+    order = ["URL", "catalog name", "hf.co/", ".gguf file", "Ollama-style registry", "LOCALLLM_REGISTRY"]
+    assert [text.index(word) for word in order] == sorted(text.index(word) for word in order)

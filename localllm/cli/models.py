@@ -34,9 +34,9 @@ def pull(
     """Download a model into the store (an interrupted pull resumes).
 
     A name is, in this order: an http(s) URL to a GGUF; a catalog name (smollm2:135m); hf.co/<org>/<repo>[:<quant>];
-    a path to a .gguf file; else [host/][namespace/]name[:tag] in an Ollama-style registry, as `ollama pull` resolves
-    it (a name without a host asks LOCALLLM_REGISTRY, default https://registry.ollama.ai; namespace library, tag
-    latest)."""
+    a path to a .gguf file; else host/namespace/name:tag in an Ollama-style registry, as `ollama pull` resolves it
+    (host, namespace and tag may be left out: a name without a host asks LOCALLLM_REGISTRY, default
+    https://registry.ollama.ai; the namespace is library, the tag latest)."""
     from ..models.pull import pull_model
 
     render_pull(pull_model(model, _store(), insecure=insecure))
@@ -50,7 +50,9 @@ def list_models(
     as_json: bool = typer.Option(False, "--json", help="print the list as JSON (as /api/tags does)"),
     others: bool = typer.Option(False, "--others", help="list the models of Ollama, LM Studio and the HF cache"),
 ):
-    """List the models in the store (also: ls); --others lists what other tools keep, for `localllm import`."""
+    """List the models in the store (also: ls).
+
+    --others lists the models Ollama, LM Studio and the Hugging Face cache keep, for `localllm import`."""
     if others:
         from .others import print_others
 

@@ -37,7 +37,7 @@ def import_models(
         False, "--no-link", help="record the file's path even on the same file system, instead of a hard link"
     ),
 ):
-    """Use the models of Ollama, LM Studio or the Hugging Face cache without copying them.
+    """Use the models of Ollama, LM Studio or the HF cache in place.
 
     Their files are only read: on the same file system a hard link names the same bytes (nothing is copied), else
     the file's path is recorded and re-checked whenever its size or mtime changes. `rm` and `prune` remove only

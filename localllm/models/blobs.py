@@ -187,8 +187,10 @@ class Blobs:
         source = Path(path).expanduser().resolve()
         if not source.is_file():
             raise InvalidInput(f"no file at {source}")
+        if digest is not None and pins is not None:
+            pins.enter_context(file_lock(self.lock_path(parse_digest(digest))))
         if digest is not None and self.has_trusted(digest, source.stat().st_size):
-            return parse_digest(digest)
+            return parse_digest(digest)  # stored intact already (pulled, or imported before)
         self.dir.mkdir(parents=True, exist_ok=True)
         temp = self.dir / f".tmp-{uuid.uuid4().hex}"
         try:

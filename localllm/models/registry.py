@@ -302,9 +302,9 @@ class RegistrySource:
 
 
 def _bounded_body(response, what: str) -> bytes:
-    body = b""
+    body = bytearray()
     for block in response.iter_bytes():
         body += block
         if len(body) > MAX_MANIFEST_BYTES:
             raise ModelFormatError(f"{what} is over {MAX_MANIFEST_BYTES} bytes")
-    return body
+    return bytes(body)
