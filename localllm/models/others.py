@@ -1,6 +1,6 @@
 """Models that other tools already keep on disk, found and made localllm models without copying their weights.
 
-    ollama     $OLLAMA_MODELS, else ~/.ollama/models:
+    ollama     $OLLAMA_MODELS, else ~/.ollama/models and /usr/share/ollama/.ollama/models (Linux's service):
                manifests/<host>/<namespace>/<name>/<tag> naming blobs/sha256-<hex>
     lmstudio   ~/.lmstudio/models/<publisher>/<repo>/*.gguf (and the older ~/.cache/lm-studio/models)
     hf         the Hugging Face cache ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub):
@@ -56,8 +56,11 @@ class OtherModel:
 # ------------------------------------------------------------------------------------------------------- where
 
 
-def ollama_dir() -> Path:
-    return Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models").expanduser()
+def ollama_dirs() -> list[Path]:
+    """OLLAMA_MODELS when set, else the user's folder and the one of Linux's system service (user `ollama`)."""
+    if os.environ.get("OLLAMA_MODELS"):
+        return [Path(os.environ["OLLAMA_MODELS"]).expanduser()]
+    return [Path.home() / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]
 
 
 def lmstudio_dirs() -> list[Path]:
@@ -77,7 +80,7 @@ def hf_cache_dir() -> Path:
 
 def searched(tools: Iterable[Tool] = TOOLS) -> str:
     """Where `find_others` looks, as a user reads it."""
-    places = {"ollama": [ollama_dir()], "lmstudio": lmstudio_dirs(), "hf": [hf_cache_dir()]}
+    places = {"ollama": ollama_dirs(), "lmstudio": lmstudio_dirs(), "hf": [hf_cache_dir()]}
     return "; ".join(f"{TOOL_NAMES[tool]}: {', '.join(map(str, places[tool]))}" for tool in tools)
 
 
@@ -108,14 +111,14 @@ def find_other(name: str, tools: Iterable[Tool] = TOOLS) -> OtherModel:
 
 
 def _ollama_models() -> Iterator[OtherModel]:
-    root = ollama_dir()
-    manifests = root / "manifests"
-    for path in sorted(manifests.glob("*/*/*/*")) if manifests.is_dir() else []:
-        host, namespace, model, tag = path.relative_to(manifests).parts
-        try:
-            yield _ollama_model(root, path, _ollama_name(host, namespace, model, tag))
-        except (LocalLLMError, OSError) as exc:
-            log.warning("skipping Ollama's %s: %s", path, exc)
+    for root in ollama_dirs():
+        manifests = root / "manifests"
+        for path in sorted(manifests.glob("*/*/*/*")) if manifests.is_dir() else []:
+            host, namespace, model, tag = path.relative_to(manifests).parts
+            try:
+                yield _ollama_model(root, path, _ollama_name(host, namespace, model, tag))
+            except (LocalLLMError, OSError) as exc:
+                log.warning("skipping Ollama's %s: %s", path, exc)
 
 
 def _ollama_name(host: str, namespace: str, model: str, tag: str) -> str:
