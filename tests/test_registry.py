@@ -187,3 +187,15 @@ def test_pull_help_states_the_order_names_resolve_in():
     text = " ".join(CliRunner().invoke(app, ["pull", "--help"], env={"COLUMNS": "200"}).output.split())
     order = ["URL", "catalog name", "hf.co/", ".gguf file", "Ollama-style registry", "LOCALLLM_REGISTRY"]
     assert [text.index(word) for word in order] == sorted(text.index(word) for word in order)
+
+
+def test_verify_repair_fetches_a_corrupt_layer_again_from_the_registry(registry, store, tiny):
+    from localllm.models.repair import repair_blobs
+
+    list(pull_model("tiny", store))
+    blob = store.resolve("tiny").weights
+    blob.write_bytes(bytes(reversed(tiny)))
+    assert len(store.verify()) == 1
+    statuses = [p.status for p in repair_blobs(store)]
+    assert any(s.startswith("repairing") and "from the registry (tiny:latest)" in s for s in statuses)
+    assert store.verify() == [] and blob.read_bytes() == tiny
