@@ -137,6 +137,15 @@ def parse_endpoints(raw: str) -> list[str]:
     return out
 
 
+def parse_registry(raw: str) -> str:
+    """An Ollama-style registry's base URL: http(s)://host[:port], no path (`http` is refused later unless the host
+    is loopback or the pull says --insecure)."""
+    match = re.match(r"^(https?)://([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\])(:\d{1,5})?/?$", raw)
+    if not match:
+        raise ValueError("expected a URL such as https://registry.ollama.ai (scheme, host and port only)")
+    return raw.rstrip("/").lower()
+
+
 def _default_home() -> Path:
     from platformdirs import user_data_dir
 
@@ -218,6 +227,12 @@ OFFLINE = Setting(
     parse_bool,
     lambda: parse_bool(os.environ.get("HF_HUB_OFFLINE", "0") or "0"),
 )
+REGISTRY = Setting(
+    "LOCALLLM_REGISTRY",
+    "the Ollama-style registry that names without a host are pulled from (a URL)",
+    parse_registry,
+    lambda: "https://registry.ollama.ai",
+)
 MAX_BODY = Setting(
     "LOCALLLM_MAX_BODY", "largest request body in bytes (413 above it)", parse_positive_int, lambda: 32 * 1024 * 1024
 )
@@ -282,6 +297,7 @@ ALL: tuple[Setting, ...] = (
     ALLOWED_HOSTS,
     API_KEY,
     OFFLINE,
+    REGISTRY,
     MAX_BODY,
     RPC,
     RPC_TIMEOUT,

@@ -20,6 +20,8 @@ def isolated_home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("LOCALLLM_HOME", str(home))
     monkeypatch.delenv("LOCALLLM_HOST", raising=False)
     monkeypatch.delenv("LOCALLLM_API_KEY", raising=False)
+    # A name found in no catalog is asked of the registry: a closed loopback port answers at once, offline.
+    monkeypatch.setenv("LOCALLLM_REGISTRY", "http://127.0.0.1:9")
     return home
 
 

@@ -57,7 +57,8 @@ def served(chat_home) -> Served:
 
 
 def _child_env(home: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALLLM_")}
+    # LOCALLLM_REGISTRY stays: conftest points it at a closed loopback port, so no child asks a real registry
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALLLM_") or k == "LOCALLLM_REGISTRY"}
     # A pty answers no cursor-position queries; without this prompt_toolkit waits for them and then warns.
     env.update(LOCALLLM_HOME=str(home), TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", **extra)
     return env

@@ -229,8 +229,9 @@ def test_offline_mode_accepts_models_already_stored(endpoint, hub, store, monkey
     assert len(hub.requests) == count
 
 
-def test_unknown_short_names_say_what_can_be_pulled(store):
-    with pytest.raises(ModelNotFound, match="not in the catalog"):
+def test_unknown_short_names_say_where_they_were_looked_for(store):
+    # conftest points LOCALLLM_REGISTRY at a closed loopback port (tests/test_registry.py serves a real one)
+    with pytest.raises(NetworkError, match=r"not in the catalog or the store, and the registry http://127.0.0.1:9"):
         _statuses("nosuchmodel:1b", store)
 
 

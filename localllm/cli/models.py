@@ -25,19 +25,39 @@ def _store():
 
 
 @app.command()
-def pull(model: str = typer.Argument(..., help="catalog name, hf.co/<org>/<repo>[:<quant>], URL or .gguf path")):
-    """Download a model into the store (an interrupted pull resumes)."""
+def pull(
+    model: str = typer.Argument(
+        ..., help="catalog name, hf.co/<org>/<repo>[:<quant>], URL, .gguf path, or an Ollama library name"
+    ),
+    insecure: bool = typer.Option(False, "--insecure", help="allow a registry over plain http (not loopback)"),
+):
+    """Download a model into the store (an interrupted pull resumes).
+
+    A name is, in this order: an http(s) URL to a GGUF; a catalog name (smollm2:135m); hf.co/<org>/<repo>[:<quant>];
+    a path to a .gguf file; else host/namespace/name:tag in an Ollama-style registry, as `ollama pull` resolves it
+    (host, namespace and tag may be left out: a name without a host asks LOCALLLM_REGISTRY, default
+    https://registry.ollama.ai; the namespace is library, the tag latest)."""
     from ..models.pull import pull_model
 
-    render_pull(pull_model(model, _store()))
+    render_pull(pull_model(model, _store(), insecure=insecure))
 
 
 # ---------------------------------------------------------------------------------------------------------- list
 
 
 @app.command("list")
-def list_models(as_json: bool = typer.Option(False, "--json", help="print the list as JSON (as /api/tags does)")):
-    """List the models in the store (also: ls)."""
+def list_models(
+    as_json: bool = typer.Option(False, "--json", help="print the list as JSON (as /api/tags does)"),
+    others: bool = typer.Option(False, "--others", help="list the models of Ollama, LM Studio and the HF cache"),
+):
+    """List the models in the store (also: ls).
+
+    --others lists the models Ollama, LM Studio and the Hugging Face cache keep, for `localllm import`."""
+    if others:
+        from .others import print_others
+
+        print_others(as_json)
+        return
     rows = _store().list()
     if as_json:
         typer.echo(api.ListResponse(models=rows).model_dump_json(indent=2))

@@ -49,7 +49,7 @@ def render_pull(stream: Iterable[api.PullProgress], *, to: Console | None = None
     last_line = None
     try:
         for progress in stream:
-            if progress.status.startswith(("pulling ", "quantizing ")) and progress.completed is not None:
+            if progress.status.startswith(("pulling ", "quantizing ", "hashing ")) and progress.completed is not None:
                 key = progress.digest or progress.status
                 if not tasks:
                     bar.start()  # only once there are bytes to show: a pull with nothing to fetch stays two lines

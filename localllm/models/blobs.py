@@ -6,12 +6,18 @@ Layout under the store's root (see store.py for the manifests beside them)::
     blobs/sha256-<64 hex>-partial                a download in progress; the next pull resumes from it
     blobs/<stem>-partial.json                     what a resumed download must match (validator, size)
     corrupt/<digest>                              blobs `verify` found corrupt: a pull re-checks them before trusting
+    refs/<digest>                                 a blob held by reference (`add_reference`): blobs/<digest> is then
+                                                  a symlink to another tool's file, and this JSON records the size
+                                                  and mtime at which its sha256 was checked
     locks/writers.lock                            shared by every pull and create in progress; `prune` takes it whole
     locks/<stem>.lock                             one per blob: one writer, and no collection while it is held
     tmp/<random>/                                 scratch folders for work whose result becomes a blob
 
 A blob is renamed into place only after its sha256 checks, so a blob file is always whole. Removing one is the
-store's business (under its store lock, when no manifest names it); `remove_unheld` refuses blobs a writer holds."""
+store's business (under its store lock, when no manifest names it); `remove_unheld` refuses blobs a writer holds.
+Files of other tools (Ollama's, LM Studio's, the Hugging Face cache) become blobs without a copy: a hard link when on
+the same file system, else a symlink whose target is re-hashed when its size or mtime moves. Either way only our own
+name is ever removed, never the other tool's file."""
 
 from __future__ import annotations
 
@@ -20,8 +26,9 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -34,11 +41,22 @@ from .names import parse_digest
 BLOB_NAME = re.compile(r"^sha256-[0-9a-f]{64}$")
 
 
+@dataclass(frozen=True)
+class Reference:
+    """A blob that is another tool's file: where, and the size and mtime its sha256 was last checked at (None:
+    never, so the next check re-hashes)."""
+
+    path: Path
+    size: int | None
+    mtime_ns: int | None
+
+
 class Blobs:
     def __init__(self, root: Path):
         self.dir = root / "blobs"
         self.locks_dir = root / "locks"
         self.corrupt_dir = root / "corrupt"
+        self.refs_dir = root / "refs"
         self.scratch_root = root / "tmp"
 
     # ------------------------------------------------------------------------------------------------- locks
@@ -78,6 +96,10 @@ class Blobs:
         """The blob is there with the expected size, and re-hashes clean if `verify` found it corrupt before."""
         path = self.path(digest)
         if not path.is_file() or (size is not None and path.stat().st_size != size):
+            return False
+        try:
+            self.check_reference(digest)
+        except IntegrityError:
             return False
         if not self.marked_corrupt(digest):
             return True
@@ -148,6 +170,54 @@ class Blobs:
             self.mark_corrupt(digest, False)
         return digest
 
+    def add_reference(
+        self, path: Path, digest: str | None = None, *, link: bool = True, pins: ExitStack | None = None
+    ) -> Generator[int, None, str]:
+        """Make another tool's file a blob without copying it, and return its digest; yields the bytes hashed so far.
+
+        A hard link when `link` and the file is on this file system (its bytes are hashed through the link), else
+        a symlink plus a record of the file's size and mtime (check_reference re-hashes it when they change). Bytes
+        already stored intact are kept as they are. The file itself is only read. The blob's lock is entered on
+        `pins` (held until the caller's manifest names it), else held only while the blob is placed.
+
+        Raises:
+            InvalidInput: there is no file at `path`.
+            IntegrityError: the bytes do not hash to `digest`, or the file changed while it was read (nothing kept).
+        """
+        source = Path(path).expanduser().resolve()
+        if not source.is_file():
+            raise InvalidInput(f"no file at {source}")
+        if digest is not None and pins is not None:
+            pins.enter_context(file_lock(self.lock_path(parse_digest(digest))))
+        if digest is not None and self.has_trusted(digest, source.stat().st_size):
+            return parse_digest(digest)  # stored intact already (pulled, or imported before)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        temp = self.dir / f".tmp-{uuid.uuid4().hex}"
+        try:
+            linked = link and _hard_link(source, temp)
+            if not linked:
+                temp.symlink_to(source)
+            before = source.stat()
+            actual = yield from _hash_file(temp)
+            after = source.stat()
+            if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
+                raise IntegrityError(f"{source} changed while it was read", hint="try again once it is written")
+            if digest is not None and actual != parse_digest(digest):
+                raise IntegrityError(
+                    f"{source} is named {parse_digest(digest)} but its bytes hash to {actual}",
+                    hint="the file is damaged; the tool that wrote it can fetch it again",
+                )
+            with ExitStack() as held:
+                (pins or held).enter_context(file_lock(self.lock_path(actual)))
+                if not self.has_trusted(actual):
+                    if not linked:
+                        self._record_reference(actual, Reference(source, after.st_size, after.st_mtime_ns))
+                    os.replace(temp, self.path(actual))
+                    self.mark_corrupt(actual, False)
+            return actual
+        finally:
+            temp.unlink(missing_ok=True)
+
     @contextmanager
     def open_partial(self, digest: str | None, *, key: str = "", size: int | None = None) -> Iterator[PartialBlob]:
         """A blob being written, locked against other writers; see PartialBlob.
@@ -200,15 +270,61 @@ class Blobs:
     # ------------------------------------------------------------------------------------------------- checking
 
     def check(self, digest: str) -> str | None:
-        """None when the blob re-hashes to its digest, else what is wrong with it."""
+        """None when the blob re-hashes to its digest, else what is wrong with it. A blob held by reference that
+        checks clean has its record brought up to date."""
         path = self.path(digest)
+        ref = self.reference(digest)
         if not path.is_file():
-            return f"blob {digest} is missing"
+            return f"blob {digest} is {ref.path}, which is gone" if ref else f"blob {digest} is missing"
+        stat = path.stat()
         with path.open("rb") as handle:
             actual = hash_stream(handle)
         if actual != digest:
+            if ref is not None:
+                return f"blob {digest} is {ref.path}, which changed since it was imported (it hashes to {actual})"
             return f"blob {digest} is corrupt (its bytes hash to {actual})"
+        if ref is not None:
+            self._record_reference(digest, Reference(ref.path, stat.st_size, stat.st_mtime_ns))
         return None
+
+    def reference(self, digest: str) -> Reference | None:
+        """The other tool's file a blob is, or None for a blob of our own (a file, or a hard link)."""
+        path = self.path(digest)
+        if not path.is_symlink():
+            return None
+        try:
+            record = json.loads((self.refs_dir / path.name).read_text())
+            return Reference(Path(record["path"]), int(record["size"]), int(record["mtime_ns"]))
+        except (OSError, ValueError, KeyError, TypeError):  # no trustworthy record: re-hash before use
+            return Reference(Path(os.readlink(path)), None, None)
+
+    def check_reference(self, digest: str) -> None:
+        """For a blob held by reference, make sure its file is still there with the same bytes: a file whose size
+        or mtime moved is re-hashed (other bytes are marked corrupt, as `verify` would).
+
+        Raises:
+            IntegrityError: the file is gone, or now holds other bytes.
+        """
+        ref = self.reference(digest)
+        if ref is None:
+            return
+        try:
+            stat = ref.path.stat()
+        except OSError:
+            raise IntegrityError(
+                f"blob {parse_digest(digest)} is the file {ref.path}, which is gone",
+                hint="the tool that owned it removed it: import the model again, or `localllm rm` it",
+            ) from None
+        if (stat.st_size, stat.st_mtime_ns) == (ref.size, ref.mtime_ns):
+            return
+        problem = self.check(digest)
+        if problem:
+            self.mark_corrupt(digest, True)
+            raise IntegrityError(problem, hint="import the model again, or `localllm rm` it")
+
+    def _record_reference(self, digest: str, ref: Reference) -> None:
+        record = {"path": str(ref.path), "size": ref.size, "mtime_ns": ref.mtime_ns}
+        atomic_write(self.refs_dir / parse_digest(digest), json.dumps(record).encode())
 
     def marked_corrupt(self, digest: str) -> bool:
         return (self.corrupt_dir / parse_digest(digest)).exists()
@@ -228,16 +344,23 @@ class Blobs:
         with try_file_lock(self.lock_path(digest)) as free:
             if not free:  # a pull that holds it is about to name it; `prune` collects it later if not
                 return 0
-            freed = remove(self.path(digest))
+            freed = remove(self.path(digest))  # a link: only our name goes, never the file it names
             self.mark_corrupt(digest, False)
+            (self.refs_dir / parse_digest(digest)).unlink(missing_ok=True)
             return freed
 
     def unneeded(self, named: set[str]) -> list[Path]:
-        """What `prune` removes here: blobs and corrupt marks no manifest names, temp files, partial downloads."""
+        """What `prune` removes here: blobs, corrupt marks and reference records no manifest names (a reference's
+        link, never its file), records of blobs no longer held by reference, temp files, partial downloads."""
         found = [
             path
             for path in children(self.dir)
             if is_leftover(path.name) or (BLOB_NAME.match(path.name) and path.name not in named)
+        ]
+        found += [
+            path
+            for path in children(self.refs_dir)
+            if not BLOB_NAME.match(path.name) or path.name not in named or self.reference(path.name) is None
         ]
         return found + [path for path in children(self.corrupt_dir) if path.name not in named]
 
@@ -391,3 +514,26 @@ class PartialBlob:
 def is_leftover(name: str) -> bool:
     """A temp file of an interrupted write, or a partial download with its notes."""
     return name.startswith(".") and ".tmp-" in name or name.endswith(("-partial", "-partial.json"))
+
+
+def _hard_link(source: Path, link: Path) -> bool:
+    """Whether `link` now names the same file as `source` (False across file systems, or where links are refused)."""
+    try:
+        os.link(source, link)
+    except OSError:
+        return False
+    return True
+
+
+def _hash_file(path: Path) -> Generator[int, None, str]:
+    """The digest of a file, yielding the bytes read so far every few chunks."""
+    hasher = hashlib.sha256()
+    done = 0
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(CHUNK), b""):
+            hasher.update(block)
+            done += len(block)
+            if done % (64 * CHUNK) < CHUNK:
+                yield done
+    yield done
+    return f"sha256-{hasher.hexdigest()}"

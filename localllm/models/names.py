@@ -6,7 +6,7 @@ Grammar (Ollama's, plus Hugging Face and file paths)::
     path     := anything that ends in ".gguf" and contains "/" or starts with "." or "~"
     hf       := ("hf.co" | "huggingface.co") "/" org "/" repo [":" quant]
     short    := [host "/"] [namespace "/"] name [":" tag]
-    host     := part containing a "." or ":port"  (default "localllm")
+    host     := part containing a "." or ":port"  (default "localllm": a name pulled from LOCALLLM_REGISTRY)
     namespace, name, org, repo := part            (namespace default "library")
     tag, quant := part                            (tag default "latest"; quant default chosen at pull time)
     part     := [A-Za-z0-9] [A-Za-z0-9_.-]{0,79}, never containing ".."
@@ -60,6 +60,16 @@ class ModelRef:
         elif self.namespace != DEFAULT_NAMESPACE:
             prefix = f"{self.namespace}/"
         return f"{prefix}{self.name}:{self.tag}"
+
+    @property
+    def hostless(self) -> bool:
+        """A short name typed without a host: a registry pull asks LOCALLLM_REGISTRY for it."""
+        return self.kind == "short" and self.host == DEFAULT_HOST
+
+    @property
+    def repository(self) -> str:
+        """`<namespace>/<name>`: the repository a registry serves this name's manifests and blobs under."""
+        return f"{self.namespace}/{self.name}"
 
     @property
     def manifest_parts(self) -> tuple[str, ...]:

@@ -8,7 +8,8 @@ Sources, chosen from the name by `make_source`:
   (config.json + *.safetensors, no GGUF) is pulled as its set of files;
 - an http(s) URL to a GGUF, resumed with HTTP Range only while the file's validator (ETag or Last-Modified) is
   unchanged (If-Range), else downloaded whole again (a URL to one part of a split GGUF pulls every part);
-- a path to a local .gguf file, copied into the store under its file stem.
+- a path to a local .gguf file, copied into the store under its file stem;
+- any other name, `[host/][namespace/]name[:tag]`: its manifest and layers in an Ollama-style registry (registry.py).
 
 Bytes always land in the store's `-partial` file first and are renamed into place only after the sha256 checks, so a
 killed pull resumes where it stopped. A pull holds its blob's lock (Store.pin) from the check that the blob is there
@@ -34,10 +35,11 @@ from urllib.parse import unquote, urlparse
 from .. import api, config
 from ..errors import IntegrityError, InvalidName, LocalLLMError, ModelFormatError, ModelNotFound, NetworkError
 from .blobs import PartialBlob
-from .catalog import CatalogEntry, Mirror, WheelMember, WheelMembers, did_you_mean, find_entry
+from .catalog import CatalogEntry, Mirror, WheelMember, WheelMembers, find_entry
 from .diskspace import size_text
 from .files import CHUNK
 from .names import ModelRef, parse_ref
+from .registry import RegistrySource
 from .store import ResolvedModel, Store
 
 DEFAULT_QUANT = "Q4_K_M"
@@ -52,9 +54,9 @@ class Source(Protocol):
     def pull(self, store: Store) -> Progress: ...
 
 
-def pull_model(name: str, store: Store) -> Progress:
+def pull_model(name: str, store: Store, *, insecure: bool = False) -> Progress:
     """Pull `name` into `store`, yielding progress; a model already stored transfers nothing."""
-    source = make_source(name, store)
+    source = make_source(name, store, insecure=insecure)
     with store.blobs.writing():  # what it downloads is safe from `prune` until its manifest names it
         yield from source.pull(store)
 
@@ -74,9 +76,11 @@ def ensure_model(
     return store.resolve(source.stored_name)
 
 
-def make_source(name: str, store: Store | None = None) -> Source:
-    """The source a name stands for; an invalid name raises InvalidName before anything is fetched, and an unknown
-    one ModelNotFound suggesting the closest catalog (and, given `store`, stored) names."""
+def make_source(name: str, store: Store | None = None, *, insecure: bool = False) -> Source:
+    """The source a name stands for, in this order: a URL, a catalog name, hf.co/..., a .gguf path, else a name in
+    an Ollama-style registry (registry.py; `insecure` allows a plain-http one). An invalid name raises InvalidName
+    before anything is fetched; one the registry lacks raises ModelNotFound when pulled, suggesting the closest
+    catalog (and, given `store`, stored) names."""
     if _is_url(name):
         return URLSource(name)
     ref = parse_ref(name)
@@ -87,11 +91,8 @@ def make_source(name: str, store: Store | None = None) -> Source:
         return HFSource(ref)
     if ref.kind == "file":
         return FileSource(ref.path or Path(name))
-    suggestion = did_you_mean(ref.display, store.stored_names() if store is not None else ())
-    raise ModelNotFound(
-        f"model {ref.display!r} is not in the catalog",
-        hint=suggestion or "pull a catalog name (smollm2:135m, gemma3:270m), hf.co/<org>/<repo>, a URL or a path",
-    )
+    stored = tuple(store.stored_names()) if store is not None else ()
+    return RegistrySource(ref, download_url, insecure=insecure, stored=stored)
 
 
 # ------------------------------------------------------------------------------------------------------- catalog

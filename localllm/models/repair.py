@@ -1,6 +1,6 @@
 """`localllm verify --repair`: download again the blobs that are missing or that `verify` found corrupt, wherever the
-bytes have a source pinned by digest (a catalog entry, a Hugging Face repo). The good bytes replace the corrupt file
-in place, so every model naming that blob is whole again, copies included."""
+bytes have a source pinned by digest (a catalog entry, a Hugging Face repo, a registry's manifest). The good bytes
+replace the corrupt file in place, so every model naming that blob is whole again, copies included."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from .. import api
 from .catalog import CATALOG
 from .names import parse_ref
-from .pull import CatalogSource, HFSource
+from .pull import CatalogSource, HFSource, download_url
+from .registry import RegistrySource
 from .store import Store
 
 Progress = Iterator[api.PullProgress]
@@ -40,13 +41,19 @@ def _repair_one(store: Store, digest: str, names: list[str]) -> Progress:
         with store.blobs.pin(digest):
             yield from CatalogSource(entry).fetch_blob(store)
         return
+    pulled = next((n for n in names if "registry" in (store.source_of(n) or {})), None)
+    if pulled is not None:  # the tag is fetched again: its layers are named by digest
+        yield api.PullProgress(status=f"repairing {digest} from the registry ({pulled})", digest=digest)
+        insecure = str((store.source_of(pulled) or {}).get("registry", "")).startswith("http://")  # as pulled
+        yield from RegistrySource(parse_ref(pulled), download_url, insecure=insecure).pull(store)
+        return
     hf = _hf_source(store, names)
     if hf is not None:
         yield api.PullProgress(status=f"repairing {digest} from hf.co/{hf.repo}", digest=digest)
         yield from hf.pull(store)
         return
     yield api.PullProgress(
-        status=f"cannot repair {digest} of {', '.join(names)}: it has no catalog or Hugging Face "
-        "source; pull or create it again",
+        status=f"cannot repair {digest} of {', '.join(names)}: it has no catalog, Hugging Face or "
+        "registry source; pull, create or import it again",
         digest=digest,
     )

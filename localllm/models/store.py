@@ -4,7 +4,7 @@ Layout under the root (`LOCALLLM_HOME/models` by default); the blobs, their part
 locks are blobs.py's::
 
     manifests/<host>/<namespace>/<name>/<tag>   JSON: config (format, cached details) + layers (media type, digest)
-    blobs/ corrupt/ tmp/ locks/<stem>.lock       see blobs.py
+    blobs/ corrupt/ refs/ tmp/ locks/<stem>.lock see blobs.py (refs: blobs that are other tools' files)
     mlx/<manifest digest>/                        an MLX model's files as symlinks to its blobs, built on demand
     split/<digest of the parts>/                  a split GGUF's parts as symlinks named as gguf-split names them
                                                   (llama.cpp finds the parts by name), built on demand
@@ -51,6 +51,7 @@ MEDIA_LICENSE = "application/vnd.localllm.license"
 MEDIA_DRAFT = "application/vnd.localllm.draft"
 MEDIA_ADAPTER = "application/vnd.localllm.adapter"  # with its "scale" (default 1)
 MEDIA_QUALITY = "application/vnd.localllm.quantization-report+json"
+MEDIA_PROJECTOR = "application/vnd.localllm.projector"  # a vision projector, kept for a vision backend (unused yet)
 
 WEIGHT_MEDIA = {"gguf": MEDIA_GGUF, "mlx": MEDIA_MLX}
 MAX_SPLIT_PARTS = 9999  # gguf-split numbers parts with five digits
@@ -287,6 +288,7 @@ class Store:
         license: str | builtins.list[str] | None = None,
         draft: str | None = None,
         adapters: Sequence[str | tuple[str, float]] | None = None,
+        projectors: Sequence[str] = (),
         details: api.ModelDetails | None = None,
         source: dict[str, Any] | None = None,
         quality: api.QuantizationReport | None = None,
@@ -300,6 +302,7 @@ class Store:
             messages: api.Message objects or dicts.
             draft: a model name, kept as a reference (the draft's weights are resolved when loading).
             adapters: each LoRA adapter blob's digest, or (digest, scale) for a scale other than 1.
+            projectors: vision projector blobs (an Ollama model's), kept with the model but not loaded yet.
             details: cached for `list`; read from the GGUF metadata when not given.
             source: where the weights came from ({"url": ...}), kept in the manifest's config.
             quality: the quantization report of a model made by `create --quantize`.
@@ -317,6 +320,7 @@ class Store:
                 adapters=adapters,
                 quality=quality,
             )
+            layers += [self._layer(MEDIA_PROJECTOR, digest) for digest in projectors]
             if details is None and fmt == "gguf":
                 details = _inspect_details(self._gguf_parts(ref.display, layers)[0])
             model_config: dict[str, Any] = {"format": fmt}
@@ -482,6 +486,10 @@ class Store:
 
     def _existing_blob(self, manifest: _Manifest, digest: str) -> Path:
         path = self.blobs.path(digest)
+        try:
+            self.blobs.check_reference(digest)  # another tool's file: still there, still the same bytes
+        except IntegrityError as exc:
+            raise IntegrityError(f"model {manifest.ref.display!r}: {exc.message}", hint=exc.hint) from None
         if not path.is_file():
             raise IntegrityError(
                 f"model {manifest.ref.display!r}: blob {digest} is missing",
