@@ -104,7 +104,7 @@ def test_compaction_items_expand_to_the_summary():
     with pytest.raises(InvalidInput, match="must be the last"):
         responses.chat_request(early, [])
     assert compaction.summary_budget(10) == compaction.MIN_SUMMARY_TOKENS
-    assert compaction.summary_budget(600) == 300
+    assert compaction.summary_budget(600) == 150
     assert compaction.summary_budget(10**6) == compaction.MAX_SUMMARY_TOKENS
 
 
@@ -190,7 +190,7 @@ def test_responses_fields_honoured_or_named():
 
 @pytest.fixture(scope="module")
 def agents_url(models_home, tmp_path_factory):
-    """One slot, two threads and a model whose speculation is off: greedy answers compare token for token."""
+    """One slot, one thread and a model whose speculation is off: greedy answers compare token for token."""
     from server_harness import local_client
 
     home = private_home(models_home, tmp_path_factory.mktemp("agents"))
@@ -203,9 +203,9 @@ def agents_url(models_home, tmp_path_factory):
         client.close()
     with served(
         home,
-        LOCALLLM_CONTEXT_LENGTH="2048",
+        LOCALLLM_CONTEXT_LENGTH="1024",
         LOCALLLM_NUM_PARALLEL="1",
-        LOCALLLM_NUM_THREAD="2",
+        LOCALLLM_NUM_THREAD="1",
     ) as url:
         yield url
 
@@ -341,19 +341,19 @@ def test_claude_code_request_shapes(claude):
 
 def _turns(oai: openai.OpenAI) -> openai.types.responses.Response:
     first = oai.responses.create(
-        model=PINNED, input="Tell me about the river Thames.", temperature=0, max_output_tokens=160
+        model=PINNED, input="Tell me about the river Thames.", temperature=0, max_output_tokens=32
     )
     return oai.responses.create(
         model=PINNED,
         previous_response_id=first.id,
         input="And about its bridges?",
         temperature=0,
-        max_output_tokens=160,
+        max_output_tokens=32,
     )
 
 
 @pytest.mark.models
-def test_remote_compaction_replaces_the_history(oai):
+def test_compaction_replaces_the_history(oai):
     second = _turns(oai)
     compacted = oai.responses.compact(model=PINNED, previous_response_id=second.id)
     assert compacted.object == "response.compaction" and compacted.usage.output_tokens > 0
@@ -371,10 +371,7 @@ def test_remote_compaction_replaces_the_history(oai):
     with pytest.raises(openai.BadRequestError, match="encrypted_content"):
         oai.responses.create(model=PINNED, input=[tampered, ask], max_output_tokens=4)
 
-
-@pytest.mark.models
-def test_compaction_trigger_streams_the_item(oai):
-    second = _turns(oai)
+    # Newer Codex: the same compaction as a turn whose input ends with a compaction_trigger, streamed.
     events = list(
         oai.responses.create(
             model=PINNED, previous_response_id=second.id, input=[{"type": "compaction_trigger"}], stream=True
@@ -417,11 +414,11 @@ def test_input_items_and_codex_fields(oai, agents_url):
     assert [(i.type, i.role) for i in listed.data] == [("message", "developer"), ("message", "user")]
     assert listed.data[1].content[0].text == "Hi"
     assert httpx.get(f"{agents_url}/v1/responses/{reply.id}/input_items?limit=1").json()["has_more"] is True
-    long = "word " * 2500
+    long = "word " * 1200
     with pytest.raises(openai.BadRequestError):
         oai.responses.create(model=PINNED, input=long, max_output_tokens=2)
     cut = oai.responses.create(model=PINNED, input=long, max_output_tokens=2, truncation="auto")
-    assert cut.usage.input_tokens < 2048
+    assert cut.usage.input_tokens < 1024
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         oai.responses.create(model=PINNED, input="hi", include=["message.output_text.logprobs"])
     assert json.dumps(reply.to_dict())  # the whole answer parses as the SDK's Response

@@ -26,7 +26,7 @@ TOKEN_PREFIX = "localllm-compaction-v1."
 MAX_TOKEN_CHARS = 1 << 20  # a sealed summary far beyond any summary the token bound lets the model write
 
 MIN_SUMMARY_TOKENS = 32
-MAX_SUMMARY_TOKENS = 1024  # at most this much summary, and at most half the history it replaces
+MAX_SUMMARY_TOKENS = 1024  # at most this much summary, and at most a quarter of the history it replaces
 SUMMARY_SECONDS = 120.0  # the summary as written by then, if the model is still going
 
 SUMMARY_PROMPT = (
@@ -95,7 +95,7 @@ def summary_request(model: str, instructions: list[api.Message], conversation: l
 
 def summary_budget(history_tokens: int) -> int:
     """A summary is worth writing only when it is shorter than what it replaces."""
-    return max(MIN_SUMMARY_TOKENS, min(MAX_SUMMARY_TOKENS, history_tokens // 2))
+    return max(MIN_SUMMARY_TOKENS, min(MAX_SUMMARY_TOKENS, history_tokens // 4))
 
 
 async def summarize(
