@@ -361,7 +361,7 @@ def test_compaction_replaces_the_history(oai):
     assert kinds == [("message", "user"), ("message", "user"), ("compaction", None)]
     item = compacted.output[-1].model_dump(exclude_none=True)
     ask = {"role": "user", "content": "Summarise that in one line."}
-    after = [*[i.model_dump(exclude_none=True) for i in compacted.output], ask]
+    after = [*[i.model_dump(exclude_none=True, warnings=False) for i in compacted.output], ask]
     short = oai.responses.create(model=PINNED, input=after, temperature=0, max_output_tokens=4)
     full = oai.responses.create(
         model=PINNED, previous_response_id=second.id, input=[ask], temperature=0, max_output_tokens=4
