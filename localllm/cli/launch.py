@@ -96,7 +96,7 @@ def launch(
     tool: str = typer.Argument(..., help="the coding agent: " + ", ".join(TOOLS)),
     model: str | None = typer.Option(None, "--model", "-m", help="the model it uses (asked for when not given)"),
 ):
-    """Start a coding agent on a local model: claude (Claude Code), codex or opencode.
+    """Start a coding agent (claude, codex, opencode) on a local model.
 
     Arguments after `--` go to the agent, e.g. `localllm launch claude --model qwen2.5-coder:1.5b -- -p "hi"`."""
     target = TOOLS.get(tool)
