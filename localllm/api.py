@@ -641,3 +641,4 @@ class StoredResponse(_Model):
 
     response: dict[str, Any]
     messages: list[Message] = Field(default_factory=list)
+    input_items: list[dict[str, Any]] = Field(default_factory=list, description="this turn's input, for input_items")

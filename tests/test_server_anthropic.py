@@ -187,11 +187,12 @@ def test_stop_sequence_and_max_tokens(claude):
 
 
 def test_thinking_on_a_model_that_cannot_think(claude):
-    with pytest.raises(anthropic.BadRequestError, match="does not support thinking") as caught:
-        claude.messages.create(
-            model=MODEL, max_tokens=2048, messages=PARIS, thinking={"type": "enabled", "budget_tokens": 1024}
-        )
-    assert caught.value.body["error"]["type"] == "invalid_request_error"
+    # Claude Code asks for thinking whatever the model: the answer comes without it, and a header says so.
+    raw = claude.messages.with_raw_response.create(
+        model=MODEL, max_tokens=8, messages=PARIS, thinking={"type": "enabled", "budget_tokens": 4}, extra_body=GREEDY
+    )
+    assert [block.type for block in raw.parse().content] == ["text"]
+    assert "no thinking capability" in raw.headers["x-localllm-ignored"]
     off = claude.messages.create(model=MODEL, max_tokens=4, messages=PARIS, thinking={"type": "disabled"})
     assert off.content[0].type == "text"
 

@@ -428,12 +428,14 @@ class LocalClient:
         if not chunk.done:
             # The first chunk also says how long the prompt is, for streams that announce it before the answer
             # (Anthropic's message_start); Ollama's NDJSON leaves timing fields off all but the last chunk.
+            prompt = answer.announce()
             return api.ChatChunk(
                 model=name,
                 message=message,
                 tokens=list(chunk.tokens),
                 logprobs=_logprobs(loaded, chunk),
-                prompt_eval_count=answer.announce(),
+                prompt_eval_count=prompt,
+                prompt_cache_count=chunk.cached if prompt else 0,
             )
         return api.ChatChunk(
             model=name,

@@ -44,6 +44,7 @@ class EngineChunk:
     done_reason: str | None = None
     timings: Timings | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    cached: int = 0  # prompt tokens the prefix cache served, known from the first chunk on (Anthropic's message_start)
 
 
 @dataclass(frozen=True)
@@ -588,7 +589,7 @@ class ModelEngine:
         if text or shown:
             logprobs = tuple(out.pending_logprobs[: len(shown)])
             out.pending_logprobs.clear()
-            out.outbox.put(EngineChunk(text="".join(text), tokens=tuple(shown), logprobs=logprobs))
+            out.outbox.put(EngineChunk(text="".join(text), tokens=tuple(shown), logprobs=logprobs, cached=req.n_cached))
         if reason is not None:
             self._scheduler.finish(req, reason)
             self._report([req])

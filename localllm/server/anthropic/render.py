@@ -114,7 +114,7 @@ class MessageEvents:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": chunk.prompt_eval_count, "output_tokens": 0},
+            "usage": usage(chunk),  # the same split as message_delta's: cache reads apart from input_tokens
         }
         return [("message_start", {"type": "message_start", "message": start}), ("ping", {"type": "ping"})]
 

@@ -1,10 +1,13 @@
 """Anthropic's Messages request body and its translation into our api.ChatRequest.
 
 The wire types live here, as OpenAI's live in openai/requests.py: only these routes speak them. Content blocks become
-our messages: text joins into content, a `tool_use` becomes a tool call, a `tool_result` a tool message, a `thinking`
-block the assistant's thinking. `cache_control` is accepted anywhere and ignored: our prefix cache needs no marks.
-What cannot be expressed (images, documents) is a 400 naming the block. Server tools (web search, code execution)
-cannot run here: they are left out with a warning in the log, so an agent that always sends them still works."""
+our messages: text joins into content, a `tool_use` becomes a tool call (several in one turn stay one turn), a
+`tool_result` a tool message (`is_error` marks its text as an error), a `thinking` block the assistant's thinking.
+`cache_control` is accepted anywhere: our prefix cache reuses every prefix without marks. Claude Code's billing line
+is left out of the system prompt (billing_header.py). What cannot be expressed (images, documents) is a 400 naming
+the block. Server tools (web search, code execution) cannot run here: they are left out with a warning in the log, so
+an agent that always sends them still works. Fields accepted but without effect here are named by `ignored()`, which
+the route reports in the X-LocalLLM-Ignored header: nothing is dropped in silence."""
 
 from __future__ import annotations
 
@@ -15,12 +18,19 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ... import api
 from ...errors import InvalidInput
+from ..billing_header import strip_billing_header
 
 log = logging.getLogger(__name__)
 
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class _Body(BaseModel):
+    """A request body: fields we do not know are kept (model_extra), so they can be reported, not lost."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
 
 class AnthropicMessage(_Wire):
@@ -35,7 +45,7 @@ class AnthropicTool(_Wire):
     type: str | None = None
 
 
-class MessagesRequest(_Wire):
+class MessagesRequest(_Body):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
@@ -51,11 +61,11 @@ class MessagesRequest(_Wire):
         None, description="format (a JSON schema) is honoured; effort is accepted and left to the model"
     )
     output_format: dict[str, Any] | None = Field(None, description="the older name of output_config.format")
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = Field(None, description="user_id only, as Anthropic's; it has no effect here")
     stream: bool = False
 
 
-class CountTokensRequest(_Wire):
+class CountTokensRequest(_Body):
     """count_tokens takes the same body less max_tokens and the sampling fields."""
 
     model: str
@@ -73,6 +83,9 @@ class CountTokensRequest(_Wire):
 
 def chat_request(body: MessagesRequest | CountTokensRequest) -> api.ChatRequest:
     messages = chat_messages(body.messages)
+    if isinstance(body, MessagesRequest):
+        check_metadata(body.metadata)
+        check_budget(body.thinking, body.max_tokens)
     system = system_text(body.system)
     if system:
         messages.insert(0, api.Message(role="system", content=system))
@@ -109,9 +122,31 @@ def output_format(config: dict[str, Any] | None, legacy: dict[str, Any] | None) 
 
 
 def system_text(system: str | list[dict[str, Any]] | None) -> str:
+    """The system prompt: its text blocks joined, Claude Code's billing line left out (a block that held only the
+    line is left out whole, so the prompt is the one without it)."""
     if system is None or isinstance(system, str):
-        return system or ""
-    return "\n\n".join(_text_block(block, f"system.{i}") for i, block in enumerate(system))
+        return strip_billing_header(system or "")
+    texts = (strip_billing_header(_text_block(block, f"system.{i}")) for i, block in enumerate(system))
+    return "\n\n".join(text for text in texts if text)
+
+
+def ignored(body: MessagesRequest | CountTokensRequest) -> list[str]:
+    """The fields of `body` accepted without effect, each with why: reported to the client, never dropped silently."""
+    notes = [f"{name} (not part of the Messages API)" for name in sorted(body.model_extra or {})]
+    if (body.thinking or {}).get("budget_tokens") is not None:
+        notes.append("thinking.budget_tokens (max_tokens bounds the whole answer, thinking included)")
+    if isinstance(body, MessagesRequest) and body.metadata:
+        notes.append("metadata (no effect on a local model)")
+    return notes
+
+
+def check_metadata(metadata: dict[str, Any] | None) -> None:
+    """Anthropic's metadata holds only user_id, a string; anything else is a mistake worth a 400."""
+    for name, value in (metadata or {}).items():
+        if name != "user_id":
+            raise InvalidInput(f"metadata.{name} is not valid", hint="metadata takes only user_id")
+        if value is not None and (not isinstance(value, str) or len(value) > 256):
+            raise InvalidInput("metadata.user_id must be a string of at most 256 characters")
 
 
 def think(thinking: dict[str, Any] | None) -> bool | None:
@@ -128,6 +163,21 @@ def think(thinking: dict[str, Any] | None) -> bool | None:
             raise InvalidInput(f"thinking.budget_tokens {budget!r} must be a whole number of at least 1")
         return True
     raise InvalidInput(f"thinking.type {kind!r} is not valid", hint="use enabled or disabled")
+
+
+def check_budget(thinking: dict[str, Any] | None, max_tokens: int) -> None:
+    """Anthropic's rule: the thinking budget is part of max_tokens, so it must be smaller."""
+    budget = (thinking or {}).get("budget_tokens")
+    if (thinking or {}).get("type") == "enabled" and isinstance(budget, int) and budget >= max_tokens:
+        raise InvalidInput(
+            f"thinking.budget_tokens {budget} must be less than max_tokens {max_tokens}",
+            hint="raise max_tokens or lower the budget",
+        )
+
+
+def parallel_tools(choice: dict[str, Any] | None) -> bool:
+    """False when tool_choice says disable_parallel_tool_use: the answer then holds at most one tool call."""
+    return not (choice or {}).get("disable_parallel_tool_use", False)
 
 
 def tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -246,6 +296,11 @@ def _tool_input(value: Any, where: str) -> dict[str, Any]:
 
 
 def _unsupported(kind: Any, where: str) -> InvalidInput:
+    if kind in ("image", "document"):
+        return InvalidInput(
+            f"{where}: {kind} blocks need a vision model, which localllm cannot run yet",
+            hint="send the content as text; only text, tool_use, tool_result and thinking blocks are accepted",
+        )
     return InvalidInput(
         f"{where}: content blocks of type {kind!r} are not supported",
         hint="send text, tool_use, tool_result and thinking blocks; no vision model backend exists",

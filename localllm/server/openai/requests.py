@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ... import api
 from ...chat.thinking import think_from_effort
 from ...errors import InvalidInput
+from ..billing_header import without_billing_header
 
 
 class _Wire(BaseModel):
@@ -141,7 +142,7 @@ def chat_requests(body: ChatCompletionRequest) -> list[api.ChatRequest]:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     request = api.ChatRequest(
         model=body.model,
-        messages=chat_messages(body.messages),
+        messages=without_billing_header(chat_messages(body.messages)),  # Claude Code through a proxy
         stream=body.stream,
         options=sampling_options(body, max_tokens),
         format=response_format(body.response_format),

@@ -9,6 +9,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ... import api, config
 from ...errors import InvalidInput, ResponseNotFound
@@ -45,6 +46,33 @@ def load(response_id: str) -> api.StoredResponse:
             f"response {response_id!r} not found",
             hint="it was never stored (store: false), deleted, or pruned by age or count",
         ) from None
+
+
+MAX_PAGE = 100
+
+
+def input_items_page(
+    stored: api.StoredResponse, *, limit: int = 20, order: str = "desc", after: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's list of a response's input items: `limit` (1 to 100) of them in `order`, after the item `after`."""
+    if not 1 <= limit <= MAX_PAGE:
+        raise InvalidInput(f"limit {limit} is not valid", hint=f"use 1 to {MAX_PAGE}")
+    if order not in ("asc", "desc"):
+        raise InvalidInput(f"order {order[:20]!r} is not valid", hint="use asc or desc")
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise InvalidInput(f"after {after[:80]!r} is not an input item of this response")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
 
 
 def delete(response_id: str) -> None:

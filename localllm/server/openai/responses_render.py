@@ -121,8 +121,12 @@ class ResponseFrame:
             "tool_choice": body.tool_choice or "auto",
             "parallel_tool_calls": body.parallel_tool_calls,
             "text": body.text or {"format": {"type": "text"}},
-            "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
-            "truncation": "disabled",
+            "reasoning": {
+                "effort": (body.reasoning or {}).get("effort"),
+                "summary": (body.reasoning or {}).get("summary"),
+            },
+            "truncation": body.truncation or "disabled",
+            "prompt_cache_key": body.prompt_cache_key,
             "metadata": body.metadata or {},
             "usage": usage(final) if final is not None else None,
         }

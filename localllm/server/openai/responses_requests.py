@@ -1,15 +1,19 @@
 """OpenAI's Responses request body (what Codex speaks) and its translation into our api.ChatRequest.
 
 `input` is a string or a list of items: messages (with input_text / output_text parts), `function_call` and
-`function_call_output`, and `reasoning` (its text becomes the next assistant turn's thinking). `instructions` is the
-system prompt of this turn only; `previous_response_id` puts the stored conversation before the new input. Tools
-other than functions (web search, a local shell, custom grammar tools) cannot run here: they are left out with a
-warning in the log, so an agent that always sends them still works."""
+`function_call_output`, `reasoning` (its text becomes the next assistant turn's thinking), `compaction` (the sealed
+summary a compaction wrote, in place of the history it replaced: compaction.py), and a last `compaction_trigger`
+(this turn compacts instead of answering). `instructions` is the system prompt of this turn only;
+`previous_response_id` puts the stored conversation before the new input. Tools other than functions (web search, a
+local shell, custom grammar tools) cannot run here: they are left out with a warning in the log, so an agent that
+always sends them still works. Fields accepted without effect are named by `ignored()` (the X-LocalLLM-Ignored
+header); the rest are honoured or refused with a 400."""
 
 from __future__ import annotations
 
 import json
 import logging
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,12 +21,20 @@ from pydantic import BaseModel, ConfigDict, Field
 from ... import api
 from ...chat.thinking import think_from_effort
 from ...errors import InvalidInput
+from ..billing_header import strip_billing_header, without_billing_header
+from .compaction import summary_message, unseal
 
 log = logging.getLogger(__name__)
 
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class _Body(BaseModel):
+    """A request body: fields we do not know are kept (model_extra), so they can be reported, not lost."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
 
 class ResponseTool(_Wire):
@@ -33,7 +45,7 @@ class ResponseTool(_Wire):
     strict: bool | None = None
 
 
-class ResponsesRequest(_Wire):
+class ResponsesRequest(_Body):
     model: str
     input: str | list[dict[str, Any]] = Field(min_length=1)
     instructions: str | None = None
@@ -48,8 +60,38 @@ class ResponsesRequest(_Wire):
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = Field(True, description="false: at most one function call per answer")
+    prompt_cache_key: str | None = Field(
+        None, max_length=1024, description="echoed; our prefix cache matches any earlier prompt without a key"
+    )
+    include: list[str] | None = Field(None, max_length=32)
+    truncation: Literal["auto", "disabled"] | None = Field(
+        None, description="auto drops the oldest prompt tokens on overflow (reported), disabled answers 400"
+    )
     keep_alive: api.Duration | None = Field(None, description="Ollama's keep_alive (extension)")
+
+
+class CompactRequest(_Body):
+    """POST /v1/responses/compact: the conversation to compact (input, and/or a stored one)."""
+
+    model: str
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+
+
+# What `include` can ask for. Reasoning comes back whole in each reasoning item's content, so a stateless client
+# (store: false) has it without an encrypted copy; the tool outputs belong to tools that never run here.
+INCLUDE_ACCEPTED = {
+    "reasoning.encrypted_content": "reasoning items carry their text in content",
+    "web_search_call.action.sources": "no web search runs here",
+    "web_search_call.results": "no web search runs here",
+    "file_search_call.results": "no file search runs here",
+    "code_interpreter_call.outputs": "no code interpreter runs here",
+    "computer_call_output.output.image_url": "no computer use runs here",
+}
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
 
 
 # ---------------------------------------------------------------------------------------------------------- request
@@ -57,8 +99,9 @@ class ResponsesRequest(_Wire):
 
 def chat_request(body: ResponsesRequest, history: list[api.Message]) -> api.ChatRequest:
     """The chat request for one turn: this turn's instructions, the stored conversation (`history`), its input."""
-    calls = {call.id: call.function.name for m in history for call in m.tool_calls or [] if call.id}
-    messages = turn_instructions(body) + list(history) + input_messages(body.input, calls)
+    check_include(body.include)
+    check_reasoning_summary(body.reasoning)
+    messages = turn_instructions(body) + conversation(body.input, history)
     options = {"num_predict": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p}
     tools = [_tool(t) for t in body.tools or [] if _is_function(t)] or None
     return api.ChatRequest(
@@ -70,13 +113,56 @@ def chat_request(body: ResponsesRequest, history: list[api.Message]) -> api.Chat
         think=think_from_effort((body.reasoning or {}).get("effort"), field_name="reasoning.effort"),
         options={name: value for name, value in options.items() if value is not None},
         keep_alive=body.keep_alive,
+        truncate=body.truncation == "auto",
     )
 
 
-def turn_instructions(body: ResponsesRequest) -> list[api.Message]:
+def conversation(items: str | list[dict[str, Any]] | None, history: list[api.Message]) -> list[api.Message]:
+    """The stored conversation, then this input (less a final compaction_trigger), as messages."""
+    calls = {call.id: call.function.name for m in history for call in m.tool_calls or [] if call.id}
+    return list(history) + without_billing_header(input_messages(without_trigger(items), calls))
+
+
+def compaction_triggered(items: str | list[dict[str, Any]] | None) -> bool:
+    return isinstance(items, list) and bool(items) and items[-1].get("type") == "compaction_trigger"
+
+
+def without_trigger(items: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]]:
+    if items is None:
+        return []
+    return items[:-1] if compaction_triggered(items) else items
+
+
+def check_include(include: list[str] | None) -> None:
+    for value in include or []:
+        if value not in INCLUDE_ACCEPTED:
+            raise InvalidInput(
+                f"include {value!r} is not supported",
+                hint=f"use {', '.join(sorted(INCLUDE_ACCEPTED))}; for token logprobs use /v1/chat/completions",
+            )
+
+
+def check_reasoning_summary(reasoning: dict[str, Any] | None) -> None:
+    summary = (reasoning or {}).get("summary")
+    if summary is not None and summary not in REASONING_SUMMARIES:
+        raise InvalidInput(f"reasoning.summary {summary!r} is not valid", hint="use auto, concise or detailed")
+
+
+def ignored(body: ResponsesRequest | CompactRequest) -> list[str]:
+    """The fields of `body` accepted without effect, each with why: reported to the client, never dropped silently."""
+    notes = [f"{name} (not part of the Responses API here)" for name in sorted(body.model_extra or {})]
+    if isinstance(body, ResponsesRequest):
+        notes += [f"include {value} ({INCLUDE_ACCEPTED[value]})" for value in body.include or []]
+        if (body.reasoning or {}).get("summary"):
+            notes.append("reasoning.summary (no summary is written: the reasoning comes whole, in content)")
+    return notes
+
+
+def turn_instructions(body: ResponsesRequest | CompactRequest) -> list[api.Message]:
     """`instructions` as the system message of this turn only: OpenAI does not carry them to the next turn, so the
     stored conversation leaves them out."""
-    return [api.Message(role="system", content=body.instructions)] if body.instructions else []
+    text = strip_billing_header(body.instructions or "")
+    return [api.Message(role="system", content=text)] if text else []
 
 
 def tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -150,6 +236,11 @@ def input_messages(items: str | list[dict[str, Any]], earlier_calls: dict[str, s
             turn = _assistant_turn(out, thinking)
             turn.tool_calls = [*(turn.tool_calls or []), call]
             thinking = ""
+        elif kind == "compaction":
+            out.append(summary_message(unseal(item.get("encrypted_content"), where)))
+            thinking = ""
+        elif kind == "compaction_trigger":
+            raise InvalidInput(f"{where}: a compaction_trigger must be the last input item")
         elif kind == "function_call_output":
             output = item.get("output", "")
             out.append(
@@ -162,9 +253,23 @@ def input_messages(items: str | list[dict[str, Any]], earlier_calls: dict[str, s
         else:
             raise InvalidInput(
                 f"{where}: items of type {kind!r} are not supported",
-                hint="send messages, function_call, function_call_output and reasoning items",
+                hint="send messages, function_call, function_call_output, reasoning and compaction items",
             )
     return out
+
+
+def input_item_records(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This turn's input as GET /v1/responses/{id}/input_items lists it: every item typed and with an id."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": items}]}]
+    records = []
+    for item in items:
+        record = {"type": "message", **item}
+        if record["type"] == "message" and isinstance(record.get("content"), str):
+            record["content"] = [{"type": "input_text", "text": record["content"]}]
+        record.setdefault("id", f"{'msg' if record['type'] == 'message' else 'item'}_{uuid.uuid4().hex[:32]}")
+        records.append(record)
+    return records
 
 
 def _message(item: dict[str, Any], where: str, thinking: str) -> api.Message:

@@ -1,0 +1,41 @@
+"""At most one tool call per answer, for a request that turned parallel tool calls off (OpenAI's
+`parallel_tool_calls: false`, Anthropic's `disable_parallel_tool_use`): the model's first call is kept, as if it had
+stopped there. A wrapper over the client's chunk iterator that stays Cancellable, so the server can still cancel a
+queued request through it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from .. import api
+from ..client.protocol import Cancellable
+
+
+class FirstCallOnly:
+    def __init__(self, chunks: Iterator[api.ChatChunk]):
+        self._chunks = chunks
+
+    def __iter__(self) -> FirstCallOnly:
+        return self
+
+    def __next__(self) -> api.ChatChunk:
+        chunk = next(self._chunks)
+        calls, deltas = chunk.message.tool_calls, chunk.tool_call_deltas
+        if (calls is None or len(calls) < 2) and not any(d.index > 0 for d in deltas or []):
+            return chunk
+        message = chunk.message.model_copy(update={"tool_calls": calls[:1] if calls else calls})
+        kept = [d for d in deltas or [] if d.index == 0] or None
+        return chunk.model_copy(update={"message": message, "tool_call_deltas": kept})
+
+    def cancel(self) -> None:
+        if isinstance(self._chunks, Cancellable):
+            self._chunks.cancel()
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)  # a generator's; a plain iterator has none
+        if close is not None:
+            close()
+
+
+def one_call_at_most(chunks: Iterator[api.ChatChunk], parallel: bool) -> Iterator[api.ChatChunk]:
+    return chunks if parallel else FirstCallOnly(chunks)

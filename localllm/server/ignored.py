@@ -1,0 +1,22 @@
+"""The X-LocalLLM-Ignored response header: the request fields an agent route accepted without effect, each with
+why, so that nothing a client sends is dropped in silence (the agent APIs take many fields a local model has no use
+for, and refusing them would stop the agents that always send them)."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from starlette.responses import Response
+
+R = TypeVar("R", bound=Response)
+
+IGNORED_HEADER = "X-LocalLLM-Ignored"
+MAX_NOTES = 2000  # characters of the header; a body with hundreds of unknown fields is told about the first ones
+
+
+def with_notes(response: R, notes: list[str]) -> R:
+    """The notes as one header line: ASCII (field names come from the client) and bounded."""
+    if notes:
+        text = "; ".join(notes).encode("ascii", "backslashreplace").decode("ascii")
+        response.headers[IGNORED_HEADER] = text[:MAX_NOTES]
+    return response
