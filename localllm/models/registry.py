@@ -240,7 +240,8 @@ class RegistrySource:
                 return
             raise ModelNotFound(  # not found where we may look: a 404, as a name missing from the registry is
                 f"{nowhere}, and LOCALLLM_OFFLINE is set, so the registry {base} was not asked",
-                hint="unset LOCALLLM_OFFLINE (and HF_HUB_OFFLINE) to pull it",
+                hint=did_you_mean(self.stored_name, self._stored)
+                or "unset LOCALLLM_OFFLINE (and HF_HUB_OFFLINE) to pull it",
             )
         origin = f"{self.origin} at {base}"
         layers = parse_manifest(self._manifest(base, nowhere), origin)
@@ -286,7 +287,10 @@ class RegistrySource:
                     raise NetworkError(f"the registry {base} answered HTTP {response.status_code} for {self.origin}")
                 return _bounded_body(response, f"the manifest of {self.origin}")
         except httpx.TransportError as exc:
-            raise NetworkError(f"{nowhere}, and the registry {base} cannot be reached: {exc}") from None
+            raise NetworkError(
+                f"{nowhere}, and the registry {base} cannot be reached: {exc}",
+                hint=did_you_mean(self.stored_name, self._stored),  # a typo of a known name is the likelier story
+            ) from None
 
     def _fetch_layer(self, store: Store, base: str, layer: Layer) -> Progress:
         label = f"pulling {layer.digest.removeprefix('sha256-')[:12]}"
