@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any, BinaryIO, Generic, TypeVar
 
 from .. import __version__, api, config
-from ..chat.structured import ForcedCallStream, grammar_for_format, parse_tool_calls, tool_choice_grammar
+from ..chat.structured import grammar_for_format, tool_choice_grammar
 from ..chat.templates import render_chat, transcript_sampling
 from ..chat.thinking import (
     Split,
@@ -27,6 +27,7 @@ from ..chat.thinking import (
     supports_thinking,
     thinking_grammar,
 )
+from ..chat.tool_calls import ToolCallParser
 from ..engine.pool import Loaded, ModelPool, resolve_options
 from ..engine.runner import EngineChunk, GenerationParams, Stream
 from ..engine.speculative.speculation import load_speculation
@@ -305,9 +306,7 @@ class LocalClient:
                 _refuse_images(message.images)
         with self._admitted(requests, token, self._prepare_chat) as (loaded, prepared, streams, waited):
             for index, (request, (_, tools, answer), stream) in enumerate(zip(requests, prepared, streams)):
-                if tools and request.tool_choice not in (None, "auto"):
-                    chunks = self._chat_forced_call(request.model, stream, loaded, waited, answer)
-                elif tools:
+                if tools:
                     chunks = self._chat_with_tools(request.model, stream, loaded, waited, tools, answer)
                 else:
                     chunks = (self._chat_chunk(request.model, c, loaded, waited, answer) for c in stream)
@@ -374,57 +373,35 @@ class LocalClient:
     def _chat_with_tools(
         self, name: str, stream, loaded: Loaded, load_seconds: float, tools, answer: _Answer
     ) -> Iterator[api.ChatChunk]:
-        # Tool calls can only be recognised once the whole answer is known, so the text is held until the end.
-        parts: list[str] = []
-        thinking: list[str] = []
+        """An answer that may call tools (chat/tool_calls.py): text that may begin a call is held until decided,
+        calls stream as deltas (id and name, then pieces of the arguments), and the last chunk carries every whole
+        call. A forced call (its grammar's bare JSON) is parsed the same way."""
+        parser = ToolCallParser(tools)
         for chunk in stream:
             split = answer.feed(chunk)
-            parts.append(split.content)
-            thinking.append(split.thinking)
+            parsed = parser.feed(split.content)
             if chunk.done:
-                content, calls = parse_tool_calls("".join(parts), tools)
-                message = api.Message(
-                    role="assistant", content=content, thinking="".join(thinking) or None, tool_calls=calls or None
-                )
-                yield api.ChatChunk(
-                    model=name,
-                    message=message,
-                    done=True,
-                    done_reason=chunk.done_reason,
-                    stop_sequence=answer.stop_sequence,
-                    **_timing_fields(chunk, load_seconds),
-                )
-
-    def _chat_forced_call(
-        self, name: str, stream, loaded: Loaded, load_seconds: float, answer: _Answer
-    ) -> Iterator[api.ChatChunk]:
-        """A call the grammar forces ({"name": ..., "arguments": {...}}) streams as it is generated: its id and name
-        first, then pieces of its arguments' JSON; one cut off by num_predict ends with its partial arguments. A
-        thinking model's thinking comes first, apart."""
-        call = ForcedCallStream()
-        thinking: list[str] = []
-        for chunk in stream:
-            split = answer.feed(chunk)
-            thinking.append(split.thinking)
-            deltas = call.feed(split.content)
-            if not chunk.done:
-                if deltas or split.thinking:
-                    message = api.Message(role="assistant", thinking=split.thinking or None)
-                    yield api.ChatChunk(
-                        model=name, message=message, tool_call_deltas=deltas or None, tokens=list(chunk.tokens)
-                    )
-                continue
-            deltas += call.finish()
-            complete = call.complete()
+                parsed += parser.finish()
             message = api.Message(
-                role="assistant", thinking="".join(thinking) or None, tool_calls=[complete] if complete else None
+                role="assistant",
+                content=parsed.content,
+                thinking=split.thinking or None,
+                tool_calls=(parser.calls or None) if chunk.done else None,
             )
+            common = {"model": name, "message": message, "tool_call_deltas": parsed.deltas or None}
+            if not chunk.done:
+                yield api.ChatChunk(
+                    **common,
+                    tokens=list(chunk.tokens),
+                    logprobs=_logprobs(loaded, chunk),
+                    prompt_eval_count=answer.announce(),
+                )
+                continue
             yield api.ChatChunk(
-                model=name,
-                message=message,
-                tool_call_deltas=deltas or None,
+                **common,
                 done=True,
                 done_reason=chunk.done_reason,
+                stop_sequence=answer.stop_sequence,
                 **_timing_fields(chunk, load_seconds),
             )
 
