@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any, BinaryIO, Generic, TypeVar
 
 from .. import __version__, api, config
+from ..chat.fim import FimInput, fim_prompt, require_fim
 from ..chat.structured import grammar_for_format, tool_choice_grammar
 from ..chat.templates import render_chat, transcript_sampling
 from ..chat.thinking import (
@@ -160,7 +161,7 @@ class LocalClient:
         return RequestStream(lambda token: self._generate(request, token))
 
     def _generate(self, request: api.GenerateRequest, token: CancelToken) -> Iterator[api.GenerateChunk]:
-        if not request.prompt and not request.context:
+        if not (request.prompt or request.context or request.suffix or request.input_extra or request.middle):
             # Ollama: an empty prompt loads the model (or unloads it with keep_alive 0) and answers done.
             model = self.store.resolve(request.model)
             load, _ = resolve_options(model, request.options)
@@ -223,6 +224,8 @@ class LocalClient:
     def _prepare_generate(
         self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest, ready: float, token: CancelToken
     ) -> tuple[GenerationParams, _Answer]:
+        if _wants_fim(loaded, request):
+            return self._prepare_infill(loaded, model, request, ready)
         sampling = _bound_sampling(loaded, _generate_sampling(loaded, model, request))
         think = parse_think(request.think)
         template = _template(loaded, model, request.template)
@@ -235,6 +238,42 @@ class LocalClient:
             tokens,
             sampling,
             answer.grammar(grammar_for_format(request.format)),
+            request.truncate,
+            _logprobs_wanted(request),
+            started=ready,
+            keep_prefix=sampling.keep_prefix,
+        )
+        return params, answer
+
+    @staticmethod
+    def _prepare_infill(
+        loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest, ready: float
+    ) -> tuple[GenerationParams, _Answer]:
+        """Fill in the middle (chat/fim.py): the prompt is the code around the cursor between the model's FIM
+        tokens, not a chat turn; the room left for the answer is kept free of it."""
+        meta = loaded.engine.model.meta
+        fim = require_fim(request.model, meta.fim)
+        sampling = _bound_sampling(loaded, resolve_options(model, request.options)[1])
+        text = FimInput(
+            prefix=request.prompt,
+            suffix=request.suffix or "",
+            middle=request.middle or "",
+            extra=[(f.filename, f.text) for f in request.input_extra or []],
+        )
+        n_ctx = loaded.engine.n_ctx
+        reserve = sampling.num_predict if 0 < sampling.num_predict < n_ctx // 2 else n_ctx // 4
+        tokens = fim_prompt(
+            fim,
+            text,
+            lambda piece: loaded.engine.tokenize(piece, add_special=False, parse_special=False),
+            budget=n_ctx - reserve,
+            bos=meta.bos_token if meta.add_bos else None,
+        )
+        answer = _Answer.start(loaded, None, "", Think(), sampling.stop)
+        params = GenerationParams(
+            tokens,
+            sampling,
+            grammar_for_format(request.format),
             request.truncate,
             _logprobs_wanted(request),
             started=ready,
@@ -700,6 +739,14 @@ def _process_row(entry: Loaded, sharing: list[str]) -> api.ProcessModel:
         shares_weights_with=sharing,
         placement=_placement_rows(placement),
     )
+
+
+def _wants_fim(loaded: Loaded, request: api.GenerateRequest) -> bool:
+    """A suffix (or /infill's other fields) asks for fill in the middle; an empty suffix only of a model that can,
+    as Ollama then answers the plain prompt."""
+    if request.suffix or request.input_extra or request.middle:
+        return True
+    return request.suffix is not None and loaded.engine.model.meta.fim is not None
 
 
 def _generate_sampling(loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest) -> api.SamplingOptions:
