@@ -208,7 +208,7 @@ class ToolCallParser:
         """Between values: the first `{` or `[` of the candidate, an array's next element or its end."""
         stripped = self._pending.lstrip()
         if not stripped:
-            self._pending = ""
+            self._held, self._pending = self._held + self._pending, ""
             return False
         skipped = self._pending[: len(self._pending) - len(stripped)]
         ch = stripped[0]
