@@ -82,8 +82,8 @@ class _Call:
     args_start: int = -1
     args_end: int = -1
     sent: int = 0  # characters of the arguments already sent
-    _object: _JsonEnd = field(default_factory=_JsonEnd)
-    _args: _JsonEnd = field(default_factory=_JsonEnd)
+    object_end: _JsonEnd = field(default_factory=_JsonEnd)
+    args_end_at: _JsonEnd = field(default_factory=_JsonEnd)
 
 
 class ToolCallParser:
@@ -192,7 +192,7 @@ class ToolCallParser:
         if self._call is None:
             return self._next_value(out)
         call = self._call
-        end = call._object.feed(self._pending)
+        end = call.object_end.feed(self._pending)
         taken = self._pending if end is None else self._pending[:end]
         self._pending = "" if end is None else self._pending[end:]
         self._held += taken
@@ -228,7 +228,10 @@ class ToolCallParser:
             return True
         self._held += skipped
         self._pending = stripped
-        self._give_back(out)  # not a call after all
+        if self._committed:  # what follows calls already sent is not taken back: it is text after them
+            self._state = "close"
+        else:
+            self._give_back(out)  # not a call after all
         return True
 
     def _stream(self, call: _Call) -> list[ToolCallDelta]:
@@ -245,9 +248,9 @@ class ToolCallParser:
             self._count += 1
             self._committed += 1
             deltas.append(ToolCallDelta(index=call.index, id=call.id, name=name))
-            end = call._args.feed(call.text[call.args_start :])
+            end = call.args_end_at.feed(call.text[call.args_start :])
         elif call.args_end < 0:
-            end = call._args.feed(call.text[call.args_start + call.sent :])
+            end = call.args_end_at.feed(call.text[call.args_start + call.sent :])
             end = None if end is None else call.sent + end
         else:
             return deltas

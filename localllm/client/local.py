@@ -413,19 +413,18 @@ class LocalClient:
         self, name: str, stream, loaded: Loaded, load_seconds: float, tools, answer: _Answer
     ) -> Iterator[api.ChatChunk]:
         """An answer that may call tools (chat/tool_calls.py): text that may begin a call is held until decided,
-        calls stream as deltas (id and name, then pieces of the arguments), and the last chunk carries every whole
-        call. A forced call (its grammar's bare JSON) is parsed the same way."""
+        calls stream as deltas (id and name, then pieces of the arguments), and each whole call comes in the chunk
+        where it ended (as Ollama streams calls). A forced call (its grammar's bare JSON) is parsed the same way."""
         parser = ToolCallParser(tools)
+        shown = 0  # calls already sent whole
         for chunk in stream:
             split = answer.feed(chunk)
             parsed = parser.feed(split.content)
             if chunk.done:
                 parsed += parser.finish()
+            calls, shown = parser.calls[shown:], len(parser.calls)
             message = api.Message(
-                role="assistant",
-                content=parsed.content,
-                thinking=split.thinking or None,
-                tool_calls=(parser.calls or None) if chunk.done else None,
+                role="assistant", content=parsed.content, thinking=split.thinking or None, tool_calls=calls or None
             )
             common = {"model": name, "message": message, "tool_call_deltas": parsed.deltas or None}
             if not chunk.done:
