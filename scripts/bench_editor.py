@@ -93,35 +93,34 @@ class Inventory:
         return inventory
 '''
 
-TYPED_LINES = (43, 49)  # the lines retyped (sell's body), 0-based, end excluded
+TYPED_LINES = (44, 48)  # the lines retyped (sell's body), 0-based, end excluded
 
 
 def keystroke_bodies(source: str = SOURCE, lines: tuple[int, int] = TYPED_LINES) -> list[list[dict]]:
-    """Requests per word: each keystroke's /infill body, the cursor moving through the retyped lines."""
+    """Requests per word: each keystroke's /infill body, the cursor moving through the retyped lines (their
+    indentation comes at once, as an editor indents a new line)."""
     rows = source.splitlines(keepends=True)
     start, end = lines
     before, after = "".join(rows[:start]), "".join(rows[end:])
     words: list[list[dict]] = []
-    typed_lines = "".join(rows[start:end])
     done = ""  # whole lines typed so far
-    line = ""
-    for ch in typed_lines:
-        if ch == "\n":
-            done, line = done + line + ch, ""
-            continue
-        line += ch
-        body = {
-            "input_prefix": before + done,
-            "prompt": line,
-            "input_suffix": "\n" + after,
-            "n_predict": TOKENS,
-            "stream": True,
-            "cache_prompt": True,
-        }
-        if not words or ch == " ":
-            words.append([])
-        words[-1].append(body)
-    return [w for w in words if w]
+    for row in rows[start:end]:
+        text = row.rstrip("\n")
+        indent = text[: len(text) - len(text.lstrip())]
+        for i, ch in enumerate(text[len(indent) :]):
+            body = {
+                "input_prefix": before + done,
+                "prompt": text[: len(indent) + i + 1],
+                "input_suffix": "\n" + after,
+                "n_predict": TOKENS,
+                "stream": True,
+                "cache_prompt": True,
+            }
+            if i == 0 or ch == " ":
+                words.append([])
+            words[-1].append(body)
+        done += row
+    return words
 
 
 async def _to_tokens(client, url: str, body: dict, sent: float) -> float:

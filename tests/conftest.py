@@ -58,7 +58,7 @@ PINNED_CODER = "coder-pinned"
 
 @pytest.fixture(scope="module")
 def coder_url(coder_home, tmp_path_factory):
-    """The real server on qwen2.5-coder:0.5b as `coder-pinned`: greedy, 2 threads, no speculation, one slot, so
+    """The real server on qwen2.5-coder:0.5b as `coder-pinned`: greedy, one thread, no speculation, one slot, so
     that answers to the same request are the same tokens (numerics change with batch shapes and thread counts)."""
     from server_harness import local_client, private_home, served
 
@@ -66,7 +66,7 @@ def coder_url(coder_home, tmp_path_factory):
 
     home = private_home(coder_home, tmp_path_factory.mktemp("coder"))
     client = local_client(home)
-    pinned = {"temperature": 0, "num_thread": 2, "spec_type": "none"}
+    pinned = {"temperature": 0, "num_thread": 1, "spec_type": "none"}
     create = {"model": PINNED_CODER, "from": CODER_TEST_MODEL, "parameters": pinned}
     for _ in client.create(api.CreateRequest.model_validate(create)):
         pass
