@@ -337,9 +337,22 @@ class _InferenceRequest(_Model):
         return {} if value is None else value
 
 
+class InfillFile(_Model):
+    """Another file's text for fill in the middle (llama-server's input_extra entries)."""
+
+    filename: str = Field("tmp", max_length=4096)
+    text: str
+
+
 class GenerateRequest(_InferenceRequest):
     prompt: str = ""
-    suffix: str | None = None
+    suffix: str | None = Field(None, description="text after the cursor: the answer fills in the middle")
+    input_extra: list[InfillFile] | None = Field(
+        None, max_length=1024, description="other files, put before the code (llama-server's; localllm extension)"
+    )
+    middle: str | None = Field(
+        None, description="text after the middle token, the cursor line's start (llama-server's /infill prompt)"
+    )
     system: str | None = None
     template: str | None = None
     raw: bool = False

@@ -280,6 +280,12 @@ CACHE_DISK = Setting(
     parse_size,
     lambda: 0,
 )
+INFILL_MODEL = Setting(
+    "LOCALLLM_INFILL_MODEL",
+    "the model /infill uses when a request names none (llama.vscode and llama.vim name none)",
+    str,
+    lambda: "qwen2.5-coder:0.5b",
+)
 
 ALL: tuple[Setting, ...] = (
     HOME,
@@ -306,6 +312,7 @@ ALL: tuple[Setting, ...] = (
     CACHE_DISK,
     RESPONSES_MAX,
     RESPONSES_MAX_AGE,
+    INFILL_MODEL,
 )
 
 

@@ -95,6 +95,14 @@ def prefix_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return bench_prefix.prefix_figures(path, threads=args.threads, llama_server_binary=args.llama_server)
 
 
+def editor_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """Editor completion: typing replayed through /infill, each keystroke cancelling the last (scripts/bench_editor.py).
+    `python scripts/bench.py --models qwen2.5-coder:0.5b --only editor --llama-server PATH`."""
+    import bench_editor
+
+    return bench_editor.editor_figures(path, llama_server=args.llama_server)
+
+
 def mlx_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return run_mlx_benchmarks(path)
 
@@ -112,6 +120,7 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "defaults": ("Defaults: threads tuned as the model runs", defaults_section),
     "spec": ("Speculative decoding", spec_section),
     "prefix": ("Prefix cache beyond the slots", prefix_section),
+    "editor": ("Editor completion (fill in the middle)", editor_section),
     "mlx": ("MLX against llama.cpp (informational)", mlx_section),
     "rpc": ("RPC worker over loopback (informational)", rpc_section),
 }

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 CATALOG_TEST_MODELS = ("smollm2:135m", "gemma3:270m")
+CODER_TEST_MODEL = "qwen2.5-coder:0.5b"  # tool calls and fill in the middle: pulled only by the tests that use it
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +42,39 @@ def models_home() -> Path:
         for _ in pull_model(name, store):
             pass
     return home
+
+
+@pytest.fixture(scope="session")
+def coder_home(models_home) -> Path:
+    """models_home with qwen2.5-coder:0.5b pulled too (a real tool-calling, fill-in-the-middle model)."""
+    from localllm.models.pull import pull_model
+    from localllm.models.store import Store
+
+    for _ in pull_model(CODER_TEST_MODEL, Store(models_home / "models")):
+        pass
+    return models_home
+
+
+PINNED_CODER = "coder-pinned"
+
+
+@pytest.fixture(scope="module")
+def coder_url(coder_home, tmp_path_factory):
+    """The real server on qwen2.5-coder:0.5b as `coder-pinned`: greedy, one thread, no speculation, one slot, so
+    that answers to the same request are the same tokens (numerics change with batch shapes and thread counts)."""
+    from server_harness import local_client, private_home, served
+
+    from localllm import api
+
+    home = private_home(coder_home, tmp_path_factory.mktemp("coder"))
+    client = local_client(home)
+    pinned = {"temperature": 0, "num_thread": 1, "spec_type": "none"}
+    create = {"model": PINNED_CODER, "from": CODER_TEST_MODEL, "parameters": pinned}
+    for _ in client.create(api.CreateRequest.model_validate(create)):
+        pass
+    client.close()
+    with served(home, LOCALLLM_CONTEXT_LENGTH="2048", LOCALLLM_NUM_PARALLEL="1") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from ..api import LoadOptions, LoraAdapter, SamplingOptions
+from ..chat.fim import FimTokens
 from ..models.plan import Placement
 
 
@@ -40,6 +41,7 @@ class ModelMeta:
     size_bytes: int = 0
     has_mtp: bool = False
     description: str = ""
+    fim: FimTokens | None = None  # the fill-in-the-middle tokens, where the vocabulary has all three
 
 
 @dataclass

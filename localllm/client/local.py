@@ -15,7 +15,8 @@ from functools import partial
 from typing import Any, BinaryIO, Generic, TypeVar
 
 from .. import __version__, api
-from ..chat.structured import ForcedCallStream, grammar_for_format, parse_tool_calls, tool_choice_grammar
+from ..chat.fim import FimInput, fim_prompt, require_fim
+from ..chat.structured import grammar_for_format, tool_choice_grammar
 from ..chat.templates import render_chat, transcript_sampling
 from ..chat.thinking import (
     Split,
@@ -27,6 +28,7 @@ from ..chat.thinking import (
     supports_thinking,
     thinking_grammar,
 )
+from ..chat.tool_calls import ToolCallParser
 from ..engine.pool import Loaded, ModelPool
 from ..engine.runner import EngineChunk, GenerationParams, Stream
 from ..engine.speculative.speculation import load_speculation
@@ -150,7 +152,7 @@ class LocalClient:
         return RequestStream(lambda token: self._generate(request, token))
 
     def _generate(self, request: api.GenerateRequest, token: CancelToken) -> Iterator[api.GenerateChunk]:
-        if not request.prompt and not request.context:
+        if not (request.prompt or request.context or request.suffix or request.input_extra or request.middle):
             # Ollama: an empty prompt loads the model (or unloads it with keep_alive 0) and answers done.
             model = self.store.resolve(request.model)
             load, _ = resolve_options(model, request.options)
@@ -213,6 +215,8 @@ class LocalClient:
     def _prepare_generate(
         self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest, ready: float, token: CancelToken
     ) -> tuple[GenerationParams, _Answer]:
+        if _wants_fim(loaded, request):
+            return self._prepare_infill(loaded, model, request, ready)
         sampling = _bound_sampling(loaded, _generate_sampling(loaded, model, request))
         think = parse_think(request.think)
         template = _template(loaded, model, request.template)
@@ -225,6 +229,42 @@ class LocalClient:
             tokens,
             sampling,
             answer.grammar(grammar_for_format(request.format)),
+            request.truncate,
+            _logprobs_wanted(request),
+            started=ready,
+            keep_prefix=sampling.keep_prefix,
+        )
+        return params, answer
+
+    @staticmethod
+    def _prepare_infill(
+        loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest, ready: float
+    ) -> tuple[GenerationParams, _Answer]:
+        """Fill in the middle (chat/fim.py): the prompt is the code around the cursor between the model's FIM
+        tokens, not a chat turn; the room left for the answer is kept free of it."""
+        meta = loaded.engine.model.meta
+        fim = require_fim(request.model, meta.fim)
+        sampling = _bound_sampling(loaded, resolve_options(model, request.options)[1])
+        text = FimInput(
+            prefix=request.prompt,
+            suffix=request.suffix or "",
+            middle=request.middle or "",
+            extra=[(f.filename, f.text) for f in request.input_extra or []],
+        )
+        n_ctx = loaded.engine.n_ctx
+        reserve = sampling.num_predict if 0 < sampling.num_predict < n_ctx // 2 else n_ctx // 4
+        tokens = fim_prompt(
+            fim,
+            text,
+            lambda piece: loaded.engine.tokenize(piece, add_special=False, parse_special=False),
+            budget=n_ctx - reserve,
+            bos=meta.bos_token if meta.add_bos else None,
+        )
+        answer = _Answer.start(loaded, None, "", Think(), sampling.stop)
+        params = GenerationParams(
+            tokens,
+            sampling,
+            grammar_for_format(request.format),
             request.truncate,
             _logprobs_wanted(request),
             started=ready,
@@ -296,9 +336,7 @@ class LocalClient:
                 _refuse_images(message.images)
         with self._admitted(requests, token, self._prepare_chat) as (loaded, prepared, streams, waited):
             for index, (request, (_, tools, answer), stream) in enumerate(zip(requests, prepared, streams)):
-                if tools and request.tool_choice not in (None, "auto"):
-                    chunks = self._chat_forced_call(request.model, stream, loaded, waited, answer)
-                elif tools:
+                if tools:
                     chunks = self._chat_with_tools(request.model, stream, loaded, waited, tools, answer)
                 else:
                     chunks = (self._chat_chunk(request.model, c, loaded, waited, answer) for c in stream)
@@ -365,57 +403,34 @@ class LocalClient:
     def _chat_with_tools(
         self, name: str, stream, loaded: Loaded, load_seconds: float, tools, answer: _Answer
     ) -> Iterator[api.ChatChunk]:
-        # Tool calls can only be recognised once the whole answer is known, so the text is held until the end.
-        parts: list[str] = []
-        thinking: list[str] = []
+        """An answer that may call tools (chat/tool_calls.py): text that may begin a call is held until decided,
+        calls stream as deltas (id and name, then pieces of the arguments), and each whole call comes in the chunk
+        where it ended (as Ollama streams calls). A forced call (its grammar's bare JSON) is parsed the same way."""
+        parser = ToolCallParser(tools)
+        shown = 0  # calls already sent whole
         for chunk in stream:
             split = answer.feed(chunk)
-            parts.append(split.content)
-            thinking.append(split.thinking)
+            parsed = parser.feed(split.content)
             if chunk.done:
-                content, calls = parse_tool_calls("".join(parts), tools)
-                message = api.Message(
-                    role="assistant", content=content, thinking="".join(thinking) or None, tool_calls=calls or None
-                )
-                yield api.ChatChunk(
-                    model=name,
-                    message=message,
-                    done=True,
-                    done_reason=chunk.done_reason,
-                    stop_sequence=answer.stop_sequence,
-                    **_timing_fields(chunk, load_seconds),
-                )
-
-    def _chat_forced_call(
-        self, name: str, stream, loaded: Loaded, load_seconds: float, answer: _Answer
-    ) -> Iterator[api.ChatChunk]:
-        """A call the grammar forces ({"name": ..., "arguments": {...}}) streams as it is generated: its id and name
-        first, then pieces of its arguments' JSON; one cut off by num_predict ends with its partial arguments. A
-        thinking model's thinking comes first, apart."""
-        call = ForcedCallStream()
-        thinking: list[str] = []
-        for chunk in stream:
-            split = answer.feed(chunk)
-            thinking.append(split.thinking)
-            deltas = call.feed(split.content)
-            if not chunk.done:
-                if deltas or split.thinking:
-                    message = api.Message(role="assistant", thinking=split.thinking or None)
-                    yield api.ChatChunk(
-                        model=name, message=message, tool_call_deltas=deltas or None, tokens=list(chunk.tokens)
-                    )
-                continue
-            deltas += call.finish()
-            complete = call.complete()
+                parsed += parser.finish()
+            calls, shown = parser.calls[shown:], len(parser.calls)
             message = api.Message(
-                role="assistant", thinking="".join(thinking) or None, tool_calls=[complete] if complete else None
+                role="assistant", content=parsed.content, thinking=split.thinking or None, tool_calls=calls or None
             )
+            common = {"model": name, "message": message, "tool_call_deltas": parsed.deltas or None}
+            if not chunk.done:
+                yield api.ChatChunk(
+                    **common,
+                    tokens=list(chunk.tokens),
+                    logprobs=_logprobs(loaded, chunk),
+                    prompt_eval_count=answer.announce(),
+                )
+                continue
             yield api.ChatChunk(
-                model=name,
-                message=message,
-                tool_call_deltas=deltas or None,
+                **common,
                 done=True,
                 done_reason=chunk.done_reason,
+                stop_sequence=answer.stop_sequence,
                 **_timing_fields(chunk, load_seconds),
             )
 
@@ -712,6 +727,14 @@ def _process_row(entry: Loaded, sharing: list[str]) -> api.ProcessModel:
         shares_weights_with=sharing,
         placement=_placement_rows(placement),
     )
+
+
+def _wants_fim(loaded: Loaded, request: api.GenerateRequest) -> bool:
+    """A suffix (or /infill's other fields) asks for fill in the middle; an empty suffix only of a model that can,
+    as Ollama then answers the plain prompt."""
+    if request.suffix or request.input_extra or request.middle:
+        return True
+    return request.suffix is not None and loaded.engine.model.meta.fim is not None
 
 
 def _generate_sampling(loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest) -> api.SamplingOptions:

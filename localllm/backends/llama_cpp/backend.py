@@ -23,6 +23,7 @@ import llama_cpp
 import numpy as np
 
 from ...api import LoadOptions, LoraAdapter, SamplingOptions
+from ...chat.fim import FimTokens
 from ...errors import InvalidInput, LocalLLMError, ModelFormatError, WorkerLost
 from ...machine import physical_cores
 from ...models.options import context_size
@@ -336,6 +337,25 @@ def _read_meta(model, path: Path) -> ModelMeta:
         size_bytes=llama_cpp.llama_model_size(model),
         has_mtp=llama_cpp.llama_model_n_layer_nextn(model) > 0,
         description=desc.value.decode("utf-8", "replace"),
+        fim=_fim_tokens(vocab),
+    )
+
+
+def _fim_tokens(vocab) -> FimTokens | None:
+    """llama.cpp's FIM tokens (from metadata, or recognised by their text); None unless prefix, suffix and middle
+    are all there."""
+
+    def token(tok: int) -> int | None:
+        return tok if tok >= 0 else None
+
+    pre, suf, mid = (
+        token(f(vocab))
+        for f in (llama_cpp.llama_vocab_fim_pre, llama_cpp.llama_vocab_fim_suf, llama_cpp.llama_vocab_fim_mid)
+    )
+    if pre is None or suf is None or mid is None:
+        return None
+    return FimTokens(
+        pre, suf, mid, rep=token(llama_cpp.llama_vocab_fim_rep(vocab)), sep=token(llama_cpp.llama_vocab_fim_sep(vocab))
     )
 
 

@@ -50,7 +50,11 @@ def tool_use_block(call: api.ToolCall) -> dict[str, Any]:
 
 
 def _tool_id(call: api.ToolCall) -> str:
-    return "toolu_" + (call.id or uuid.uuid4().hex[:24]).removeprefix("call_")
+    return tool_id(call.id)
+
+
+def tool_id(call_id: str | None) -> str:
+    return "toolu_" + (call_id or uuid.uuid4().hex[:24]).removeprefix("call_")
 
 
 def content_blocks(message: api.Message) -> list[dict[str, Any]]:
@@ -82,7 +86,8 @@ def message(merged: api.ChatChunk, model: str, message_id: str) -> dict[str, Any
 @dataclass
 class MessageEvents:
     """A chat stream as Anthropic's events. Blocks open when their first text comes; the thinking block closes (with
-    its signature) when the answer's text begins; tool calls, known only at the end, come last, each one block."""
+    its signature) when the answer's text begins; each tool call is a tool_use block, opened when its name is known
+    and filled by input_json_delta pieces as its arguments are generated."""
 
     model: str
     message_id: str = field(default_factory=lambda: new_id("msg"))
@@ -90,6 +95,7 @@ class MessageEvents:
     _open: str | None = None  # the kind of the block now open
     _thinking: list[str] = field(default_factory=list)
     _started: bool = False
+    _streamed_calls: bool = False
 
     def events(self, chunk: api.ChatChunk) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
@@ -100,6 +106,8 @@ class MessageEvents:
             self._thinking.append(chunk.message.thinking)
         if chunk.message.content:
             out += self._delta("text", {"type": "text_delta", "text": chunk.message.content})
+        for delta in chunk.tool_call_deltas or []:
+            out += self._call_delta(delta)
         if chunk.done:
             out += self._finish(chunk)
         return out
@@ -127,6 +135,16 @@ class MessageEvents:
             else []
         )
         return out + [("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})]
+
+    def _call_delta(self, delta: api.ToolCallDelta) -> list[tuple[str, dict[str, Any]]]:
+        if delta.id is not None:
+            self._streamed_calls = True
+            block = {"type": "tool_use", "id": tool_id(delta.id), "name": delta.name or "", "input": {}}
+            return self._open_block("tool_use", block)
+        if not delta.arguments:
+            return []
+        piece = {"type": "input_json_delta", "partial_json": delta.arguments}
+        return [("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": piece})]
 
     def _open_block(self, kind: str, block: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         out = self._close_block()
@@ -158,7 +176,7 @@ class MessageEvents:
         out = []
         if self._index < 0 and not chunk.message.tool_calls:
             out += self._open_block("text", {"type": "text", "text": ""})
-        for call in chunk.message.tool_calls or []:
+        for call in chunk.message.tool_calls or [] if not self._streamed_calls else []:
             block = tool_use_block(call)
             out += self._open_block("tool_use", {**block, "input": {}})
             out.append(
@@ -172,7 +190,8 @@ class MessageEvents:
                 )
             )
         out += self._close_block()
-        delta = {"stop_reason": stop_reason(chunk), "stop_sequence": chunk.stop_sequence}
+        reason = "tool_use" if self._streamed_calls and chunk.done_reason != "length" else stop_reason(chunk)
+        delta = {"stop_reason": reason, "stop_sequence": chunk.stop_sequence}
         out.append(("message_delta", {"type": "message_delta", "delta": delta, "usage": usage(chunk)}))
         out.append(("message_stop", {"type": "message_stop"}))
         return out

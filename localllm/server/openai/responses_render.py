@@ -86,7 +86,7 @@ def answer_message(items: list[dict[str, Any]]) -> api.Message:
             id=i["call_id"], function=api.ToolCallFunction(name=i["name"], arguments=json.loads(i["arguments"]))
         )
         for i in items
-        if i["type"] == "function_call"
+        if i["type"] == "function_call" and i["status"] == "completed"
     ]
     return api.Message(role="assistant", content=text, thinking=thinking or None, tool_calls=calls or None)
 
@@ -140,8 +140,9 @@ class ResponseFrame:
 
 @dataclass
 class ResponseEvents:
-    """A chat stream as Responses events. The reasoning item streams first, then the message; tool calls, known only
-    at the end, come last. `items` holds the finished output items, for the final response and the store."""
+    """A chat stream as Responses events. The reasoning item streams first, then the message; each tool call is a
+    function_call item, added when its name is known and filled by argument deltas. `items` holds the finished
+    output items, for the final response and the store."""
 
     frame: ResponseFrame
     items: list[dict[str, Any]] = field(default_factory=list)
@@ -149,6 +150,8 @@ class ResponseEvents:
     _seq: int = 0
     _open: dict[str, Any] | None = None
     _text: list[str] = field(default_factory=list)
+    _call: dict[str, Any] | None = None  # the function_call item now streaming
+    _streamed_calls: bool = False
 
     def events(self, chunk: api.ChatChunk) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -162,9 +165,34 @@ class ResponseEvents:
             out += self._delta("reasoning", chunk.message.thinking)
         if chunk.message.content:
             out += self._delta("message", chunk.message.content)
+        for delta in chunk.tool_call_deltas or []:
+            out += self._call_delta(delta)
         if chunk.done:
             out += self._finish(chunk)
         return out
+
+    def _call_delta(self, delta: api.ToolCallDelta) -> list[dict[str, Any]]:
+        if delta.id is not None:
+            out = self._close_item() + self._close_call("completed")
+            call = api.ToolCall(id=delta.id, function=api.ToolCallFunction(name=delta.name or ""))
+            self._call, self._streamed_calls = function_call_item(call, "", "in_progress"), True
+            return out + [self._event("response.output_item.added", output_index=len(self.items), item=self._call)]
+        if self._call is None or not delta.arguments:
+            return []
+        self._call = {**self._call, "arguments": self._call["arguments"] + delta.arguments}
+        where = {"item_id": self._call["id"], "output_index": len(self.items)}
+        return [self._event("response.function_call_arguments.delta", **where, delta=delta.arguments)]
+
+    def _close_call(self, status: str) -> list[dict[str, Any]]:
+        if self._call is None:
+            return []
+        item, self._call = {**self._call, "status": status}, None
+        where = {"item_id": item["id"], "output_index": len(self.items)}
+        self.items.append(item)
+        return [
+            self._event("response.function_call_arguments.done", **where, arguments=item["arguments"]),
+            self._event("response.output_item.done", output_index=where["output_index"], item=item),
+        ]
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self._seq, **fields}
@@ -183,7 +211,7 @@ class ResponseEvents:
         return out + [self._event(name, **self._where(), content_index=0, delta=text, **extra)]
 
     def _open_item(self, kind: str) -> list[dict[str, Any]]:
-        out = self._close_item()
+        out = self._close_call("completed") + self._close_item()
         item = reasoning_item("") if kind == "reasoning" else message_item("", status="in_progress")
         item["content"] = []
         if kind == "reasoning":
@@ -217,10 +245,11 @@ class ResponseEvents:
 
     def _finish(self, chunk: api.ChatChunk) -> list[dict[str, Any]]:
         out = []
-        if not self.items and self._open is None and not chunk.message.tool_calls:
+        if not self.items and self._open is None and self._call is None and not chunk.message.tool_calls:
             out += self._open_item("message")
         out += self._close_item()
-        for call in chunk.message.tool_calls or []:
+        out += self._close_call("incomplete" if chunk.done_reason == "length" else "completed")
+        for call in chunk.message.tool_calls or [] if not self._streamed_calls else []:
             item = function_call_item(call)
             where = {"item_id": item["id"], "output_index": len(self.items)}
             out += [

@@ -1,0 +1,340 @@
+"""Tool calls in a model's answer, parsed as it streams: one parser for every route, streamed or not.
+
+Models write calls in a few shapes: their template's syntax (Qwen's and Hermes' `<tool_call>{json}</tool_call>`,
+several in a row for a multi-call turn), and the JSON small models emit instead: a bare object or array of
+{"name", "arguments"} at the start of the answer (what a forced call's grammar produces too), or the same inside a
+```json fence. `ToolCallParser.feed` takes the answer's text as it arrives and gives back the content that is surely
+text and the calls' pieces (`ToolCallDelta`: a call's id and name, then fragments of its arguments' JSON, as OpenAI
+streams them). Text that may be the start of a call is held back until it is decided: a call naming an unknown tool,
+or JSON that is not a call, goes out as text after all."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..api import Tool, ToolCall, ToolCallDelta, ToolCallFunction
+from .thinking import held_back
+
+TAG_OPEN = "<tool_call>"
+TAG_CLOSE = "</tool_call>"
+FENCE = "```"
+_FENCE_LANGS = ("", "json", "tool_call", "tool_code")
+# The head of a call whose arguments can stream: `{"name": "...", "arguments": ` (or "parameters"), then a `{`.
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)', re.S)
+_FENCE_HEAD = re.compile(r"```([A-Za-z_]*)(\s*)")
+_MAX_FENCE_LANG = 16
+
+
+@dataclass
+class Parsed:
+    """What one piece of the answer decided: text to show and pieces of calls."""
+
+    content: str = ""
+    deltas: list[ToolCallDelta] = field(default_factory=list)
+
+    def __iadd__(self, other: Parsed) -> Parsed:
+        self.content += other.content
+        self.deltas += other.deltas
+        return self
+
+
+class _JsonEnd:
+    """Finds where one JSON value ends in text fed piece by piece: counts brackets outside strings."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self._in_string = False
+        self._escaped = False
+
+    def feed(self, text: str) -> int | None:
+        """The index in `text` just past the value's end, or None while it goes on."""
+        for i, ch in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
+
+
+@dataclass
+class _Call:
+    """One call object being read: its raw text, and once its head is known, its id, name and streamed arguments."""
+
+    index: int
+    text: str = ""
+    id: str | None = None
+    name: str | None = None
+    args_start: int = -1
+    args_end: int = -1
+    sent: int = 0  # characters of the arguments already sent
+    object_end: _JsonEnd = field(default_factory=_JsonEnd)
+    args_end_at: _JsonEnd = field(default_factory=_JsonEnd)
+
+
+class ToolCallParser:
+    """Feed an answer's text; get `Parsed` pieces; `finish()` at the end. `calls` then holds every whole call
+    (a call cut off by num_predict streamed its pieces but is not among them)."""
+
+    def __init__(self, tools: list[Tool]):
+        self._known = {t.function.name for t in tools}
+        self._pending = ""  # text not decided yet
+        self._held = ""  # text of a candidate call, given back as text if it is not one
+        self._state = "text"  # text | value | array | close
+        self._closer: str | None = None  # what ends the candidate: the closing tag, the fence, or nothing (bare)
+        self._bare_allowed = True  # a bare JSON call may start here (the answer's start, or right after a call)
+        self._call: _Call | None = None
+        self._committed = 0  # calls of the current candidate already streamed
+        self.calls: list[ToolCall] = []
+        self._count = 0
+
+    # ------------------------------------------------------------------------------------------------- feeding
+
+    def feed(self, text: str) -> Parsed:
+        self._pending += text
+        out = Parsed()
+        while self._pending and self._step(out, final=False):
+            pass
+        return out
+
+    def finish(self) -> Parsed:
+        """The end of the answer: decide what was held back. JSON cut off before it showed itself a call is text;
+        a call cut off after its head streamed keeps its pieces."""
+        out = Parsed()
+        while self._pending and self._step(out, final=True):
+            pass
+        call = self._call
+        if self._state in ("value", "array") and not self._committed and (call is None or call.id is None):
+            self._say(out, self._held + self._pending)
+        self._pending, self._held = "", ""
+        return out
+
+    def _step(self, out: Parsed, *, final: bool) -> bool:
+        """Consume what can be decided now; False when the rest must wait for more text."""
+        if self._state == "text":
+            return self._in_text(out, final)
+        if self._state in ("value", "array"):
+            return self._in_value(out)
+        return self._in_close(final)
+
+    # ------------------------------------------------------------------------------------------------- text
+
+    def _in_text(self, out: Parsed, final: bool) -> bool:
+        text = self._pending
+        if self._bare_allowed:  # at the answer's start or after a call, whitespace is no content
+            text = self._pending = text.lstrip()
+            if not text:
+                return False
+            if text[0] in "{[":
+                self._open("", text, closer=None)
+                return True
+        start = self._marker(text)
+        if start is None:
+            hold = 0 if final else max(held_back(text, TAG_OPEN), held_back(text, FENCE))
+            self._say(out, text[: len(text) - hold])
+            self._pending = text[len(text) - hold :]
+            return False
+        self._say(out, text[:start])
+        rest = text[start:]
+        if rest.startswith(TAG_OPEN):
+            self._open(TAG_OPEN, rest[len(TAG_OPEN) :], closer=TAG_CLOSE)
+            return True
+        return self._fence(out, rest, final)
+
+    @staticmethod
+    def _marker(text: str) -> int | None:
+        found = [i for i in (text.find(TAG_OPEN), text.find(FENCE)) if i >= 0]
+        return min(found) if found else None
+
+    def _fence(self, out: Parsed, rest: str, final: bool) -> bool:
+        """A fence opens a call when its language is JSON-like (or none) and its body starts with `{` or `[`."""
+        head = _FENCE_HEAD.match(rest)
+        assert head is not None
+        lang = head.group(1)
+        if head.end() == len(rest) and not final and len(lang) <= _MAX_FENCE_LANG:
+            self._pending = rest
+            return False  # the fence's language or its first line may still be arriving
+        body = rest[head.end() :]
+        if lang.lower() in _FENCE_LANGS and body[:1] in ("{", "["):
+            self._open(rest[: head.end()], body, closer=FENCE)
+            return True
+        self._say(out, FENCE)
+        self._pending = rest[len(FENCE) :]
+        return True
+
+    def _say(self, out: Parsed, text: str) -> None:
+        if text:
+            out.content += text
+            if text.strip():
+                self._bare_allowed = False
+
+    def _open(self, opener: str, rest: str, *, closer: str | None) -> None:
+        self._held, self._pending = opener, rest
+        self._state, self._closer, self._committed, self._call = "value", closer, 0, None
+
+    # ------------------------------------------------------------------------------------------------- values
+
+    def _in_value(self, out: Parsed) -> bool:
+        if self._call is None:
+            return self._next_value(out)
+        call = self._call
+        end = call.object_end.feed(self._pending)
+        taken = self._pending if end is None else self._pending[:end]
+        self._pending = "" if end is None else self._pending[end:]
+        self._held += taken
+        call.text += taken
+        out.deltas += self._stream(call)
+        if end is None:
+            return False
+        self._call = None
+        self._end_call(out, call)
+        return True
+
+    def _next_value(self, out: Parsed) -> bool:
+        """Between values: the first `{` or `[` of the candidate, an array's next element or its end."""
+        stripped = self._pending.lstrip()
+        if not stripped:
+            self._held, self._pending = self._held + self._pending, ""
+            return False
+        skipped = self._pending[: len(self._pending) - len(stripped)]
+        ch = stripped[0]
+        if self._state == "value" and ch == "[":
+            self._state, self._held, self._pending = "array", self._held + skipped + ch, stripped[1:]
+            return True
+        if self._state == "array" and ch in ",]":
+            self._held += skipped + ch
+            self._pending = stripped[1:]
+            if ch == "]":
+                self._state = "close"
+            return True
+        if ch == "{":
+            self._held += skipped
+            self._pending = stripped
+            self._call = _Call(index=self._count)
+            return True
+        self._held += skipped
+        self._pending = stripped
+        if self._committed:  # what follows calls already sent is not taken back: it is text after them
+            self._state = "close"
+        else:
+            self._give_back(out)  # not a call after all
+        return True
+
+    def _stream(self, call: _Call) -> list[ToolCallDelta]:
+        """The deltas the call's text so far makes known: its head once it is whole, then its arguments' text."""
+        deltas: list[ToolCallDelta] = []
+        if call.id is None:
+            head = _CALL_HEAD.match(call.text)
+            if head is None:
+                return deltas
+            name = json.loads(f'"{head.group(1)}"')
+            if name not in self._known:
+                return deltas  # maybe JSON that merely looks like a call: decided when it is whole
+            call.id, call.name, call.args_start = _new_id(), name, head.end()
+            self._count += 1
+            self._committed += 1
+            deltas.append(ToolCallDelta(index=call.index, id=call.id, name=name))
+            end = call.args_end_at.feed(call.text[call.args_start :])
+        elif call.args_end < 0:
+            end = call.args_end_at.feed(call.text[call.args_start + call.sent :])
+            end = None if end is None else call.sent + end
+        else:
+            return deltas
+        if end is not None:
+            call.args_end = call.args_start + end
+        upto = call.args_end if call.args_end >= 0 else len(call.text)
+        fragment = call.text[call.args_start + call.sent : upto]
+        if fragment:
+            deltas.append(ToolCallDelta(index=call.index, arguments=fragment))
+            call.sent += len(fragment)
+        return deltas
+
+    def _end_call(self, out: Parsed, call: _Call) -> None:
+        """A call object is whole: keep it as a call, or, if it is none, give the candidate back as text."""
+        parsed = _as_call(call.text, self._known)
+        if call.id is None and parsed is None:
+            if not self._committed:
+                self._give_back(out)
+                return
+            # a stray element after real calls is dropped
+        elif call.id is None and parsed is not None:
+            call.id = _new_id()
+            self._count += 1
+            self._committed += 1
+            out.deltas += [
+                ToolCallDelta(index=call.index, id=call.id, name=parsed.function.name),
+                ToolCallDelta(index=call.index, arguments=json.dumps(parsed.function.arguments)),
+            ]
+        if parsed is not None and call.id is not None:
+            self.calls.append(ToolCall(id=call.id, function=parsed.function))
+        if self._state == "value":
+            self._state = "close"
+
+    def _give_back(self, out: Parsed) -> None:
+        held, self._held = self._held, ""
+        self._state, self._call = "text", None
+        self._say(out, held)
+        self._bare_allowed = False
+
+    # ------------------------------------------------------------------------------------------------- closing
+
+    def _in_close(self, final: bool) -> bool:
+        """After a call: its closing tag or fence (a missing one is forgiven), then text again."""
+        stripped = self._pending.lstrip()
+        closer = self._closer
+        if closer and stripped.startswith(closer):
+            self._pending = stripped[len(closer) :]
+        elif closer and not final and closer.startswith(stripped):
+            return False  # maybe the closer, arriving
+        else:
+            self._pending = stripped
+        self._state, self._held, self._bare_allowed = "text", "", True
+        return True
+
+
+def _new_id() -> str:
+    return f"call_{uuid.uuid4().hex[:12]}"
+
+
+def _as_call(raw: str, known: set[str]) -> ToolCall | None:
+    """A call object's text as a call: {"name", "arguments"|"parameters"} (arguments may be a JSON string), or
+    OpenAI's {"type": "function", "function": {...}}, naming a known tool."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    if isinstance(data, dict) and isinstance(data.get("function"), dict):
+        data = data["function"]
+    if not isinstance(data, dict) or data.get("name") not in known:
+        return None
+    args: Any = data.get("arguments", data.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(id=_new_id(), function=ToolCallFunction(name=data["name"], arguments=args))
+
+
+def parse_tool_calls(text: str, tools: list[Tool]) -> tuple[str, list[ToolCall]]:
+    """A whole answer split into (content, calls): the streaming parser fed at once."""
+    parser = ToolCallParser(tools)
+    parsed = parser.feed(text)
+    parsed += parser.finish()
+    return parsed.content, parser.calls

@@ -1,0 +1,249 @@
+"""Tool calls: the one parser (every shape models write, fed in any pieces), and a real tool-calling model
+(qwen2.5-coder:0.5b) on every route, streamed and not, through the official `ollama`, `openai` and `anthropic`
+packages. Streamed calls must arrive as call deltas, never as text, and add up to the non-streamed answer."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import anthropic
+import gguf
+import ollama
+import openai
+import pytest
+from conftest import CODER_TEST_MODEL, PINNED_CODER
+
+from localllm.api import Message, Tool, ToolCall, ToolCallFunction
+from localllm.chat.templates import render_chat
+from localllm.chat.tool_calls import ToolCallParser, parse_tool_calls
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TOOLS = [Tool.model_validate(WEATHER), Tool.model_validate({"type": "function", "function": {"name": "add"}})]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+# ---------------------------------------------------------------------------------------------------------- parser
+
+CALLS = [
+    # (answer, content, calls): Qwen's tags, several in a row, fenced and bare JSON, arrays, other key names
+    (
+        '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+        "",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, "}"]}}\n</tool_call>',
+        "",
+        [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": [2, "}"]})],
+    ),
+    ('{"name": "get_weather", "arguments": {"city": "Pa\\"ris"}}', "", [("get_weather", {"city": 'Pa"ris'})]),
+    (
+        '[{"name": "get_weather", "arguments": {"city": "A"}}, {"name": "add", "arguments": {"a": 1}}]',
+        "",
+        [("get_weather", {"city": "A"}), ("add", {"a": 1})],
+    ),
+    (
+        'Let me check. <tool_call>{"name": "get_weather", "parameters": {"city": "X"}}</tool_call>',
+        "Let me check. ",
+        [("get_weather", {"city": "X"})],
+    ),
+    ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}', "", [("get_weather", {"city": "Rome"})]),
+    ('{"type": "function", "function": {"name": "add", "arguments": {"a": 3}}}', "", [("add", {"a": 3})]),
+    (
+        '\n{"name": "get_weather", "arguments": {}}\n{"name": "add", "arguments": {"a": 2}}',
+        "",
+        [
+            ("get_weather", {}),
+            ("add", {"a": 2}),
+        ],
+    ),
+    # text that only looks like the start of a call goes out as text after all
+    ("Code:\n```python\nprint({1: 2})\n```\nDone.", "Code:\n```python\nprint({1: 2})\n```\nDone.", []),
+    ('{"answer": 42}', '{"answer": 42}', []),
+    ('```json\n{"foo": 1}\n```', '```json\n{"foo": 1}\n```', []),
+    ('{"name": "unknown_tool", "arguments": {}}', '{"name": "unknown_tool", "arguments": {}}', []),
+    ("a < b and ``` inline", "a < b and ``` inline", []),
+    ("<tool_call> is how I call tools", "<tool_call> is how I call tools", []),
+]
+
+
+def _feed(answer: str, pieces) -> tuple[str, list, dict[int, dict]]:
+    parser = ToolCallParser(TOOLS)
+    content, streamed = "", {}
+    cuts = [0]
+    while cuts[-1] < len(answer):
+        cuts.append(cuts[-1] + pieces())
+    parts = [parser.feed(answer[a:b]) for a, b in zip(cuts, cuts[1:])] + [parser.finish()]
+    for parsed in parts:
+        content += parsed.content
+        for delta in parsed.deltas:
+            call = streamed.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = delta.id or call["id"]
+            call["name"] = delta.name or call["name"]
+            call["arguments"] += delta.arguments
+    return content, [(c.function.name, c.function.arguments) for c in parser.calls], streamed
+
+
+@pytest.mark.parametrize(("answer", "content", "calls"), CALLS)
+def test_the_parser_finds_the_calls_however_the_answer_is_cut(answer, content, calls):
+    whole = _feed(answer, lambda: len(answer))
+    assert whole[:2] == (content, calls)
+    # The streamed deltas are the calls: one id and name each, arguments adding up to the same JSON.
+    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(whole[2].items())] == calls
+    for seed in range(40):
+        rng = random.Random(seed)
+        cut = _feed(answer, lambda rng=rng: rng.randint(1, 5))
+        assert cut[:2] == whole[:2] and [c["arguments"] for c in cut[2].values()] == [
+            c["arguments"] for c in whole[2].values()
+        ]
+
+
+def test_arguments_stream_in_pieces_and_a_cut_off_call_keeps_its_partial_arguments():
+    parser = ToolCallParser(TOOLS)
+    answer = '{"name": "get_weather", "arguments": {"city": "Par'
+    deltas = [d for piece in answer.split(" ") for d in parser.feed(piece + " ").deltas] + parser.finish().deltas
+    assert deltas[0].id and deltas[0].name == "get_weather" and not deltas[0].arguments
+    assert len(deltas) > 2 and "".join(d.arguments for d in deltas).startswith('{"city": "Par')
+    assert parser.calls == []  # not a whole call
+
+
+def test_the_whole_answer_parser_is_the_streaming_one():
+    assert parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', TOOLS)[1][0].function == (
+        ToolCallFunction(name="add", arguments={"a": 1})
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------- template
+
+
+@pytest.mark.models
+def test_the_qwen_template_renders_tools_multi_call_turns_and_results(coder_home):
+    from localllm.models.store import Store
+
+    weights = Store(Path(coder_home) / "models").resolve(CODER_TEST_MODEL).weights
+    field = gguf.GGUFReader(str(weights)).fields["tokenizer.chat_template"]
+    template = bytes(field.parts[field.data[0]]).decode()
+    calls = [
+        ToolCall(id=f"call_{c}", function=ToolCallFunction(name="get_weather", arguments={"city": c})) for c in "AB"
+    ]
+    messages = [
+        Message(role="user", content="Weather in A and B?"),
+        Message(role="assistant", tool_calls=calls),
+        Message(role="tool", content='{"c": 21}', tool_name="get_weather"),
+        Message(role="tool", content='{"c": 25}', tool_name="get_weather"),
+    ]
+    prompt = render_chat(template, [m.model_dump(exclude_none=True) for m in messages], tools=[WEATHER])
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt
+    assert prompt.count('<tool_call>\n{"name": "get_weather"') == 2 and '"arguments": {"city": "B"}' in prompt
+    assert '<tool_response>\n{"c": 21}\n</tool_response>\n<tool_response>\n{"c": 25}' in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+# ---------------------------------------------------------------------------------------------------------- routes
+
+
+def _assert_weather(name: str, arguments: dict) -> None:
+    assert name == "get_weather" and isinstance(arguments.get("city"), str) and arguments["city"]
+
+
+@pytest.mark.models
+def test_ollama_chat_calls_the_tool_streamed_and_not(coder_url):
+    client = ollama.Client(host=coder_url)
+    whole = client.chat(model=PINNED_CODER, messages=ASK, tools=[WEATHER], options={"num_predict": 80})
+    (call,) = whole.message.tool_calls
+    _assert_weather(call.function.name, call.function.arguments)
+    assert not (whole.message.content or "").strip()
+    chunks = list(
+        client.chat(model=PINNED_CODER, messages=ASK, tools=[WEATHER], options={"num_predict": 80}, stream=True)
+    )
+    streamed = [c for chunk in chunks for c in chunk.message.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        (call.function.name, call.function.arguments)
+    ]
+    assert not "".join(chunk.message.content or "" for chunk in chunks).strip()  # never as text
+
+
+@pytest.mark.models
+def test_openai_chat_streams_the_call_as_argument_deltas(coder_url):
+    oai = openai.OpenAI(base_url=coder_url + "/v1", api_key="none", max_retries=0)
+    ask = dict(model=PINNED_CODER, messages=ASK, tools=[WEATHER], max_tokens=80)
+    whole = oai.chat.completions.create(**ask).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    (call,) = whole.message.tool_calls
+    _assert_weather(call.function.name, json.loads(call.function.arguments))
+    chunks = list(oai.chat.completions.create(**ask, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    # As OpenAI streams a call: the first delta has the id and name, the next ones pieces of the arguments.
+    assert deltas[0].id and deltas[0].function.name == "get_weather"
+    assert len(deltas) > 2 and all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == json.loads(call.function.arguments)
+    assert not any(c.choices and c.choices[0].delta.content for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.models
+def test_anthropic_messages_stream_tool_use_with_input_json_deltas(coder_url):
+    claude = anthropic.Anthropic(base_url=coder_url, api_key="none", max_retries=0)
+    ask = dict(model=PINNED_CODER, max_tokens=80, messages=ASK, tools=[_anthropic_tool()])
+    whole = claude.messages.create(**ask)
+    (block,) = [b for b in whole.content if b.type == "tool_use"]
+    assert whole.stop_reason == "tool_use" and not [b for b in whole.content if b.type == "text" and b.text.strip()]
+    _assert_weather(block.name, block.input)
+    with claude.messages.stream(**ask) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert [s.content_block.type for s in starts] == ["tool_use"] and starts[0].content_block.name == "get_weather"
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == block.input
+    assert final.stop_reason == "tool_use" and final.content[0].input == block.input
+
+    # The result goes back as a tool_result block, which the model's template renders as a tool turn.
+    def result_turn(result: str) -> list[dict]:
+        call = {"role": "assistant", "content": [block.model_dump(exclude_none=True)]}
+        reply = {"type": "tool_result", "tool_use_id": block.id, "content": result}
+        return [*ASK, call, {"role": "user", "content": [reply]}]
+
+    def count(result: str) -> int:
+        turn = result_turn(result)
+        return claude.messages.count_tokens(model=PINNED_CODER, tools=[_anthropic_tool()], messages=turn).input_tokens
+
+    assert count("sunny " * 21) - count("sunny") >= 20
+    answer = claude.messages.create(
+        model=PINNED_CODER, max_tokens=8, tools=[_anthropic_tool()], messages=result_turn("18 C")
+    )
+    assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+@pytest.mark.models
+def test_responses_stream_a_function_call_item(coder_url):
+    oai = openai.OpenAI(base_url=coder_url + "/v1", api_key="none", max_retries=0)
+    tool = {"type": "function", **WEATHER["function"]}
+    ask = dict(model=PINNED_CODER, input=ASK[0]["content"], tools=[tool], max_output_tokens=80, store=False)
+    whole = oai.responses.create(**ask)
+    (item,) = [i for i in whole.output if i.type == "function_call"]
+    _assert_weather(item.name, json.loads(item.arguments))
+    assert not [i for i in whole.output if i.type == "message"]
+    events = list(oai.responses.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert "response.output_text.delta" not in kinds
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert added.item.type == "function_call" and added.item.name == "get_weather"
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == json.loads(item.arguments)
+    done = next(e for e in events if e.type == "response.completed").response
+    assert [i.type for i in done.output] == ["function_call"]
+
+
+def _anthropic_tool() -> dict:
+    function = WEATHER["function"]
+    return {"name": function["name"], "description": function["description"], "input_schema": function["parameters"]}
