@@ -27,7 +27,7 @@ from ..errors import InvalidInput, QueueFull
 from ..machine import physical_cores
 from ..models.options import bound_load, check_memory, model_facts
 from ..models.store import ResolvedModel, Store
-from .prefix_cache import make_prefix_cache
+from .prefix_cache import make_prefix_cache, sweep_unfinished
 from .runner import ModelEngine
 from .speculative.speculation import Speculation
 from .threads import ThreadTuner
@@ -114,6 +114,7 @@ class ModelPool:
         self._load_lock = threading.Lock()
         self._speculation_factory = speculation_factory
         self._probe = LoadProbe.for_store(self.store)
+        sweep_unfinished(config.prefix_cache_dir())  # writes a killed process left, whichever model they were for
         self._reaper = threading.Thread(target=self._reap_forever, name="localllm-keepalive", daemon=True)
         self._stopping = threading.Event()
         self._reaper.start()

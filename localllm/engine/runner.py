@@ -425,10 +425,12 @@ class ModelEngine:
         try:
             self.model.decode(step.batch)
         except LocalLLMError as exc:
-            for work in step.work:
-                self._scheduler.finish(work.request, "error")
-                self._close_request(work.request, exc)
+            if not self._rewind_restores(step):
+                for work in step.work:
+                    self._scheduler.finish(work.request, "error")
+                    self._close_request(work.request, exc)
             return
+        self._confirm_restores(step)
         seconds = time.perf_counter() - t0
         if self.threads is not None:
             # Wall time, not CPU time: a thread that waits for a core another process holds is what it must see.
@@ -445,6 +447,27 @@ class ModelEngine:
         self._scheduler.update(step, sampled)
         self._drop_rejected(step)
         self._emit(step, sampled)
+
+    def _rewind_restores(self, step: Step) -> bool:
+        """A decode that fails on the rows right after a restore blames that saved state: it is dropped (RAM and
+        disk), its request prefills from the start and the step runs again; False when no restore is to blame."""
+        blamed = [req for req in self._scheduler.in_batch(step) if req.unconfirmed is not None]
+        if not blamed:
+            return False
+        for req in blamed:
+            assert req.unconfirmed is not None
+            self._keeper.discard(req.unconfirmed)
+            req.unconfirmed = None
+        for seq, keep in self._scheduler.rewind(step, restart=blamed):
+            self.model.remove(seq, keep)
+        self._publish_cache_figures()
+        return True
+
+    def _confirm_restores(self, step: Step) -> None:
+        for req in self._scheduler.in_batch(step):
+            if req.unconfirmed is not None:
+                self._keeper.confirm(req.unconfirmed)
+                req.unconfirmed = None
 
     def _set_threads(self, kind: StepKind) -> int:
         if self.threads is None:

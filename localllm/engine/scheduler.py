@@ -58,6 +58,7 @@ class Request(Generic[SinkT]):
     keep_prefix: bool = False  # when it ends, save its slot as a pinned prefix (the API's keep_prefix)
     cache_tier: str | None = None  # where its reused prefix came from: "slot", "ram" or "disk"
     restoring: bool = False  # waiting for the engine to restore a saved prefix into its slot
+    unconfirmed: Entry | None = None  # the saved prefix restored into its slot, until a decode continues from it
 
     @property
     def finished(self) -> bool:
@@ -248,6 +249,34 @@ class Scheduler:
         slot.cached, slot.floor = [], 0
         request.n_cached = request.n_prefilled = 0
         request.cache_tier = None
+
+    def in_batch(self, step: Step) -> dict[Request[Any], int]:
+        """The requests with rows in the step's batch, each with the first position it decodes there."""
+        first: dict[Request[Any], int] = {}
+        for seq, pos in zip(step.batch.seqs, step.batch.positions):
+            req = self.table.slots[seq].request
+            if req is not None:
+                first[req] = min(pos, first.get(req, pos))
+        return first
+
+    def rewind(self, step: Step, *, restart: list[Request[Any]]) -> list[tuple[int, int]]:
+        """Undo a step whose decode failed so that it can run again: `restart` (requests whose restored prefix the
+        decode refused) prefill their prompts from the start, the others repeat their rows. The (seq, keep) cuts
+        that leave each slot's KV as this bookkeeping says."""
+        cuts = []
+        for req, start in self.in_batch(step).items():
+            slot = req.slot
+            if slot is None:
+                continue
+            if req in restart:
+                slot.cached, slot.floor = [], 0
+                req.n_cached = req.n_prefilled = 0
+                req.cache_tier = None
+                start = 0
+            elif slot.state is SlotState.PREFILL:
+                req.n_prefilled = start
+            cuts.append((slot.seq, start))
+        return cuts
 
     def _add_decode(self, step: Step, slot: Slot[Request[Any]], req: Request[Any], budget: int) -> int:
         draft = req.draft[: max(0, min(self.draft_room(req), budget - 1))]
