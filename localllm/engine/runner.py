@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import config
 from ..api import SamplingOptions, Timings
 from ..backends.base import LoadedModel
 from ..errors import Cancelled, ContextOverflow, InvalidInput, LocalLLMError, QueueFull
@@ -200,6 +201,7 @@ class ModelEngine:
         self.speculation = speculation
         self.threads = threads  # None: the count is pinned (or the backend schedules its own threads)
         self._threads_now = 0
+        self._all_deterministic = config.DETERMINISTIC.get()  # a server for evaluation runs: every request
         # Prefixes evicted from the slots, in RAM and on disk (engine/prefix_cache.py); only this thread touches it.
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         self._scheduler = Scheduler(
@@ -262,7 +264,9 @@ class ModelEngine:
         )
         if params.started is not None:
             sink.t_submit = params.started
-        return Request(prompt=prompt, max_tokens=max_tokens, sink=sink, keep_prefix=params.keep_prefix), params
+        request = Request(prompt=prompt, max_tokens=max_tokens, sink=sink, keep_prefix=params.keep_prefix)
+        request.deterministic = opts.deterministic or self._all_deterministic
+        return request, params
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         future: Future[list[list[float]]] = Future()
@@ -360,7 +364,7 @@ class ModelEngine:
             sampler = request.sampler = self.model.make_sampler(params.sampling, grammar=params.grammar)
             for tok in request.prompt:
                 sampler.accept(tok)
-            if self.speculation is not None:
+            if self.speculation is not None and not request.deterministic:  # verify batches change numerics
                 request.drafter = self.speculation.drafter_for(
                     params.sampling, grammar=params.grammar, n_prompt=len(request.prompt)
                 )
@@ -420,7 +424,8 @@ class ModelEngine:
         if not step.batch.tokens:
             return
         kind: StepKind = "decode" if all(step.batch.logits) else "batch"
-        threads = self._set_threads(kind)
+        steady = self._scheduler.alone  # a deterministic request's steps: one thread count, whatever the timings
+        threads = self._set_threads(kind, steady=steady)
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             self.model.decode(step.batch)
@@ -432,7 +437,7 @@ class ModelEngine:
             return
         self._confirm_restores(step)
         seconds = time.perf_counter() - t0
-        if self.threads is not None:
+        if self.threads is not None and not steady:
             # Wall time, not CPU time: a thread that waits for a core another process holds is what it must see.
             self.threads.record(kind, threads, len(step.batch), seconds)
         if kind == "batch" and self.prefix_cache is not None:
@@ -469,10 +474,10 @@ class ModelEngine:
                 self._keeper.confirm(req.unconfirmed)
                 req.unconfirmed = None
 
-    def _set_threads(self, kind: StepKind) -> int:
+    def _set_threads(self, kind: StepKind, *, steady: bool = False) -> int:
         if self.threads is None:
             return 0
-        threads = self.threads.choose(kind)
+        threads = self.threads.most if steady else self.threads.choose(kind)
         if threads != self._threads_now:
             self.model.set_threads(threads)
             self._threads_now = threads

@@ -59,6 +59,9 @@ class Request(Generic[SinkT]):
     cache_tier: str | None = None  # where its reused prefix came from: "slot", "ram" or "disk"
     restoring: bool = False  # waiting for the engine to restore a saved prefix into its slot
     unconfirmed: Entry | None = None  # the saved prefix restored into its slot, until a decode continues from it
+    # Deterministic mode: it runs alone (no other request's rows in its batches) and prefills its whole prompt from
+    # position 0 in the same chunks, so nothing cached or running beside it changes its numerics.
+    deterministic: bool = False
 
     @property
     def finished(self) -> bool:
@@ -167,6 +170,11 @@ class Scheduler:
     def running(self) -> list[Request[Any]]:
         return [req for _, req in self.table.serving()]
 
+    @property
+    def alone(self) -> bool:
+        """Whether a deterministic request holds the engine (its steps also keep a fixed thread count)."""
+        return any(req.deterministic for _, req in self.table.serving())
+
     # ----------------------------------------------------------------------------------------------- schedule
 
     def schedule(self) -> Step:
@@ -197,16 +205,20 @@ class Scheduler:
 
     def _assign_waiting(self, step: Step) -> None:
         while self.waiting:
-            if _prefilling(self.waiting[0].follows):
+            head = self.waiting[0]
+            if _prefilling(head.follows):
                 return  # its prompt's KV is being computed; once done, choose() finds it to copy
-            choice = self.table.choose(self.waiting[0].prompt)
+            if self.alone or (head.deterministic and self.table.busy()):
+                return  # a deterministic request runs alone: it waits for the slots to empty, and others for it
+            # A deterministic request reuses nothing: it takes the coldest slot, whose cache is saved first.
+            choice = self.table.choose([] if head.deterministic else head.prompt)
             if choice is None:
                 return
             req = self.waiting.popleft()
             slot = choice.slot
             # Keep at least the last prompt token to decode: its output is the first generated token.
             reuse = min(choice.reuse, len(req.prompt) - 1)
-            saved = self._saved_prefix(req.prompt, beats=reuse)
+            saved = None if req.deterministic else self._saved_prefix(req.prompt, beats=reuse)
             own = reuse if saved is None and choice.copy_from is None else 0
             self._save_before_loss(step, slot, keeps=own)
             if saved is not None:
