@@ -103,11 +103,10 @@ def linked_home(models_home: Path, home: Path) -> Path:
 @contextmanager
 def served(home: Path, **settings: str) -> Iterator[str]:
     """The real app over a LocalClient on `home` (the shared test home, or a private_home), with these LOCALLLM_*
-    settings; yields its URL. The thread count is pinned unless a test sets it: a count the tuner picks from
-    measured time would make a greedy answer depend on what else the machine runs."""
+    settings; yields its URL."""
     from localllm.server.app import create_app
 
-    with env(**{"LOCALLLM_NUM_THREAD": "2", **settings}):
+    with env(**settings):
         client = local_client(home)
         try:
             with serve_in_thread(create_app(client)) as url:

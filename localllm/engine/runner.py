@@ -424,8 +424,7 @@ class ModelEngine:
         if not step.batch.tokens:
             return
         kind: StepKind = "decode" if all(step.batch.logits) else "batch"
-        steady = self._scheduler.alone  # a deterministic request's steps: one thread count, whatever the timings
-        threads = self._set_threads(kind, steady=steady)
+        threads = self._set_threads(kind)
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             self.model.decode(step.batch)
@@ -437,7 +436,7 @@ class ModelEngine:
             return
         self._confirm_restores(step)
         seconds = time.perf_counter() - t0
-        if self.threads is not None and not steady:
+        if self.threads is not None:
             # Wall time, not CPU time: a thread that waits for a core another process holds is what it must see.
             self.threads.record(kind, threads, len(step.batch), seconds)
         if kind == "batch" and self.prefix_cache is not None:
@@ -474,10 +473,10 @@ class ModelEngine:
                 self._keeper.confirm(req.unconfirmed)
                 req.unconfirmed = None
 
-    def _set_threads(self, kind: StepKind, *, steady: bool = False) -> int:
+    def _set_threads(self, kind: StepKind) -> int:
         if self.threads is None:
             return 0
-        threads = self.threads.most if steady else self.threads.choose(kind)
+        threads = self.threads.choose(kind)
         if threads != self._threads_now:
             self.model.set_threads(threads)
             self._threads_now = threads

@@ -172,7 +172,7 @@ class Scheduler:
 
     @property
     def alone(self) -> bool:
-        """Whether a deterministic request holds the engine (its steps also keep a fixed thread count)."""
+        """Whether a deterministic request holds the engine (no other request is assigned a slot meanwhile)."""
         return any(req.deterministic for _, req in self.table.serving())
 
     # ----------------------------------------------------------------------------------------------- schedule

@@ -64,11 +64,6 @@ class ThreadTuner:
         self.patience = patience
         self._kinds: dict[str, _Tuning] = {}
 
-    @property
-    def most(self) -> int:
-        """The largest count it tries (the physical cores): what a step that must not depend on timings uses."""
-        return self.candidates[-1]
-
     def choose(self, kind: StepKind) -> int:
         tuning = self._tuning(kind)
         return tuning.trials[0][0] if tuning.trials else tuning.best
