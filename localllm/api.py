@@ -177,6 +177,11 @@ class SamplingOptions(_Model):
         description="pin this conversation's prompt and answer in the prefix cache, so "
         "it comes back without prefill even after other conversations took its slot",
     )
+    deterministic: bool = Field(
+        False,
+        description="the same request answers the same text every time (with temperature 0 or a seed): it runs "
+        "alone, prefills its whole prompt and never speculates",
+    )
 
 
 LOAD_OPTION_NAMES = frozenset(LoadOptions.model_fields)

@@ -204,6 +204,13 @@ KV_CACHE_TYPE = Setting(
 FLASH_ATTENTION = Setting(
     "LOCALLLM_FLASH_ATTENTION", "flash attention on/off (default: the backend decides)", parse_bool, lambda: None
 )
+DETERMINISTIC = Setting(
+    "LOCALLLM_DETERMINISTIC",
+    "every request in deterministic mode (options.deterministic): the same request answers the same text every "
+    "time, at the cost of running alone, without prefix reuse or speculation",
+    parse_bool,
+    lambda: False,
+)
 QUALITY_TOKENS = Setting(
     "LOCALLLM_QUALITY_TOKENS",
     "tokens of built-in text a quantization's quality report compares (0: no report)",
@@ -298,6 +305,7 @@ ALL: tuple[Setting, ...] = (
     NUM_THREAD,
     KV_CACHE_TYPE,
     FLASH_ATTENTION,
+    DETERMINISTIC,
     QUALITY_TOKENS,
     ORIGINS,
     ALLOWED_HOSTS,

@@ -4,11 +4,14 @@ bound, the eviction policy, the floors of sliding-window and recurrent states, t
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 from localllm import config
 from localllm.backends.base import CacheShape
+from localllm.engine import prefix_cache
 from localllm.engine.prefix_cache import (
     RESTORE_MIN_GAIN,
     SAVE_MIN_TOKENS,
@@ -159,6 +162,93 @@ def test_disk_bound_holds(tmp_path):
         cache.put(_prefix(seed, 100), _state(100))
     files = list((tmp_path / "prefix").rglob("*.kv"))
     assert len(files) == 3 and cache.figures().disk.bytes_held <= 3 * 100 * 100
+
+
+def test_an_imported_state_serves_only_its_own_conversation_until_a_request_continues_from_it(tmp_path):
+    cache = PrefixCache(FULL, ram_limit=10**7, disk=_disk(tmp_path))
+    imported = cache.put(_prefix(1, 200), _state(200), pinned=True, scoped=True)
+    assert cache.lookup(_prefix(1, 150) + [7]) is None  # a fresh conversation sharing a prefix: not served
+    assert cache.lookup(_prefix(1, 200) + [7]).reuse == 200  # its own conversation going on
+    assert not cache.holds(_prefix(1, 150))  # a slot's own save of the prefix is still made
+    cache.flush()
+    assert not list((tmp_path / "prefix").rglob("*.kv"))  # never written to disk while scoped
+    cache.confirm(imported)
+    assert cache.lookup(_prefix(1, 150) + [7]).reuse == 150
+    cache.flush()
+    assert len(list((tmp_path / "prefix").rglob("*.kv"))) == 1
+
+
+def _forge(fields: dict, tokens: bytes, data: bytes, *, old_format: bool = False) -> bytes:
+    """A state file as someone without the key makes it: the old format's checksum, or a MAC of their own key."""
+    import hashlib
+    import hmac
+    import json
+    import struct
+
+    if old_format:
+        digest = hashlib.blake2b(tokens, digest_size=16)
+        digest.update(data)
+        header = {**fields, "checksum": digest.hexdigest()}
+        magic = b"LLMKV01\n"
+    else:
+        content = hashlib.blake2b(tokens, digest_size=32)
+        content.update(data)
+        signed = json.dumps(fields, sort_keys=True).encode() + b"\0" + content.digest()
+        mac = hmac.new(os.urandom(32), b"prefix-cache state\0" + signed, hashlib.sha256).hexdigest()
+        header, magic = {**fields, "mac": mac}, prefix_cache.MAGIC
+    raw = json.dumps(header).encode()
+    return magic + struct.pack("<I", len(raw)) + raw + tokens + data
+
+
+@pytest.mark.parametrize("forgery", ["old checksum", "another key", "bits flipped", "tokens swapped"])
+def test_only_states_this_machine_signed_are_opened(forgery):
+    tokens, data = as_tokens(_prefix(1, 100)), _state(100)
+    genuine = b"".join(prefix_cache.encode_state("sha256-aaa", "fp", tokens, 0, data))
+    assert prefix_cache.decode_state(genuine, "sha256-aaa", "fp").data == data
+    fields = {"digest": "sha256-aaa", "fingerprint": "fp", "floor": 0, "n_tokens": 100, "size": len(data)}
+    raw_tokens = tokens.astype("<i4").tobytes()
+    if forgery == "old checksum":  # the attack that worked on the unkeyed format
+        blob = _forge({**fields, "pinned": False}, raw_tokens, data, old_format=True)
+    elif forgery == "another key":
+        blob = _forge({**fields, "pinned": False}, raw_tokens, bytes(len(data)))
+    elif forgery == "bits flipped":
+        flipped = bytearray(genuine)
+        flipped[-50] ^= 0x10
+        blob = bytes(flipped)
+    else:  # another conversation's tokens under the same state and MAC
+        blob = genuine.replace(raw_tokens, as_tokens(_prefix(2, 100)).astype("<i4").tobytes())
+    with pytest.raises(CacheFileError, match="MAC|version"):
+        prefix_cache.decode_state(blob, "sha256-aaa", "fp")
+
+
+def test_a_header_claiming_more_than_its_file_holds_is_dropped_and_the_scan_goes_on(tmp_path):
+    cache = PrefixCache(FULL, ram_limit=0, disk=_disk(tmp_path))
+    cache.put(_prefix(1, 100), _state(100))
+    cache.put(_prefix(2, 100), _state(100))
+    first, second = sorted((tmp_path / "prefix").rglob("*.kv"))
+    raw = first.read_bytes()
+    header = raw[len(prefix_cache.MAGIC) + 4 :].split(b"}", 1)[0] + b"}"
+    huge = header.replace(b'"n_tokens": 100', b'"n_tokens": %d' % (1 << 40))
+    first.write_bytes(raw.replace(header, huge.ljust(len(header))))  # the same length: the file still parses
+    again = PrefixCache(FULL, ram_limit=0, disk=_disk(tmp_path))  # no MemoryError: refused from its size alone
+    assert [e.path for e in again.entries] == [second]
+    assert not first.exists()
+    assert again.load(again.entries[0])
+
+
+def test_writes_a_killed_process_left_are_swept_and_live_ones_kept(tmp_path):
+    folder = tmp_path / "prefix" / "sha256-aaa" / "key"
+    folder.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = folder / f"abc.{dead.pid}.tmp"
+    writing = folder / f"abd.{os.getpid()}.tmp"
+    ancient = folder / f"abe.{os.getpid()}.tmp"
+    for path in (left, writing, ancient):
+        path.write_bytes(b"half a state")
+    os.utime(ancient, (0, 0))
+    prefix_cache.sweep_unfinished(tmp_path / "prefix")
+    assert writing.exists() and not left.exists() and not ancient.exists()
 
 
 def test_cache_sizes_parse_like_llama_servers(monkeypatch):

@@ -13,7 +13,7 @@ import numpy as np
 
 from localllm.api import SamplingOptions
 from localllm.backends.base import Batch, CacheShape, ModelMeta
-from localllm.engine.prefix_cache import PrefixCache
+from localllm.engine.prefix_cache import PrefixCache, as_tokens, encode_state
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.errors import LocalLLMError
 
@@ -104,7 +104,7 @@ class ToyModel:
     def save_seq(self, seq: int) -> bytes | None:
         return pickle.dumps(self.cells[seq]) + bytes(1000)  # padded: a state has a size to budget
 
-    def restore_seq(self, seq: int, data: bytes) -> None:
+    def restore_seq(self, seq: int, data: bytes, n_tokens: int) -> None:
         if self.fail_restore:
             self.cells[seq] = []
             raise LocalLLMError("the toy refuses this state")
@@ -204,3 +204,44 @@ def test_a_restored_window_state_is_never_cut_below_its_floor():
     finally:
         engine.close()
     assert timings.prompt_cache_count == 0 and answer == reference(early, 6)
+
+
+def _signed_state(tokens: list[int], cells: list[int]) -> bytes:
+    """A prompt-cache file this machine signed, for `tokens`, whose state holds `cells` (the toy's format)."""
+    data = pickle.dumps(cells) + bytes(1000)
+    return b"".join(encode_state("", "toy", as_tokens(tokens), 0, data))
+
+
+def test_a_state_that_claims_more_tokens_than_it_holds_is_dropped_and_the_prompt_prefilled():
+    # The toy's restore trusts the token count (llama.cpp's is checked in the backend): the first decode after it
+    # fails, which must cost the entry, never the request.
+    model = ToyModel(n_seq=1)
+    engine = _engine(model)
+    try:
+        x = _prompt(1)
+        assert engine.import_prefix(_signed_state(x, x[:60])) == len(x)
+        first = x + [5, 6, 7]
+        answer, timings = _ask(engine, first)
+        assert answer == reference(first, 6) and timings.prompt_cache_count == 0
+        assert engine.prefix_cache.entries == []
+        _ask(engine, _prompt(2))  # takes the slot: the conversation can come back only from the cache
+        again = first + answer + [8]
+        assert _ask(engine, again)[0] == reference(again, 6)
+    finally:
+        engine.close()
+
+
+def test_an_imported_state_serves_its_own_conversation_only():
+    model = ToyModel(n_seq=1)
+    engine = _engine(model)
+    try:
+        x = _prompt(1)
+        engine.import_prefix(_signed_state(x, x))
+        fresh = x[:80] + [11, 12]  # another conversation sharing a prefix with it
+        answer, timings = _ask(engine, fresh)
+        assert timings.prompt_cache_count == 0 and answer == reference(fresh, 6)
+        own = x + [5, 6]
+        answer, timings = _ask(engine, own)
+        assert timings.prompt_cache_count == len(x) and answer == reference(own, 6)
+    finally:
+        engine.close()

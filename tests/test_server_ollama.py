@@ -34,10 +34,10 @@ def test_chat_non_streaming_answers_paris(api):
 
 
 def test_chat_streaming_matches_non_streaming(api):
-    parts = list(
-        api.chat(model="smollm2:135m", messages=PARIS, options={"temperature": 0, "num_predict": 24}, stream=True)
-    )
-    whole = api.chat(model="smollm2:135m", messages=PARIS, options={"temperature": 0, "num_predict": 24})
+    # Deterministic: the second request would otherwise reuse the first one's cached prompt, whose numerics differ.
+    same = {"temperature": 0, "num_predict": 24, "deterministic": True}
+    parts = list(api.chat(model="smollm2:135m", messages=PARIS, options=same, stream=True))
+    whole = api.chat(model="smollm2:135m", messages=PARIS, options=same)
     assert len(parts) > 2
     assert [p.done for p in parts].count(True) == 1 and parts[-1].done
     assert "".join(p.message.content for p in parts) == whole.message.content
@@ -54,8 +54,9 @@ def test_stream_lines_carry_timings_only_at_the_end(base_url):
 
 
 def test_generate_streaming_and_not(api):
-    parts = list(api.generate(model="smollm2:135m", prompt="Count: one, two,", options=SMALL, stream=True))
-    whole = api.generate(model="smollm2:135m", prompt="Count: one, two,", options=SMALL)
+    same = {**SMALL, "deterministic": True}
+    parts = list(api.generate(model="smollm2:135m", prompt="Count: one, two,", options=same, stream=True))
+    whole = api.generate(model="smollm2:135m", prompt="Count: one, two,", options=same)
     assert "".join(p.response for p in parts) == whole.response
     assert whole.done_reason == "length" and whole.eval_count == SMALL["num_predict"]
 

@@ -29,6 +29,18 @@ WEATHER_TOOL = {
 
 
 @pytest.fixture(scope="module")
+def base_url(models_home):
+    """Deterministic mode for every request: these tests compare the answers of requests sent one after another
+    (streamed and not), which the prefill path, speculation and the thread count would otherwise make differ."""
+    from server_harness import served
+
+    with served(
+        models_home, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2", LOCALLLM_DETERMINISTIC="on"
+    ) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def oai(base_url) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url + "/v1", api_key="not-needed", max_retries=0)
 
@@ -120,7 +132,8 @@ def test_forced_tool_call_cut_off_by_max_tokens_is_a_partial_call(oai):
     assert whole.finish_reason == "length" and whole.message.content is None
     call = whole.message.tool_calls[0]
     assert call.id and call.function.name == "get_weather"
-    assert call.function.arguments.startswith("{") and "{" not in call.function.name
+    # The grammar allows whitespace before the object: which one the model takes depends on the machine's numerics.
+    assert call.function.arguments.lstrip().startswith("{") and "{" not in call.function.name
     with pytest.raises(ValueError):
         json.loads(call.function.arguments)  # cut off: partial JSON, as OpenAI sends it
     chunks = list(oai.chat.completions.create(**forced, stream=True))

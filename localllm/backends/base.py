@@ -188,9 +188,9 @@ class LoadedModel(Protocol):
         """Sequence `seq`'s whole cached state as bytes, or None where the backend cannot save one (the engine then
         re-prefills instead of restoring)."""
 
-    def restore_seq(self, seq: int, data: bytes) -> None:
-        """Replace sequence `seq`'s cache with a state from save_seq; raises LocalLLMError when it does not load
-        (the sequence is then left empty)."""
+    def restore_seq(self, seq: int, data: bytes, n_tokens: int) -> None:
+        """Replace sequence `seq`'s cache with a state from save_seq that holds positions up to `n_tokens`; raises
+        LocalLLMError when it does not load or holds other positions (the sequence is then left empty)."""
 
     def embed(self, tokens: Sequence[int]) -> list[float]:
         """A pooled, normalised embedding of `tokens`."""

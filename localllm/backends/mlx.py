@@ -373,7 +373,7 @@ class MlxModel:
     def save_seq(self, seq: int) -> None:
         return None  # no sequence states on MLX yet: an evicted prefix is prefilled again
 
-    def restore_seq(self, seq: int, data: bytes) -> None:
+    def restore_seq(self, seq: int, data: bytes, n_tokens: int) -> None:
         raise LocalLLMError("the MLX backend cannot restore a saved sequence state")
 
     def mtp_head(self) -> None:

@@ -3,7 +3,8 @@ as llama.cpp's --prompt-cache and mlx-lm's cache_prompt keep a prompt's KV cache
 without evaluating its history again.
 
     MAGIC, u32 length, the conversation as JSON (api.PromptCacheSession), then the state the server exported (its own
-    header names the model digest and load, and carries a checksum the server checks on load)
+    header names the model digest and load, and carries the server's MAC, checked on load: only the server that
+    saved it, or one on the same LOCALLLM_HOME, takes it back)
 
 Written to a temporary name and renamed, so a failed save never leaves half a file."""
 

@@ -12,6 +12,7 @@ from ..errors import InvalidInput, LocalLLMError
 from .prefix_cache import (
     SAVE_MIN_TOKENS,
     CacheFileError,
+    Entry,
     PrefixCache,
     as_tokens,
     decode_state,
@@ -65,7 +66,7 @@ class CacheKeeper:
         assert cache is not None
         started = time.perf_counter()
         try:
-            self.model.restore_seq(restore.seq, data)
+            self.model.restore_seq(restore.seq, data, entry.n_tokens)
         except LocalLLMError as exc:
             log.warning("prefix cache: dropping an entry of %d tokens: %s", entry.n_tokens, exc)
             cache.drop(entry)
@@ -75,7 +76,19 @@ class CacheKeeper:
         if restore.keep < entry.n_tokens:
             self.model.remove(restore.seq, restore.keep)
         cache.hit(entry)
+        restore.request.unconfirmed = entry  # until a decode continues from it (confirm, or discard)
         self._scheduler.restored(restore.request, ok=True)
+
+    def confirm(self, entry: Entry) -> None:
+        """A decode continued from a restored `entry`: it held what it claimed."""
+        if self.cache is not None:
+            self.cache.confirm(entry)
+
+    def discard(self, entry: Entry) -> None:
+        """The first decode after restoring `entry` failed: it goes from RAM and disk, never to fail again."""
+        log.warning("prefix cache: dropping an entry of %d tokens that its next decode refused", entry.n_tokens)
+        if self.cache is not None:
+            self.cache.drop(entry)
 
     def keep_on_disk(self) -> None:
         """On unload with a disk tier: save what the slots hold and write the RAM tier out, so a restarted server
@@ -120,16 +133,23 @@ class CacheKeeper:
         )
 
     def import_(self, blob: bytes) -> int:
-        """Pin a state from export() in the cache; the number of tokens it holds."""
+        """Pin a state from export() in the cache, scoped to its own conversation until a request continues from
+        it; the number of tokens it holds. Only states this server's key signed are taken."""
         cache = self._cache_for_files()
         try:
             state = decode_state(blob, cache.digest, cache.shape.fingerprint)
         except CacheFileError as exc:
             raise InvalidInput(
                 f"the prompt cache cannot be loaded: {exc}",
-                hint="it was saved with another model, build or load options",
+                hint="only files saved by this server (its key under LOCALLLM_HOME), with the same model, build "
+                "and load options, can be loaded",
             ) from None
-        if cache.put(state.tokens.tolist(), state.data, pinned=True) is None:
+        if state.tokens.shape[0] >= self.model.n_ctx:
+            raise InvalidInput(
+                f"the prompt cache holds {state.tokens.shape[0]:,} tokens, more than this load's context "
+                f"({self.model.n_ctx:,})"
+            )
+        if cache.put(state.tokens.tolist(), state.data, pinned=True, scoped=True) is None:
             raise InvalidInput(
                 f"the prompt cache ({len(state.data):,} bytes) does not fit in the prefix cache",
                 hint="raise LOCALLLM_CACHE_RAM",

@@ -23,7 +23,7 @@ from ..errors import ModelFormatError, ModelNotFound, QueueFull
 from ..machine import physical_cores
 from ..models.options import check_memory, effective_adapters, load_options, model_facts
 from ..models.store import ResolvedModel, Store
-from .prefix_cache import make_prefix_cache
+from .prefix_cache import make_prefix_cache, sweep_unfinished
 from .runner import ModelEngine
 from .speculative.speculation import Speculation
 from .threads import ThreadTuner
@@ -66,6 +66,7 @@ class ModelPool:
         self._load_lock = threading.Lock()
         self._speculation_factory = speculation_factory
         self._check_memory = load_check_memory(self.store.root)
+        sweep_unfinished(config.prefix_cache_dir())  # writes a killed process left, whichever model they were for
         self._reaper = threading.Thread(target=self._reap_forever, name="localllm-keepalive", daemon=True)
         self._stopping = threading.Event()
         self._reaper.start()

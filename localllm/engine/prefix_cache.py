@@ -14,9 +14,13 @@ hit often (a system prompt shared by many conversations) or one that saves many 
 Pinned entries (a request's keep_prefix) are never evicted while they hold at most half the budget.
 
 A disk file is a small header (model digest, the load's CacheShape.fingerprint: slots, context, KV types, llama.cpp
-build), the tokens and the state, with a blake2b checksum over tokens and state; it is written to a temporary name and
-renamed, and checked before it is loaded. A file that is corrupt or belongs to another model or load is deleted,
-never loaded."""
+build), the tokens and the state, authenticated by a keyed MAC (localllm/signing.py) over header, tokens and state;
+it is written to a temporary name and renamed, and checked before it is loaded. A file that is corrupt, was not made
+by this machine's server, or belongs to another model or load is deleted, never loaded. Prompt-cache files (a
+conversation's state handed to a client and back) are the same bytes: a state the server did not make, or one
+changed since, is refused, so nothing another party computed ever reaches the slots. An imported state is also kept
+to the conversation that loaded it (`Entry.scoped`) until a request has continued from it: only then does it serve
+other prompts sharing a prefix, or go to disk."""
 
 from __future__ import annotations
 
@@ -25,13 +29,14 @@ import json
 import logging
 import os
 import struct
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .. import config
+from .. import config, signing
 from ..backends.base import CacheShape, LoadedModel
 from ..errors import LocalLLMError
 from ..models.plan import available_memory
@@ -42,9 +47,11 @@ SAVE_MIN_TOKENS = 32  # a slot losing fewer cached tokens than this is not worth
 RESTORE_MIN_GAIN = 4  # a saved prefix must beat the best slot by this many tokens before its price is weighed
 PIN_SHARE = 0.5  # pinned entries may hold at most this share of a tier's budget
 
-MAGIC = b"LLMKV01\n"
+MAGIC = b"LLMKV02\n"  # 01 carried an unkeyed checksum: such files are refused as foreign
 _HEADER_LEN = struct.Struct("<I")
 _MAX_HEADER = 1 << 16
+MAC_PURPOSE = "prefix-cache state"
+UNFINISHED_AGE = 3600.0  # seconds after which a temporary file is a write that never finished, whoever made it
 
 
 class CacheFileError(LocalLLMError):
@@ -63,6 +70,9 @@ class Entry:
     hits: int = 0
     priority: float = 0.0
     pinned: bool = False
+    # Imported from a prompt-cache file and not yet continued by a request: it serves only prompts that hold all of
+    # its tokens (its own conversation), and stays out of the disk tier.
+    scoped: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -191,8 +201,11 @@ class PrefixCache:
         wanted = as_tokens(prompt)
         best: Match | None = None
         for entry in self.entries:
+            shared = shared_length(entry.tokens, wanted)
+            if entry.scoped and shared < entry.n_tokens:
+                continue  # an imported state serves only its own conversation until one has continued from it
             # Keep the prompt's last token to decode: its output is the first generated token.
-            shared = min(shared_length(entry.tokens, wanted), len(prompt) - 1)
+            shared = min(shared, len(prompt) - 1)
             reuse = shared if shared >= (entry.n_tokens if self.shape.recurrent else entry.floor) else 0
             if reuse and (best is None or (reuse, entry.tier == "ram") > (best.reuse, best.tier == "ram")):
                 best = Match(entry, reuse)
@@ -206,20 +219,34 @@ class PrefixCache:
 
     @staticmethod
     def _covers(entry: Entry, tokens: np.ndarray, floor: int) -> bool:
+        """Whether `entry` serves every prompt a state of `tokens` would (a scoped entry serves fewer)."""
         n = tokens.shape[0]
-        return entry.n_tokens >= n and entry.floor <= floor and shared_length(entry.tokens, tokens) == n
+        return (
+            not entry.scoped
+            and entry.n_tokens >= n
+            and entry.floor <= floor
+            and shared_length(entry.tokens, tokens) == n
+        )
 
     # ----------------------------------------------------------------------------------------------- engine thread
 
-    def put(self, tokens: Sequence[int], data: bytes, *, pinned: bool = False) -> Entry | None:
-        """Keep a state saved after `tokens`; entries it makes redundant go. None when no tier has room."""
+    def put(self, tokens: Sequence[int], data: bytes, *, pinned: bool = False, scoped: bool = False) -> Entry | None:
+        """Keep a state saved after `tokens`; entries it makes redundant go. None when no tier has room. A scoped
+        entry (an imported state) stays in RAM, serving its own conversation only, until `confirm`."""
         arr = as_tokens(tokens)
-        entry = Entry(tokens=arr, floor=self.shape.saved_floor(len(tokens)), size=len(data), data=data, pinned=pinned)
+        entry = Entry(
+            tokens=arr,
+            floor=self.shape.saved_floor(len(tokens)),
+            size=len(data),
+            data=data,
+            pinned=pinned,
+            scoped=scoped,
+        )
         covering = next((e for e in self.entries if self._covers(e, arr, entry.floor)), None)
         if covering is not None:  # an entry already serves every prompt this one would
             covering.pinned |= pinned
             return covering
-        for old in [e for e in self.entries if self._covers(entry, e.tokens, e.floor)]:
+        for old in [e for e in self.entries if not scoped and self._covers(entry, e.tokens, e.floor)]:
             entry.hits += old.hits
             entry.pinned |= old.pinned
             self._forget(old)
@@ -250,8 +277,12 @@ class PrefixCache:
         entry.hits += 1
         entry.priority = self._priority(entry)
 
+    def confirm(self, entry: Entry) -> None:
+        """A request continued from `entry` without error: an imported state now serves every prompt it fits."""
+        entry.scoped = False
+
     def drop(self, entry: Entry) -> None:
-        """Forget an entry whose state did not load."""
+        """Forget an entry whose state did not load, or did not hold what it claimed (RAM and disk)."""
         self._forget(entry)
 
     def flush(self) -> None:
@@ -295,7 +326,7 @@ class PrefixCache:
         self.entries.remove(victim)
 
     def _spill(self, entry: Entry, data: bytes) -> bool:
-        if self.disk is None or entry.size > self.disk.limit:
+        if self.disk is None or entry.size > self.disk.limit or entry.scoped:
             return False
         on_disk = [e for e in self.entries if e.path is not None]
         self._limit_pins(on_disk + [entry], self.disk.limit)
@@ -350,16 +381,16 @@ class DiskTier:
         return cls(root / digest / key, limit=limit, digest=digest, fingerprint=fingerprint)
 
     def scan(self) -> list[Entry]:
-        """Index the files already here (their headers only); a file that fails its header is deleted."""
+        """Index the files already here (their headers only); a file that fails its header is deleted, and the
+        scan goes on."""
         if not self.folder.is_dir():
             return []
-        for stale in self.folder.glob("*.tmp"):
-            _unlink(stale)  # a write that never finished
+        sweep_unfinished(self.folder)
         entries = []
         for path in sorted(self.folder.glob("*.kv")):
             try:
                 entries.append(self._index(path))
-            except (CacheFileError, OSError) as exc:
+            except (CacheFileError, OSError, ValueError) as exc:
                 log.warning("dropping prefix-cache file %s: %s", path.name, exc)
                 _unlink(path)
         return entries
@@ -367,7 +398,7 @@ class DiskTier:
     def write(self, entry: Entry, data: bytes) -> Path | None:
         tokens = entry.tokens.astype("<i4").tobytes()
         path = self.folder / f"{hashlib.blake2b(tokens, digest_size=16).hexdigest()}.kv"
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp = path.with_suffix(f".{os.getpid()}{_UNFINISHED}")
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as handle:
@@ -407,12 +438,12 @@ class DiskTier:
             head = handle.read(len(MAGIC) + _HEADER_LEN.size + _MAX_HEADER)
             try:
                 header, offset = read_header(head, self.digest, self.fingerprint)
+                check_lengths(header, os.fstat(handle.fileno()).st_size - offset)  # before reading a byte more
             except CacheFileError as exc:
                 raise CacheFileError(f"{path.name}: {exc}") from None
             handle.seek(offset)
             tokens = np.frombuffer(handle.read(4 * header["n_tokens"]), dtype="<i4").astype(np.int32)
-        expected = offset + 4 * header["n_tokens"] + header["size"]
-        if tokens.shape[0] != header["n_tokens"] or path.stat().st_size != expected:
+        if tokens.shape[0] != header["n_tokens"]:
             raise CacheFileError(f"{path.name}: truncated")
         return Entry(
             tokens=tokens,
@@ -421,6 +452,40 @@ class DiskTier:
             path=path,
             pinned=bool(header.get("pinned")),
         )
+
+
+_UNFINISHED = ".tmp"
+
+
+def sweep_unfinished(folder: Path) -> None:
+    """Delete the temporary files of prefix-cache writes that never finished under `folder` (a process killed while
+    writing): those of processes that are gone, and any older than UNFINISHED_AGE."""
+    if not folder.is_dir():
+        return
+    now = time.time()
+    for stale in folder.rglob(f"*{_UNFINISHED}"):
+        try:
+            old = now - stale.stat().st_mtime > UNFINISHED_AGE
+        except OSError:
+            continue
+        if old or not _writer_alive(stale):
+            _unlink(stale)
+
+
+def _writer_alive(tmp: Path) -> bool:
+    """Whether the process that names `tmp` (<name>.<pid>.tmp) still runs: its write may be under way."""
+    pid = tmp.name.removesuffix(_UNFINISHED).rpartition(".")[2]
+    if not pid.isdigit():
+        return False
+    if int(pid) == os.getpid():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 @dataclass(frozen=True)
@@ -433,38 +498,38 @@ class SavedState:
 def encode_state(
     digest: str, fingerprint: str, tokens: np.ndarray, floor: int, data: bytes, *, pinned: bool = False
 ) -> tuple[bytes, bytes, bytes]:
-    """A saved state as the parts of a file (disk tier, prompt-cache files): header, tokens, state."""
+    """A saved state as the parts of a file (disk tier, prompt-cache files): header, tokens, state; the header
+    carries the MAC of everything (this machine's key, localllm/signing.py)."""
     raw_tokens = tokens.astype("<i4").tobytes()
-    header = json.dumps(
-        {
-            "digest": digest,
-            "fingerprint": fingerprint,
-            "floor": int(floor),
-            "n_tokens": int(tokens.shape[0]),
-            "size": len(data),
-            "pinned": pinned,
-            "checksum": _checksum(raw_tokens, data),
-        }
-    ).encode()
+    fields = {
+        "digest": digest,
+        "fingerprint": fingerprint,
+        "floor": int(floor),
+        "n_tokens": int(tokens.shape[0]),
+        "size": len(data),
+        "pinned": pinned,
+    }
+    header = json.dumps({**fields, "mac": _mac(fields, raw_tokens, data)}).encode()
     return MAGIC + _HEADER_LEN.pack(len(header)) + header, raw_tokens, data
 
 
 def decode_state(raw: bytes, digest: str, fingerprint: str) -> SavedState:
     """Check and open what encode_state wrote; CacheFileError says why it cannot be used here."""
     header, offset = read_header(raw, digest, fingerprint)
+    check_lengths(header, len(raw) - offset)
     end = offset + 4 * header["n_tokens"]
     tokens, data = raw[offset:end], raw[end:]
-    if len(tokens) != 4 * header["n_tokens"] or len(data) != header["size"]:
-        raise CacheFileError("truncated")
-    if _checksum(tokens, data) != header["checksum"]:
-        raise CacheFileError("corrupt (its checksum does not match)")
+    fields = {k: v for k, v in header.items() if k != "mac"}
+    mac = header.get("mac")
+    if not isinstance(mac, str) or not signing.verify(MAC_PURPOSE, _signed(fields, tokens, data), _unhex(mac)):
+        raise CacheFileError("corrupt, or not made by this server (its MAC does not match)")
     return SavedState(np.frombuffer(tokens, dtype="<i4").astype(np.int32), int(header["floor"]), data)
 
 
 def read_header(raw: bytes, digest: str, fingerprint: str) -> tuple[dict, int]:
     """The header of a saved state and where its tokens start, checked against this model and load."""
     if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + _HEADER_LEN.size:
-        raise CacheFileError("not a prefix-cache file")
+        raise CacheFileError("not a prefix-cache file of this version")
     (length,) = _HEADER_LEN.unpack_from(raw, len(MAGIC))
     start = len(MAGIC) + _HEADER_LEN.size
     if length > _MAX_HEADER or len(raw) < start + length:
@@ -472,23 +537,49 @@ def read_header(raw: bytes, digest: str, fingerprint: str) -> tuple[dict, int]:
     try:
         header = json.loads(raw[start : start + length])
         valid = isinstance(header, dict) and all(
-            isinstance(header.get(k), int) and header[k] >= 0 for k in ("floor", "n_tokens", "size")
+            type(header.get(k)) is int and header[k] >= 0 for k in ("floor", "n_tokens", "size")
         )
     except ValueError:
         valid = False
     if not valid:
         raise CacheFileError("unreadable header")
     if header.get("digest") != digest:
-        raise CacheFileError(f"written for another model ({header.get('digest')})")
+        raise CacheFileError(f"written for another model ({str(header.get('digest'))[:80]})")
     if header.get("fingerprint") != fingerprint:
-        raise CacheFileError(f"written for another load ({header.get('fingerprint')})")
+        raise CacheFileError(f"written for another load ({str(header.get('fingerprint'))[:200]})")
     return header, start + length
 
 
-def _checksum(tokens: bytes, data: bytes) -> str:
-    digest = hashlib.blake2b(tokens, digest_size=16)
-    digest.update(data)
-    return digest.hexdigest()
+def check_lengths(header: dict, body: int) -> None:
+    """The header's counts against the `body` bytes that follow it, before any of them is read: a header that
+    claims more (2^40 tokens) than the file holds is refused here, not met by a failed allocation."""
+    n_tokens, size, floor = header["n_tokens"], header["size"], header["floor"]
+    if n_tokens < 1 or floor > n_tokens:
+        raise CacheFileError(f"unreadable header ({n_tokens} tokens, floor {floor})")
+    if 4 * n_tokens + size != body:
+        raise CacheFileError(
+            f"truncated or padded: its header claims {n_tokens:,} tokens and {size:,} bytes of state, "
+            f"the file holds {body:,} bytes after it"
+        )
+
+
+def _signed(fields: dict, tokens: bytes, data: bytes) -> bytes:
+    """What the MAC covers: the header's fields (canonical JSON) and a 256-bit hash of tokens and state, so a
+    state of hundreds of MB is hashed where it lies rather than copied into one buffer."""
+    content = hashlib.blake2b(tokens, digest_size=32)
+    content.update(data)
+    return json.dumps(fields, sort_keys=True).encode() + b"\0" + content.digest()
+
+
+def _mac(fields: dict, tokens: bytes, data: bytes) -> str:
+    return signing.sign(MAC_PURPOSE, _signed(fields, tokens, data)).hex()
+
+
+def _unhex(text: str) -> bytes:
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        return b""
 
 
 def _unlink(path: Path) -> None:

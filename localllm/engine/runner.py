@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import config
 from ..api import SamplingOptions, Timings
 from ..backends.base import LoadedModel, ModelMeta
 from ..errors import Cancelled, ContextOverflow, InvalidInput, LocalLLMError, QueueFull, WorkerLost
@@ -205,6 +206,7 @@ class ModelEngine:
         self.speculation = speculation
         self.threads = threads  # None: the count is pinned (or the backend schedules its own threads)
         self._threads_now = 0
+        self._all_deterministic = config.DETERMINISTIC.get()  # a server for evaluation runs: every request
         # Prefixes evicted from the slots, in RAM and on disk (engine/prefix_cache.py); only this thread touches it.
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         self._scheduler = Scheduler(
@@ -285,7 +287,9 @@ class ModelEngine:
         )
         if params.started is not None:
             sink.t_submit = params.started
-        return Request(prompt=prompt, max_tokens=max_tokens, sink=sink, keep_prefix=params.keep_prefix), params
+        request = Request(prompt=prompt, max_tokens=max_tokens, sink=sink, keep_prefix=params.keep_prefix)
+        request.deterministic = opts.deterministic or self._all_deterministic
+        return request, params
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         future: Future[list[list[float]]] = Future()
@@ -389,7 +393,7 @@ class ModelEngine:
             sampler = request.sampler = self.model.make_sampler(params.sampling, grammar=params.grammar)
             for tok in request.prompt:
                 sampler.accept(tok)
-            if self.speculation is not None:
+            if self.speculation is not None and not request.deterministic:  # verify batches change numerics
                 request.drafter = self.speculation.drafter_for(
                     params.sampling, grammar=params.grammar, n_prompt=len(request.prompt)
                 )
@@ -456,10 +460,12 @@ class ModelEngine:
         except WorkerLost:
             raise  # the model is abandoned: the engine ends, and the pool loads it again for the next request
         except LocalLLMError as exc:
-            for work in step.work:
-                self._scheduler.finish(work.request, "error")
-                self._close_request(work.request, exc)
+            if not self._rewind_restores(step):
+                for work in step.work:
+                    self._scheduler.finish(work.request, "error")
+                    self._close_request(work.request, exc)
             return
+        self._confirm_restores(step)
         seconds = time.perf_counter() - t0
         if self.threads is not None:
             # Wall time, not CPU time: a thread that waits for a core another process holds is what it must see.
@@ -476,6 +482,27 @@ class ModelEngine:
         self._scheduler.update(step, sampled)
         self._drop_rejected(step)
         self._emit(step, sampled)
+
+    def _rewind_restores(self, step: Step) -> bool:
+        """A decode that fails on the rows right after a restore blames that saved state: it is dropped (RAM and
+        disk), its request prefills from the start and the step runs again; False when no restore is to blame."""
+        blamed = [req for req in self._scheduler.in_batch(step) if req.unconfirmed is not None]
+        if not blamed:
+            return False
+        for req in blamed:
+            assert req.unconfirmed is not None
+            self._keeper.discard(req.unconfirmed)
+            req.unconfirmed = None
+        for seq, keep in self._scheduler.rewind(step, restart=blamed):
+            self.model.remove(seq, keep)
+        self._publish_cache_figures()
+        return True
+
+    def _confirm_restores(self, step: Step) -> None:
+        for req in self._scheduler.in_batch(step):
+            if req.unconfirmed is not None:
+                self._keeper.confirm(req.unconfirmed)
+                req.unconfirmed = None
 
     def _set_threads(self, kind: StepKind) -> int:
         if self.threads is None:

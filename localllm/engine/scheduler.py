@@ -58,6 +58,10 @@ class Request(Generic[SinkT]):
     keep_prefix: bool = False  # when it ends, save its slot as a pinned prefix (the API's keep_prefix)
     cache_tier: str | None = None  # where its reused prefix came from: "slot", "ram" or "disk"
     restoring: bool = False  # waiting for the engine to restore a saved prefix into its slot
+    unconfirmed: Entry | None = None  # the saved prefix restored into its slot, until a decode continues from it
+    # Deterministic mode: it runs alone (no other request's rows in its batches) and prefills its whole prompt from
+    # position 0 in the same chunks, so nothing cached or running beside it changes its numerics.
+    deterministic: bool = False
 
     @property
     def finished(self) -> bool:
@@ -166,6 +170,11 @@ class Scheduler:
     def running(self) -> list[Request[Any]]:
         return [req for _, req in self.table.serving()]
 
+    @property
+    def alone(self) -> bool:
+        """Whether a deterministic request holds the engine (no other request is assigned a slot meanwhile)."""
+        return any(req.deterministic for _, req in self.table.serving())
+
     # ----------------------------------------------------------------------------------------------- schedule
 
     def schedule(self) -> Step:
@@ -196,16 +205,20 @@ class Scheduler:
 
     def _assign_waiting(self, step: Step) -> None:
         while self.waiting:
-            if _prefilling(self.waiting[0].follows):
+            head = self.waiting[0]
+            if _prefilling(head.follows):
                 return  # its prompt's KV is being computed; once done, choose() finds it to copy
-            choice = self.table.choose(self.waiting[0].prompt)
+            if self.alone or (head.deterministic and self.table.busy()):
+                return  # a deterministic request runs alone: it waits for the slots to empty, and others for it
+            # A deterministic request reuses nothing: it takes the coldest slot, whose cache is saved first.
+            choice = self.table.choose([] if head.deterministic else head.prompt)
             if choice is None:
                 return
             req = self.waiting.popleft()
             slot = choice.slot
             # Keep at least the last prompt token to decode: its output is the first generated token.
             reuse = min(choice.reuse, len(req.prompt) - 1)
-            saved = self._saved_prefix(req.prompt, beats=reuse)
+            saved = None if req.deterministic else self._saved_prefix(req.prompt, beats=reuse)
             own = reuse if saved is None and choice.copy_from is None else 0
             self._save_before_loss(step, slot, keeps=own)
             if saved is not None:
@@ -248,6 +261,34 @@ class Scheduler:
         slot.cached, slot.floor = [], 0
         request.n_cached = request.n_prefilled = 0
         request.cache_tier = None
+
+    def in_batch(self, step: Step) -> dict[Request[Any], int]:
+        """The requests with rows in the step's batch, each with the first position it decodes there."""
+        first: dict[Request[Any], int] = {}
+        for seq, pos in zip(step.batch.seqs, step.batch.positions):
+            req = self.table.slots[seq].request
+            if req is not None:
+                first[req] = min(pos, first.get(req, pos))
+        return first
+
+    def rewind(self, step: Step, *, restart: list[Request[Any]]) -> list[tuple[int, int]]:
+        """Undo a step whose decode failed so that it can run again: `restart` (requests whose restored prefix the
+        decode refused) prefill their prompts from the start, the others repeat their rows. The (seq, keep) cuts
+        that leave each slot's KV as this bookkeeping says."""
+        cuts = []
+        for req, start in self.in_batch(step).items():
+            slot = req.slot
+            if slot is None:
+                continue
+            if req in restart:
+                slot.cached, slot.floor = [], 0
+                req.n_cached = req.n_prefilled = 0
+                req.cache_tier = None
+                start = 0
+            elif slot.state is SlotState.PREFILL:
+                req.n_prefilled = start
+            cuts.append((slot.seq, start))
+        return cuts
 
     def _add_decode(self, step: Step, slot: Slot[Request[Any]], req: Request[Any], budget: int) -> int:
         draft = req.draft[: max(0, min(self.draft_room(req), budget - 1))]

@@ -5,7 +5,9 @@ for a conversation's cached state and hand one back, so a conversation and its c
     POST /api/prompt-cache/load   ?request=<a chat request's JSON, for its model and options>, the bytes as the
                                   body -> {"tokens": N}, pinned in the prefix cache
 
-The bytes carry the model digest and load fingerprint and a checksum; a file for another model or load is a 400."""
+The bytes carry the model digest and load fingerprint and a MAC made with this machine's key (localllm/signing.py):
+a file for another model or load, one this server did not make, or one changed since, is a 400. A loaded state serves
+only the conversation it holds until a request has continued from it (engine/prefix_cache.py)."""
 
 from __future__ import annotations
 

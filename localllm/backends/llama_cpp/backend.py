@@ -528,11 +528,17 @@ class LlamaCppModel:
         n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq)
         return ctypes.string_at(buf, n) if n else None
 
-    def restore_seq(self, seq: int, data: bytes) -> None:
+    def restore_seq(self, seq: int, data: bytes, n_tokens: int) -> None:
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq) == 0:
             self.remove(seq, 0)
             raise LocalLLMError(f"llama.cpp could not load a saved state of {len(data):,} bytes into slot {seq}")
+        # A state whose cells end elsewhere than its token list says would make the next decode fail (positions
+        # must follow on): refuse it here, while the request can still prefill instead.
+        last = llama_cpp.llama_memory_seq_pos_max(self._mem, seq)
+        if last != n_tokens - 1:
+            self.remove(seq, 0)
+            raise LocalLLMError(f"a saved state for {n_tokens:,} tokens holds positions up to {last} in slot {seq}")
 
     def embed(self, tokens: Sequence[int]) -> list[float]:
         if self._guard is not None:  # its context and decode may reach a worker
