@@ -114,8 +114,8 @@ def test_a_write_a_killed_process_left_is_swept_at_start_up(models_home):
 
 
 def _engine(path, digest: str = "sha256-trust") -> ModelEngine:
-    opts = LoadOptions(num_thread=2, num_ctx=N_CTX, num_parallel=1)
-    model = LlamaCppBackend().load(path, opts, n_seq=1, n_ctx=N_CTX)
+    opts = LoadOptions(num_thread=1, num_ctx=N_CTX, num_parallel=1)
+    model = LlamaCppBackend().load(path, opts)
     return ModelEngine(model, max_queue=4, prefix_cache=make_prefix_cache(model, digest))
 
 
