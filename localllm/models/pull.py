@@ -89,7 +89,8 @@ def make_source(name: str, store: Store | None = None) -> Source:
     suggestion = did_you_mean(ref.display, store.stored_names() if store is not None else ())
     raise ModelNotFound(
         f"model {ref.display!r} is not in the catalog",
-        hint=suggestion or "pull a catalog name (smollm2:135m, gemma3:270m), hf.co/<org>/<repo>, a URL or a path",
+        hint=(suggestion + " " if suggestion else "")
+        + "`localllm ls --catalog` lists the names that pull fetches; or pull hf.co/<org>/<repo>, a URL or a path",
     )
 
 
