@@ -125,6 +125,22 @@ def test_a_split_zip_header_that_names_another_member_is_refused(index, store, g
         list(CatalogSource(_entry(model, mirror)).pull(store))
 
 
+def test_a_member_arrives_whole_however_the_archive_is_cut(ggufs):
+    model = ggufs(7)
+    archive, offset = _archive(model)
+    for size in (7, 4096, len(archive)):  # 7 bytes: the header itself arrives in pieces
+        reader = MemberReader(MEMBER, len(model))
+        out = b"".join(b for i in range(offset, len(archive), size) for b in reader.feed(archive[i : i + size]))
+        reader.finish()
+        assert out == model and reader.done
+    with pytest.raises(IntegrityError, match="bytes in the zip, expected 300"):
+        list(MemberReader(MEMBER, 300).feed(archive[offset:]))  # the header's size is not the pinned one
+    short = MemberReader(MEMBER, len(model))
+    list(short.feed(archive[offset : offset + 1000]))
+    with pytest.raises(IntegrityError, match="ended before"):
+        short.finish()
+
+
 def test_a_damaged_deflate_stream_fails_its_checks(ggufs):
     model = ggufs(5)
     archive, offset = _archive(model)
