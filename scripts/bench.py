@@ -114,6 +114,24 @@ def rpc_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return run_rpc_benchmarks(path, n=args.tokens, threads=args.threads)
 
 
+def embed_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """256 short texts through /v1/embeddings against llama-server --embeddings (scripts/bench_embed.py).
+    `python scripts/bench.py --models nomic-embed-text --only embed --llama-server PATH`."""
+    import bench_embed
+
+    return bench_embed.embed_figures(path, llama_server_binary=args.llama_server, repeats=args.repeats)
+
+
+def bandwidth_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """One stream's decode at the defaults as a share of the measured memory read bandwidth, ours and llama-server's
+    (scripts/bench_embed.py). `python scripts/bench.py --models qwen2.5-coder:1.5b --only bandwidth`."""
+    import bench_embed
+
+    return bench_embed.bandwidth_figures(
+        path, n=args.tokens, llama_server_binary=args.llama_server, repeats=args.repeats
+    )
+
+
 SECTIONS: dict[str, tuple[str, Section]] = {
     "engine": ("Engine against raw llama.cpp", engine_section),
     "rest": ("REST path against raw llama.cpp", rest_section),
@@ -123,6 +141,8 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "editor": ("Editor completion (fill in the middle)", editor_section),
     "mlx": ("MLX against llama.cpp (informational)", mlx_section),
     "rpc": ("RPC worker over loopback (informational)", rpc_section),
+    "embed": ("Embeddings against llama-server", embed_section),
+    "bandwidth": ("Decode against memory bandwidth (informational)", bandwidth_section),
 }
 
 
@@ -212,6 +232,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=sorted(SECTIONS), help="sections to run (default: all)")
     parser.add_argument("--models", nargs="*", default=["smollm2:135m"], help="pulled models to measure")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of the embed and bandwidth sections")
     parser.add_argument("--threads", type=int, default=None, help="our engine's threads (default: its own)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     parser.add_argument(

@@ -55,6 +55,20 @@ def coder_home(models_home) -> Path:
     return models_home
 
 
+EMBED_TEST_MODEL = "nomic-embed-text:v1.5"
+
+
+@pytest.fixture(scope="session")
+def embed_home(models_home) -> Path:
+    """`models_home` with nomic-embed-text pulled too, on demand, so tests that do not embed do not pay for it."""
+    from localllm.models.pull import pull_model
+    from localllm.models.store import Store
+
+    for _ in pull_model(EMBED_TEST_MODEL, Store(models_home / "models")):
+        pass
+    return models_home
+
+
 PINNED_CODER = "coder-pinned"
 
 

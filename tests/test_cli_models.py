@@ -71,6 +71,22 @@ def test_list_of_an_empty_store(isolated_home):
     assert "NAME" in invoke("list").output
 
 
+def test_ls_catalog_lists_what_pull_fetches_and_what_is_pulled(isolated_home, tiny):
+    import json
+
+    from localllm.models.catalog import CATALOG
+
+    Store().copy("tiny", "nomic-embed-text:v1.5")  # stands in for a pulled catalog model
+    rows = {row["name"]: row for row in json.loads(invoke("ls", "--catalog", "--json").output)}
+    assert list(rows) == [entry.name for entry in CATALOG]
+    assert rows["nomic-embed-text:v1.5"]["pulled"] and not rows["smollm2:135m"]["pulled"]
+    assert rows["qwen2.5-coder:1.5b"]["license"] == "Apache-2.0" and rows["qwen2.5-coder:1.5b"]["size"] > 10**9
+    table = invoke("ls", "--catalog").output
+    assert "qwen2.5-coder:0.5b" in table and "nomic-embed-text:v1.5" in table and "LICENSE" in table
+    missing = invoke("pull", "nosuch:1b")
+    assert missing.exit_code != 0 and "ls --catalog" in missing.output
+
+
 def test_show_of_a_tiny_model_and_its_single_fields(tiny):
     output = invoke("show", "tiny").output
     assert "llama" in output and "256" in output

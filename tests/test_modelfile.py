@@ -334,3 +334,8 @@ def test_draft_example_names_a_draft_and_speculation():
     request = parse_modelfile((Path(__file__).parent.parent / "modelfiles" / "gemma3-drafted.Modelfile").read_text())
     assert request.draft == "gemma3:270m"
     assert request.parameters["spec_type"] == "draft"
+    coder = parse_modelfile(
+        (Path(__file__).parent.parent / "modelfiles" / "qwen2.5-coder-drafted.Modelfile").read_text()
+    )
+    assert (coder.from_, coder.draft) == ("qwen2.5-coder:1.5b", "qwen2.5-coder:0.5b")
+    assert coder.parameters["spec_type"] == "draft"

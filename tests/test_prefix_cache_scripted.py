@@ -110,7 +110,7 @@ class ToyModel:
             raise LocalLLMError("the toy refuses this state")
         self.cells[seq] = pickle.loads(data)
 
-    def embed(self, tokens: Sequence[int]) -> list[float]:
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         raise NotImplementedError
 
     def mtp_head(self) -> None:

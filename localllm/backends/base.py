@@ -42,6 +42,11 @@ class ModelMeta:
     has_mtp: bool = False
     description: str = ""
     fim: FimTokens | None = None  # the fill-in-the-middle tokens, where the vocabulary has all three
+    pooling: int | None = None  # the GGUF's pooling type: set only in an embedding model, which generates nothing
+
+    @property
+    def embedding_only(self) -> bool:
+        return self.pooling is not None
 
 
 @dataclass
@@ -192,8 +197,9 @@ class LoadedModel(Protocol):
         """Replace sequence `seq`'s cache with a state from save_seq that holds positions up to `n_tokens`; raises
         LocalLLMError when it does not load or holds other positions (the sequence is then left empty)."""
 
-    def embed(self, tokens: Sequence[int]) -> list[float]:
-        """A pooled, normalised embedding of `tokens`."""
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """A pooled, normalised embedding of each input (token lists of 1 to n_ctx tokens), decoded together where
+        the backend can."""
 
     def set_threads(self, n: int) -> None:
         """CPU threads for the next decodes (a no-op where the backend schedules its own)."""

@@ -353,7 +353,10 @@ class MlxModel:
         self._caches[dst] = fresh
         mx.eval(self._cache_state(dst))
 
-    def embed(self, tokens: Sequence[int]) -> list[float]:
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        return [self._embed_one(tokens) for tokens in inputs]
+
+    def _embed_one(self, tokens: Sequence[int]) -> list[float]:
         inner = getattr(self._model, "model", None)
         if inner is None or not callable(inner):
             raise InvalidInput(f"embeddings are not supported on MLX for {self.meta.architecture} models")

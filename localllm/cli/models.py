@@ -49,10 +49,15 @@ def pull(
 def list_models(
     as_json: bool = typer.Option(False, "--json", help="print the list as JSON (as /api/tags does)"),
     others: bool = typer.Option(False, "--others", help="list the models of Ollama, LM Studio and the HF cache"),
+    catalog: bool = typer.Option(False, "--catalog", help="list the catalog: what `pull` fetches by short name"),
 ):
     """List the models in the store (also: ls).
 
-    --others lists the models Ollama, LM Studio and the Hugging Face cache keep, for `localllm import`."""
+    --others lists the models Ollama, LM Studio and the Hugging Face cache keep, for `localllm import`; --catalog
+    lists what `pull` fetches offline by short name."""
+    if catalog:
+        _list_catalog(as_json)
+        return
     if others:
         from .others import print_others
 
@@ -71,6 +76,39 @@ def list_models(
 
 
 app.command("ls", hidden=True)(list_models)  # Ollama's alias
+
+
+def _list_catalog(as_json: bool) -> None:
+    """The catalog's entries: pinned weights pulled from the package index (or Hugging Face), whether each is in
+    the store already."""
+    import json
+
+    from ..models.catalog import CATALOG
+
+    store = _store()
+    rows = [
+        {
+            "name": entry.name,
+            "size": entry.size,
+            "capabilities": entry.capabilities,
+            "license": entry.license,
+            "pulled": store.exists(entry.name),
+            "description": entry.description,
+        }
+        for entry in CATALOG
+    ]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(box=None, pad_edge=False)
+    for column in ("NAME", "SIZE", "CAN", "LICENSE", "PULLED", "DESCRIPTION"):
+        table.add_column(column, no_wrap=column in ("NAME", "SIZE", "PULLED"))
+    for row in rows:
+        pulled = "yes" if row["pulled"] else "-"
+        table.add_row(
+            row["name"], human_size(row["size"]), row["capabilities"], row["license"], pulled, row["description"]
+        )
+    console.print(table)
 
 
 # ---------------------------------------------------------------------------------------------------------- show

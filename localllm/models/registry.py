@@ -240,8 +240,7 @@ class RegistrySource:
                 return
             raise ModelNotFound(  # not found where we may look: a 404, as a name missing from the registry is
                 f"{nowhere}, and LOCALLLM_OFFLINE is set, so the registry {base} was not asked",
-                hint=did_you_mean(self.stored_name, self._stored)
-                or "unset LOCALLLM_OFFLINE (and HF_HUB_OFFLINE) to pull it",
+                hint=self._hint("unset LOCALLLM_OFFLINE (and HF_HUB_OFFLINE) to pull it"),
             )
         origin = f"{self.origin} at {base}"
         layers = parse_manifest(self._manifest(base, nowhere), origin)
@@ -264,6 +263,11 @@ class RegistrySource:
             yield api.PullProgress(status="the vision projector is stored but unused: images are not supported yet")
         yield api.PullProgress(status="success")
 
+    def _hint(self, otherwise: str) -> str:
+        # A typo of a known name is the likelier story than a model the registry lacks.
+        close = did_you_mean(self.stored_name, self._stored)
+        return close or f"{otherwise}; `localllm ls --catalog` lists what pull fetches from the package index"
+
     def _manifest(self, base: str, nowhere: str) -> bytes:
         import httpx
 
@@ -276,7 +280,7 @@ class RegistrySource:
                 if response.status_code == 404:
                     raise ModelNotFound(
                         f"{nowhere}, and the registry {base} has no {self.origin}",
-                        hint=did_you_mean(self.stored_name, self._stored) or f"names resolve as {RESOLUTION}",
+                        hint=self._hint(f"names resolve as {RESOLUTION}"),
                     )
                 if response.status_code in (401, 403):
                     raise NetworkError(
@@ -289,7 +293,7 @@ class RegistrySource:
         except httpx.TransportError as exc:
             raise NetworkError(
                 f"{nowhere}, and the registry {base} cannot be reached: {exc}",
-                hint=did_you_mean(self.stored_name, self._stored),  # a typo of a known name is the likelier story
+                hint=self._hint("check the network and LOCALLLM_REGISTRY"),
             ) from None
 
     def _fetch_layer(self, store: Store, base: str, layer: Layer) -> Progress:

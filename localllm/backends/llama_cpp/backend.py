@@ -29,6 +29,7 @@ from ...machine import physical_cores
 from ...models.options import context_size
 from ...models.plan import Placement
 from ..base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead
+from .embedding import MAX_SEQS, embed_group, pack, pooling_for
 from .rpc import PlacedModel, RpcGuard, place_model
 from .speculative import LlamaGrammarProbe, LlamaMtpHead
 
@@ -261,8 +262,7 @@ def _load_weights(path: Path, options: LoadOptions, placed: PlacedModel):
     return model
 
 
-def _context_params(options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings: bool = False):
-
+def _context_params(options: LoadOptions, *, n_seq: int, n_ctx: int, pooling: int | None = None):
     params = llama_cpp.llama_context_default_params()
     # Unpinned, the engine's thread tuner sets each step's count; it starts from every physical core.
     threads = options.num_thread or physical_cores()
@@ -290,14 +290,17 @@ def _context_params(options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings:
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     else:
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
-    params.embeddings = embeddings
-    if embeddings:
-        params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
+    if pooling is not None:
+        # Embeddings mode: the sequences of one decode share one pool of n_ctx cells (embedding.pack fills it).
+        params.embeddings = True
+        params.pooling_type = pooling
+        params.n_ctx = n_ctx
+        params.kv_unified = True
     return params
 
 
-def _new_context(model, options: LoadOptions, *, n_seq: int, n_ctx: int, embeddings: bool = False):
-    params = _context_params(options, n_seq=n_seq, n_ctx=n_ctx, embeddings=embeddings)
+def _new_context(model, options: LoadOptions, *, n_seq: int, n_ctx: int, pooling: int | None = None):
+    params = _context_params(options, n_seq=n_seq, n_ctx=n_ctx, pooling=pooling)
     with _WEIGHTS.lock:  # sized from the shared model's adapter list (see _SharedWeights)
         ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
@@ -338,6 +341,7 @@ def _read_meta(model, path: Path) -> ModelMeta:
         has_mtp=llama_cpp.llama_model_n_layer_nextn(model) > 0,
         description=desc.value.decode("utf-8", "replace"),
         fim=_fim_tokens(vocab),
+        pooling=_pooling_type(model),
     )
 
 
@@ -357,6 +361,13 @@ def _fim_tokens(vocab) -> FimTokens | None:
     return FimTokens(
         pre, suf, mid, rep=token(llama_cpp.llama_vocab_fim_rep(vocab)), sep=token(llama_cpp.llama_vocab_fim_sep(vocab))
     )
+
+
+def _pooling_type(model) -> int | None:
+    """`<arch>.pooling_type` from the GGUF: set only in embedding models (nomic-bert, BERT, ...)."""
+    arch = _meta_str(model, "general.architecture")
+    value = _meta_str(model, f"{arch}.pooling_type") if arch else None
+    return int(value) if value is not None and value.lstrip("-").isdigit() else None
 
 
 class LlamaCppModel:
@@ -540,39 +551,29 @@ class LlamaCppModel:
             self.remove(seq, 0)
             raise LocalLLMError(f"a saved state for {n_tokens:,} tokens holds positions up to {last} in slot {seq}")
 
-    def embed(self, tokens: Sequence[int]) -> list[float]:
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         if self._guard is not None:  # its context and decode may reach a worker
-            return self._guard.call(self._embed, tokens)
-        return self._embed(tokens)
+            return self._guard.call(self._embed, inputs)
+        return self._embed(inputs)
 
-    def _embed(self, tokens: Sequence[int]) -> list[float]:
-        ctx = self._embedding_context(len(tokens))
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-        batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
-        try:
-            batch.n_tokens = len(tokens)
-            for i, tok in enumerate(tokens):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, i, 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = True
-            if llama_cpp.llama_decode(ctx, batch) != 0:
-                raise LocalLLMError(f"embedding decode failed for {len(tokens)} tokens")
-            ptr = llama_cpp.llama_get_embeddings_seq(ctx, 0)
-            vec = np.ctypeslib.as_array(ptr, shape=(self.meta.n_embd,)).astype(np.float64)
-        finally:
-            llama_cpp.llama_batch_free(batch)
-        norm = float(np.linalg.norm(vec)) or 1.0
-        return (vec / norm).tolist()
+    def _embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        for i, tokens in enumerate(inputs):
+            if not 0 < len(tokens) <= self.n_ctx:
+                raise InvalidInput(f"input {i} is {len(tokens)} tokens; the embedding context holds 1 to {self.n_ctx}")
+        ctx = self._embedding_context()
+        vectors: list[list[float]] = []
+        for run in pack(inputs, self.n_ctx):
+            vectors += embed_group(ctx, [inputs[i] for i in run], self.meta.n_embd)
+        return vectors
 
-    def _embedding_context(self, n_tokens: int):
-        # A second, small context over the same weights: pooled output needs embeddings mode, which would slow the
-        # generation context. Sized to the per-slot context; longer inputs were truncated or rejected upstream.
+    def _embedding_context(self):
+        # A second context over the same weights: pooled output needs embeddings mode, which would slow the
+        # generation context. It holds the per-slot context, as one input or several packed into one decode.
         if self._embed_ctx is None:
             opts = self.options.model_copy(update={"num_batch": self.n_ctx})
-            self._embed_ctx = _new_context(self._model, opts, n_seq=1, n_ctx=self.n_ctx, embeddings=True)
+            pooling = pooling_for(self.meta.pooling)
+            self._embed_ctx = _new_context(self._model, opts, n_seq=MAX_SEQS, n_ctx=self.n_ctx, pooling=pooling)
             self._adapters.set_on(self._embed_ctx)
-        if n_tokens > self.n_ctx:
-            raise InvalidInput(f"input is {n_tokens} tokens; the embedding context holds {self.n_ctx}")
         return self._embed_ctx
 
     def close(self) -> None:

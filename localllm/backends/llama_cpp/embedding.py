@@ -1,0 +1,72 @@
+"""Pooled embeddings on llama.cpp: a context in embeddings mode beside a model's generation context, over the same
+weights. Inputs are packed into as few decodes as fit (one sequence each, sharing one pool of cells), pooled the way
+the model's GGUF says (`<arch>.pooling_type`: mean for nomic-bert, CLS or last for others; mean for a generative
+model, which has none), and scaled to unit length, as Ollama returns them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import llama_cpp
+import numpy as np
+
+from ...errors import InvalidInput, LocalLLMError
+
+MAX_SEQS = 64  # inputs one decode packs at most (llama.cpp allows up to 256 sequences in a context)
+
+
+def pooling_for(gguf_pooling: int | None) -> int:
+    """The pooling a context is created with: the model's own, or mean pooling for a model that names none.
+
+    Raises:
+        InvalidInput: the model is a reranker (rank pooling scores pairs; it does not embed texts).
+    """
+    if gguf_pooling is None or gguf_pooling == llama_cpp.LLAMA_POOLING_TYPE_NONE:
+        return llama_cpp.LLAMA_POOLING_TYPE_MEAN
+    if gguf_pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK:
+        raise InvalidInput("this model is a reranker: it scores query/document pairs and does not embed texts")
+    return gguf_pooling
+
+
+def pack(inputs: Sequence[Sequence[int]], n_ctx: int, max_seqs: int = MAX_SEQS) -> Iterator[range]:
+    """Consecutive runs of inputs (as index ranges) whose tokens together fit `n_ctx` cells, `max_seqs` at most."""
+    start, used = 0, 0
+    for i, tokens in enumerate(inputs):
+        if i > start and (used + len(tokens) > n_ctx or i - start >= max_seqs):
+            yield range(start, i)
+            start, used = i, 0
+        used += len(tokens)
+    if start < len(inputs):
+        yield range(start, len(inputs))
+
+
+def embed_group(ctx, group: Sequence[Sequence[int]], n_embd: int) -> list[list[float]]:
+    """One decode of every input in `group` (sequence i is input i), each pooled and normalised."""
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+    total = sum(map(len, group))
+    batch = llama_cpp.llama_batch_init(total, 0, 1)
+    try:
+        row = 0
+        for seq, tokens in enumerate(group):
+            for pos, token in enumerate(tokens):
+                batch.token[row], batch.pos[row], batch.n_seq_id[row] = token, pos, 1
+                batch.seq_id[row][0] = seq
+                batch.logits[row] = True
+                row += 1
+        batch.n_tokens = total
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise LocalLLMError(f"embedding decode failed for {len(group)} inputs of {total} tokens")
+        vectors = []
+        for seq in range(len(group)):
+            ptr = llama_cpp.llama_get_embeddings_seq(ctx, seq)
+            if not ptr:
+                raise LocalLLMError(f"llama.cpp returned no pooled embedding for input {seq}")
+            vectors.append(_unit(np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64)))
+    finally:
+        llama_cpp.llama_batch_free(batch)
+    return vectors
+
+
+def _unit(vector: np.ndarray) -> list[float]:
+    norm = float(np.linalg.norm(vector)) or 1.0
+    return (vector / norm).tolist()

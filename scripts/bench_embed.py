@@ -1,0 +1,193 @@
+"""Two benchmark sections for the real catalog models (scripts/bench.py):
+
+- embeddings: 256 short texts in one /v1/embeddings request, ours against llama-server --embeddings at its defaults,
+  on the same GGUF (`--models nomic-embed-text --only embed --llama-server PATH`);
+- bandwidth: one stream's decode at the defaults as a share of this machine's measured memory read bandwidth
+  (model bytes x tok/s / GB/s), ours and llama-server's (`--models qwen2.5-coder:1.5b --only bandwidth`)."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from localllm.bench import rest
+from localllm.bench.figures import Bracketed, Figure
+
+N_TEXTS = 256
+_SUBJECTS = ("cat", "river", "invoice", "compiler", "violin", "glacier", "tax form", "garden", "satellite", "bakery")
+_VERBS = ("explains", "hides", "measures", "follows", "repairs", "describes", "remembers", "carries")
+_OBJECTS = ("the morning light", "a broken clock", "three old maps", "the quarterly report", "a quiet song")
+
+
+def short_texts(n: int = N_TEXTS) -> list[str]:
+    """Deterministic short documents (8 to 12 words), with nomic's document prefix as a client would send it."""
+    return [f"search_document: The {_SUBJECTS[i % 10]} {_VERBS[i % 8]} {_OBJECTS[i % 5]} (note {i})." for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------------- servers
+
+
+@contextmanager
+def llama_server(binary: str, path: Path, *extra: str) -> Iterator[str]:
+    """llama-server at its defaults on a free loopback port (plus `extra` flags); yields its base URL."""
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [binary, "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "--no-webui", *extra]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with status {proc.returncode}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("llama-server did not become ready")
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def _embed_rate(base: str, model: str, texts: list[str]) -> tuple[float, list[list[float]]]:
+    """Texts per second for one /v1/embeddings request of all `texts`, and the vectors."""
+    started = time.perf_counter()
+    reply = rest.http_client().post(
+        f"{base}/v1/embeddings", json={"model": model, "input": texts, "encoding_format": "float"}
+    )
+    elapsed = time.perf_counter() - started
+    reply.raise_for_status()
+    data = sorted(reply.json()["data"], key=lambda d: d["index"])
+    return len(texts) / elapsed, [d["embedding"] for d in data]
+
+
+# ------------------------------------------------------------------------------------------------------- embeddings
+
+
+def embed_figures(
+    path: Path, *, llama_server_binary: str | None, repeats: int = 3, log: Callable[[str], None] = print
+) -> list[Figure]:
+    if not llama_server_binary:
+        log(
+            "no llama-server binary (LLAMA_SERVER=$(bash scripts/build_llama_server.sh)): "
+            "the embeddings section needs it"
+        )
+        return []
+    texts = short_texts()
+    with (
+        rest.served_model(path, slots=1, threads=None, n_ctx=2048) as ours,
+        llama_server(llama_server_binary, path, "--embeddings") as theirs,
+    ):
+        _embed_rate(ours, "bench", texts[:8])  # warm-up: the embedding context is made on first use
+        _embed_rate(theirs, "bench", texts[:8])
+        ours_vectors: list[list[float]] = []
+        theirs_vectors: list[list[float]] = []
+
+        def mine() -> float:
+            rate, vectors = _embed_rate(ours, "bench", texts)
+            ours_vectors[:] = vectors
+            return rate
+
+        def reference() -> float:
+            rate, vectors = _embed_rate(theirs, "bench", texts)
+            theirs_vectors[:] = vectors
+            return rate
+
+        log(f"embeddings: {N_TEXTS} short texts, llama-server --embeddings and localllm serve, {repeats} repeats")
+        run = Bracketed.measure(reference, mine, repeats=repeats)
+    agreement = min(
+        float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b))) for a, b in zip(ours_vectors, theirs_vectors)
+    )
+    figure = run.figure(
+        f"{N_TEXTS} short texts through /v1/embeddings: ours vs llama-server --embeddings",
+        0.97,
+        note=f"one request of all texts, both servers at their defaults; lowest cosine between the two servers' "
+        f"vectors {agreement:.4f}",
+    )
+    figure.unit = "texts/s"
+    return [figure]
+
+
+# ------------------------------------------------------------------------------------------------------- bandwidth
+
+
+def read_bandwidth(threads: int, *, size: int = 1 << 30, repeats: int = 5) -> float:
+    """GB/s of reading `size` bytes already in memory with `threads` threads (numpy sums release the GIL), the best
+    of `repeats`: what decode, which reads every weight once per token, could reach at most."""
+    data = np.ones(size // 8, dtype=np.float64)
+    parts = np.array_split(data, threads)
+    best = 0.0
+    for _ in range(repeats):
+        workers = [threading.Thread(target=part.sum) for part in parts]
+        started = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        best = max(best, size / (time.perf_counter() - started) / 1e9)
+    return best
+
+
+def bandwidth_figures(
+    path: Path, *, n: int, llama_server_binary: str | None, repeats: int = 3, log: Callable[[str], None] = print
+) -> list[Figure]:
+    from bench_threads import _llama_server_run, _prompts
+
+    from localllm.machine import physical_cores
+
+    cores = physical_cores()
+    model_bytes = path.stat().st_size
+    story, _ = _prompts(path)
+    log(f"bandwidth: reading 1 GiB with {cores} thread(s)")
+    gbs = read_bandwidth(cores)
+    rates: dict[str, list[float]] = {"ours": [], "llama-server": []}
+    with rest.served_model(path, slots=1, threads=None, n_ctx=4096) as ours:
+        rest.rest_run(ours, [story], 8)  # warm-up
+        for i in range(repeats):
+            log(f"bandwidth: localllm serve at its defaults, one stream, repeat {i + 1}/{repeats}")
+            rates["ours"].append(rest.rest_run(ours, [story], n).rate())
+    if llama_server_binary:
+        import bench_spec
+
+        server = bench_spec.LlamaServer(llama_server_binary, path, threads=0, spec=None, defaults=True)
+        try:
+            server.complete(story[:8], 4)
+            for i in range(repeats):
+                log(f"bandwidth: llama-server at its defaults, one stream, repeat {i + 1}/{repeats}")
+                rates["llama-server"].append(_llama_server_run(server, [story], n).rate())
+        finally:
+            server.close()
+    figures = []
+    for who, measured in rates.items():
+        if not measured:
+            continue
+        rate = statistics.median(measured)
+        achieved = model_bytes * rate / 1e9
+        figures.append(
+            Figure(
+                f"decode as a share of read bandwidth: {who}",
+                achieved,
+                gbs,
+                "GB/s",
+                None,
+                note=f"{model_bytes / 1e9:.2f} GB x {rate:.2f} tok/s (median of {len(measured)}) against "
+                f"{gbs:.1f} GB/s read by {cores} thread(s); the ratio is the share",
+            )
+        )
+    return figures
