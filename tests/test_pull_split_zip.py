@@ -113,7 +113,7 @@ def test_a_split_zip_mirror_delivering_other_bytes_is_refused(index, store, gguf
     with pytest.raises(NetworkError, match="no mirror of zipped:1 delivered its bytes: .*sha256"):
         list(CatalogSource(_entry(model, mirror)).pull(store))
     assert not store.exists("zipped:1")
-    assert not list(store.blobs_dir.glob("*-partial"))  # the refused bytes were discarded
+    assert not list(store.blobs.dir.glob("*-partial"))  # the refused bytes were discarded
 
 
 def test_a_split_zip_header_that_names_another_member_is_refused(index, store, ggufs):
@@ -162,7 +162,7 @@ def test_a_killed_split_zip_pull_restarts_cleanly(index, store, ggufs):
         if progress.completed:  # killed after the first inflated bytes reached the partial file
             break
     pulling.close()
-    partial = store.blobs_dir / f"{entry.digest}-partial"
+    partial = store.blobs.dir / f"{entry.digest}-partial"
     kept = partial.read_bytes()
     assert 0 < len(kept) < len(model)
     partial.write_bytes(b"x" * len(kept))  # what it holds is never trusted: here it is even wrong

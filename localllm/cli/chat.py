@@ -51,11 +51,11 @@ def _server_client(*, start: bool):
     if health is not None:
         check_same_home(health)
     elif start:
-        _start_server()
+        start_server()
     return HttpClient(url)
 
 
-def _start_server() -> None:
+def start_server() -> None:
     from .background import ensure_server, started_notice
 
     url = config.base_url()

@@ -119,12 +119,12 @@ def launch(
 
 def _server_url() -> str:
     from .background import check_same_home, server_health
-    from .chat import _start_server
+    from .chat import start_server
 
     url = config.base_url()
     health = server_health(url)
     if health is None:
-        _start_server()
+        start_server()
     else:
         check_same_home(health)
     return url
