@@ -178,17 +178,27 @@ class ModelPool:
         backend_name = choose_backend(load.backend, model.weights)
         check_memory(load, model_facts(model.weights, model.format), model.name)
         t0 = time.perf_counter()
-        probed = self._probe.check(model.weights, load, backend=backend_name)  # a file that aborts llama.cpp fails here
-        # The entry keeps the options asked for (a request that asks the same again reuses it); the context gets
-        # the probe's findings for what was left open.
-        context_load = probed.applied_to(load)
+        # A file that aborts llama.cpp fails in the probe's child: the load here starts once the child's own load is
+        # through, beside its decodes, and is kept only when the child decoded (probe.py).
+        probe = self._probe.start(model.weights, load, backend=backend_name)
+        probe.until_loaded()
+        if model.adapters:  # applying adapters decodes a token in-process (backend._reserve_now): after the verdict
+            probe.verdict()
         loaded = get_backend(backend_name).load(
             model.weights,
-            context_load,
+            # The entry keeps the options asked for (a request that asks the same again reuses it); the context gets
+            # what an earlier probe found for what was left open.
+            probe.remembered.applied_to(load),
             n_seq=load.num_parallel or 1,
             n_ctx=load.num_ctx or config.CONTEXT_LENGTH.get(),
             adapters=effective_adapters(model, load),
         )
+        try:
+            probe.verdict()
+        except BaseException:
+            loaded.close()
+            raise
+        probed = probe.remembered
         seconds = time.perf_counter() - t0
         try:
             factory = self._speculation_factory

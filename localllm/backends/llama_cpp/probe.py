@@ -7,8 +7,13 @@ request fails, with the assert's own line in its error, and the server lives on.
 so each file pays the probe once per LOCALLLM_HOME and llama.cpp version (about a second for the catalog models;
 their weights stay in the page cache for the real load that follows).
 
-The child also runs the flash attention trial (flash_trial.py) where the choice is open and the CPU runs the
-model: its finding comes back on the child's stdout, is remembered with the success, and `check` returns it.
+The probe costs the first load little: the child says on stdout when its load is through (LOADED), and the real load
+in the server starts then, beside the child's decodes, over the same file in the page cache; it is committed only
+once the child has decoded (`start` / ProbeRun.verdict). Anything that aborts at load has aborted in the child first.
+
+The flash attention trial (flash_trial.py) runs where the choice is open and the CPU runs the model, never on the
+request path: a second child started after a success, in the background; its finding is remembered with the success
+and applies from the next load (`check` returns it).
 
 Memory: `<store root>/probes/<blob digest>` (a file path outside the store is named by its path, size and mtime),
 holding the llama.cpp and probe versions that passed and the trial. Only the llama.cpp backend is probed: MLX raises
@@ -27,6 +32,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +58,8 @@ PROBE_TEXT = 'Hello, world!\n\t{"a": [1, 2.5]} <b>x</b> Grüße, ça va? При�
 # an exception code on Windows.
 EXIT_REFUSED = 10
 EXIT_PYTHON_ERROR = 1
+LOADED = "probe: loaded"  # the child's first line once the weights and a context loaded (the real load may begin)
+TRIAL_FLAG = "--trial"  # the child runs only the flash attention trial, for weights already probed
 _DIGEST_NAME = re.compile(r"^sha256-[0-9a-f]{64}$")
 _STDERR_TAIL = 8192
 # ggml's abort message: "<source file>:<line>: <what failed>" (llama.cpp's log lines may run into it unbroken).
@@ -92,30 +100,163 @@ class LoadProbe:
 
         A child that failed cleanly (a missing tensor, a context too large) is not remembered and not raised: the
         in-process load that follows fails the same way, with its own error type and status."""
+        run = self.start(weights, load, backend=backend)
+        run.until_loaded()
+        return run.verdict()
+
+    def start(self, weights: Path, load: api.LoadOptions, *, backend: str = "llama.cpp") -> ProbeRun:
+        """Begin probing `weights` (nothing to do when remembered): the caller loads in-process once
+        `until_loaded()` returns and commits that load only after `verdict()` returns."""
         weights = Path(weights)
         if backend != "llama.cpp" or not weights.is_file():  # a missing file is the real load's error to give
-            return Probed()
+            return ProbeRun.known(Probed())
         entry = self.memory_dir / weights_key(weights)
         remembered = _recall(entry)
         if remembered is not None:
-            return remembered
+            if remembered.trial is None and flash_trial.wanted(load) and not _tried(entry):
+                _start_trial(weights, load, entry)
+            return ProbeRun.known(remembered)
         log.info("first load of %s on this machine: trying it in a child process", weights.name)
-        outcome = _run_child(weights, load)
-        if outcome.returncode == 0:
-            probed = Probed(trial=_reported_trial(outcome.stdout))
-            if probed.trial is not None:
-                log.info("%s on this CPU, %s", weights.name, probed.trial.describe())
-            _remember(entry, probed)
-            return probed
-        if outcome.returncode == EXIT_PYTHON_ERROR:  # not llama.cpp: the child itself could not run
-            log.warning("the load probe of %s could not run: %s", weights.name, outcome.stderr[-_STDERR_TAIL:])
-        elif outcome.returncode != EXIT_REFUSED:
-            log.warning("%s crashed llama.cpp in the load probe: %s", weights, outcome.stderr[-_STDERR_TAIL:])
-            raise ModelFormatError(
-                f"{weights} crashed llama.cpp while loading: {_crash_line(outcome)}",
-                hint="the file is damaged or needs another llama.cpp; only this load failed",
-            )
+        return ProbeRun(weights, load, entry)
+
+
+class ProbeRun:
+    """One probe child under way (or a verdict already known): its load, then its decodes."""
+
+    def __init__(self, weights: Path, load: api.LoadOptions, entry: Path):
+        self.weights, self.load, self.entry = weights, load, entry
+        self._known: Probed | None = None
+        self._child: subprocess.Popen | None = _run_child(weights, load)
+        self._stdout: list[str] = []
+        self._stderr: list[str] = []
+        # The pipes are read on threads so that a chatty child never blocks on a full pipe.
+        self._loaded = threading.Event()
+        self._readers = [
+            threading.Thread(target=self._read_stdout, daemon=True),
+            threading.Thread(target=self._drain, args=(self._child.stderr, self._stderr), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @property
+    def remembered(self) -> Probed:
+        """What a finished or remembered probe found (nothing, while its child runs)."""
+        return self._known if self._known is not None else Probed()
+
+    @classmethod
+    def known(cls, probed: Probed) -> ProbeRun:
+        run = cls.__new__(cls)
+        run._known, run._child = probed, None
+        return run
+
+    def _read_stdout(self) -> None:
+        assert self._child is not None and self._child.stdout is not None
+        for line in self._child.stdout:
+            self._stdout.append(line)
+            if line.strip() == LOADED:
+                self._loaded.set()
+        self._loaded.set()  # the child ended: until_loaded() looks at how
+
+    @staticmethod
+    def _drain(pipe, into: list[str]) -> None:
+        for line in pipe:
+            into.append(line)
+
+    def until_loaded(self) -> None:
+        """Wait until the child's load is through; raise ModelFormatError when it died loading."""
+        if self._child is None:
+            return
+        if not self._loaded.wait(_timeout(self.weights)):
+            self._kill()
+            raise _too_slow(self.weights)
+        if LOADED not in (line.strip() for line in self._stdout):
+            self.verdict()  # it ended before its load was through: a crash raises here
+
+    def verdict(self) -> Probed:
+        """Wait for the child's decodes; raise ModelFormatError when it died. A success is remembered."""
+        if self._known is not None:
+            return self._known
+        assert self._child is not None
+        try:
+            returncode = self._child.wait(_timeout(self.weights))
+        except subprocess.TimeoutExpired:
+            self._kill()
+            raise _too_slow(self.weights) from None
+        for reader in self._readers:
+            reader.join()
+        outcome = subprocess.CompletedProcess(
+            self._child.args, returncode, "".join(self._stdout), "".join(self._stderr)
+        )
+        self._known = _judge(self.weights, self.load, self.entry, outcome)
+        return self._known
+
+    def _kill(self) -> None:
+        if self._child is not None and self._child.poll() is None:
+            self._child.kill()
+            self._child.wait()
+
+
+def _judge(weights: Path, load: api.LoadOptions, entry: Path, outcome: subprocess.CompletedProcess) -> Probed:
+    if outcome.returncode == 0:
+        _remember(entry, Probed(), tried=not flash_trial.wanted(load))
+        if flash_trial.wanted(load):
+            _start_trial(weights, load, entry)
         return Probed()
+    if outcome.returncode == EXIT_PYTHON_ERROR:  # not llama.cpp: the child itself could not run
+        log.warning("the load probe of %s could not run: %s", weights.name, outcome.stderr[-_STDERR_TAIL:])
+    elif outcome.returncode != EXIT_REFUSED:
+        log.warning("%s crashed llama.cpp in the load probe: %s", weights, outcome.stderr[-_STDERR_TAIL:])
+        raise ModelFormatError(
+            f"{weights} crashed llama.cpp while loading: {_crash_line(outcome)}",
+            hint="the file is damaged or needs another llama.cpp; only this load failed",
+        )
+    return Probed()
+
+
+def _too_slow(weights: Path) -> ModelFormatError:
+    return ModelFormatError(
+        f"{weights} did not load within {_timeout(weights):.0f} s in the load probe",
+        hint="the file may be damaged; only this load failed",
+    )
+
+
+_trials_lock = threading.Lock()
+_trials: dict[Path, threading.Thread] = {}  # background trials of this process, by memory entry
+
+
+def _start_trial(weights: Path, load: api.LoadOptions, entry: Path) -> None:
+    """Run the flash attention trial in a child of its own, off the request path; its finding is remembered for
+    the next load. One trial per entry and process at a time."""
+    with _trials_lock:
+        running = _trials.get(entry)
+        if running is not None and running.is_alive():
+            return
+        thread = threading.Thread(target=_trial_child, args=(weights, load, entry), name="localllm-trial", daemon=True)
+        _trials[entry] = thread
+        thread.start()
+
+
+def wait_for_trials(timeout: float | None = None) -> None:
+    """Wait for the background trials this process started (tests; a benchmark that wants the next load tuned)."""
+    with _trials_lock:
+        threads = list(_trials.values())
+    for thread in threads:
+        thread.join(timeout)
+
+
+def _trial_child(weights: Path, load: api.LoadOptions, entry: Path) -> None:
+    try:
+        outcome = _run_trial_child(weights, load)
+    except ModelFormatError as exc:
+        log.warning("flash attention trial of %s: %s", weights.name, exc)
+        outcome = None
+    trial = _reported_trial(outcome.stdout) if outcome is not None and outcome.returncode == 0 else None
+    if outcome is not None and outcome.returncode != 0:
+        log.warning("flash attention trial of %s failed: %s", weights.name, outcome.stderr[-_STDERR_TAIL:])
+    if trial is not None:
+        log.info("%s on this CPU, %s (from its next load)", weights.name, trial.describe())
+    if _recall(entry) is not None:  # still a success of this llama.cpp: add what the trial found
+        _remember(entry, Probed(trial=trial), tried=True)
 
 
 def weights_key(weights: Path) -> str:
@@ -142,6 +283,15 @@ def _record() -> dict[str, str]:
     return {"llama_cpp": _llama_cpp_version(), "probe": PROBE_VERSION}
 
 
+def _tried(entry: Path) -> bool:
+    """Whether the flash attention trial has run for this success (found something or not)."""
+    try:
+        memory = json.loads(entry.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(memory, dict) and bool(memory.get("trial_done", "flash_trial" in memory))
+
+
 def _recall(entry: Path) -> Probed | None:
     """What a success under this llama.cpp and probe remembered; None when there is none to trust."""
     try:
@@ -153,8 +303,8 @@ def _recall(entry: Path) -> Probed | None:
     return Probed(trial=FlashTrial.from_json(memory.get("flash_trial")))
 
 
-def _remember(entry: Path, probed: Probed) -> None:
-    memory = {**_record(), "flash_trial": probed.trial.to_json() if probed.trial else None}
+def _remember(entry: Path, probed: Probed, *, tried: bool) -> None:
+    memory = {**_record(), "flash_trial": probed.trial.to_json() if probed.trial else None, "trial_done": tried}
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         temp = entry.with_name(f".{entry.name}.{uuid.uuid4().hex}")
@@ -169,8 +319,8 @@ def _timeout(weights: Path) -> float:
     return 60.0 + Path(weights).stat().st_size / 30e6
 
 
-def _run_child(weights: Path, load: api.LoadOptions) -> subprocess.CompletedProcess:
-    options = load.model_copy(
+def _child_options(load: api.LoadOptions) -> api.LoadOptions:
+    return load.model_copy(
         update={
             "num_ctx": PROBE_CTX,
             "num_parallel": 1,
@@ -179,24 +329,46 @@ def _run_child(weights: Path, load: api.LoadOptions) -> subprocess.CompletedProc
             "num_batch": max(load.num_batch, PROBE_TOKENS),
         }
     )
-    # No backtrace: ggml would otherwise try to attach a debugger to the dying child.
-    env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
-    command = [sys.executable, "-m", "localllm.backends.llama_cpp.probe", str(weights)]
+
+
+def _child_command(weights: Path, *, trial: bool = False) -> list[str]:
+    return [sys.executable, "-m", "localllm.backends.llama_cpp.probe", *([TRIAL_FLAG] if trial else []), str(weights)]
+
+
+# No backtrace: ggml would otherwise try to attach a debugger to the dying child.
+def _child_env() -> dict[str, str]:
+    return {**os.environ, "GGML_NO_BACKTRACE": "1"}
+
+
+def _run_child(weights: Path, load: api.LoadOptions) -> subprocess.Popen:
+    child = subprocess.Popen(
+        _child_command(weights),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        env=_child_env(),
+    )
+    assert child.stdin is not None
+    child.stdin.write(_child_options(load).model_dump_json())
+    child.stdin.close()
+    return child
+
+
+def _run_trial_child(weights: Path, load: api.LoadOptions) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(
-            command,
-            input=options.model_dump_json(),
+            _child_command(weights, trial=True),
+            input=_child_options(load).model_dump_json(),
             capture_output=True,
             text=True,
             errors="replace",
-            env=env,
+            env=_child_env(),
             timeout=_timeout(weights),
         )
     except subprocess.TimeoutExpired:
-        raise ModelFormatError(
-            f"{weights} did not load within {_timeout(weights):.0f} s in the load probe",
-            hint="the file may be damaged; only this load failed",
-        ) from None
+        raise _too_slow(weights) from None
 
 
 def _reported_trial(stdout: str) -> FlashTrial | None:
@@ -241,6 +413,7 @@ def probe_load(weights: Path, load: api.LoadOptions) -> None:
 
     model = LlamaCppBackend().load(weights, load, n_seq=1, n_ctx=PROBE_CTX)
     try:
+        print(LOADED, flush=True)  # what can abort at load has not: the server's own load may begin
         for token in model.tokenize(PROBE_TEXT):  # a vocabulary without byte fallback aborts on unknown text
             model.token_bytes(token)
         tokens = _probe_tokens(model.meta.n_vocab, model.meta.bos_token)
@@ -259,14 +432,15 @@ def probe_load(weights: Path, load: api.LoadOptions) -> None:
 
 def _main(argv: list[str]) -> int:
     load = api.LoadOptions.model_validate_json(sys.stdin.read())
-    weights = Path(argv[0])
+    if argv[0] == TRIAL_FLAG:
+        trial = _flash_trial(Path(argv[1]), load)
+        print(json.dumps(trial.to_json() if trial else None), flush=True)
+        return 0
     try:
-        probe_load(weights, load)
+        probe_load(Path(argv[0]), load)
     except LocalLLMError as exc:
         print(exc, flush=True)
         return EXIT_REFUSED
-    trial = _flash_trial(weights, load)
-    print(json.dumps(trial.to_json() if trial else None), flush=True)
     return 0
 
 
