@@ -203,11 +203,21 @@ class Scheduler:
         for slot, req in self.table.serving():
             if slot.state is SlotState.PREFILL and budget > 0 and not req.restoring:
                 budget -= self._add_prefill_chunk(step, slot, req, min(budget, self._prefill_cells(step)))
+        if self.kv_cells is not None and not step:
+            self._end_stalled_prefills(step)
         return step
 
+    def _end_stalled_prefills(self, step: Step) -> None:
+        """Nothing could run and no cells are free: a prefill that cannot advance ends rather than spin."""
+        for slot, req in self.table.serving():
+            if slot.state is SlotState.PREFILL and not req.restoring and not step.cache_ops:
+                log.warning("the KV pool of %s cells is full: request %d ends unread", self.kv_cells, req.id)
+                self.finish(req, "length")
+                step.finished.append(req)
+
     def _prefill_cells(self, step: Step) -> int:
-        """Cells a prefill chunk may take now. A prefill that cannot advance with nothing else to run (a restore that
-        failed for want of contiguous cells left it more to read than it reserved) would spin: it ends instead."""
+        """Cells a prefill chunk may take now (idle caches given up when none are free). A prefill can outgrow its
+        reservation only when a restore failed for want of contiguous cells; see _end_stalled_prefills."""
         free = self.cells_free()
         if free == 0 and self.kv_cells is not None:
             free = self._give_up_idle(step, 1)
