@@ -65,13 +65,23 @@ def test_no_line_until_the_samples_span_step_sizes():
 
 
 def test_the_line_follows_the_latest_steps():
-    costs = StepCosts(window=16)
+    costs = StepCosts(per_size=8)
     for tokens in (4, 400) * 8:
         costs.observe(tokens, 0.01 + 0.001 * tokens)
     for tokens in (4, 400) * 8:  # the machine got four times slower
         costs.observe(tokens, 0.04 + 0.004 * tokens)
     line = costs.fit()
     assert line is not None and line.per_token == pytest.approx(0.004)
+
+
+def test_long_steps_are_remembered_through_many_decode_steps():
+    costs = StepCosts()
+    for tokens in (3, 512) * 8:
+        costs.observe(tokens, 0.02 + 0.001 * tokens)
+    for _ in range(1000):  # the decoders ran alone for a long while
+        costs.observe(3, 0.023)
+    line = costs.fit()
+    assert line is not None and line.per_token == pytest.approx(0.001)
 
 
 def test_a_noisy_slope_gives_no_budget():

@@ -5,8 +5,8 @@ stall-free schedulers do (Sarathi-Serve, vLLM's chunked prefill), a step that ha
 then as many prefill tokens as fit a time budget; a step with no decode rows (a lone prefill) takes the whole
 num_batch, so its prompt is read as fast as before.
 
-The budget comes from the engine's own step timings: StepCosts fits seconds = base + per_token x tokens to the last
-steps (plain data; the engine thread feeds it). A mixed step is sized so that its decode rows cost at most
+The budget comes from the engine's own step timings: StepCosts fits seconds = base + per_token x tokens to the latest
+steps of each size (plain data; the engine thread feeds it). A mixed step is sized so that its decode rows cost at most
 DECODE_SHARE of it: the prefill pays a small share of each step for the pacing, and a decoder waits a bounded
 multiple of a plain decode step however long the prompt beside it."""
 
@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-WINDOW = 64  # steps the fit reads: enough to span decode-only and prefill steps, recent enough to follow the load
+PER_SIZE = 16  # the latest steps of each size (by powers of two) the fit reads: recent enough to follow the load
 MIN_SAMPLES = 8
 SPREAD = 2  # the largest step in the window must have this many times the tokens of the smallest to fit a slope
 DECODE_SHARE = 0.05  # a mixed step is at least (its decode rows' cost / this) long
@@ -46,29 +46,30 @@ class StepCostModel(Protocol):
 
 @dataclass
 class StepCosts:
-    """Least squares over the last WINDOW (tokens, seconds) samples; None until they span sizes SPREAD apart."""
+    """Least squares over the latest samples of each step size (sizes grouped by powers of two, PER_SIZE samples
+    each); None until they span sizes SPREAD apart. By size, so that the few long steps a prompt brings are still
+    known after hundreds of decode-only steps, and each size follows the machine's latest speed."""
 
-    window: int = WINDOW
-    samples: deque[tuple[int, float]] = field(default_factory=deque)
+    per_size: int = PER_SIZE
+    sizes: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or not seconds > 0:
             return
-        self.samples.append((tokens, seconds))
-        while len(self.samples) > self.window:
-            self.samples.popleft()
+        self.sizes.setdefault(tokens.bit_length(), deque(maxlen=self.per_size)).append((tokens, seconds))
 
     def fit(self) -> Line | None:
-        if len(self.samples) < MIN_SAMPLES:
+        samples = [sample for size in self.sizes.values() for sample in size]
+        if len(samples) < MIN_SAMPLES:
             return None
-        sizes = [n for n, _ in self.samples]
+        sizes = [n for n, _ in samples]
         if max(sizes) < SPREAD * min(sizes):
             return None
-        count = len(self.samples)
+        count = len(samples)
         mean_n = sum(sizes) / count
-        mean_t = sum(t for _, t in self.samples) / count
+        mean_t = sum(t for _, t in samples) / count
         var = sum((n - mean_n) ** 2 for n in sizes)
-        cov = sum((n - mean_n) * (t - mean_t) for n, t in self.samples)
+        cov = sum((n - mean_n) * (t - mean_t) for n, t in samples)
         per_token = cov / var
         if per_token <= 0:  # noise swamped the slope (a busy machine): no basis for a budget
             return None
