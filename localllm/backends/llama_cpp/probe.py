@@ -60,7 +60,6 @@ EXIT_REFUSED = 10
 EXIT_PYTHON_ERROR = 1
 LOADED = "probe: loaded"  # the child's first line once the weights and a context loaded (the real load may begin)
 TRIAL_FLAG = "--trial"  # the child runs only the flash attention trial, for weights already probed
-TRIAL_NICENESS = 10
 _DIGEST_NAME = re.compile(r"^sha256-[0-9a-f]{64}$")
 _STDERR_TAIL = 8192
 # ggml's abort message: "<source file>:<line>: <what failed>" (llama.cpp's log lines may run into it unbroken).
@@ -434,8 +433,6 @@ def probe_load(weights: Path, load: api.LoadOptions) -> None:
 def _main(argv: list[str]) -> int:
     load = api.LoadOptions.model_validate_json(sys.stdin.read())
     if argv[0] == TRIAL_FLAG:
-        if hasattr(os, "nice"):  # beside a server answering its first requests: they come first
-            os.nice(TRIAL_NICENESS)
         trial = _flash_trial(Path(argv[1]), load)
         print(json.dumps(trial.to_json() if trial else None), flush=True)
         return 0
