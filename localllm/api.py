@@ -605,6 +605,8 @@ class ProcessModel(_Model):
     draft_count: int = 0
     draft_accepted: int = 0
     status: str | None = None  # "removed": its model was deleted; it unloads when its running requests end
+    kv_cells: int = Field(0, description="KV cache tokens the slots share (the pool; LOCALLLM_KV_POOL)")
+    kv_used: int = Field(0, description="KV cache tokens the slots' caches hold now, of kv_cells")
     cache_ram_bytes: int = Field(0, description="prefix cache: saved prompt prefixes held in host RAM")
     cache_ram_limit: int = Field(0, description="LOCALLLM_CACHE_RAM for this model")
     cache_disk_bytes: int = Field(0, description="prefix cache: saved prompt prefixes on disk")

@@ -274,18 +274,26 @@ RESPONSES_MAX_AGE = Setting(
     lambda: 30 * 24 * 3600.0,
 )
 
+KV_POOL = Setting(
+    "LOCALLLM_KV_POOL",
+    "KV cache tokens a model's slots share, so one long conversation uses what short ones leave "
+    "(default num_ctx, as llama-server; kept within num_ctx and num_ctx x slots)",
+    parse_positive_int,
+    lambda: 0,
+)
 CACHE_RAM = Setting(
     "LOCALLLM_CACHE_RAM",
-    "host RAM per loaded model for prompt prefixes evicted from the slots "
-    "(512MiB, 2GiB; 0 off; default an eighth of free memory, at most 8GiB)",
+    "host RAM per loaded model for prompt prefixes evicted from the slots (512MiB, 2GiB; 0 off; default "
+    "an eighth of free memory shared by LOCALLLM_MAX_LOADED_MODELS, at most 8GiB)",
     parse_size,
     lambda: None,
 )
 CACHE_DISK = Setting(
     "LOCALLLM_CACHE_DISK",
-    "disk per model (under LOCALLLM_HOME/cache) for prompt prefixes, kept across restarts (e.g. 4GiB; default 0: off)",
+    "disk per model (under LOCALLLM_HOME/cache) for prompt prefixes, kept across restarts "
+    "(4GiB; 0 off; default a twentieth of the free disk, at most 4GiB)",
     parse_size,
-    lambda: 0,
+    lambda: None,
 )
 INFILL_MODEL = Setting(
     "LOCALLLM_INFILL_MODEL",
@@ -304,6 +312,7 @@ ALL: tuple[Setting, ...] = (
     CONTEXT_LENGTH,
     NUM_THREAD,
     KV_CACHE_TYPE,
+    KV_POOL,
     FLASH_ATTENTION,
     DETERMINISTIC,
     QUALITY_TOKENS,

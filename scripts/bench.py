@@ -103,6 +103,38 @@ def editor_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return bench_editor.editor_figures(path, llama_server=args.llama_server)
 
 
+def mixed_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """Three streams decoding as a long prompt arrives, ours and llama-server's (scripts/bench_serving.py)."""
+    return _serving(path, args)[0]
+
+
+def memory_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """Server RSS idle with one model and after the mixed load (scripts/bench_serving.py)."""
+    return _serving(path, args)[1]
+
+
+_SERVING: dict[tuple[Path, int, str | None], tuple[list[Figure], list[Figure]]] = {}
+
+
+def _serving(path: Path, args: argparse.Namespace) -> tuple[list[Figure], list[Figure]]:
+    """The mixed load and the memory after it come from one run: measured once for both sections."""
+    import bench_serving
+
+    key = (path, args.tokens, args.llama_server)
+    if key not in _SERVING:
+        _SERVING[key] = bench_serving.mixed_and_memory_figures(
+            path, n=max(args.tokens, 96), llama_server_binary=args.llama_server
+        )
+    return _SERVING[key]
+
+
+def first_load_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """The first load of a model on a fresh home against a repeated load (scripts/bench_serving.py)."""
+    import bench_serving
+
+    return bench_serving.first_load_figures(path)
+
+
 def mlx_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return run_mlx_benchmarks(path)
 
@@ -139,6 +171,9 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "spec": ("Speculative decoding", spec_section),
     "prefix": ("Prefix cache beyond the slots", prefix_section),
     "editor": ("Editor completion (fill in the middle)", editor_section),
+    "mixed": ("Mixed load: decoders beside a long prompt", mixed_section),
+    "memory": ("Memory at the defaults", memory_section),
+    "firstload": ("First load of a new model", first_load_section),
     "mlx": ("MLX against llama.cpp (informational)", mlx_section),
     "rpc": ("RPC worker over loopback (informational)", rpc_section),
     "embed": ("Embeddings against llama-server", embed_section),

@@ -11,6 +11,7 @@ from localllm.backends.llama_cpp.backend import LlamaCppBackend
 from localllm.bench.raw import RawLoop
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.errors import ContextOverflow, QueueFull
+from localllm.models.plan import kv_cells
 
 pytestmark = pytest.mark.models
 
@@ -56,7 +57,7 @@ def batched_reference(model_path):
     """The raw loop decoding four prompts in one batch, as the scheduler does when they arrive together: llama.cpp's
     numerics depend on the batch's make-up for some models (gemma3's greedy tokens differ batched vs alone, in
     llama.cpp itself), so the multi-slot reference must be batched the same way."""
-    loop = RawLoop(model_path, n_ctx=N_CTX, n_seq=4, threads=1, ignore_eos=True)
+    loop = RawLoop(model_path, n_ctx=N_CTX, n_seq=4, threads=1, ignore_eos=True, kv_cells=kv_cells(N_CTX, 4))
     try:
         out = {}
         for group in (PROMPTS[:4], PROMPTS[4:]):

@@ -22,6 +22,12 @@ NAVIGATOR = "You are a ship's navigator in the year 1790. " + "You log winds, cu
 OTHER = "Bake bread in Lyon and explain each step."  # another conversation, sharing nothing with the first
 
 
+@pytest.fixture(autouse=True)
+def no_disk_tier_unless_asked(monkeypatch):
+    """The disk tier is on by default; these tests turn it on where they mean it."""
+    monkeypatch.setenv("LOCALLLM_CACHE_DISK", "0")
+
+
 @pytest.fixture(params=["smollm2", pytest.param("gemma3", marks=pytest.mark.slow)])
 def model_path(request):
     return request.getfixturevalue(f"{request.param}_path")

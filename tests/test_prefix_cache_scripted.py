@@ -49,6 +49,7 @@ class ToyModel:
 
     def __init__(self, n_seq: int, *, shape: CacheShape | None = None):
         self.n_seq, self.n_ctx = n_seq, 1024
+        self.kv_cells = n_seq * self.n_ctx
         self.cells: list[list[int]] = [[] for _ in range(n_seq)]  # each sequence's cached tokens, position order
         self.rows: list[np.ndarray] = []
         self.shape = shape or CacheShape(fingerprint="toy")

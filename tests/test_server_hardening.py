@@ -70,8 +70,10 @@ def test_options_out_of_bounds_are_400_naming_value_and_bound(base_url, options,
     assert_still_answers(base_url)
 
 
-def test_context_larger_than_memory_is_400_with_the_plan(base_url):
-    # gemma3:270m is trained on 32768 tokens; 256 slots of that need about 150 GiB of KV cache.
+def test_context_larger_than_memory_is_400_with_the_plan(base_url, monkeypatch):
+    # gemma3:270m is trained on 32768 tokens; 256 slots of that, each with cells of its own (a pool as large as all
+    # of them), need about 150 GiB of KV cache. (The server runs in this process: the load reads this setting.)
+    monkeypatch.setenv("LOCALLLM_KV_POOL", str(32768 * 256))
     refused = generate(base_url, model="gemma3:270m", options={**QUICK, "num_ctx": 32768, "num_parallel": 256})
     assert refused.status_code == 400, refused.text
     assert "num_parallel 256" in error_of(refused) and "localllm plan" in error_of(refused)

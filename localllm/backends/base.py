@@ -157,6 +157,8 @@ class LoadedModel(Protocol):
     n_ctx: int
     n_batch: int  # the most tokens one decode takes
     kv_pad: int  # the backend attends over its cache in spans of this many cells (1: exactly)
+    # KV cells the sequences share (at least n_ctx); n_seq x n_ctx where each sequence has cells of its own.
+    kv_cells: int
     adjustable_threads: bool  # set_threads takes effect (the engine then tunes the count as it runs)
     weights: Hashable  # equal for loads that share one copy of the weights in memory
     placement: Placement | None  # where its layers went (CPU, GPUs, RPC workers); None where not placed

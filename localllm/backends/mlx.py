@@ -205,6 +205,7 @@ class MlxModel:
         self.meta = _read_meta(path, model, tokenizer, config)
         self.n_seq = n_seq
         self.n_ctx = n_ctx
+        self.kv_cells = n_seq * n_ctx  # each sequence's cache is its own
         self._n_layers = len(model.layers)
         self._caches: list[list[KVCache]] = [self._new_cache() for _ in range(n_seq)]
         self._outputs: dict[int, mx.array] = {}  # batch row -> logits [n_vocab] of the last decode

@@ -16,13 +16,23 @@ class RawLoop:
     """The reference: one llama_context, a greedy C sampler, llama_decode in a plain loop. Nothing of ours."""
 
     def __init__(
-        self, path: Path, *, n_ctx: int, n_seq: int = 1, threads: int = 1, n_batch: int = 512, ignore_eos: bool = False
+        self,
+        path: Path,
+        *,
+        n_ctx: int,
+        n_seq: int = 1,
+        threads: int = 1,
+        n_batch: int = 512,
+        ignore_eos: bool = False,
+        kv_cells: int | None = None,
     ):
+        """`kv_cells`: the sequences share a unified pool of that many cells (None: a stream of n_ctx each)."""
         init_backend()
         mparams = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx, cparams.n_seq_max = n_ctx * n_seq, n_seq
+        cparams.n_ctx, cparams.n_seq_max = kv_cells or n_ctx * n_seq, n_seq
+        cparams.kv_unified = kv_cells is not None
         cparams.n_batch = cparams.n_ubatch = n_batch
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.no_perf = True

@@ -78,11 +78,21 @@ def served_model(
     try:
         _wait_until_up(base, proc)
         _create_bench_model(path, home)
+        started = time.perf_counter()
         httpx.post(f"{base}/api/generate", json={"model": "bench", "prompt": ""}, timeout=300)  # load it
+        SERVED_PIDS[base], FIRST_LOADS[base] = proc.pid, time.perf_counter() - started
         yield base
     finally:
+        SERVED_PIDS.pop(base, None)
+        FIRST_LOADS.pop(base, None)
         proc.terminate()
         proc.wait(timeout=60)
+
+
+# Of each server served_model runs: its process (for its memory) and how long its first load took (the load
+# request on the client's clock), seconds.
+SERVED_PIDS: dict[str, int] = {}
+FIRST_LOADS: dict[str, float] = {}
 
 
 def _create_bench_model(path: Path, home: Path) -> None:

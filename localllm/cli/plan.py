@@ -38,8 +38,7 @@ def plan(
 
     Weights, adapters, KV cache per slot and compute buffer for these options, and the layers each device takes;
     models over the same weights count them once. Exits 1 when it does not fit."""
-    from .. import config
-    from ..engine.prefix_cache import ram_limit
+    from ..engine.prefix_cache import disk_limit, ram_limit
     from ..models.plan import total_with_shared_weights
 
     overrides = {
@@ -56,7 +55,7 @@ def plan(
     plans = [_plan_one(model, overrides) for model in models]
     total = total_with_shared_weights([(identity, mem) for _, identity, mem, _ in plans])
     available = plans[0][2].available
-    cache_ram, cache_disk = ram_limit(), config.CACHE_DISK.get()
+    cache_ram, cache_disk = ram_limit(), disk_limit()
     if as_json:
         rows = [
             {
@@ -117,8 +116,10 @@ def _table(name: str, mem: MemoryPlan, *, shared: bool, cache_ram: int, cache_di
     table.add_row("weights" + (" (shared with a model above: counted once)" if shared else ""), _mib(mem.weights))
     if mem.adapters:
         table.add_row("LoRA adapters", _mib(mem.adapters))
-    table.add_row(f"KV cache per slot ({mem.kv_per_token:,} bytes/token)", _mib(mem.kv_per_slot))
-    table.add_row(f"KV cache, {mem.num_parallel} slots", _mib(mem.kv_total))
+    table.add_row(f"KV cache per token ({mem.kv_per_token:,} bytes), one slot's {mem.num_ctx:,}", _mib(mem.kv_per_slot))
+    table.add_row(
+        f"KV pool the {mem.num_parallel} slots share ({mem.kv_cells:,} tokens, LOCALLLM_KV_POOL)", _mib(mem.kv_total)
+    )
     table.add_row("compute buffer (estimate)", _mib(mem.compute))
     table.add_row("[bold]total[/]", f"[bold]{_mib(mem.total - (mem.weights if shared else 0))}[/]")
     # The prefix cache grows into its limit only as conversations outnumber the slots, so it is not in the total.

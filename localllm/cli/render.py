@@ -285,10 +285,12 @@ def _backend_text(row: api.ProcessModel) -> str:
 
 
 def _kv_text(row: api.ProcessModel) -> str:
-    """ "f16, flash off": the cache type, and flash attention where it is not left to the backend."""
+    """ "f16 812/4096, flash off": the cache type, the pool's tokens held of those the slots share, and flash
+    attention where it is not left to the backend."""
+    text = f"{row.kv_type} {row.kv_used}/{row.kv_cells}" if row.kv_cells else row.kv_type
     if row.flash_attn is None:
-        return row.kv_type
-    return f"{row.kv_type}, flash {'on' if row.flash_attn else 'off'}"
+        return text
+    return f"{text}, flash {'on' if row.flash_attn else 'off'}"
 
 
 def _size_text(row: api.ProcessModel) -> str:

@@ -718,6 +718,8 @@ def _process_row(entry: Loaded, sharing: list[str]) -> api.ProcessModel:
         draft_count=stats.draft_tokens,
         draft_accepted=stats.accepted_tokens,
         status="removed" if entry.removed else None,
+        kv_cells=stats.kv_cells,
+        kv_used=stats.kv_used,
         cache_ram_bytes=stats.cache_ram_bytes,
         cache_ram_limit=stats.cache_ram_limit,
         cache_disk_bytes=stats.cache_disk_bytes,

@@ -1,5 +1,5 @@
 """The prefix cache beyond the slots: sequence states saved when a slot is taken for another prefix, kept in host RAM
-(LOCALLLM_CACHE_RAM) and, optionally, spilled to disk (LOCALLLM_CACHE_DISK) so prefixes survive a restart.
+(LOCALLLM_CACHE_RAM) and spilled to disk (LOCALLLM_CACHE_DISK, on by default) so prefixes survive a restart.
 
 The slots are the first tier (engine/slots.py). When a slot is about to lose at least SAVE_MIN_TOKENS of its cache,
 the scheduler asks the engine to save the slot's state first; a new request then looks in the slots, then here, and a
@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import struct
 import time
 from collections.abc import Iterable, Sequence
@@ -141,22 +142,43 @@ class CacheFigures:
 
 
 def ram_limit() -> int:
-    """LOCALLLM_CACHE_RAM, or by default an eighth of the memory available now and at most 8 GiB (llama-server's
-    --cache-ram default): room for dozens of conversations' prefixes, never more than the machine can spare."""
+    """LOCALLLM_CACHE_RAM, or by default an eighth of the memory available now shared by the models that may be
+    loaded at once, at most 8 GiB (llama-server's --cache-ram default): room for dozens of conversations' prefixes,
+    never more than the machine can spare. It is a limit: the tier grows only as conversations outnumber the slots."""
     configured = config.CACHE_RAM.get()
     if configured is not None:
         return configured
-    return min(8 * 1024**3, (available_memory() or 0) // 8)
+    return min(8 * 1024**3, (available_memory() or 0) // (8 * config.MAX_LOADED_MODELS.get()))
+
+
+DISK_SHARE = 20  # by default the disk tier may take a twentieth of the free disk...
+DISK_CAP = 4 * 1024**3  # ...and at most this much per model
+
+
+def disk_limit() -> int:
+    """LOCALLLM_CACHE_DISK, or by default a twentieth of the disk free under LOCALLLM_HOME, at most 4 GiB, so that
+    prefixes survive a restart without anyone knowing the setting's name."""
+    configured = config.CACHE_DISK.get()
+    if configured is not None:
+        return configured
+    where = config.prefix_cache_dir()
+    while not where.exists() and where != where.parent:  # a home not created yet: the disk it will be on
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return 0
+    return min(DISK_CAP, free // DISK_SHARE)
 
 
 def make_prefix_cache(model: LoadedModel, digest: str) -> PrefixCache:
-    """The tiers for one loaded model: RAM always (unless LOCALLLM_CACHE_RAM=0), disk when LOCALLLM_CACHE_DISK is set
-    and the backend can describe its states (a fingerprint)."""
+    """The tiers for one loaded model: RAM unless LOCALLLM_CACHE_RAM=0, disk unless LOCALLLM_CACHE_DISK=0, where
+    the backend can describe its states (a fingerprint)."""
     shape = model.cache_shape()
-    disk_limit = config.CACHE_DISK.get()
     disk = None
-    if disk_limit > 0 and shape.fingerprint:
-        disk = DiskTier.under(config.prefix_cache_dir(), limit=disk_limit, digest=digest, fingerprint=shape.fingerprint)
+    limit = disk_limit() if shape.fingerprint else 0
+    if limit > 0:
+        disk = DiskTier.under(config.prefix_cache_dir(), limit=limit, digest=digest, fingerprint=shape.fingerprint)
     return PrefixCache(shape, ram_limit=ram_limit(), disk=disk, digest=digest)
 
 

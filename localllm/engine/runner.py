@@ -26,6 +26,7 @@ from .cache_keeper import CacheKeeper
 from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler, Step
 from .speculative.speculation import Speculation
+from .step_budget import Pacing, StepBudget
 from .text import TextStream
 from .threads import StepKind, ThreadTuner
 
@@ -89,6 +90,8 @@ class EngineStats:
     cache_ram_limit: int = 0
     cache_disk_bytes: int = 0
     cache_disk_limit: int = 0
+    kv_cells: int = 0  # KV cells the slots share (n_slots x n_ctx where each slot has its own)
+    kv_used: int = 0  # cells the slots' caches hold now
 
 
 class Stream:
@@ -195,6 +198,7 @@ class ModelEngine:
         threads: ThreadTuner | None = None,
         pinned_threads: int = 0,
         prefix_cache: PrefixCache | None = None,
+        pacing: Pacing | None = None,
     ):
         self.model = model
         self.n_slots = model.n_seq
@@ -216,13 +220,17 @@ class ModelEngine:
             max_queue=max_queue,
             kv_pad=model.kv_pad,
             prefix_cache=self.prefix_cache,
+            # Learnt from this engine's own steps (step_budget.py): a long prompt beside decoders goes in chunks that
+            # keep their pace.
+            pacing=pacing if pacing is not None else StepBudget(),
+            kv_cells=model.kv_cells,
         )
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._outstanding = 0
         self._lock = threading.Lock()
         self._closed = False
         self._keeper = CacheKeeper(model, self.prefix_cache, self._scheduler)
-        self.stats = EngineStats(slots_total=model.n_seq, threads=pinned_threads)
+        self.stats = EngineStats(slots_total=model.n_seq, threads=pinned_threads, kv_cells=model.kv_cells)
         self._publish_cache_figures()
         self._thread = threading.Thread(target=self._run, name="localllm-engine", daemon=True)
         self._thread.start()
@@ -475,6 +483,8 @@ class ModelEngine:
         if self.threads is not None:
             # Wall time, not CPU time: a thread that waits for a core another process holds is what it must see.
             self.threads.record(kind, threads, len(step.batch), seconds)
+        if self._scheduler.pacing is not None:
+            self._scheduler.pacing.observe(len(step.batch), seconds)
         if kind == "batch" and self.prefix_cache is not None:
             self.prefix_cache.price.observe_prefill(len(step.batch), seconds)
         if self.speculation is not None:
@@ -708,4 +718,5 @@ class ModelEngine:
         s = self.stats
         s.slots_busy = len(self._scheduler.table.busy())
         s.queue_depth = len(self._scheduler.waiting)
+        s.kv_used = min(self._scheduler.cells_held(), s.kv_cells)
         return s

@@ -2,12 +2,18 @@
 
     admit(request)          queue a request (QueueFull when the queue is full)
     schedule() -> Step      the next batch: one decode row (plus drafts) per generating slot, and prefill chunks
-                            of admitted requests in the rest of the token budget (chunked prefill: a long prompt
-                            never stalls the others)
+                            of admitted requests in the rest of the step budget (chunked prefill sized by time,
+                            engine/step_budget.py: a long prompt never stalls the others)
     update(step, sampled)   record what the backend decoded and what was sampled; returns newly accepted tokens
     finish(request, why)    free its slot; its cache stays behind for prefix reuse
     cancel(request)         finish at the next schedule()
     restored(request, ok)   the engine restored (or failed to restore) the saved prefix a step asked for
+
+With a KV pool (`kv_cells` below the slots' n_slots x n_ctx: llama.cpp's unified cache) the slots draw their cells
+from one pool, so one long conversation can use what short ones leave. The scheduler bounds the cells held across
+the slots by the pool: a request takes a slot only when its prompt fits (idle slots' caches are given up for it,
+saved to the prefix cache first), prefills always fit their reservation, and a decoder that finds the pool full
+ends with "length", as at the end of its context. No step ever asks the backend for more cells than it has.
 
 With a prefix cache (engine/prefix_cache.py), a step also says which slots to save before they lose their prefix and
 which saved prefix to restore into a slot; the scheduler reads the cache's index, the engine moves the bytes.
@@ -17,6 +23,7 @@ The engine thread runs schedule → backend.decode → sample → update in a lo
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -24,10 +31,12 @@ from typing import Any, Generic, TypeVar
 from ..backends.base import Batch, Sampler
 from ..errors import QueueFull
 from .prefix_cache import SAVE_MIN_TOKENS, Entry, Match, PrefixCache
-from .slots import Slot, SlotState, SlotTable
+from .slots import Slot, SlotChoice, SlotState, SlotTable
 from .speculative.drafters import Drafter
+from .step_budget import Pacing
 
 _ids = itertools.count(1)
+log = logging.getLogger(__name__)
 
 
 SinkT = TypeVar("SinkT")
@@ -132,7 +141,11 @@ class Scheduler:
         max_queue: int,
         kv_pad: int = 1,
         prefix_cache: PrefixCache | None = None,
+        pacing: Pacing | None = None,
+        kv_cells: int | None = None,
     ):
+        if kv_cells is not None and kv_cells < n_ctx:
+            raise ValueError(f"a KV pool of {kv_cells} cells cannot hold one slot's context of {n_ctx}")
         recurrent = prefix_cache is not None and prefix_cache.shape.recurrent
         self.table: SlotTable[Request[Any]] = SlotTable(n_slots, recurrent=recurrent)
         self.cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
@@ -143,6 +156,10 @@ class Scheduler:
         self.max_queue = max_queue
         self.waiting: deque[Request[Any]] = deque()
         self._steps = 0
+        self.pacing = pacing  # None: every step takes num_batch tokens
+        # Cells the slots share; None where each slot has n_ctx of its own (no sum to bound).
+        self.kv_cells = kv_cells if kv_cells is not None and kv_cells < n_slots * n_ctx else None
+        self._cells_used = 0  # batch rows added in the step being built: each takes a cell
 
     # ----------------------------------------------------------------------------------------------- intake
 
@@ -183,15 +200,73 @@ class Scheduler:
         self._drop_cancelled(step)
         step.saves.extend(self._pinned_saves)
         self._pinned_saves.clear()
+        self._cells_used = 0
         self._assign_waiting(step)
         budget = self.n_batch
         for slot, req in self.table.serving():
             if slot.state is SlotState.DECODE:
                 budget -= self._add_decode(step, slot, req, budget)
+        decode_rows = self.n_batch - budget
+        if self.pacing is not None and decode_rows:
+            budget = self.pacing.prefill_tokens(decode_rows, budget)
         for slot, req in self.table.serving():
             if slot.state is SlotState.PREFILL and budget > 0 and not req.restoring:
-                budget -= self._add_prefill_chunk(step, slot, req, budget)
+                budget -= self._add_prefill_chunk(step, slot, req, min(budget, self._prefill_cells(step)))
+        if self.kv_cells is not None and not step:
+            self._end_stalled_prefills(step)
         return step
+
+    def _end_stalled_prefills(self, step: Step) -> None:
+        """Nothing could run and no cells are free: a prefill that cannot advance ends rather than spin."""
+        for slot, req in self.table.serving():
+            if slot.state is SlotState.PREFILL and not req.restoring and not step.cache_ops:
+                log.warning("the KV pool of %s cells is full: request %d ends unread", self.kv_cells, req.id)
+                self.finish(req, "length")
+                step.finished.append(req)
+
+    def _prefill_cells(self, step: Step) -> int:
+        """Cells a prefill chunk may take now (idle caches given up when none are free). A prefill can outgrow its
+        reservation only when a restore failed for want of contiguous cells; see _end_stalled_prefills."""
+        free = self.cells_free()
+        if free == 0 and self.kv_cells is not None:
+            free = self._give_up_idle(step, 1)
+        return free
+
+    # ----------------------------------------------------------------------------------------------- KV pool
+
+    def cells_held(self) -> int:
+        """KV cells the slots' caches hold (a prefix copied between slots counts for each: an upper bound)."""
+        return sum(len(slot.cached) for slot in self.table.slots)
+
+    def cells_free(self) -> int:
+        """Cells of the pool no slot holds, less the rows of the step being built (a large number without a pool)."""
+        if self.kv_cells is None:
+            return self.n_batch
+        return max(0, self.kv_cells - self.cells_held() - self._cells_used)
+
+    def _reserved(self) -> int:
+        """The prompt tokens admitted requests have still to prefill: cells kept for them."""
+        return sum(
+            len(req.prompt) - req.n_prefilled for slot, req in self.table.serving() if slot.state is SlotState.PREFILL
+        )
+
+    def _give_up_idle(self, step: Step, need: int, *, keep: tuple[Slot[Request[Any]] | None, ...] = ()) -> int:
+        """Empty idle slots' caches, coldest first (saved to the prefix cache first), until `need` cells are free;
+        the cells now free."""
+        free = self.cells_free()
+        donors = {src for src, _, _ in step.copies}  # trims run before copies: a donor of this step stays whole
+        idle = sorted(
+            (s for s in self.table.free() if s.cached and s not in keep and s.seq not in donors),
+            key=lambda s: s.last_used,
+        )
+        for slot in idle:
+            if free >= need:
+                break
+            self._save_before_loss(step, slot, keeps=0)
+            step.trims.append((slot.seq, 0))
+            free += len(slot.cached)
+            slot.cached, slot.floor = [], 0
+        return free
 
     def _drop_cancelled(self, step: Step) -> None:
         for req in [r for r in self.waiting if r.cancelled]:
@@ -214,11 +289,14 @@ class Scheduler:
             choice = self.table.choose([] if head.deterministic else head.prompt)
             if choice is None:
                 return
-            req = self.waiting.popleft()
+            req = self.waiting[0]
             slot = choice.slot
             # Keep at least the last prompt token to decode: its output is the first generated token.
             reuse = min(choice.reuse, len(req.prompt) - 1)
             saved = None if req.deterministic else self._saved_prefix(req.prompt, beats=reuse)
+            if not self._pool_fits(step, req, choice, reuse, saved):
+                return  # it waits for cells: requests ahead of it end, or idle caches go
+            self.waiting.popleft()
             own = reuse if saved is None and choice.copy_from is None else 0
             self._save_before_loss(step, slot, keeps=own)
             if saved is not None:
@@ -236,6 +314,23 @@ class Scheduler:
             slot.cached = req.prompt[:reuse]
             slot.state, slot.request, slot.last_used = SlotState.PREFILL, req, self._steps
             req.slot, req.n_cached, req.n_prefilled = slot, reuse, reuse
+
+    def _pool_fits(
+        self, step: Step, req: Request[Any], choice: SlotChoice[Request[Any]], reuse: int, saved: Match | None
+    ) -> bool:
+        """Whether the pool holds `req`'s prompt and its first token in `choice.slot` (giving up idle caches for
+        it); prompts that fit a slot's context always fit the pool once the others end."""
+        if self.kv_cells is None:
+            return True
+        kept = saved.reuse if saved is not None else reuse
+        # A restore loads the whole saved state before cutting it to what the prompt shares.
+        need = len(req.prompt) - kept + 1 + (saved.entry.n_tokens - kept if saved is not None else 0)
+        slot = choice.slot
+        spare = len(slot.cached) - kept - self._reserved()  # the slot's own cache beyond what it keeps is freed
+        if self.cells_free() + spare >= need:
+            return True
+        free = self._give_up_idle(step, need - spare, keep=(slot, choice.copy_from))
+        return free + spare >= need
 
     def _saved_prefix(self, prompt: list[int], *, beats: int) -> Match | None:
         """A saved prefix worth restoring: one that skips more tokens than the best slot, at a price that pays."""
@@ -291,14 +386,33 @@ class Scheduler:
         return cuts
 
     def _add_decode(self, step: Step, slot: Slot[Request[Any]], req: Request[Any], budget: int) -> int:
-        draft = req.draft[: max(0, min(self.draft_room(req), budget - 1))]
+        cells = self._decode_cells(step)
+        if cells < 1:
+            log.warning(
+                "the KV pool of %d cells is full: request %d ends at %d tokens", self.kv_cells, req.id, len(slot.cached)
+            )
+            self.finish(req, "length")
+            step.finished.append(req)
+            return 0
+        draft = req.draft[: max(0, min(self.draft_room(req), budget - 1, cells - 1))]
         req.draft = draft
         pos = len(slot.cached)
         tokens = [req.generated[-1], *draft]
         rows = [step.batch.add(tok, pos + i, slot.seq, True) for i, tok in enumerate(tokens)]
         step.work.append(SlotWork(req, rows, draft))
         slot.last_used = self._steps
+        self._cells_used += len(rows)
         return len(rows)
+
+    def _decode_cells(self, step: Step) -> int:
+        """Cells a decode row and its drafts may take: what the pool has beyond the prefills' reservations."""
+        if self.kv_cells is None:
+            return self.n_batch
+        reserved = self._reserved()
+        free = self.cells_free() - reserved
+        if free < 1:
+            free = self._give_up_idle(step, reserved + 1) - reserved
+        return free
 
     def _add_prefill_chunk(self, step: Step, slot: Slot[Request[Any]], req: Request[Any], budget: int) -> int:
         start = req.n_prefilled
@@ -309,6 +423,7 @@ class Scheduler:
         if end == len(req.prompt):
             step.work.append(SlotWork(req, [last_row]))
         req.n_prefilled = end
+        self._cells_used += end - start
         return end - start
 
     def _chunk_end(self, start: int, end: int, prompt_end: int) -> int:

@@ -1,7 +1,8 @@
 """The memory plan: what loading a model with given options will take, read from GGUF metadata before anything loads.
 
-Weights are the file's tensor bytes. The KV cache is per slot and per token: K and V for every layer, each
-n_head_kv x head_dim elements of the cache type (llama.cpp keeps sliding-window layers at full size too). The compute
+Weights are the file's tensor bytes. The KV cache is per token: K and V for every layer, each n_head_kv x head_dim
+elements of the cache type (llama.cpp keeps sliding-window layers at full size too), for the cells of the pool the
+slots share (kv_cells: LOCALLLM_KV_POOL, by default one slot's num_ctx, as llama-server's unified cache). The compute
 buffer is dominated by the logits of a full micro-batch (n_batch x n_vocab floats), which is what llama.cpp reserves
 on CPU; it is an estimate and labelled so.
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from .. import config
 from ..api import LoadOptions
 from ..errors import ModelFormatError
 from ..quant.gguf import GGUFInfo
@@ -31,8 +33,8 @@ class MemoryPlan:
     weights: int
     adapters: int  # LoRA adapter tensors, per load
     kv_per_token: int  # one slot, one token
-    kv_per_slot: int
-    kv_total: int
+    kv_per_slot: int  # the most one slot can hold: num_ctx tokens
+    kv_total: int  # the pool the slots share: kv_cells tokens
     compute: int
     num_ctx: int
     num_parallel: int
@@ -45,6 +47,7 @@ class MemoryPlan:
     input_weights: int = 0
     output_weights: int = 0
     output_tied: bool = False  # the head is token_embd: a copy only where it leaves the CPU
+    kv_cells: int = 0  # tokens of KV the slots share (num_ctx x num_parallel where each has its own)
 
     @property
     def total(self) -> int:
@@ -62,6 +65,7 @@ def plan_memory(info: GGUFInfo, load: LoadOptions, *, adapters: int = 0) -> Memo
     per_layer = kv_elements_by_layer(info)
     per_token = int(sum(per_layer) * KV_BYTES[kv_type])
     per_slot = per_token * n_ctx
+    cells = kv_cells(n_ctx, slots)
     n_vocab = info.vocab_size or 0
     compute = load.num_batch * n_vocab * 4 + load.num_batch * (info.embedding_length or 0) * 4 * 4
     blocks, input_weights, output_weights = _weights_by_layer(info)
@@ -71,18 +75,26 @@ def plan_memory(info: GGUFInfo, load: LoadOptions, *, adapters: int = 0) -> Memo
         adapters=adapters,
         kv_per_token=per_token,
         kv_per_slot=per_slot,
-        kv_total=per_slot * slots,
+        kv_total=per_token * cells,
         compute=compute,
         num_ctx=n_ctx,
         num_parallel=slots,
         kv_type=kv_type,
         available=available_memory(),
         layer_weights=blocks,
-        layer_kv=tuple(int(n * KV_BYTES[kv_type]) * n_ctx * slots for n in per_layer),
+        layer_kv=tuple(int(n * KV_BYTES[kv_type]) * cells for n in per_layer),
         input_weights=input_weights,
         output_weights=output_weights,
         output_tied=tied,
+        kv_cells=cells,
     )
+
+
+def kv_cells(n_ctx: int, n_seq: int) -> int:
+    """The KV cells `n_seq` slots of `n_ctx` tokens share: LOCALLLM_KV_POOL, by default n_ctx (what llama-server's
+    unified cache holds for the same context), never less than one slot's context nor more than all of theirs."""
+    pool = config.KV_POOL.get() or n_ctx
+    return max(n_ctx, min(pool, n_ctx * max(1, n_seq)))
 
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")

@@ -1,7 +1,9 @@
 """llama.cpp through llama-cpp-python's low-level API: one llama_context per loaded model with one sequence per slot.
 
-The context is created with a separate KV stream per sequence (kv_unified off), so every slot owns exactly `n_ctx`
-cells: the context a user asks for is per slot, never a total silently divided. Sampling runs in llama.cpp's C
+The sequences draw their KV cells from one pool (llama.cpp's unified cache, as llama-server's default): `kv_cells`
+(models/plan.kv_cells, at least `n_ctx`), each sequence able to hold up to `n_ctx` of them, so one long conversation
+uses what short ones leave; the scheduler keeps the sum within the pool. A pool as large as every slot's context
+takes a separate KV stream per sequence instead (kv_unified off): nothing to share. Sampling runs in llama.cpp's C
 sampler chain; Python only picks which output row each chain reads. Plain greedy requests (temperature 0, nothing but
 logit biases) take a shortcut that picks the same token without copying the vocabulary (GreedySampler).
 
@@ -27,7 +29,7 @@ from ...chat.fim import FimTokens
 from ...errors import InvalidInput, LocalLLMError, ModelFormatError, WorkerLost
 from ...machine import physical_cores
 from ...models.options import context_size
-from ...models.plan import Placement
+from ...models.plan import Placement, kv_cells
 from ..base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead
 from .embedding import MAX_SEQS, embed_group, pack, pooling_for
 from .rpc import PlacedModel, RpcGuard, place_model
@@ -127,6 +129,7 @@ class LlamaCppBackend:
                 ctx,
                 options,
                 n_seq=n_seq,
+                n_ctx=n_ctx,
                 placement=placed.placement,
                 release_weights=partial(_WEIGHTS.release, key),
                 weights=key,
@@ -173,6 +176,7 @@ def _load_over_rpc(
         ctx,
         options,
         n_seq=n_seq,
+        n_ctx=n_ctx,
         placement=placed.placement,
         release_weights=partial(llama_cpp.llama_model_free, model),
         weights=(str(path), id(model)),
@@ -266,13 +270,14 @@ def _context_params(options: LoadOptions, *, n_seq: int, n_ctx: int, pooling: in
     params = llama_cpp.llama_context_default_params()
     # Unpinned, the engine's thread tuner sets each step's count; it starts from every physical core.
     threads = options.num_thread or physical_cores()
-    params.n_ctx = n_ctx * n_seq
+    cells = kv_cells(n_ctx, n_seq)
+    params.n_ctx = cells
     params.n_batch = max(options.num_batch, n_seq)
     params.n_ubatch = params.n_batch
     params.n_seq_max = n_seq
     params.n_threads = threads
     params.n_threads_batch = threads
-    params.kv_unified = False
+    params.kv_unified = cells < n_ctx * n_seq
     # Sliding-window layers get full-size caches that keep every position, so a slot cut anywhere stays exact; only a
     # saved state drops the masked cells (CacheShape.saved_floor).
     params.swa_full = True
@@ -386,6 +391,7 @@ class LlamaCppModel:
         options: LoadOptions,
         *,
         n_seq: int,
+        n_ctx: int,
         weights: Hashable,
         release_weights: Callable[[], None],
         adapters: _Adapters,
@@ -406,7 +412,10 @@ class LlamaCppModel:
         self._mem = llama_cpp.llama_get_memory(ctx)
         self.meta = _read_meta(model, path)
         self.n_seq = n_seq
-        self.n_ctx = llama_cpp.llama_n_ctx_seq(ctx)
+        # A unified pool lets any sequence reach all its cells; a slot's context stays the one asked for.
+        self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx_seq(ctx))
+        unified = kv_cells(n_ctx, n_seq) < n_ctx * n_seq
+        self.kv_cells = min(llama_cpp.llama_n_ctx(ctx), n_seq * self.n_ctx) if unified else n_seq * self.n_ctx
         self.n_batch = llama_cpp.llama_n_batch(ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._embed_ctx = None
@@ -511,7 +520,8 @@ class LlamaCppModel:
         llama_cpp.llama_memory_seq_rm(self._mem, seq, start, end)
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        # Each sequence has its own KV stream, and llama.cpp copies across streams only whole: copy, then cut.
+        # With a stream per sequence llama.cpp copies across streams only whole: copy, then cut. (In a unified pool
+        # the copy shares the cells: no memory moves.)
         llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
         if self._guard is not None:  # the copy moves cache data, which may sit on a worker
             self._guard.call(llama_cpp.llama_memory_seq_cp, self._mem, src, dst, -1, -1)
@@ -524,7 +534,7 @@ class LlamaCppModel:
         # A state loads only into a context with the same streams (slots), cell count, KV types and V layout, written
         # by the same llama.cpp.
         fingerprint = (
-            f"llama-cpp-python {llama_cpp.__version__}; slots {self.n_seq}; ctx {self.n_ctx}; "
+            f"llama-cpp-python {llama_cpp.__version__}; slots {self.n_seq}; ctx {self.n_ctx}; pool {self.kv_cells}; "
             f"k {params.type_k}; v {params.type_v}; flash {params.flash_attn_type}"
         )
         model = self._model

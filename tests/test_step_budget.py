@@ -1,0 +1,227 @@
+"""The step budget (engine/step_budget.py) and the KV pool the slots share, on plain data: the scheduler is
+bookkeeping, the cost model is numbers fed to it, so nothing here times anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from localllm.engine.scheduler import Request, Scheduler
+from localllm.engine.slots import SlotState
+from localllm.engine.step_budget import Line, StepBudget, StepCosts
+
+
+class FixedCosts:
+    """A StepCostModel with the costs given: what a test means by 'a step costs'."""
+
+    def __init__(self, base: float, per_token: float):
+        self.line = Line(base, per_token)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def fit(self) -> Line | None:
+        return self.line
+
+
+def _step_until_sampled(s: Scheduler, req: Request, token: int = 100) -> None:
+    while True:
+        step = s.schedule()
+        done = any(w.request is req for w in step.work)
+        s.update(step, {req.id: [token]} if done else {})
+        if done:
+            return
+
+
+def _decoders(s: Scheduler, n: int, prompt_len: int = 3) -> list[Request]:
+    reqs = []
+    for i in range(n):
+        req = Request(prompt=[500 + i] * prompt_len, max_tokens=1000, sink=None)
+        s.admit(req)
+        _step_until_sampled(s, req)
+        reqs.append(req)
+    return reqs
+
+
+# ---------------------------------------------------------------------------------------------------------- cost model
+
+
+def test_the_learnt_cost_line_recovers_synthetic_step_times():
+    costs = StepCosts()
+    for tokens in (3, 3, 4, 512, 3, 256, 128, 3, 512, 64):
+        costs.observe(tokens, 0.02 + 0.001 * tokens)
+    line = costs.fit()
+    assert line is not None
+    assert line.base == pytest.approx(0.02) and line.per_token == pytest.approx(0.001)
+
+
+def test_no_line_until_the_samples_span_step_sizes():
+    costs = StepCosts()
+    for _ in range(20):  # decode-only steps: no slope to read
+        costs.observe(3, 0.02)
+    assert costs.fit() is None
+    costs.observe(0, 1.0)  # empty or unmeasured steps are ignored
+    costs.observe(64, 0.0)
+    assert costs.fit() is None
+
+
+def test_the_line_follows_the_latest_steps():
+    costs = StepCosts(per_size=8)
+    for tokens in (4, 400) * 8:
+        costs.observe(tokens, 0.01 + 0.001 * tokens)
+    for tokens in (4, 400) * 8:  # the machine got four times slower
+        costs.observe(tokens, 0.04 + 0.004 * tokens)
+    line = costs.fit()
+    assert line is not None and line.per_token == pytest.approx(0.004)
+
+
+def test_long_steps_are_remembered_through_many_decode_steps():
+    costs = StepCosts()
+    for tokens in (3, 512) * 8:
+        costs.observe(tokens, 0.02 + 0.001 * tokens)
+    for _ in range(1000):  # the decoders ran alone for a long while
+        costs.observe(3, 0.023)
+    line = costs.fit()
+    assert line is not None and line.per_token == pytest.approx(0.001)
+
+
+def test_a_noisy_slope_gives_no_budget():
+    costs = StepCosts()
+    for tokens in (4, 400) * 5:
+        costs.observe(tokens, 0.5 if tokens == 4 else 0.1)  # bigger steps cheaper: load noise, not a cost
+    assert costs.fit() is None
+    assert StepBudget(costs).prefill_tokens(3, 509) == 509
+
+
+# ---------------------------------------------------------------------------------------------------------- budget
+
+
+def test_a_lone_prefill_uses_the_whole_step():
+    budget = StepBudget(FixedCosts(base=0.02, per_token=0.01))
+    assert budget.prefill_tokens(0, 512) == 512
+
+
+def test_the_prefill_share_follows_the_budget():
+    slow = StepBudget(FixedCosts(base=0.02, per_token=0.004), decode_share=0.1)
+    # Three decode rows cost 0.032 s; the step may take ten times that: 0.288 s of prefill is 72 tokens.
+    assert slow.prefill_tokens(3, 509) == 72
+    faster = StepBudget(FixedCosts(base=0.02, per_token=0.001), decode_share=0.1)
+    assert faster.prefill_tokens(3, 509) > slow.prefill_tokens(3, 509)
+    # More decoders, a dearer fixed part, a longer step: more prefill per step, never past the batch's room.
+    assert slow.prefill_tokens(8, 504) > slow.prefill_tokens(3, 509)
+    assert StepBudget(FixedCosts(base=1.0, per_token=1e-6)).prefill_tokens(3, 509) == 509
+
+
+def test_a_prefill_always_advances():
+    # Decode rows that may take nine tenths of a step leave no whole prefill token: the chunk is the minimum.
+    budget = StepBudget(FixedCosts(base=0.0001, per_token=1.0), decode_share=0.9, min_chunk=16)
+    assert budget.prefill_tokens(3, 509) == 16
+    assert budget.prefill_tokens(3, 5) == 5
+
+
+def test_without_timings_the_step_is_sized_in_tokens():
+    assert StepBudget().prefill_tokens(3, 509) == 509
+
+
+def test_the_scheduler_schedules_every_decode_row_then_the_budgets_prefill():
+    budget = StepBudget(FixedCosts(base=0.02, per_token=0.004), decode_share=0.1)
+    s = Scheduler(n_slots=4, n_ctx=4096, n_batch=512, max_queue=4, pacing=budget)
+    decoders = _decoders(s, 3)
+    long = Request(prompt=list(range(1000, 2400)), max_tokens=4, sink=None)
+    s.admit(long)
+    step = s.schedule()
+    rows = [w.request for w in step.work]
+    assert all(d in rows for d in decoders)  # every decode row, first
+    assert step.batch.tokens[:3] == [100, 100, 100]
+    assert len(step.batch) == 3 + budget.prefill_tokens(3, 509) == 75
+    s.update(step, {d.id: [101] for d in decoders})
+    # Chunks go on at that size while the decoders run; every step still carries all three decode rows.
+    chunks = [72]
+    while long.slot is not None and long.slot.state is SlotState.PREFILL:
+        step = s.schedule()
+        decode_rows = sum(1 for seq in step.batch.seqs if seq != long.slot.seq)
+        assert decode_rows == 3
+        chunks.append(len(step.batch) - decode_rows)
+        done = any(w.request is long for w in step.work)
+        s.update(step, {**{d.id: [101] for d in decoders}, **({long.id: [7]} if done else {})})
+    assert sum(chunks) == 1400 and max(chunks) <= 72 and len(chunks) > 1400 // 509
+
+
+def test_a_lone_long_prompt_is_read_in_full_batches():
+    s = Scheduler(n_slots=4, n_ctx=4096, n_batch=512, max_queue=4, pacing=StepBudget(FixedCosts(0.02, 0.004)))
+    long = Request(prompt=list(range(1000, 2400)), max_tokens=4, sink=None)
+    s.admit(long)
+    assert len(s.schedule().batch) == 512
+
+
+# ---------------------------------------------------------------------------------------------------------- KV pool
+
+
+def _pooled(cells: int, *, slots: int = 3, n_ctx: int = 64, n_batch: int = 64) -> Scheduler:
+    return Scheduler(n_slots=slots, n_ctx=n_ctx, n_batch=n_batch, max_queue=8, kv_cells=cells)
+
+
+def test_a_long_conversation_uses_what_short_ones_leave():
+    s = _pooled(64)  # three slots of 64 tokens drawing from 64 cells
+    short = Request(prompt=[1] * 4, max_tokens=1, sink=None)
+    s.admit(short)
+    _step_until_sampled(s, short)
+    s.finish(short, "length")
+    long = Request(prompt=list(range(100, 150)), max_tokens=100, sink=None)
+    s.admit(long)
+    _step_until_sampled(s, long)
+    assert long.slot is not None and s.cells_held() == 50 + 4  # the idle short cache still sits in the pool
+    # It decodes past the short one's cells: the idle cache is given up (saved first, where there is a cache).
+    for _ in range(12):
+        step = s.schedule()
+        s.update(step, {long.id: [7]})
+    assert len(long.slot.cached) == 62 and s.cells_held() == 62
+    assert any(trim[1] == 0 for trim in s.schedule().trims) or short.slot.cached == []
+
+
+def test_a_request_that_does_not_fit_waits_and_nothing_exceeds_the_pool():
+    s = _pooled(64)
+    first = Request(prompt=list(range(100, 140)), max_tokens=100, sink=None)
+    s.admit(first)
+    _step_until_sampled(s, first)
+    second = Request(prompt=list(range(200, 240)), max_tokens=4, sink=None)
+    s.admit(second)
+    step = s.schedule()
+    assert second.slot is None and list(s.waiting) == [second]  # 40 + 40 cells do not fit 64: it waits
+    for _ in range(30):  # whatever the steps do, the cells held plus the rows asked for stay within the pool
+        assert s.cells_held() + len(step.batch) <= 64
+        s.update(step, {r.id: [7] for r in s.running if any(w.request is r for w in step.work)})
+        if first.finished:
+            break
+        step = s.schedule()
+    assert first.finished and first.done_reason == "length"  # the pool was full: it ends as at a context's end
+    s.finish(first, first.done_reason or "length")
+    step = s.schedule()
+    assert second.slot is not None  # the first one's cells are its now
+    assert s.cells_held() + len(step.batch) <= 64
+
+
+def test_a_prefill_admitted_is_never_starved_by_decoders():
+    s = _pooled(64, n_batch=8)
+    first = Request(prompt=list(range(100, 110)), max_tokens=100, sink=None)
+    s.admit(first)
+    _step_until_sampled(s, first)
+    second = Request(prompt=list(range(200, 240)), max_tokens=4, sink=None)  # 10 + 40 + 2 fits 64
+    s.admit(second)
+    while True:
+        step = s.schedule()
+        assert s.cells_held() + len(step.batch) <= 64
+        if any(w.request is second for w in step.work):
+            break
+        s.update(step, {first.id: [7]} if not first.finished else {})
+    assert len(second.prompt) == second.n_prefilled  # its prompt was read whole, the decoder stopping first
+    assert s.cells_held() + len(step.batch) <= 64
+
+
+def test_a_pool_smaller_than_one_context_is_refused():
+    with pytest.raises(ValueError, match="cannot hold one slot's context"):
+        _pooled(32, n_ctx=64)
+
+
+def test_a_pool_as_large_as_every_slot_bounds_nothing():
+    s = _pooled(3 * 64)
+    assert s.kv_cells is None
