@@ -57,7 +57,7 @@ def _drain(stream) -> tuple[int, str | None]:
 
 def test_a_long_prompt_beside_decoding_streams_goes_in_budget_sized_chunks(smollm2_path):
     n_ctx = 2048
-    model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1), n_seq=4, n_ctx=n_ctx)
+    model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1, num_parallel=4, num_ctx=n_ctx))
     steps = _recording(model)
     # Three decode rows cost 0.032 s by these figures; a step may take ten times that: 72 prefill tokens.
     budget = StepBudget(FixedCosts(base=0.02, per_token=0.004), decode_share=0.1)
@@ -98,7 +98,7 @@ def test_a_long_prompt_beside_decoding_streams_goes_in_budget_sized_chunks(smoll
 
 def test_a_long_conversation_uses_the_cells_short_ones_leave(smollm2_path):
     # Two slots of 512 tokens draw from one pool of 512 cells (the default: one slot's context).
-    model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1), n_seq=2, n_ctx=512)
+    model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1, num_parallel=2, num_ctx=512))
     assert model.kv_cells == 512 and model.n_ctx == 512
     engine = ModelEngine(model, max_queue=4)
     try:
@@ -123,7 +123,7 @@ def test_a_long_conversation_uses_the_cells_short_ones_leave(smollm2_path):
 def test_a_load_beyond_the_pool_ends_cleanly_before_native_code(smollm2_path):
     """Two conversations that would each run to a full context of 512 share 512 cells: neither makes llama_decode
     fail; the one that finds the pool full ends with "length", as at the end of a context."""
-    model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1), n_seq=2, n_ctx=512)
+    model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1, num_parallel=2, num_ctx=512))
     steps = _recording(model)
     engine = ModelEngine(model, max_queue=4)
     try:
