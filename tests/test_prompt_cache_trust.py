@@ -64,7 +64,9 @@ def _old_format(header: dict, tokens: bytes, data: bytes) -> bytes:
 
 
 def test_an_edited_or_foreign_state_is_refused_and_a_genuine_one_kept_to_its_conversation(models_home):
-    with served(models_home, LOCALLLM_CONTEXT_LENGTH=str(N_CTX), LOCALLLM_NUM_PARALLEL="1") as url:
+    with served(
+        models_home, LOCALLLM_CONTEXT_LENGTH=str(N_CTX), LOCALLLM_NUM_PARALLEL="1", LOCALLLM_CACHE_DISK="0"
+    ) as url:
         x = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the lamp?"}]
         x_history = x + [_chat(url, x)["message"]]
         save = {"model": MODEL, "messages": x_history, "options": OPTIONS}
@@ -73,7 +75,9 @@ def test_an_edited_or_foreign_state_is_refused_and_a_genuine_one_kept_to_its_con
         y_history = y + [_chat(url, y)["message"]]
         y_state = httpx.post(f"{url}/api/prompt-cache/save", json={**save, "messages": y_history}, timeout=120)
 
-    with served(models_home, LOCALLLM_CONTEXT_LENGTH=str(N_CTX), LOCALLLM_NUM_PARALLEL="1") as url:
+    with served(
+        models_home, LOCALLLM_CONTEXT_LENGTH=str(N_CTX), LOCALLLM_NUM_PARALLEL="1", LOCALLLM_CACHE_DISK="0"
+    ) as url:
         # A new server on the same home (the same key): nothing of either conversation in its slots or RAM.
         header, tokens, data = _parts(genuine)
         flipped = bytearray(data)
