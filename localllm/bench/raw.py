@@ -26,13 +26,14 @@ class RawLoop:
         ignore_eos: bool = False,
         kv_cells: int | None = None,
     ):
-        """`kv_cells`: the sequences share a unified pool of that many cells (None: a stream of n_ctx each)."""
+        """`kv_cells`: the sequences share a unified pool of that many cells, as the backend does below every slot's
+        whole context (None, or n_ctx per sequence: a stream of n_ctx each)."""
         init_backend()
         mparams = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx, cparams.n_seq_max = kv_cells or n_ctx * n_seq, n_seq
-        cparams.kv_unified = kv_cells is not None
+        cparams.kv_unified = kv_cells is not None and kv_cells < n_ctx * n_seq
         cparams.n_batch = cparams.n_ubatch = n_batch
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.no_perf = True
