@@ -6,12 +6,20 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+from pydantic import BaseModel, ConfigDict
 from starlette.responses import Response
 
 R = TypeVar("R", bound=Response)
 
 IGNORED_HEADER = "X-LocalLLM-Ignored"
 MAX_NOTES = 2000  # characters of the header; a body with hundreds of unknown fields is told about the first ones
+
+
+class RequestBody(BaseModel):
+    """An agent route's request body: fields we do not know are kept (model_extra), so they can be reported, not
+    lost."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
 
 def with_notes(response: R, notes: list[str]) -> R:

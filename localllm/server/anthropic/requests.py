@@ -19,18 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from ... import api
 from ...errors import InvalidInput
 from ..billing_header import strip_billing_header
+from ..ignored import RequestBody
 
 log = logging.getLogger(__name__)
 
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
-
-
-class _Body(BaseModel):
-    """A request body: fields we do not know are kept (model_extra), so they can be reported, not lost."""
-
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
 
 class AnthropicMessage(_Wire):
@@ -45,7 +40,7 @@ class AnthropicTool(_Wire):
     type: str | None = None
 
 
-class MessagesRequest(_Body):
+class MessagesRequest(RequestBody):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
@@ -65,7 +60,7 @@ class MessagesRequest(_Body):
     stream: bool = False
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(RequestBody):
     """count_tokens takes the same body less max_tokens and the sampling fields."""
 
     model: str

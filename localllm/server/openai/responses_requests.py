@@ -22,6 +22,7 @@ from ... import api
 from ...chat.thinking import think_from_effort
 from ...errors import InvalidInput
 from ..billing_header import strip_billing_header, without_billing_header
+from ..ignored import RequestBody
 from .compaction import summary_message, unseal
 
 log = logging.getLogger(__name__)
@@ -29,12 +30,6 @@ log = logging.getLogger(__name__)
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
-
-
-class _Body(BaseModel):
-    """A request body: fields we do not know are kept (model_extra), so they can be reported, not lost."""
-
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
 
 class ResponseTool(_Wire):
@@ -45,7 +40,7 @@ class ResponseTool(_Wire):
     strict: bool | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     model: str
     input: str | list[dict[str, Any]] = Field(min_length=1)
     instructions: str | None = None
@@ -71,7 +66,7 @@ class ResponsesRequest(_Body):
     keep_alive: api.Duration | None = Field(None, description="Ollama's keep_alive (extension)")
 
 
-class CompactRequest(_Body):
+class CompactRequest(RequestBody):
     """POST /v1/responses/compact: the conversation to compact (input, and/or a stored one)."""
 
     model: str
