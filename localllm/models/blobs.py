@@ -500,7 +500,10 @@ class PartialBlob:
 
     def discard(self) -> None:
         """Remove the bytes received and what was recorded about them."""
-        self.close()
+        try:
+            self.close()
+        except OSError:  # flushing the buffered tail failed (a full disk): those bytes are being dropped anyway
+            self._file = None
         self.path.unlink(missing_ok=True)
         self.meta_path.unlink(missing_ok=True)
         self.completed = 0
