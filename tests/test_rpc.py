@@ -189,8 +189,9 @@ def test_a_worker_that_accepts_and_never_answers_is_a_fast_503(home, tmp_path):
 
 def test_a_worker_that_stalls_mid_answer_fails_that_request_within_the_deadline(home, tmp_path):
     """A worker stopped (SIGSTOP) mid-answer: llama.cpp's client would wait on it for good; the guard's deadline
-    ends that request with a 503-class error, the server answers from this machine, and a worker started again at
-    the address takes the model's layers again."""
+    ends that request with a 503-class error, the server answers from this machine, and once the same worker
+    resumes (SIGCONT, no restart) it takes the model's layers again: the abandoned connection was shut, so the
+    worker, which serves one client at a time, is free for the next load."""
     worker_port, server_port = free_port(), free_port()
     env = _child_env(
         home,
@@ -223,9 +224,11 @@ def test_a_worker_that_stalls_mid_answer_fails_that_request_within_the_deadline(
                 json={"model": "smollm2:135m", "prompt": "Hi", "stream": False, "options": GREEDY},
             )
             assert stalled.status_code == 503, stalled.text
-            worker.kill()  # a stopped process still dies of SIGKILL
-        with started(worker_args, env, worker_port, tmp_path / "worker2.log"):
+            worker.send_signal(signal.SIGCONT)
             assert len(_generate(url)) > 0
+            ps = httpx.get(f"{url}/api/ps").json()["models"][0]
+            assert any(p["device"].startswith("RPC") for p in ps["placement"]), ps["placement"]
+            assert worker.poll() is None
 
 
 def test_an_unreachable_worker_is_one_clear_error(home, tmp_path):

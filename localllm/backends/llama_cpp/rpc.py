@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import queue
 import signal
 import socket
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import llama_cpp
+import psutil
 
 from ...api import LoadOptions
 from ...errors import BackendUnavailable, InvalidInput, ModelFormatError, WorkerLost
@@ -417,6 +419,34 @@ def _reachable(endpoint: str) -> bool:
         return False
 
 
+def sever(endpoints: Sequence[str]) -> None:
+    """Shut down this process's connections to `endpoints`. A worker serves one client at a time, so a stalled
+    worker that resumes would go on serving the abandoned model's connection for good; shut, it fails that client
+    and accepts the next load. The native thread blocked on it wakes into ggml's abort path, which parks it."""
+    addresses = {address for endpoint in endpoints for address in _addresses(endpoint)}
+    try:
+        connections = psutil.Process().net_connections(kind="tcp")
+    except psutil.Error as exc:
+        log.warning("cannot list this process's connections to shut the lost worker's: %s", exc)
+        return
+    for conn in connections:
+        if conn.fd < 0 or not conn.raddr or (conn.raddr.ip, conn.raddr.port) not in addresses:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(conn.fd)) as sock:  # the duplicate shares the connection
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed meanwhile
+
+
+def _addresses(endpoint: str) -> set[tuple[str, int]]:
+    host, port = parse_endpoint(endpoint)
+    try:
+        return {(str(info[4][0]), port) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except OSError:
+        return {(host, port)}
+
+
 def install_abort_guard() -> None:
     global _abort_guard
     with _ggml_lock:
@@ -469,6 +499,7 @@ class RpcGuard:
         self.lost = True
         names = ", ".join(plain_endpoint(e) for e in self.endpoints)
         _losses.record(self.endpoints, f"no answer within {seconds:.0f} s")
+        sever(self.endpoints)
         log.error("RPC worker %s did not answer within %.0f s: the model placed there is abandoned", names, seconds)
         raise WorkerLost(
             f"the RPC worker at {names} did not answer within {seconds:.0f} s (LOCALLLM_RPC_TIMEOUT)",
