@@ -619,6 +619,9 @@ class ProcessModel(_Model):
         default_factory=list, description="other loaded models that use the same weights in memory"
     )
     placement: list[DeviceLayers] = Field(default_factory=list)  # where its layers run; empty where unknown
+    missing_workers: list[str] = Field(
+        default_factory=list, description="RPC workers it was to use that were gone at load: it runs without them"
+    )
 
 
 class PromptCacheSession(_Model):

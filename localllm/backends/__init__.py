@@ -3,6 +3,7 @@ hint only when it is chosen."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import BackendUnavailable, InvalidInput
@@ -37,6 +38,13 @@ def require_rpc() -> None:
     from .llama_cpp import rpc
 
     rpc.require_rpc()
+
+
+def workers_back(endpoints: Sequence[str]) -> bool:
+    """Whether the RPC workers at `endpoints` (a placement's missing_workers) answer again."""
+    from .llama_cpp import rpc
+
+    return rpc.workers_back(endpoints)
 
 
 def load_check_memory(models_root: Path) -> Path:

@@ -728,6 +728,7 @@ def _process_row(entry: Loaded, sharing: list[str]) -> api.ProcessModel:
         prefix_cache_tokens=dict(stats.prefix_tokens),
         shares_weights_with=sharing,
         placement=_placement_rows(placement),
+        missing_workers=list(placement.missing_workers) if placement else [],
     )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 from .. import api, config
-from ..backends import choose_backend, get_backend, load_check_memory
+from ..backends import choose_backend, get_backend, load_check_memory, workers_back
 from ..backends.base import LoadedModel
 from ..errors import ModelFormatError, ModelNotFound, QueueFull
 from ..machine import physical_cores
@@ -32,6 +32,7 @@ from .threads import ThreadTuner
 SpeculationFactory = Callable[[ResolvedModel, api.LoadOptions, LoadedModel], Speculation]
 
 log = logging.getLogger(__name__)
+WORKER_CHECK_BEATS = 10  # reaper beats (0.5 s) between checks for RPC workers that are back
 
 
 @dataclass(eq=False)
@@ -259,8 +260,12 @@ class ModelPool:
         )
 
     def _reap_forever(self) -> None:
+        beats = 0
         while not self._stopping.wait(0.5):
+            beats += 1
             self._notice_removals()
+            if beats % WORKER_CHECK_BEATS == 0:
+                self._unload_where_workers_are_back()
             now = datetime.now(timezone.utc)
             with self._lock:
                 expired = [
@@ -270,6 +275,21 @@ class ModelPool:
                 ]
             for entry in expired:
                 self._unload(entry)
+
+    def _unload_where_workers_are_back(self) -> None:
+        """An idle model that runs on this machine alone because its RPC workers were gone at load is unloaded once
+        they answer again: its next request loads it with them."""
+        with self._lock:
+            candidates = [(e, p.missing_workers) for e in self._loaded.values() if (p := e.engine.placement)]
+        for entry, missing in candidates:
+            if not missing or entry.users > 0 or not workers_back(missing):
+                continue
+            log.info(
+                "the RPC worker(s) at %s answer again: %s loads with them next", ", ".join(missing), entry.model.name
+            )
+            with self._lock:  # held across the unload: no request takes it meanwhile
+                if entry.users == 0:
+                    self._unload(entry)
 
     def close(self) -> None:
         self._stopping.set()

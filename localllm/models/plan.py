@@ -234,6 +234,8 @@ class Placement:
     n_gpu_layers: int  # llama_model_params.n_gpu_layers: the last n of the n_layer + 1 units (blocks, output)
     shares: tuple[DeviceShare, ...]
     tensor_split: tuple[float, ...]  # one per offload device: llama.cpp's split points fall between our counts
+    # RPC workers the load asked for that could not be reached: the model was placed without them, since it fits.
+    missing_workers: tuple[str, ...] = ()
 
     @property
     def host(self) -> DeviceShare:

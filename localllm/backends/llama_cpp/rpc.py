@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -343,7 +343,68 @@ def place_model(path: Path, options: LoadOptions, *, n_seq: int, n_ctx: int) -> 
         endpoints = rpc_endpoints(options)
     except ValueError as exc:
         raise InvalidInput(f"option rpc: {exc}") from None
-    endpoints = [reach(endpoint) for endpoint in endpoints]
+    reached, gone = _reach_all(endpoints)
+    if gone and _named_by_request(options):
+        raise next(iter(gone.values()))
+    if gone:
+        return _placed_without(path, options, gone, n_seq=n_seq, n_ctx=n_ctx)
+    return _placed_on(path, options, reached, n_seq=n_seq, n_ctx=n_ctx)
+
+
+def _named_by_request(options: LoadOptions) -> bool:
+    """Workers a request (or Modelfile) names are required; the server's own (LOCALLLM_RPC) may be done without."""
+    from ... import config
+
+    return bool(options.rpc) and options.rpc != ",".join(config.RPC.get())
+
+
+def _reach_all(endpoints: Sequence[str]) -> tuple[list[str], dict[str, WorkerLost]]:
+    reached, gone = [], {}
+    for endpoint in endpoints:
+        try:
+            reached.append(reach(endpoint))
+        except WorkerLost as exc:
+            gone[endpoint] = exc
+    return reached, gone
+
+
+def _placed_without(
+    path: Path, options: LoadOptions, gone: dict[str, WorkerLost], *, n_seq: int, n_ctx: int
+) -> PlacedModel:
+    """A load whose workers are not all there runs on this machine alone when the model fits here (the user gets
+    answers, slower ones); otherwise the 503 naming the first missing worker. The pool loads it again with the
+    workers once they answer (workers_back)."""
+    local = _placed_on(path, options, [], n_seq=n_seq, n_ctx=n_ctx)
+    if not local.placement.fits:
+        raise next(iter(gone.values()))
+    names = tuple(gone)
+    log.warning(
+        "%s runs on this machine alone while the RPC worker(s) at %s cannot be reached (%s); it loads with them "
+        "again once they answer",
+        path.name,
+        ", ".join(names),
+        "; ".join(str(exc) for exc in gone.values()),
+    )
+    placement = replace(local.placement, missing_workers=names)
+    return PlacedModel(placement, local.devices, [])
+
+
+def workers_back(endpoints: Sequence[str]) -> bool:
+    """Whether every worker in `endpoints` accepts a connection and answers HELLO again."""
+    return all(_answers(endpoint) for endpoint in endpoints)
+
+
+def _answers(endpoint: str) -> bool:
+    try:
+        with socket.create_connection(parse_endpoint(endpoint), timeout=1.0) as sock:
+            sock.settimeout(PROBE_SECONDS)
+            _hello(sock)
+    except (OSError, InvalidInput):
+        return False
+    return True
+
+
+def _placed_on(path: Path, options: LoadOptions, endpoints: list[str], *, n_seq: int, n_ctx: int) -> PlacedModel:
     devices = worker_devices(endpoints) + local_devices()
     reports = [d.report for d in devices]
     try:
