@@ -186,3 +186,50 @@ def test_every_module_imports():
         except Exception as exc:  # noqa: BLE001 - every failure is reported by name
             broken[name] = repr(exc)
     assert broken == {}
+
+
+# ---------------------------------------------------------------------------------------------------------- README
+
+ROOT = PACKAGE.parent
+
+
+def _layout_block(readme: str) -> list[str]:
+    section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```", 2)[1].strip("\n").splitlines()
+
+
+def _named_paths(lines: list[str]) -> list[Path]:
+    """The paths in the block's first column: `localllm/server/ cli/ tui/` names localllm/server, localllm/cli and
+    localllm/tui (a bare name sits beside the row's first path; one with a folder in it starts at the root)."""
+    paths = []
+    for line in lines:
+        column = line.split("  ", 1)[0].split()
+        if not column:
+            continue
+        first = ROOT / column[0]
+        paths.append(first)
+        for token in column[1:]:
+            paths.append(ROOT / token if "/" in token.rstrip("/") else first.parent / token)
+    return paths
+
+
+def _layout_problems(lines: list[str]) -> list[str]:
+    problems = [f"{p.relative_to(ROOT)} is named but does not exist" for p in _named_paths(lines) if not p.exists()]
+    text = "\n".join(lines)
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        folder = init.parent
+        if folder != PACKAGE and f"{folder.name}/" not in text:
+            problems.append(f"{folder.relative_to(ROOT)}/ is a package the Layout section does not name")
+    return problems
+
+
+def test_the_readme_layout_matches_the_tree():
+    assert _layout_problems(_layout_block((ROOT / "README.md").read_text())) == []
+
+
+def test_the_readme_layout_check_can_fail():
+    lines = _layout_block((ROOT / "README.md").read_text())
+    renamed = [line.replace("localllm/quant/", "localllm/formats/") for line in lines]
+    assert "localllm/formats is named but does not exist" in _layout_problems(renamed)
+    dropped = [line for line in lines if not line.startswith("localllm/chat/")]
+    assert "localllm/chat/ is a package the Layout section does not name" in _layout_problems(dropped)
