@@ -242,7 +242,7 @@ class LocalClient:
     ) -> tuple[GenerationParams, _Answer]:
         """Fill in the middle (chat/fim.py): the prompt is the code around the cursor between the model's FIM
         tokens, not a chat turn; the room left for the answer is kept free of it."""
-        meta = loaded.engine.model.meta
+        meta = loaded.engine.meta
         fim = require_fim(request.model, meta.fim)
         sampling = _bound_sampling(loaded, resolve_options(model, request.options)[1])
         text = FimInput(
@@ -737,7 +737,7 @@ def _wants_fim(loaded: Loaded, request: api.GenerateRequest) -> bool:
     as Ollama then answers the plain prompt."""
     if request.suffix or request.input_extra or request.middle:
         return True
-    return request.suffix is not None and loaded.engine.model.meta.fim is not None
+    return request.suffix is not None and loaded.engine.meta.fim is not None
 
 
 def _generate_sampling(loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest) -> api.SamplingOptions:
