@@ -233,3 +233,34 @@ def test_the_readme_layout_check_can_fail():
     assert "localllm/formats is named but does not exist" in _layout_problems(renamed)
     dropped = [line for line in lines if not line.startswith("localllm/chat/")]
     assert "localllm/chat/ is a package the Layout section does not name" in _layout_problems(dropped)
+
+
+# ---------------------------------------------------------------------------------------------------------- seams
+
+SURFACE_PACKAGES = ("client", "server", "cli", "tui")
+
+
+def _reaches_into_the_engine(source: str) -> bool:
+    """`x.engine.model`: a surface reaching past the engine to the backend's loaded model."""
+    return any(
+        isinstance(node, ast.Attribute)
+        and node.attr == "model"
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "engine"
+        for node in ast.walk(ast.parse(source))
+    )
+
+
+def test_the_surfaces_ask_the_engine_not_its_model():
+    reaching = [
+        str(path.relative_to(ROOT))
+        for package in SURFACE_PACKAGES
+        for path in (PACKAGE / package).rglob("*.py")
+        if _reaches_into_the_engine(path.read_text())
+    ]
+    assert reaching == []
+
+
+def test_the_engine_reach_check_can_fail():
+    assert _reaches_into_the_engine("meta = loaded.engine.model.meta\n")
+    assert not _reaches_into_the_engine("meta = loaded.engine.meta\n")
