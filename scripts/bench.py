@@ -181,15 +181,18 @@ SECTIONS: dict[str, tuple[str, Section]] = {
 }
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine() -> str:
+    cpu = cpu_name()
     import llama_cpp
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -203,7 +206,8 @@ def render(results: list[tuple[str, str, list[Figure]]], args: argparse.Namespac
     lines = [
         "# Benchmarks",
         "",
-        f"Machine: {machine()}.",
+        f"Machine of the latest run: {machine()}. Each section names the CPU it was measured on (before "
+        "2026-12-02: an Intel Xeon, 2 cores).",
         "",
         f"Measured by `python scripts/bench.py`, each section on the date it shows (this run: `--tokens "
         f"{args.tokens}` for the engine and REST sections; the speculative sections use 300 and 150 tokens and MLX 32, "
@@ -225,7 +229,7 @@ def section_block(model: str, title: str, figures: list[Figure]) -> str:
     lines = [
         f"## {title} — {model}",
         "",
-        f"Measured {time.strftime('%Y-%m-%d')}.",
+        f"Measured {time.strftime('%Y-%m-%d')} on {cpu_name()} ({os.cpu_count()} cores).",
         "",
         "| figure | ours | reference | ratio | target | met | note |",
         "|---|---:|---:|---:|---|---|---|",
