@@ -142,7 +142,7 @@ class ModelPool:
         t0 = time.perf_counter()
         backend = get_backend(backend_name)
         adapters = effective_adapters(model, load)
-        # a file (or an adapter on it) that aborts llama.cpp fails here
+        # a file (or an adapter on it) that would abort the backend fails here
         checked = backend.check(model.weights, load, memory=self._check_memory, adapters=adapters)
         # The entry keeps the options asked for (a request that asks the same again reuses it); the context gets
         # the check's findings for what was left open.
