@@ -195,6 +195,9 @@ class HttpClient:
     def embed(self, request: api.EmbedRequest) -> api.EmbedResponse:
         return self._post("/api/embed", _body(request), api.EmbedResponse)
 
+    def rerank(self, request: api.RerankRequest) -> api.RerankResponse:
+        return self._post("/v1/rerank", _body(request), api.RerankResponse)
+
     def generate_batch(self, requests: list[api.GenerateRequest]) -> Iterator[tuple[int, api.GenerateChunk]]:
         # Ollama's API has no batch: the requests run one after the other.
         for index, request in enumerate(requests):
