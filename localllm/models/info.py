@@ -107,9 +107,13 @@ RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK: a cross-encoder's class
 
 
 def _pooling(model_info: dict[str, Any]) -> int | None:
-    """The weights' pooling type (`<arch>.pooling_type`), set only in embedding and reranking models."""
-    value = model_info.get(f"{model_info.get('general.architecture')}.pooling_type")
-    return value if isinstance(value, int) else None if value is None else -1
+    """The weights' pooling type (`<arch>.pooling_type`), set only in embedding and reranking models; a value that
+    is no number still marks an embedding model, as Ollama tells one by the key alone."""
+    key = f"{model_info.get('general.architecture')}.pooling_type"
+    if key not in model_info:
+        return None
+    value = model_info[key]
+    return value if isinstance(value, int) else -1
 
 
 def capabilities(template: str, *, pooling: int | None = None) -> list[str]:
