@@ -34,8 +34,10 @@ def vocabulary() -> list[str]:
     return tokens + [f"\u2581{w}" for w in starts] + list(string.ascii_lowercase + string.digits)
 
 
-def write_reranker(path: Path, *, seed: int = 0, n_ctx_train: int = N_CTX_TRAIN) -> Path:
-    """The cross-encoder at `path`: [CLS] query [SEP] document [SEP] pairs, one relevance logit per pair."""
+def write_reranker(path: Path, *, seed: int = 0, n_ctx_train: int = N_CTX_TRAIN, template: str | None = None) -> Path:
+    """The cross-encoder at `path`: [CLS] query [SEP] document [SEP] pairs, one relevance logit per pair; with
+    `template`, pairs are laid out by that `rerank` template instead ({query} and {document} in it), as some
+    rerankers' GGUFs carry one."""
     rng = np.random.default_rng(seed)
     tokens = vocabulary()
     writer = gguf.GGUFWriter(str(path), "bert")
@@ -61,6 +63,8 @@ def write_reranker(path: Path, *, seed: int = 0, n_ctx_train: int = N_CTX_TRAIN)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(True)
     writer.add_add_sep_token(False)
+    if template is not None:
+        writer.add_string(gguf.Keys.Tokenizer.CHAT_TEMPLATE_N.format(name="rerank"), template)
 
     def tensor(name: str, *shape: int, scale: float | None = None) -> None:
         # A matrix's default scale keeps activations near unit size (1/sqrt(fan-in)), so that the float rounding of

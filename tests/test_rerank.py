@@ -18,10 +18,14 @@ from rerank_model import write_reranker
 from server_harness import free_port, private_home, served
 
 from localllm import api
+from localllm.errors import InvalidInput
 
 pytestmark = pytest.mark.models  # the private home holds the catalog models too (smollm2 is the model without a head)
 
 RERANKER = "tiny-reranker"
+# The two ways llama-server lays out a pair, each a model of its own: the vocabulary's special tokens, or the GGUF's
+# `rerank` template (whose [CLS] and [SEP] are parsed as the special tokens they name).
+LAYOUTS = {RERANKER: None, "tiny-reranker-templated": "[CLS]query: {query}[SEP]document: {document}[SEP]"}
 DEFAULT_LLAMA_SERVER = "/root/.cache/localllm-bench/llama.cpp-0.3.36/build/bin/llama-server"
 QUERY = "what is the capital of france"
 DOCUMENTS = [
@@ -41,30 +45,32 @@ DOCUMENTS = [
 
 
 @pytest.fixture(scope="module")
-def reranker_gguf(tmp_path_factory) -> Path:
-    return write_reranker(tmp_path_factory.mktemp("reranker") / "tiny-reranker.gguf")
+def reranker_ggufs(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("reranker")
+    return {name: write_reranker(folder / f"{name}.gguf", template=template) for name, template in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")
-def url(models_home, reranker_gguf, tmp_path_factory) -> Iterator[str]:
-    """The real server on a home with the catalog models and the reranker, created as a user would create it."""
+def url(models_home, reranker_ggufs, tmp_path_factory) -> Iterator[str]:
+    """The real server on a home with the catalog models and the rerankers, created as a user would create them."""
     home = private_home(models_home, tmp_path_factory.mktemp("rerank-home"))
-    modelfile = home / "Modelfile"
-    modelfile.write_text(f"FROM {reranker_gguf}\n")
-    created = subprocess.run(
-        [sys.executable, "-m", "localllm", "create", RERANKER, "-f", str(modelfile)],
-        env={**os.environ, "LOCALLLM_HOME": str(home)},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert created.returncode == 0, created.stderr
+    for name, path in reranker_ggufs.items():
+        modelfile = home / f"{name}.Modelfile"
+        modelfile.write_text(f"FROM {path}\n")
+        created = subprocess.run(
+            [sys.executable, "-m", "localllm", "create", name, "-f", str(modelfile)],
+            env={**os.environ, "LOCALLLM_HOME": str(home)},
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert created.returncode == 0, created.stderr
     with served(home, LOCALLLM_NUM_PARALLEL="1") as base:
         yield base
 
 
 def rerank(url: str, path: str = "/v1/rerank", **body) -> httpx.Response:
-    return httpx.post(f"{url}{path}", json={"model": RERANKER, "query": QUERY, **body}, timeout=120)
+    return httpx.post(f"{url}{path}", json={"model": RERANKER, "query": QUERY} | body, timeout=120)
 
 
 def message(reply: httpx.Response) -> str:
@@ -87,18 +93,18 @@ def llama_server_binary() -> str:
     return binary
 
 
-@pytest.fixture(scope="module")
-def reference(reranker_gguf) -> Iterator[str]:
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def reference(request, reranker_ggufs) -> Iterator[tuple[str, str]]:
     """llama.cpp's own llama-server with --rerank on the same file, on a free loopback port. Flash attention off, as
     we score: its F16 rounding moves a score by ~1e-3 with the length of the batch the pair shares."""
     port = free_port()
-    command = [llama_server_binary(), "-m", str(reranker_gguf), "--rerank", "-fa", "off"]
+    command = [llama_server_binary(), "-m", str(reranker_ggufs[request.param]), "--rerank", "-fa", "off"]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, process)
-        yield base
+        yield request.param, base
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -119,14 +125,15 @@ def wait_healthy(base: str, process: subprocess.Popen) -> None:
 
 
 def test_scores_equal_llama_servers(url, reference):
-    ours = rerank(url, documents=DOCUMENTS)
-    theirs = httpx.post(f"{reference}/rerank", json={"query": QUERY, "documents": DOCUMENTS}, timeout=120)
+    model, theirs_url = reference
+    ours = rerank(url, documents=DOCUMENTS, model=model)
+    theirs = httpx.post(f"{theirs_url}/rerank", json={"query": QUERY, "documents": DOCUMENTS}, timeout=120)
     assert ours.status_code == 200, ours.text
     assert theirs.status_code == 200, theirs.text
     ours_scores, their_scores = scores(ours.json()), scores(theirs.json())
     assert set(ours_scores) == set(their_scores) == set(range(len(DOCUMENTS)))
     worst = max(abs(ours_scores[i] - their_scores[i]) for i in ours_scores)
-    print(f"max |ours - llama-server| = {worst:.3g} over {len(DOCUMENTS)} documents")
+    print(f"{model}: max |ours - llama-server| = {worst:.3g} over {len(DOCUMENTS)} documents")
     assert worst < 1e-4, (worst, ours_scores, their_scores)
     assert [r["index"] for r in ours.json()["results"]] == [r["index"] for r in theirs.json()["results"]]
     # Each pair is counted as llama-server counts it: the same tokens, laid out the same way.
@@ -182,7 +189,16 @@ def test_the_http_client_reranks(url):
 
     with HttpClient(url) as client:
         reply = client.rerank(api.RerankRequest(model=RERANKER, query=QUERY, documents=DOCUMENTS[:4], top_n=2))
-    assert len(reply.results) == 2 and reply.results[0].relevance_score >= reply.results[1].relevance_score
+        assert len(reply.results) == 2 and reply.results[0].relevance_score >= reply.results[1].relevance_score
+        with pytest.raises(InvalidInput, match="document 0 is an empty string"):
+            client.rerank(api.RerankRequest(model=RERANKER, query=QUERY, documents=[""]))
+
+
+def test_the_layouts_pair_differently(url):
+    """The templated model reads other tokens for the same pair: its template, not the special tokens, laid it out."""
+    plain = rerank(url, documents=DOCUMENTS[:1]).json()["usage"]["prompt_tokens"]
+    templated = rerank(url, documents=DOCUMENTS[:1], model="tiny-reranker-templated").json()["usage"]
+    assert templated["prompt_tokens"] > plain
 
 
 # ------------------------------------------------------------------------------------------------ what is refused
