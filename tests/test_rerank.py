@@ -230,3 +230,18 @@ def test_a_bad_request_is_a_400_and_the_next_one_is_answered(url, case):
 def test_a_reranker_does_not_embed(url):
     reply = httpx.post(f"{url}/v1/embeddings", json={"model": RERANKER, "input": "a cat"}, timeout=60)
     assert reply.status_code == 400 and "reranker" in message(reply)
+
+
+EXTREMES = [None, True, -1, 0, 2**31, 2**63, 1e308, 0.5, "", "x" * 200_000, "\u0000", "🙂" * 1000, [], {}, [None]]
+EXTREMES += [["x"] * 5000, ["", "a"], [1, 2], [["a"]], [{"text": "a"}], ["\u0000"], ["🙂" * 3000], {"a": {"b": {}}}]
+
+
+@pytest.mark.parametrize("field", ["model", "query", "documents", "top_n", "return_documents", "options"])
+def test_no_value_of_a_field_is_a_server_error(url, field):
+    """Every extreme in each field is answered (200, or 4xx saying why), never a 500; the server answers after."""
+    statuses = {}
+    for value in EXTREMES:
+        reply = rerank(url, **{"documents": DOCUMENTS[:2], field: value})
+        statuses[repr(value)[:40]] = reply.status_code
+    assert all(status < 500 for status in statuses.values()), statuses
+    assert rerank(url, documents=DOCUMENTS[:2]).status_code == 200
