@@ -579,13 +579,13 @@ class LlamaCppModel:
         return vectors
 
     def _embedding_context(self):
-        return self._pooled_context(pooling_for(self.meta.pooling), {})
+        return self._pooled_context(pooling_for(self.meta.pooling), self.options)
 
-    def _pooled_context(self, pooling: int, settings: dict):
+    def _pooled_context(self, pooling: int, options: LoadOptions):
         # A second context over the same weights: pooled output needs embeddings mode, which would slow the
         # generation context. It holds the per-slot context, as one input or several packed into one decode.
         if self._embed_ctx is None:
-            opts = self.options.model_copy(update={"num_batch": self.n_ctx, **settings})
+            opts = options.model_copy(update={"num_batch": self.n_ctx})
             self._embed_ctx = _new_context(self._model, opts, n_seq=MAX_SEQS, n_ctx=self.n_ctx, pooling=pooling)
             self._adapters.set_on(self._embed_ctx)
         return self._embed_ctx
@@ -606,9 +606,10 @@ class LlamaCppModel:
         for i, tokens in enumerate(pairs):
             if not 0 < len(tokens) <= self.n_ctx:
                 raise InvalidInput(f"pair {i} is {len(tokens)} tokens; the reranking context holds 1 to {self.n_ctx}")
-        # Flash attention as llama.cpp defaults it (as llama-server scores), not as the flash trial set it for
-        # generation: its attention gives each pair the same score in any batch, so scores match llama-server's.
-        ctx = self._pooled_context(llama_cpp.LLAMA_POOLING_TYPE_RANK, {"flash_attn": False})
+        # Flash attention off, whatever the flash trial chose for generation: its F16 rounding moves a pair's score
+        # by ~1e-3 with the length of the batch it shares, so a document would score by its neighbours.
+        no_flash = self.options.model_copy(update={"flash_attn": False})
+        ctx = self._pooled_context(llama_cpp.LLAMA_POOLING_TYPE_RANK, no_flash)
         n_cls_out = max(1, llama_cpp.llama_model_n_cls_out(self._model))
         scores: list[float] = []
         for run in pack(pairs, self.n_ctx):
