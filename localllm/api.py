@@ -391,6 +391,43 @@ class EmbedResponse(_Model):
     prompt_eval_count: int = 0
 
 
+MAX_RERANK_DOCUMENTS = 1024  # documents one rerank request scores (Cohere's limit is 1000; each is one sequence)
+
+
+class RerankRequest(_Model):
+    """The rerank request llama-server, Jina and Cohere share: score each document against the query."""
+
+    model: str
+    query: str
+    documents: list[str] = Field(max_length=MAX_RERANK_DOCUMENTS)
+    top_n: int | None = Field(None, ge=1, description="return the n best documents only (default: all)")
+    return_documents: bool = Field(False, description="echo each result's document text")
+    options: dict[str, Any] = Field(default_factory=dict)
+    keep_alive: Duration | None = None
+
+
+class RerankDocument(_Model):
+    text: str
+
+
+class RerankResult(_Model):
+    index: int  # the document's position in the request
+    relevance_score: float  # the classifier's output (a logit, as llama-server reports it): higher is more relevant
+    document: RerankDocument | None = None
+
+
+class RerankUsage(_Model):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class RerankResponse(_Model):
+    model: str
+    object: Literal["list"] = "list"
+    usage: RerankUsage = Field(default_factory=RerankUsage)
+    results: list[RerankResult]
+
+
 # ---------------------------------------------------------------------------------------------------------- responses
 
 

@@ -154,6 +154,15 @@ def embed_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return bench_embed.embed_figures(path, llama_server_binary=args.llama_server, repeats=args.repeats)
 
 
+def rerank_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """64 documents through /v1/rerank against llama-server --rerank, on a synthetic cross-encoder the section writes
+    itself (`path`, a catalog model, is not used; scripts/bench_embed.py).
+    `python scripts/bench.py --only rerank --llama-server PATH`."""
+    import bench_embed
+
+    return bench_embed.rerank_figures(llama_server_binary=args.llama_server, repeats=args.repeats)
+
+
 def bandwidth_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     """One stream's decode at the defaults as a share of the measured memory read bandwidth, ours and llama-server's
     (scripts/bench_embed.py). `python scripts/bench.py --models qwen2.5-coder:1.5b --only bandwidth`."""
@@ -177,6 +186,7 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "mlx": ("MLX against llama.cpp (informational)", mlx_section),
     "rpc": ("RPC worker over loopback (informational)", rpc_section),
     "embed": ("Embeddings against llama-server", embed_section),
+    "rerank": ("Reranking against llama-server", rerank_section),
     "bandwidth": ("Decode against memory bandwidth (informational)", bandwidth_section),
 }
 

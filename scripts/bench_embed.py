@@ -1,7 +1,9 @@
-"""Two benchmark sections for the real catalog models (scripts/bench.py):
+"""Three benchmark sections against llama-server (scripts/bench.py):
 
 - embeddings: 256 short texts in one /v1/embeddings request, ours against llama-server --embeddings at its defaults,
   on the same GGUF (`--models nomic-embed-text --only embed --llama-server PATH`);
+- reranking: 64 documents in one /v1/rerank request, ours against llama-server --rerank, on the synthetic
+  cross-encoder the tests score (tests/rerank_model.py; `--only rerank --llama-server PATH`: no model is pulled);
 - bandwidth: one stream's decode at the defaults as a share of this machine's measured memory read bandwidth
   (model bytes x tok/s / GB/s), ours and llama-server's (`--models qwen2.5-coder:1.5b --only bandwidth`)."""
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import socket
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -121,6 +124,67 @@ def embed_figures(
         f"vectors {agreement:.4f}",
     )
     figure.unit = "texts/s"
+    return [figure]
+
+
+# ------------------------------------------------------------------------------------------------------- reranking
+
+N_DOCUMENTS = 64
+RERANK_QUERY = "what does the cat explain in the garden"
+
+
+def _rerank_rate(base: str, model: str, documents: list[str]) -> tuple[float, dict[int, float]]:
+    """Documents per second for one /v1/rerank request of all `documents`, and each one's score."""
+    started = time.perf_counter()
+    reply = rest.http_client().post(
+        f"{base}/v1/rerank", json={"model": model, "query": RERANK_QUERY, "documents": documents}
+    )
+    elapsed = time.perf_counter() - started
+    reply.raise_for_status()
+    return len(documents) / elapsed, {r["index"]: r["relevance_score"] for r in reply.json()["results"]}
+
+
+def rerank_figures(
+    *, llama_server_binary: str | None, repeats: int = 3, log: Callable[[str], None] = print
+) -> list[Figure]:
+    if not llama_server_binary:
+        log("no llama-server binary (LLAMA_SERVER=$(bash scripts/build_llama_server.sh)): the rerank section needs it")
+        return []
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from rerank_model import write_reranker
+
+    documents = [text.removeprefix("search_document: ").lower() for text in short_texts(N_DOCUMENTS)]
+    with tempfile.TemporaryDirectory(prefix="localllm-rerank-") as folder:
+        path = write_reranker(Path(folder) / "tiny-reranker.gguf")
+        # Flash attention off on both: we score without it (its rounding moves scores with the batch), so the
+        # two servers compute the same thing.
+        with (
+            rest.served_model(path, slots=1, threads=None, n_ctx=512) as ours,
+            llama_server(llama_server_binary, path, "--rerank", "-fa", "off") as theirs,
+        ):
+            _rerank_rate(ours, "bench", documents[:8])  # warm-up: the reranking context is made on first use
+            _rerank_rate(theirs, "bench", documents[:8])
+            scores: dict[str, dict[int, float]] = {}
+
+            def measured(name: str, base: str) -> Callable[[], float]:
+                def run() -> float:
+                    rate, scores[name] = _rerank_rate(base, "bench", documents)
+                    return rate
+
+                return run
+
+            log(f"reranking: {N_DOCUMENTS} documents, llama-server --rerank and localllm serve, {repeats} repeats")
+            run = Bracketed.measure(measured("theirs", theirs), measured("ours", ours), repeats=repeats)
+    worst = max(abs(scores["ours"][i] - scores["theirs"][i]) for i in range(N_DOCUMENTS))
+    figure = run.figure(
+        f"{N_DOCUMENTS} documents through /v1/rerank: ours vs llama-server --rerank",
+        0.97,
+        note=f"one request, a synthetic 2-layer BERT cross-encoder, flash attention off on both; largest score "
+        f"difference between the two servers {worst:.2g}",
+    )
+    figure.unit = "docs/s"
     return [figure]
 
 

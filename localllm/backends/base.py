@@ -15,6 +15,7 @@ import numpy as np
 
 from ..api import LoadOptions, LoraAdapter, SamplingOptions
 from ..chat.fim import FimTokens
+from ..models.info import RANK_POOLING
 from ..models.plan import Placement
 
 
@@ -47,6 +48,11 @@ class ModelMeta:
     @property
     def embedding_only(self) -> bool:
         return self.pooling is not None
+
+    @property
+    def reranker(self) -> bool:
+        """A cross-encoder: rank pooling through a classifier head, which scores pairs and embeds nothing."""
+        return self.pooling == RANK_POOLING
 
 
 @dataclass
@@ -202,6 +208,14 @@ class LoadedModel(Protocol):
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         """A pooled, normalised embedding of each input (token lists of 1 to n_ctx tokens), decoded together where
         the backend can."""
+
+    def pair_tokens(self, query: str, document: str) -> list[int]:
+        """The sequence a reranker (meta.reranker) scores for one query/document pair, its special tokens laid out
+        as the model's family expects; raises InvalidInput for a model that does not rerank."""
+
+    def rerank(self, pairs: Sequence[Sequence[int]]) -> list[float]:
+        """The relevance score of each pair from pair_tokens (1 to n_ctx tokens each), higher for a better match,
+        decoded together where the backend can; raises InvalidInput for a model that does not rerank."""
 
     def set_threads(self, n: int) -> None:
         """CPU threads for the next decodes (a no-op where the backend schedules its own)."""

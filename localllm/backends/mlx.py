@@ -368,6 +368,19 @@ class MlxModel:
         norm = mx.maximum(mx.linalg.norm(pooled), 1e-12)
         return np.array(pooled / norm, dtype=np.float64).tolist()
 
+    def pair_tokens(self, query: str, document: str) -> list[int]:
+        raise self._no_rerank()
+
+    def rerank(self, pairs: Sequence[Sequence[int]]) -> list[float]:
+        raise self._no_rerank()
+
+    def _no_rerank(self) -> InvalidInput:
+        # mlx-lm loads language models only: a cross-encoder's classifier head has no MLX counterpart here.
+        return InvalidInput(
+            f"reranking is not supported on MLX ({self.meta.architecture} models)",
+            hint="rerank with a cross-encoder GGUF (rank pooling) on the llama.cpp backend",
+        )
+
     def set_threads(self, n: int) -> None:
         pass
 

@@ -195,6 +195,10 @@ class HttpClient:
     def embed(self, request: api.EmbedRequest) -> api.EmbedResponse:
         return self._post("/api/embed", _body(request), api.EmbedResponse)
 
+    def rerank(self, request: api.RerankRequest) -> api.RerankResponse:
+        # llama-server's path, whose errors are Ollama's plain strings (under /v1 they are OpenAI's objects).
+        return self._post("/rerank", _body(request), api.RerankResponse)
+
     def generate_batch(self, requests: list[api.GenerateRequest]) -> Iterator[tuple[int, api.GenerateChunk]]:
         # Ollama's API has no batch: the requests run one after the other.
         for index, request in enumerate(requests):

@@ -505,6 +505,21 @@ class LocalClient:
             tokens = tokens[:limit]
         return tokens
 
+    def rerank(self, request: api.RerankRequest) -> api.RerankResponse:
+        _check_rerank_texts(request)
+        model = self.store.resolve(request.model)
+        load, _ = resolve_options(model, request.options)
+        with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
+            pairs = _rerank_pairs(loaded, request)
+            scores = loaded.engine.rerank(pairs)
+        ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: request.top_n]
+        used = sum(map(len, pairs))
+        return api.RerankResponse(
+            model=request.model,
+            usage=api.RerankUsage(prompt_tokens=used, total_tokens=used),
+            results=[_rerank_result(request, i, scores[i]) for i in ranked],
+        )
+
     def save_prompt_cache(self, request: api.ChatRequest) -> bytes:
         model = self.store.resolve(request.model)
         load, _ = resolve_options(model, request.options)
@@ -662,6 +677,43 @@ def _messages_with_system(model: ResolvedModel, system: str | None, messages: li
     if system_text and not any(m.role == "system" for m in out):
         out.insert(0, api.Message(role="system", content=system_text))
     return out
+
+
+def _check_rerank_texts(request: api.RerankRequest) -> None:
+    """Refuse what llama.cpp would score as nothing: an empty query, no documents, an empty document."""
+    if not request.query:
+        raise InvalidInput("query is empty", hint="send the text the documents are ranked against")
+    if not request.documents:
+        raise InvalidInput("documents is empty", hint="send at least one document to rank")
+    for i, document in enumerate(request.documents):
+        if not document:
+            raise InvalidInput(f"document {i} is an empty string", hint="rank non-empty texts")
+
+
+def _rerank_pairs(loaded: Loaded, request: api.RerankRequest) -> list[list[int]]:
+    """Each document's pair with the query as the reranker reads it, each within the context (as llama-server
+    refuses a longer pair rather than cut it)."""
+    if not loaded.engine.meta.reranker:
+        raise InvalidInput(
+            f"model {request.model!r} does not rerank: it has no classifier head (rank pooling)",
+            hint="rerank with a cross-encoder GGUF (e.g. bge-reranker-v2-m3); /v1/embeddings embeds texts",
+        )
+    limit = loaded.engine.n_ctx
+    pairs = []
+    for i, document in enumerate(request.documents):
+        tokens = loaded.engine.pair_tokens(request.query, document)
+        if len(tokens) > limit:
+            raise InvalidInput(
+                f"document {i} with the query is {len(tokens)} tokens but the context holds {limit}",
+                hint="shorten the document or the query, or raise num_ctx up to the model's trained context",
+            )
+        pairs.append(tokens)
+    return pairs
+
+
+def _rerank_result(request: api.RerankRequest, index: int, score: float) -> api.RerankResult:
+    document = api.RerankDocument(text=request.documents[index]) if request.return_documents else None
+    return api.RerankResult(index=index, relevance_score=score, document=document)
 
 
 def _checked_tokens(loaded: Loaded, tokens: list[int], what: str) -> list[int]:

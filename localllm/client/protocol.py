@@ -21,6 +21,8 @@ from ..api import (
     ListResponse,
     ProcessResponse,
     PullProgress,
+    RerankRequest,
+    RerankResponse,
     ShowResponse,
 )
 
@@ -74,6 +76,9 @@ class Client(Protocol):
         """The prompt tokens `request` would take, the model's template applied (Anthropic's count_tokens)."""
 
     def embed(self, request: EmbedRequest) -> EmbedResponse: ...
+
+    def rerank(self, request: RerankRequest) -> RerankResponse:
+        """Each document's relevance to the query, best first (a reranker: a GGUF with rank pooling)."""
 
     def save_prompt_cache(self, request: ChatRequest) -> bytes:
         """The cached state of the conversation in `request` (its longest cached prefix), as a prompt-cache file's

@@ -148,6 +148,12 @@ class _Embed:
 
 
 @dataclass(frozen=True)
+class _Rerank:
+    pairs: list[list[int]]
+    future: Future[list[float]]
+
+
+@dataclass(frozen=True)
 class _Export:
     tokens: list[int]
     future: Future[bytes]
@@ -164,7 +170,7 @@ class _Close:
     pass
 
 
-_Command = _Submit | _Embed | _Export | _Import | _Close
+_Command = _Submit | _Embed | _Rerank | _Export | _Import | _Close
 
 
 def _top_indices(logits: np.ndarray, n: int) -> np.ndarray:
@@ -309,6 +315,20 @@ class ModelEngine:
         self._inbox.put(_Embed(list(map(list, inputs)), future))
         return future.result()
 
+    def pair_tokens(self, query: str, document: str) -> list[int]:
+        """The sequence a reranker scores for one query/document pair (tokenizing only: any thread may ask)."""
+        if self._closed:
+            raise Cancelled("the model was unloaded")
+        return self.model.pair_tokens(query, document)
+
+    def rerank(self, pairs: Sequence[Sequence[int]]) -> list[float]:
+        """The relevance score of each pair from pair_tokens, decoded on the engine thread between steps."""
+        if self._closed:
+            raise Cancelled("the model was unloaded")
+        future: Future[list[float]] = Future()
+        self._inbox.put(_Rerank(list(map(list, pairs)), future))
+        return future.result()
+
     def export_prefix(self, tokens: Sequence[int]) -> bytes:
         """The saved state of the longest cached prefix of `tokens` (a slot's or the prefix cache's), as a
         prompt-cache file's bytes; InvalidInput when nothing of them is cached."""
@@ -396,6 +416,8 @@ class ModelEngine:
                         self._admit(request, params)
                 case _Embed(inputs, future):
                     self._embed(inputs, future)
+                case _Rerank(pairs, future):
+                    self._answer(future, self.model.rerank, pairs)
                 case _Export(tokens, future):
                     self._answer(future, self._keeper.export, tokens)
                 case _Import(blob, future):
@@ -711,7 +733,7 @@ class ModelEngine:
                 case _Submit(admitted):
                     for request, _ in admitted:
                         self._close_request(request, exc)
-                case _Embed(_, future) | _Export(_, future) | _Import(_, future):
+                case _Embed(_, future) | _Rerank(_, future) | _Export(_, future) | _Import(_, future):
                     future.set_exception(exc)
 
     def snapshot(self) -> EngineStats:

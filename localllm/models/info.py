@@ -37,7 +37,7 @@ def show_model(store: Store, name: str, *, verbose: bool = False) -> api.ShowRes
         system=model.system or "",
         details=model.details,
         model_info=model_info,
-        capabilities=capabilities(template, embedding=_pools(model_info)),
+        capabilities=capabilities(template, pooling=_pooling(model_info)),
         modified_at=model.modified_at,
         path=str(model.weights),
         draft=model.draft,
@@ -103,17 +103,26 @@ VERBOSE_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "t
 _TOOL_MARKERS = ("tools", ".Tools")
 
 
-def _pools(model_info: dict[str, Any]) -> bool:
-    """Whether the weights name a pooling type (`<arch>.pooling_type`): an embedding model, as Ollama tells one."""
-    return f"{model_info.get('general.architecture')}.pooling_type" in model_info
+RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK: a cross-encoder's classifier head scores query/document pairs
 
 
-def capabilities(template: str, *, embedding: bool = False) -> list[str]:
+def _pooling(model_info: dict[str, Any]) -> int | None:
+    """The weights' pooling type (`<arch>.pooling_type`), set only in embedding and reranking models; a value that
+    is no number still marks an embedding model, as Ollama tells one by the key alone."""
+    key = f"{model_info.get('general.architecture')}.pooling_type"
+    if key not in model_info:
+        return None
+    value = model_info[key]
+    return value if isinstance(value, int) else -1
+
+
+def capabilities(template: str, *, pooling: int | None = None) -> list[str]:
     """What a model can do, decided from its chat template (and, for an embedding model, its pooling metadata) as
-    Ollama decides it. The one place that decides: /api/show lists these; require_tools and
-    thinking.check_thinking refuse requests that need one it lacks."""
-    if embedding:
-        return ["embedding"]
+    Ollama decides it: weights that name a pooling type embed, or with rank pooling rerank. The one place that
+    decides: /api/show lists these; require_tools and thinking.check_thinking refuse requests that need one it
+    lacks."""
+    if pooling is not None:
+        return ["rerank"] if pooling == RANK_POOLING else ["embedding"]
     found = ["completion"]
     if any(marker in template for marker in _TOOL_MARKERS):
         found.append("tools")

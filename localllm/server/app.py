@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__, config
 from ..client.protocol import Client
-from . import infill_routes, ollama_routes, prompt_cache_routes
+from . import infill_routes, ollama_routes, prompt_cache_routes, rerank_routes
 from .anthropic import routes as anthropic_routes
 from .metrics import CONTENT_TYPE, AccessLog, ServerMetrics
 from .openai import responses_routes as openai_responses
@@ -96,6 +96,7 @@ def create_app(client: Client | None = None, *, bound_host: str | None = None) -
     app.include_router(anthropic_routes.router)
     app.include_router(openai_responses.router)
     app.include_router(infill_routes.router)
+    app.include_router(rerank_routes.router)
     # add_middleware wraps, so the last added runs first: access log, CORS, guard, then the JSON relabelling.
     app.add_middleware(AssumeJson)
     app.add_middleware(GuardMiddleware, settings=GuardSettings.from_config(bound_host))

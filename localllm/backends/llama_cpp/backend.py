@@ -32,6 +32,7 @@ from ...models.options import context_size
 from ...models.plan import Placement, kv_cells
 from ..base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead
 from .embedding import MAX_SEQS, embed_group, pack, pooling_for
+from .rerank import PairLayout, pair_layout, pair_tokens, score_group
 from .rpc import PlacedModel, RpcGuard, place_model
 from .speculative import LlamaGrammarProbe, LlamaMtpHead
 
@@ -418,7 +419,8 @@ class LlamaCppModel:
         self.kv_cells = min(llama_cpp.llama_n_ctx(ctx), n_seq * self.n_ctx) if unified else n_seq * self.n_ctx
         self.n_batch = llama_cpp.llama_n_batch(ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self._embed_ctx = None
+        self._embed_ctx = None  # the pooled context of an embedding model or a reranker (one or the other)
+        self._pairs: PairLayout | None = pair_layout(model, self._vocab) if self.meta.reranker else None
         self._piece_cache: dict[int, bytes] = {}
         self._eog: list[int] | None = None
         self._logits_row = ctypes.c_float * self.meta.n_vocab
@@ -577,14 +579,50 @@ class LlamaCppModel:
         return vectors
 
     def _embedding_context(self):
+        return self._pooled_context(pooling_for(self.meta.pooling), self.options)
+
+    def _pooled_context(self, pooling: int, options: LoadOptions):
         # A second context over the same weights: pooled output needs embeddings mode, which would slow the
         # generation context. It holds the per-slot context, as one input or several packed into one decode.
         if self._embed_ctx is None:
-            opts = self.options.model_copy(update={"num_batch": self.n_ctx})
-            pooling = pooling_for(self.meta.pooling)
+            opts = options.model_copy(update={"num_batch": self.n_ctx})
             self._embed_ctx = _new_context(self._model, opts, n_seq=MAX_SEQS, n_ctx=self.n_ctx, pooling=pooling)
             self._adapters.set_on(self._embed_ctx)
         return self._embed_ctx
+
+    def pair_tokens(self, query: str, document: str) -> list[int]:
+        def tokenize(text: str, add_special: bool, parse_special: bool) -> list[int]:
+            return self.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+        return pair_tokens(self._pair_layout(), tokenize, query, document)
+
+    def rerank(self, pairs: Sequence[Sequence[int]]) -> list[float]:
+        if self._guard is not None:  # its context and decode may reach a worker
+            return self._guard.call(self._rerank, pairs)
+        return self._rerank(pairs)
+
+    def _rerank(self, pairs: Sequence[Sequence[int]]) -> list[float]:
+        self._pair_layout()
+        for i, tokens in enumerate(pairs):
+            if not 0 < len(tokens) <= self.n_ctx:
+                raise InvalidInput(f"pair {i} is {len(tokens)} tokens; the reranking context holds 1 to {self.n_ctx}")
+        # Flash attention off, whatever the flash trial chose for generation: its F16 rounding moves a pair's score
+        # by ~1e-3 with the length of the batch it shares, so a document would score by its neighbours.
+        no_flash = self.options.model_copy(update={"flash_attn": False})
+        ctx = self._pooled_context(llama_cpp.LLAMA_POOLING_TYPE_RANK, no_flash)
+        n_cls_out = max(1, llama_cpp.llama_model_n_cls_out(self._model))
+        scores: list[float] = []
+        for run in pack(pairs, self.n_ctx):
+            scores += score_group(ctx, [pairs[i] for i in run], n_cls_out)
+        return scores
+
+    def _pair_layout(self) -> PairLayout:
+        if self._pairs is None:
+            raise InvalidInput(
+                f"{self.path.name} does not rerank: it has no classifier head (rank pooling)",
+                hint="rerank with a cross-encoder GGUF such as bge-reranker-v2-m3",
+            )
+        return self._pairs
 
     def close(self) -> None:
         if self._ctx is None:

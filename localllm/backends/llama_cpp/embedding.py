@@ -40,8 +40,9 @@ def pack(inputs: Sequence[Sequence[int]], n_ctx: int, max_seqs: int = MAX_SEQS) 
         yield range(start, len(inputs))
 
 
-def embed_group(ctx, group: Sequence[Sequence[int]], n_embd: int) -> list[list[float]]:
-    """One decode of every input in `group` (sequence i is input i), each pooled and normalised."""
+def decode_group(ctx, group: Sequence[Sequence[int]], what: str) -> None:
+    """One decode of every token list in `group` (sequence i is list i), from an empty cache: the pooled output of
+    each sequence is then read with llama_get_embeddings_seq."""
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
     total = sum(map(len, group))
     batch = llama_cpp.llama_batch_init(total, 0, 1)
@@ -55,16 +56,23 @@ def embed_group(ctx, group: Sequence[Sequence[int]], n_embd: int) -> list[list[f
                 row += 1
         batch.n_tokens = total
         if llama_cpp.llama_decode(ctx, batch) != 0:
-            raise LocalLLMError(f"embedding decode failed for {len(group)} inputs of {total} tokens")
-        vectors = []
-        for seq in range(len(group)):
-            ptr = llama_cpp.llama_get_embeddings_seq(ctx, seq)
-            if not ptr:
-                raise LocalLLMError(f"llama.cpp returned no pooled embedding for input {seq}")
-            vectors.append(_unit(np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64)))
+            raise LocalLLMError(f"{what} decode failed for {len(group)} inputs of {total} tokens")
     finally:
         llama_cpp.llama_batch_free(batch)
-    return vectors
+
+
+def pooled_output(ctx, seq: int, width: int) -> np.ndarray:
+    """Sequence `seq`'s pooled output of the last decode: `width` floats (n_embd, or n_cls_out for a reranker)."""
+    ptr = llama_cpp.llama_get_embeddings_seq(ctx, seq)
+    if not ptr:
+        raise LocalLLMError(f"llama.cpp returned no pooled output for input {seq}")
+    return np.ctypeslib.as_array(ptr, shape=(width,)).astype(np.float64)
+
+
+def embed_group(ctx, group: Sequence[Sequence[int]], n_embd: int) -> list[list[float]]:
+    """One decode of every input in `group` (sequence i is input i), each pooled and normalised."""
+    decode_group(ctx, group, "embedding")
+    return [_unit(pooled_output(ctx, seq, n_embd)) for seq in range(len(group))]
 
 
 def _unit(vector: np.ndarray) -> list[float]:
