@@ -164,7 +164,10 @@ def test_body_without_json_content_type_is_read_as_json(base_url):
     assert response.status_code == 200 and response.json()["details"]["family"]
 
 
-LONG = {"temperature": 0, "num_predict": 900, "ignore_eos": True}  # about ten seconds of decoding here
+# Minutes of decoding on this machine, far more on a busy one: a slot freed within FREED_SECONDS was freed by the
+# client leaving, not by the answer ending, however fast or loaded the machine is.
+LONG = {"temperature": 0, "num_predict": 8000, "num_ctx": 8192, "ignore_eos": True}
+FREED_SECONDS = 60
 
 
 def _slots_busy(base_url: str) -> int:
@@ -186,15 +189,15 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(base_url):
         lines = response.iter_lines()
         assert json.loads(next(lines))["response"] is not None
         assert _slots_busy(base_url) == 1
-    # The answer had most of its 900 tokens to go; the slot is free at the engine's next steps instead.
-    assert _freed_within(base_url, 3)
+    # The answer had most of its 8000 tokens to go; the slot is free at the engine's next steps instead.
+    assert _freed_within(base_url, FREED_SECONDS)
 
 
 def test_a_client_that_stops_waiting_for_a_whole_answer_frees_its_slot(base_url):
     body = {"model": "smollm2:135m", "prompt": "Tell a long story.", "options": LONG, "stream": False}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(base_url + "/api/generate", json=body, timeout=httpx.Timeout(60, read=1.5))
-    assert _freed_within(base_url, 3)
+    assert _freed_within(base_url, FREED_SECONDS)
 
 
 def test_keep_alive_zero_unloads(api):
