@@ -15,6 +15,9 @@ import pytest
 import uvicorn
 
 SYSTEM = "You are a helpful AI assistant."
+# smollm2:135m with speculation off: the draft window is sized from measured step costs, so with speculation a greedy
+# answer follows the machine's load; pinned, the tests that compare answers between requests hold on a busy machine.
+PINNED = "pinned:1"
 SMALL = {"temperature": 0, "num_predict": 12}
 
 
@@ -113,3 +116,24 @@ def served(home: Path, **settings: str) -> Iterator[str]:
                 yield url
         finally:
             client.close()
+
+
+def with_pinned_model(home: Path) -> Path:
+    """`home` (a private one) with PINNED created in it."""
+    from localllm import api
+
+    client = local_client(home)
+    try:
+        for _ in client.create(api.CreateRequest(model=PINNED, from_="smollm2:135m", parameters={"spec_type": "none"})):
+            pass
+    finally:
+        client.close()
+    return home
+
+
+@contextmanager
+def pinned_server(models_home: Path, target: Path, **settings: str) -> Iterator[str]:
+    """A server on a private home with PINNED, one decode thread (the tuner's count follows the load too)."""
+    home = with_pinned_model(private_home(models_home, target))
+    with served(home, LOCALLLM_NUM_THREAD="1", **settings) as url:
+        yield url

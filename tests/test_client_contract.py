@@ -13,7 +13,7 @@ import httpx
 import ollama
 import openai
 import pytest
-from server_harness import SYSTEM, env, local_client, private_home, served
+from server_harness import PINNED, SYSTEM, env, local_client, pinned_server, private_home, served
 
 pytestmark = pytest.mark.models
 
@@ -23,8 +23,9 @@ HI = [{"role": "user", "content": "Say hi"}]
 
 
 @pytest.fixture(scope="module")
-def base_url(models_home):
-    with served(models_home, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="3") as url:
+def base_url(models_home, tmp_path_factory):
+    target = tmp_path_factory.mktemp("contract")
+    with pinned_server(models_home, target, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="3") as url:
         yield url
 
 
@@ -266,16 +267,19 @@ def test_go_templates_at_create_and_request_time(models_home, tmp_path_factory):
 
 
 def test_chat_n_choices(oai):
-    reply = oai.chat.completions.create(model=MODEL, messages=HI, n=3, temperature=1.0, seed=11, max_tokens=12)
+    # Compares answers between requests: the pinned model (speculation off, one thread) keeps them load-free.
+    reply = oai.chat.completions.create(model=PINNED, messages=HI, n=3, temperature=1.0, seed=11, max_tokens=12)
     assert [c.index for c in reply.choices] == [0, 1, 2]
     texts = [c.message.content for c in reply.choices]
     assert len(set(texts)) > 1  # seeds 11, 12, 13: different answers to one prompt
-    single = oai.chat.completions.create(model=MODEL, messages=HI, temperature=1.0, seed=11, max_tokens=12)
+    single = oai.chat.completions.create(model=PINNED, messages=HI, temperature=1.0, seed=11, max_tokens=12)
     assert single.choices[0].message.content == texts[0]  # choice 0 is the request as sent
     assert reply.usage.prompt_tokens == single.usage.prompt_tokens  # the shared prompt counted once
     assert reply.usage.completion_tokens >= single.usage.completion_tokens + 2  # every choice's tokens
     chunks = list(
-        oai.chat.completions.create(model=MODEL, messages=HI, n=2, temperature=1.0, seed=11, max_tokens=12, stream=True)
+        oai.chat.completions.create(
+            model=PINNED, messages=HI, n=2, temperature=1.0, seed=11, max_tokens=12, stream=True
+        )
     )
     by_index: dict[int, str] = {0: "", 1: ""}
     for chunk in chunks:

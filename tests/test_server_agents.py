@@ -11,7 +11,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_harness import private_home, served
+from server_harness import PINNED, pinned_server
 
 from localllm import api
 from localllm.errors import InvalidInput
@@ -22,7 +22,6 @@ from localllm.server.openai import responses_requests as responses
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.177.01c; cc_entrypoint=cli; cch={};"
 GREEDY = {"temperature": 0}  # the anthropic package no longer sends sampling fields; the API (and we) still take them
-PINNED = "pinned:1"  # smollm2 with speculation off: with one slot and fixed threads its greedy output is repeatable
 # A Claude Code-like system prompt, long enough that the billing line is a small part of it.
 INSTRUCTIONS = " ".join(
     f"Rule {n}: answer briefly, name the file you change, run the tests after each change, never guess a path."
@@ -191,22 +190,8 @@ def test_responses_fields_honoured_or_named():
 @pytest.fixture(scope="module")
 def agents_url(models_home, tmp_path_factory):
     """One slot, one thread and a model whose speculation is off: greedy answers compare token for token."""
-    from server_harness import local_client
-
-    home = private_home(models_home, tmp_path_factory.mktemp("agents"))
-    client = local_client(home)
-    try:
-        request = api.CreateRequest(model=PINNED, from_="smollm2:135m", parameters={"spec_type": "none"})
-        for _ in client.create(request):
-            pass
-    finally:
-        client.close()
-    with served(
-        home,
-        LOCALLLM_CONTEXT_LENGTH="1024",
-        LOCALLLM_NUM_PARALLEL="1",
-        LOCALLLM_NUM_THREAD="1",
-    ) as url:
+    target = tmp_path_factory.mktemp("agents")
+    with pinned_server(models_home, target, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="1") as url:
         yield url
 
 

@@ -8,7 +8,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from server_harness import SYSTEM, env, local_client, serve_in_thread
+from server_harness import PINNED, SYSTEM, env, local_client, pinned_server, serve_in_thread
 
 from localllm import api
 from localllm.client.http import HttpClient
@@ -16,7 +16,17 @@ from localllm.server.app import create_app
 
 pytestmark = pytest.mark.models
 
-MODEL = "smollm2:135m"
+MODEL = PINNED  # these tests compare answers between requests: speculation off, one thread
+CATALOG = "smollm2:135m"  # for the servers on the shared home, which has no PINNED
+
+
+@pytest.fixture(scope="module")
+def base_url(models_home, tmp_path_factory):
+    target = tmp_path_factory.mktemp("anthropic")
+    with pinned_server(models_home, target, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2") as url:
+        yield url
+
+
 # The anthropic package no longer sends sampling fields; the API (and we) still take them.
 GREEDY = {"temperature": 0}
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -225,12 +235,12 @@ def test_api_key_as_x_api_key_or_bearer(models_home):
         try:
             with serve_in_thread(create_app(client)) as url:
                 keyed = anthropic.Anthropic(base_url=url, api_key="sekret", max_retries=0)  # sends x-api-key
-                assert keyed.messages.count_tokens(model=MODEL, messages=PARIS).input_tokens > 0
+                assert keyed.messages.count_tokens(model=CATALOG, messages=PARIS).input_tokens > 0
                 bearer = anthropic.Anthropic(base_url=url, auth_token="sekret", max_retries=0)
-                assert bearer.messages.count_tokens(model=MODEL, messages=PARIS).input_tokens > 0
+                assert bearer.messages.count_tokens(model=CATALOG, messages=PARIS).input_tokens > 0
                 wrong = anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0)
                 with pytest.raises(anthropic.AuthenticationError) as caught:
-                    wrong.messages.count_tokens(model=MODEL, messages=PARIS)
+                    wrong.messages.count_tokens(model=CATALOG, messages=PARIS)
                 assert caught.value.body["error"]["type"] == "authentication_error"
         finally:
             client.close()

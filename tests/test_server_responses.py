@@ -11,13 +11,22 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_harness import SYSTEM
+from server_harness import PINNED, SYSTEM, pinned_server
 
 from localllm import api, config
 from localllm.errors import ResponseNotFound
 from localllm.server.openai import response_store
 
-MODEL = "smollm2:135m"
+MODEL = PINNED  # these tests compare answers between requests: speculation off, one thread
+
+
+@pytest.fixture(scope="module")
+def base_url(models_home, tmp_path_factory):
+    target = tmp_path_factory.mktemp("responses")
+    with pinned_server(models_home, target, LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_NUM_PARALLEL="2") as url:
+        yield url
+
+
 WEATHER = {
     "type": "function",
     "name": "get_weather",
