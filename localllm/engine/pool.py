@@ -280,9 +280,11 @@ class ModelPool:
         """An idle model that runs on this machine alone because its RPC workers were gone at load is unloaded once
         they answer again: its next request loads it with them."""
         with self._lock:
-            candidates = [(e, p.missing_workers) for e in self._loaded.values() if (p := e.engine.placement)]
+            candidates = [
+                (e, p.missing_workers) for e in self._loaded.values() if (p := e.engine.placement) and p.missing_workers
+            ]
         for entry, missing in candidates:
-            if not missing or entry.users > 0 or not workers_back(missing):
+            if entry.users > 0 or not workers_back(missing):
                 continue
             log.info(
                 "the RPC worker(s) at %s answer again: %s loads with them next", ", ".join(missing), entry.model.name
