@@ -159,3 +159,60 @@ def test_a_step_that_cannot_speculate_asks_no_drafter():
     # Nothing measured yet: a lone request may try drafts (only it waits on them), a shared batch may not.
     assert any_draft_pays(StepCost(), 1) and not any_draft_pays(StepCost(), 4)
     assert FixedWindow.any_draft_pays(dear, 4)  # the fixed window drafts whatever it costs
+
+
+def _bent_cost() -> StepCost:
+    """The step costs of qwen2.5-coder:1.5b on a 2-core CPU: one-row steps 34 ms, each extra row ~13-19 ms, and a
+    straight line through the wide draft steps that puts a one-row step near 42 ms."""
+    cost = StepCost()
+    for _ in range(5):
+        for _ in range(40):
+            cost.record(1, 1, 0.034)
+        for _ in range(10):
+            cost.record(4, 4, 0.034 + 3 * 0.019)
+        cost.record(33, 33, 0.0216 + 0.0133 * 33)
+    return cost
+
+
+def test_a_step_is_compared_with_what_a_step_of_its_size_really_costs():
+    cost = _bent_cost()
+    assert cost.seconds(1) > 0.040  # the fit, right for wide steps, is off for a lone row
+    assert cost.baseline(1) == pytest.approx(0.034)
+    assert cost.with_drafts(1, 4) == pytest.approx(0.034 + 4 * cost.coef[1])
+    assert cost.baseline(7) == cost.seconds(7)  # no step of 7 rows seen: the fit speaks for it
+
+
+def test_a_draft_model_that_costs_more_than_the_rows_it_saves_stops_drafting():
+    """The real pair on a CPU: a 0.5B draft token costs 20 ms, a verified row 13 ms, a plain step 34 ms, so even a
+    draft the target always accepts is slower than no draft. The window must not draft; free drafts (n-gram) still
+    pay."""
+    cost = _bent_cost()
+    window = DraftWindow(16, cost)
+    for _ in range(20):  # the draft model is always right
+        window.offered = [0.97] * 8
+        window.record(drafted=8, accepted=8)
+    model_run = window.start(busy_slots=1, draft_seconds=0.020)
+    assert not model_run.promising()  # asked before the draft model decodes anything
+    while model_run.offer(0.99):  # each next token pays a little, but the whole draft never does
+        pass
+    assert not model_run.worthwhile()
+    free_run = window.start(busy_slots=1, draft_seconds=0.0)
+    while free_run.offer(0.99):
+        pass
+    assert free_run.promising()
+    assert free_run.position >= 4 and free_run.worthwhile()
+
+
+def test_the_first_draft_is_a_short_trial_until_a_row_is_priced():
+    window = DraftWindow(32, StepCost())
+    run = window.start(busy_slots=1)
+    while run.offer(0.999):
+        pass
+    assert run.position == DraftWindow.TRIAL  # a 32-token gamble of a 0.5B draft cost seconds on a 2-core CPU
+    cheap = StepCost()
+    for rows in (1, 2, 4, 8, 16, 32) * 20:
+        cheap.record(rows, rows, 0.030 + 0.0005 * rows)
+    run = DraftWindow(32, cheap).start(busy_slots=1)
+    while run.offer(0.999):
+        pass
+    assert run.position > DraftWindow.TRIAL

@@ -21,6 +21,7 @@ class Drafter(Protocol):
     """One request's source of draft tokens. The engine thread is the only caller."""
 
     kind: str
+    insists: bool  # drafts even where drafting cannot pay (the request set spec_min_draft): no gate skips it
 
     def propose(self, tokens: Sequence[int], *, seq: int, busy_slots: int, room: int) -> list[int]:
         """At most `room` draft tokens to follow `tokens` (the request's prompt and output so far, in the slot whose
@@ -106,6 +107,7 @@ class NgramDrafter:
 
     def __init__(self, window: DraftWindow):
         self.window = window
+        self.insists = window.floor > 0
         self._index = PromptLookup()
 
     def propose(self, tokens: Sequence[int], *, seq: int, busy_slots: int, room: int) -> list[int]:
@@ -157,10 +159,11 @@ class DraftModel:
     (the slot's seq id), and per sequence the tokens its KV holds, so a slot's next request reuses the shared prefix
     here too. Catching up is lazy: a draft decodes only the tokens its sequence lacks. A DraftSource."""
 
-    def __init__(self, model: LoadedModel, *, name: str, n_vocab: int):
+    def __init__(self, model: LoadedModel, *, name: str, n_vocab: int, threads: int = 0):
         self.model = model
         self.name = name
         self.n_vocab = n_vocab  # ids the target knows
+        self.threads = threads  # of its decodes (0: the backend chooses)
         self.n_ctx = model.n_ctx
         self._cached: list[list[int]] = [[] for _ in range(model.n_seq)]
         self.seconds_per_token = 0.0
@@ -214,7 +217,7 @@ def draft_from(
     """The drafting loop over any DraftSource: greedy tokens while the window finds each one worth its row."""
     room = min(room, source.n_ctx - len(tokens))
     run = window.start(busy_slots=busy_slots, draft_seconds=source.seconds_per_token, room=room)
-    if room <= 0 or not run.pays():
+    if room <= 0 or not run.pays() or not run.promising():
         return []
     logits = source.begin(seq, tokens)
     draft: list[int] = []
@@ -239,6 +242,7 @@ class SourceDrafter:
     def __init__(self, source: DraftSource, window: DraftWindow, *, kind: str):
         self._source = source
         self.window = window
+        self.insists = window.floor > 0
         self.kind = kind
         self._seq = 0
         self._start = 0  # length of `tokens` at the last proposal
@@ -267,6 +271,7 @@ class GrammarCheckedDrafter:
     def __init__(self, inner: Drafter, probe: GrammarProbe, *, n_prompt: int):
         self.inner = inner
         self.kind = inner.kind
+        self.insists = inner.insists
         self._probe = probe
         self._n_prompt = n_prompt
 

@@ -14,10 +14,14 @@ class StepCost:
     squares over decode-only steps (prefill rows run other kernels), each step weighted by its rows, under a light
     optimistic prior scaled to the first step (docs/benchmark-notes.md, "Rules in the code")."""
 
+    BASELINE_ROWS = 64  # steps of up to this many rows also keep their own mean (see baseline)
+    BASELINE_STEPS = 4.0  # a batch size's own mean is believed once this many steps of it are counted
+
     def __init__(self, *, prior: float = 0.05, memory: float = 0.999):
         # A long memory: what a few draft steps taught about the slope must outlive the same-sized steps between.
         self.prior = prior
         self.memory = memory
+        self._baseline: dict[int, tuple[float, float]] = {}  # rows -> (decayed steps, decayed seconds)
         # Decayed, row-weighted sums of the fit: weight, rows, rows², seconds, rows x seconds. Plain floats: this runs
         # after every decode step, and numpy's small arrays cost ten times more.
         self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)
@@ -41,6 +45,9 @@ class StepCost:
             m * sxy + w * rows * seconds,
         )
         self._stale = True  # solved when a draft is next sized: steps with no speculating request never pay for it
+        if rows <= self.BASELINE_ROWS:
+            steps, total = self._baseline.get(rows, (0.0, 0.0))
+            self._baseline[rows] = (self.memory * steps + 1.0, self.memory * total + seconds)
 
     @property
     def coef(self) -> np.ndarray:
@@ -57,6 +64,18 @@ class StepCost:
         """Estimated seconds of a decode step of `rows` rows (in one-row steps before anything was measured)."""
         a, b = self.coef
         return float(a + b * rows)
+
+    def baseline(self, rows: int) -> float:
+        """Seconds of a step of exactly `rows` rows: their own mean once enough such steps ran, else the fit. The
+        fit is weighted to be right where drafts take a step (wide batches), and a step's cost bends below that: on a
+        CPU a 1.5B model's one-row step ran 34 ms where the fit said 44, and drafts that lost 28% looked like gains
+        (docs/benchmark-notes.md, "A real draft pair on a CPU")."""
+        steps, total = self._baseline.get(rows, (0.0, 0.0))
+        return total / steps if steps >= self.BASELINE_STEPS else self.seconds(rows)
+
+    def with_drafts(self, busy: int, drafts: int) -> float:
+        """Seconds of a step of `busy` rows plus `drafts` draft rows: the batch's own cost and what each row adds."""
+        return self.baseline(busy) + float(self.coef[1]) * drafts if drafts else self.baseline(busy)
 
     @property
     def measured(self) -> bool:
@@ -97,6 +116,7 @@ class DraftWindow:
     estimates are noisy, a marginal draft is as likely to cost as to save, and a draft that misses holds up every
     request in the batch."""
 
+    TRIAL = 8  # the longest draft before the per-row cost is measured: one trial must not cost seconds on a CPU
     BANDS = 8  # band i holds confidences in [1 - 2^-i, 1 - 2^-(i+1)): finer near certainty, where runs get long
     MARGIN = 0.05
 
@@ -106,9 +126,17 @@ class DraftWindow:
         return any_draft_pays(cost, busy_slots)
 
     def __init__(
-        self, limit: int, cost: StepCost, *, memory: float = 0.95, prior_weight: float = 2.0, margin: float = MARGIN
+        self,
+        limit: int,
+        cost: StepCost,
+        *,
+        floor: int = 0,
+        memory: float = 0.95,
+        prior_weight: float = 2.0,
+        margin: float = MARGIN,
     ):
         self.limit = limit
+        self.floor = min(floor, limit)  # a draft of at least this many tokens is taken whatever it costs
         self.cost = cost
         self.margin = margin
         self.memory = memory
@@ -140,6 +168,8 @@ class DraftWindow:
         (a draft model's decode)."""
         self.offered = []
         limit = self.limit if room is None else max(0, min(self.limit, room))
+        if not self.cost.identified:
+            limit = min(limit, max(self.TRIAL, self.floor))
         return DraftRun(self, busy_slots=max(1, busy_slots), draft_seconds=draft_seconds, limit=limit)
 
     def cut(self, confidences: Sequence[float], *, busy_slots: int) -> int:
@@ -187,20 +217,38 @@ class DraftRun:
         return True
 
     def worthwhile(self) -> bool:
-        """Does the draft taken so far beat not drafting by the window's margin?"""
+        """Does the draft taken so far beat not drafting by the window's margin? (Or reach the request's floor.)"""
+        if self.position > 0 and self.window.floor > 0 and self.position >= min(self.window.floor, self.limit):
+            return True  # the request's floor is reached (or all the room there was)
         rate = self._expected / self._seconds(self.position)
         return self.position > 0 and rate >= goal_rate(self.window.cost, self._busy, self.window.margin)
 
+    def promising(self) -> bool:
+        """Could a draft from this source beat not drafting at all, were every token sure? Asked before the first
+        draft token is decoded: a draft model whose tokens cost more than their rows save would otherwise draft a
+        whole window every step, each next token paying a little, and throw it away as not worthwhile."""
+        return self.window.floor > 0 or any_draft_pays(
+            self.window.cost,
+            self._busy,
+            margin=self.window.margin,
+            limit=max(1, self.limit),
+            draft_seconds=self._draft_seconds,
+        )
+
     def pays(self, confidence: float = 1.0) -> bool:
         """Would a next token with this confidence pay? (With 1.0: could any next token pay?)"""
-        if self.position >= self.limit or not may_try(self.window.cost, self._busy):
+        if self.position >= self.limit:
+            return False
+        if self.position < self.window.floor:
+            return True
+        if not may_try(self.window.cost, self._busy):
             return False
         gain = self.survival * self.window.per_token(confidence)
         now, longer = self._seconds(self.position), self._seconds(self.position + 1)
         return (self._expected + gain) / longer >= self._expected / now
 
     def _seconds(self, drafts: int) -> float:
-        return self.window.cost.seconds(self._busy + drafts) + drafts * self._draft_seconds
+        return self.window.cost.with_drafts(self._busy, drafts) + drafts * self._draft_seconds
 
 
 PER_TOKEN_CEILING = 0.995  # DraftWindow.per_token never believes a draft token more than this
@@ -215,13 +263,15 @@ def may_try(cost: StepCost, busy_slots: int) -> bool:
 
 def goal_rate(cost: StepCost, busy_slots: int, margin: float) -> float:
     """Tokens per second a step with drafts must reach: a step without them, bettered by `margin` per busy slot."""
-    return (1.0 + margin * busy_slots) * busy_slots / cost.seconds(busy_slots)
+    return (1.0 + margin * busy_slots) * busy_slots / cost.baseline(busy_slots)
 
 
-def any_draft_pays(cost: StepCost, busy_slots: int, *, margin: float | None = None, limit: int = 64) -> bool:
+def any_draft_pays(
+    cost: StepCost, busy_slots: int, *, margin: float | None = None, limit: int = 64, draft_seconds: float = 0.0
+) -> bool:
     """Could any request's draft pay this step? The surest draft there can be (every token at the window's ceiling,
-    drafting free) of any length up to `limit`, against the window's margin: if even that would not beat not
-    drafting, no drafter need be asked (the engine skips them all)."""
+    each costing `draft_seconds` to draft: free by default) of any length up to `limit`, against the window's margin:
+    if even that would not beat not drafting, no drafter need be asked (the engine skips them all)."""
     busy = max(1, busy_slots)
     if not may_try(cost, busy):
         return False
@@ -230,7 +280,7 @@ def any_draft_pays(cost: StepCost, busy_slots: int, *, margin: float | None = No
     for drafts in range(1, limit + 1):
         survival *= PER_TOKEN_CEILING
         expected += survival
-        rate = expected / cost.seconds(busy + drafts)
+        rate = expected / (cost.with_drafts(busy, drafts) + drafts * draft_seconds)
         if rate >= goal:
             return True
         if rate < best:
@@ -240,21 +290,13 @@ def any_draft_pays(cost: StepCost, busy_slots: int, *, margin: float | None = No
 
 
 class FixedWindow(DraftWindow):
-    """Always drafts `limit` tokens, whatever they cost or however sure the drafter is (llama.cpp's fixed draft
-    length): for tests that need drafts to happen, and benchmarks that compare against the adaptive window."""
+    """Always drafts `limit` tokens (or the room left), whatever they cost or however sure the drafter is (llama.cpp's
+    fixed draft length): a window whose floor is its limit. For tests that need drafts to happen, and benchmarks that
+    compare against the adaptive window."""
+
+    def __init__(self, limit: int, cost: StepCost, **options):
+        super().__init__(limit, cost, **{**options, "floor": limit})
 
     @staticmethod
     def any_draft_pays(cost: StepCost, busy_slots: int) -> bool:
         return True
-
-    def start(self, *, busy_slots: int, draft_seconds: float = 0.0, room: int | None = None) -> DraftRun:
-        limit = self.limit if room is None else max(0, min(self.limit, room))
-        return _FixedRun(self, busy_slots=busy_slots, draft_seconds=draft_seconds, limit=limit)
-
-
-class _FixedRun(DraftRun):
-    def pays(self, confidence: float = 1.0) -> bool:
-        return self.position < self.limit
-
-    def worthwhile(self) -> bool:
-        return self.position > 0
