@@ -172,6 +172,13 @@ class SamplingOptions(_Model):
         description="most draft tokens verified per step (the draft window "
         "sizes each draft below this from its acceptance and cost)",
     )
+    spec_min_draft: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="fewest draft tokens a step verifies whenever the drafter has them (llama-server's --draft-min): "
+        "above 0, drafts are made whatever they cost, so speculation can then run slower than without it",
+    )
     keep_prefix: bool = Field(
         False,
         description="pin this conversation's prompt and answer in the prefix cache, so "
@@ -445,6 +452,9 @@ class Timings(_Model):
     draft_count: int = Field(0, description="speculative tokens drafted")
     draft_accepted: int = Field(0, description="speculative tokens accepted")
     draft_mean_accepted: float = Field(0.0, description="draft tokens accepted per verification step, on average")
+    draft_duration: int = Field(0, description="time spent drafting (ns): the draft model or n-gram lookup")
+    verify_duration: int = Field(0, description="time of the steps that verified this request's drafts (ns)")
+    sample_duration: int = Field(0, description="time sampling the rows of those steps (ns)")
 
 
 class TopLogprob(_Model):
@@ -615,6 +625,15 @@ class DeviceLayers(_Model):
     memory: int = 0  # bytes placed there: weights, KV cache, compute buffer (estimate)
 
 
+class DraftProcess(_Model):
+    """The draft model a loaded model speculates with: loaded beside it, with its own KV for every slot."""
+
+    model: str
+    size: int = Field(0, description="bytes of its weights")
+    kv_cells: int = Field(0, description="KV cache tokens it holds for the slots (slots x context)")
+    threads: int = Field(0, description="CPU threads of its decode steps")
+
+
 class ProcessModel(_Model):
     """One row of `localllm ps` and /api/ps."""
 
@@ -641,6 +660,7 @@ class ProcessModel(_Model):
     flash_attn_measured: bool = Field(False, description="flash_attn was chosen by timing both on this machine")
     draft_count: int = 0
     draft_accepted: int = 0
+    draft: DraftProcess | None = None
     status: str | None = None  # "removed": its model was deleted; it unloads when its running requests end
     kv_cells: int = Field(0, description="KV cache tokens the slots share (the pool; LOCALLLM_KV_POOL)")
     kv_used: int = Field(0, description="KV cache tokens the slots' caches hold now, of kv_cells")

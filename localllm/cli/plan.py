@@ -52,7 +52,7 @@ def plan(
         }.items()
         if v is not None
     }
-    plans = [_plan_one(model, overrides) for model in models]
+    plans = [plan for model in models for plan in _plan_with_draft(model, overrides)]
     total = total_with_shared_weights([(identity, mem) for _, identity, mem, _ in plans])
     available = plans[0][2].available
     cache_ram, cache_disk = ram_limit(), disk_limit()
@@ -90,6 +90,22 @@ def plan(
             f"{names} does not fit: it needs {_mib(total)} and {_mib(available)} is available",
             hint="lower --num-ctx or --num-parallel, or use --kv-type q8_0",
         )
+
+
+def _plan_with_draft(model: str, overrides: dict) -> list:
+    """The model's plan, and its draft model's where it speculates with one: loaded beside it with a KV cache for
+    each of its slots, at the same context and threads."""
+    from ..models.options import resolve_options
+    from ..models.store import Store
+
+    plans = [_plan_one(model, overrides)]
+    load, _ = resolve_options(Store().resolve(model), overrides)
+    if load.draft:
+        name, identity, mem, _ = _plan_one(
+            load.draft, {**overrides, "num_ctx": plans[0][2].num_ctx, "num_parallel": plans[0][2].num_parallel}
+        )
+        plans.append((f"{name} (draft model of {plans[0][0]})", identity, mem, None))
+    return plans
 
 
 def _plan_one(model: str, overrides: dict):

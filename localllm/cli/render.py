@@ -327,9 +327,13 @@ def _prefix_cache_text(row: api.ProcessModel) -> str:
 
 
 def _speculation_text(row: api.ProcessModel) -> str:
-    if not row.draft_count:
-        return row.speculation
-    return f"{row.speculation} ({row.draft_accepted / row.draft_count:.0%} accepted)"
+    text = row.speculation
+    if row.draft is not None:  # what the draft model costs beside the model: its weights, KV and threads
+        d = row.draft
+        text += f" {d.model} ({human_size(d.size)}, KV {d.kv_cells:,} tokens, {d.threads} threads)"
+    if row.draft_count:
+        text += f" ({row.draft_accepted / row.draft_count:.0%} accepted)"
+    return text
 
 
 # ---------------------------------------------------------------------------------------------------------- markdown

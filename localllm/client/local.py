@@ -769,6 +769,7 @@ def _process_row(entry: Loaded, sharing: list[str]) -> api.ProcessModel:
         flash_attn_measured=entry.measured_flash_attn is not None,
         draft_count=stats.draft_tokens,
         draft_accepted=stats.accepted_tokens,
+        draft=entry.speculation.draft_row() if entry.speculation is not None else None,
         status="removed" if entry.removed else None,
         kv_cells=stats.kv_cells,
         kv_used=stats.kv_used,

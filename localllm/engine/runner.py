@@ -69,6 +69,9 @@ class GenerationParams:
     keep_prefix: bool = False  # pin the prompt and answer in the prefix cache when the request ends
 
 
+ACCEPTANCE_POSITIONS = 64  # draft positions counted one by one; later ones count in the last
+
+
 @dataclass
 class EngineStats:
     slots_total: int = 0
@@ -92,6 +95,9 @@ class EngineStats:
     cache_disk_limit: int = 0
     kv_cells: int = 0  # KV cells the slots share (n_slots x n_ctx where each slot has its own)
     kv_used: int = 0  # cells the slots' caches hold now
+    # Speculation: draft positions (0 = the first draft token) the target verified, and how many it accepted there.
+    verified_at: list[int] = field(default_factory=lambda: [0] * ACCEPTANCE_POSITIONS)
+    accepted_at: list[int] = field(default_factory=lambda: [0] * ACCEPTANCE_POSITIONS)
 
 
 class Stream:
@@ -130,6 +136,10 @@ class _Output:
     pending_logprobs: list = field(default_factory=list)
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
+    # Where a speculating request's time goes: its drafter, the steps that verified its drafts, sampling its rows.
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    sample_seconds: float = 0.0
 
 
 _Job = Request[_Output]  # a request as the engine thread holds it: the scheduler's Request with its output sink
@@ -467,13 +477,13 @@ class ModelEngine:
             return
         busy = len(self._scheduler.running)
         # When the batch makes rows too dear for even a certain draft, no drafter is asked: a step that cannot
-        # speculate costs what it would with speculation off.
-        if self.speculation is not None and not self.speculation.may_draft(busy):
-            return
+        # speculate costs what it would with speculation off (only a request's spec_min_draft overrides that).
+        gate = self.speculation is None or self.speculation.may_draft(busy)
         for req in speculating:
             room = self._scheduler.draft_room(req)
-            if room == 0 or req.drafter is None or req.slot is None:
+            if room == 0 or req.drafter is None or req.slot is None or not (gate or req.drafter.insists):
                 continue
+            t0 = time.perf_counter()
             try:
                 req.draft = req.drafter.propose(
                     req.prompt + req.generated, seq=req.slot.seq, busy_slots=busy, room=room
@@ -482,6 +492,8 @@ class ModelEngine:
                 log.warning("speculation off for request %d: %s", req.id, exc)
                 req.drafter.close()
                 req.drafter, req.draft = None, []
+            finally:
+                req.sink.draft_seconds += time.perf_counter() - t0
 
     def _run_step(self, step: Step) -> None:
         self._apply_cache_ops(step)
@@ -511,8 +523,12 @@ class ModelEngine:
             self.prefix_cache.price.observe_prefill(len(step.batch), seconds)
         if self.speculation is not None:
             self.speculation.observe(step.batch, step.copies)
+        decoded = time.perf_counter()
         sampled = self._sample(step)
         self.stats.decode_seconds += time.perf_counter() - t0
+        for work in step.work:
+            if work.draft:
+                work.request.sink.verify_seconds += decoded - t0
         if self.speculation is not None:
             # CPU seconds of this thread: the step's work, which other load on the machine does not inflate.
             self.speculation.record_step(step.batch, time.thread_time() - cpu0)
@@ -575,16 +591,27 @@ class ModelEngine:
             req = work.request
             if req.finished:
                 continue
+            t0 = time.perf_counter()
             tokens = self._verify(req.sampler, work.rows, work.draft)
-            req.n_drafted += len(work.draft)
-            req.n_accepted += min(len(tokens) - 1, len(work.draft))
-            req.n_draft_steps += bool(work.draft)
-            if req.drafter is not None:
-                req.drafter.feedback(drafted=len(work.draft), accepted=min(len(tokens) - 1, len(work.draft)))
+            if work.draft:
+                req.sink.sample_seconds += time.perf_counter() - t0
+                self._count_draft(req, len(work.draft), min(len(tokens) - 1, len(work.draft)))
             if req.sink.logprobs is not None:
                 req.sink.pending_logprobs.extend(self._logprobs(work.rows, tokens, req.sink.logprobs))
             sampled[req.id] = tokens
         return sampled
+
+    def _count_draft(self, req: _Job, drafted: int, accepted: int) -> None:
+        req.n_drafted += drafted
+        req.n_accepted += accepted
+        req.n_draft_steps += 1
+        last = ACCEPTANCE_POSITIONS - 1
+        verified, hits = self.stats.verified_at, self.stats.accepted_at
+        for position in range(min(drafted, accepted + 1)):  # past the first miss nothing was really tried
+            verified[min(position, last)] += 1
+            hits[min(position, last)] += position < accepted
+        if req.drafter is not None:
+            req.drafter.feedback(drafted=drafted, accepted=accepted)
 
     @staticmethod
     def _verify(sampler, rows: list[int], draft: list[int]) -> list[int]:
@@ -701,6 +728,9 @@ class ModelEngine:
             draft_count=req.n_drafted,
             draft_accepted=req.n_accepted,
             draft_mean_accepted=round(req.n_accepted / req.n_draft_steps, 3) if req.n_draft_steps else 0.0,
+            draft_duration=ns(out.draft_seconds),
+            verify_duration=ns(out.verify_seconds),
+            sample_duration=ns(out.sample_seconds),
         )
 
     def _close_request(self, req: Request, exc: BaseException) -> None:

@@ -104,6 +104,25 @@ class ServerMetrics:
             buckets=(1, 5, 10, 20, 50, 100, 200, 500, 1000),
             registry=reg,
         )
+        self.spec_tokens = Counter(
+            "localllm_spec_tokens",
+            "speculative draft tokens: drafted, and accepted by the model",
+            ["model", "kind"],
+            registry=reg,
+        )
+        self.spec_seconds = Counter(
+            "localllm_spec_seconds",
+            "where speculating requests' time went: drafting, the steps verifying drafts, sampling those steps",
+            ["model", "phase"],
+            registry=reg,
+        )
+        self.spec_acceptance = Histogram(
+            "localllm_spec_acceptance",
+            "share of one request's draft tokens the model accepted",
+            ["model"],
+            buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0),
+            registry=reg,
+        )
         reg.register(_EngineCollector(client))
 
     def observe_chunk(self, chunk: api.Timings) -> None:
@@ -118,6 +137,19 @@ class ServerMetrics:
             self.load_seconds.labels(model).observe(chunk.load_duration / 1e9)
         if chunk.eval_count and chunk.eval_duration:
             self.tokens_per_second.labels(model).observe(chunk.eval_count / (chunk.eval_duration / 1e9))
+        if chunk.draft_count:
+            self._observe_speculation(model, chunk)
+
+    def _observe_speculation(self, model: str, chunk: api.Timings) -> None:
+        self.spec_tokens.labels(model, "drafted").inc(chunk.draft_count)
+        self.spec_tokens.labels(model, "accepted").inc(chunk.draft_accepted)
+        self.spec_acceptance.labels(model).observe(chunk.draft_accepted / chunk.draft_count)
+        for phase, ns in (
+            ("draft", chunk.draft_duration),
+            ("verify", chunk.verify_duration),
+            ("sample", chunk.sample_duration),
+        ):
+            self.spec_seconds.labels(model, phase).inc(ns / 1e9)
 
     def observe_embed(self, response: api.EmbedResponse) -> None:
         self.tokens_in.labels(response.model).inc(response.prompt_eval_count)

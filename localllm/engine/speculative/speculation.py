@@ -6,9 +6,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ...api import LoadOptions, SamplingOptions
+from ...api import DraftProcess, LoadOptions, SamplingOptions
 from ...backends.base import Batch, MtpHead
 from ...errors import InvalidInput, LocalLLMError
+from ...machine import physical_cores
 from .drafters import Drafter, DraftModel, GrammarCheckedDrafter, NgramDrafter, SourceDrafter, check_same_vocab
 from .policy import DraftWindow, StepCost
 
@@ -57,6 +58,14 @@ class Speculation:
         if mtp is not None:
             self._builders["mtp"] = lambda window: SourceDrafter(mtp, window, kind="mtp")
 
+    def draft_row(self) -> DraftProcess | None:
+        """The draft model as `ps` shows it, if one is loaded."""
+        d = self.draft_model
+        if d is None:
+            return None
+        size = d.model.meta.size_bytes
+        return DraftProcess(model=d.name, size=size, kv_cells=d.model.n_seq * d.n_ctx, threads=d.threads)
+
     @property
     def kind(self) -> str:
         """The drafter `auto` picks (what `localllm ps` shows)."""
@@ -73,7 +82,7 @@ class Speculation:
                 f"spec_type {kind!r} is not available for this model",
                 hint=_MISSING_HINT[kind] + f"; it offers {', '.join(sorted(self._builders))}",
             )
-        drafter = builder(self._window(opts.spec_max_draft, self.cost))
+        drafter = builder(self._window(opts.spec_max_draft, self.cost, floor=opts.spec_min_draft))
         probe = self.target.grammar_probe(grammar) if grammar else None
         return drafter if probe is None else GrammarCheckedDrafter(drafter, probe, n_prompt=n_prompt)
 
@@ -134,12 +143,13 @@ def open_draft_model(weights: Path, load: LoadOptions, target: LoadedModel, *, n
     """Load a draft model beside `target` (same slots and context per slot), checking it shares the vocabulary."""
     from ...backends import choose_backend, get_backend
 
-    options = load.model_copy(update={"draft": None, "num_parallel": target.n_seq, "num_ctx": target.n_ctx})
-    model = get_backend(choose_backend(options.backend, weights)).load(weights, options)
+    threads = load.num_thread or physical_cores()  # fixed: the thread tuner follows the model's own steps
+    update = {"draft": None, "num_parallel": target.n_seq, "num_ctx": target.n_ctx, "num_thread": threads}
+    model = get_backend(choose_backend(load.backend, weights)).load(weights, load.model_copy(update=update))
     try:
         check_same_vocab(target, model, draft_name=name)
     except BaseException:
         model.close()
         raise
     log.info("draft model %s loaded beside the model: %d slots x %d tokens", name, model.n_seq, model.n_ctx)
-    return DraftModel(model, name=name, n_vocab=target.meta.n_vocab)
+    return DraftModel(model, name=name, n_vocab=target.meta.n_vocab, threads=threads)
