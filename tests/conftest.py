@@ -55,6 +55,20 @@ def coder_home(models_home) -> Path:
     return models_home
 
 
+PAIR_TARGET_MODEL = "qwen2.5-coder:1.5b"  # drafted by CODER_TEST_MODEL: the real pair (1.1 GB, slow tests only)
+
+
+@pytest.fixture(scope="session")
+def pair_home(coder_home) -> Path:
+    """`coder_home` with qwen2.5-coder:1.5b pulled too: the target of the real draft pair, for the slow tests."""
+    from localllm.models.pull import pull_model
+    from localllm.models.store import Store
+
+    for _ in pull_model(PAIR_TARGET_MODEL, Store(coder_home / "models")):
+        pass
+    return coder_home
+
+
 EMBED_TEST_MODEL = "nomic-embed-text:v1.5"
 
 

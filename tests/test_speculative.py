@@ -178,6 +178,31 @@ def test_gemma3_lossless_with_both_drafters_and_four_slots(gemma3_path):
         engine.close()
 
 
+@pytest.fixture(scope="module")
+def pair_paths(pair_home) -> tuple[Path, Path]:
+    from localllm.models.store import Store
+
+    store = Store(pair_home / "models")
+    return store.resolve("qwen2.5-coder:1.5b").weights, store.resolve("qwen2.5-coder:0.5b").weights
+
+
+@pytest.mark.models
+@pytest.mark.slow
+@pytest.mark.parametrize("together", [False, True], ids=["1-slot", "4-slots"])
+def test_the_real_pair_is_lossless(pair_paths, together):
+    """qwen2.5-coder:1.5b drafted by qwen2.5-coder:0.5b: the same greedy tokens with the draft model as without,
+    alone and in a batch of four (a fixed window drafts every step; the adaptive one rightly drafts little here)."""
+    target_path, draft_path = pair_paths
+    load = LoadOptions(num_ctx=512, num_parallel=4, num_thread=1)
+    target = LlamaCppBackend().load(target_path, load)
+    draft = open_draft_model(draft_path, load, target, name="qwen2.5-coder:0.5b")
+    engine = ModelEngine(target, max_queue=8, speculation=Speculation(target, draft=draft, window=FixedWindow))
+    try:
+        _check_lossless(engine, "draft", together=together, near_tie=0.3)
+    finally:
+        engine.close()
+
+
 @pytest.mark.models
 @pytest.mark.slow
 def test_a_near_tie_under_the_grammar_is_told_from_a_fault(gemma3_path):
