@@ -79,6 +79,16 @@ def spec_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     )
 
 
+def pair_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """Speculation on a real draft pair (scripts/bench_spec_pair.py): the model drafted by --draft.
+    `python scripts/bench.py --models qwen2.5-coder:1.5b --only pair --llama-server PATH`."""
+    import bench_spec_pair
+
+    return bench_spec_pair.pair_figures(
+        path, model_path(args.draft), n=max(args.tokens, 200), repeats=3, llama_server=args.llama_server
+    )
+
+
 def defaults_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     """Ours at its defaults (threads tuned as it runs) against llama-server's defaults and the best raw thread count,
     idle and with a core busy (scripts/bench_threads.py)."""
@@ -178,6 +188,7 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "rest": ("REST path against raw llama.cpp", rest_section),
     "defaults": ("Defaults: threads tuned as the model runs", defaults_section),
     "spec": ("Speculative decoding", spec_section),
+    "pair": ("Speculation on a real draft pair", pair_section),
     "prefix": ("Prefix cache beyond the slots", prefix_section),
     "editor": ("Editor completion (fill in the middle)", editor_section),
     "mixed": ("Mixed load: decoders beside a long prompt", mixed_section),
@@ -281,6 +292,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=sorted(SECTIONS), help="sections to run (default: all)")
     parser.add_argument("--models", nargs="*", default=["smollm2:135m"], help="pulled models to measure")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--draft", default="qwen2.5-coder:0.5b", help="the pair section's draft model")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the embed and bandwidth sections")
     parser.add_argument("--threads", type=int, default=None, help="our engine's threads (default: its own)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")

@@ -22,7 +22,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from localllm import config
@@ -132,8 +132,10 @@ class LlamaServer:
         slots: int = 1,
         ctx_per_slot: int = N_CTX,
         defaults: bool = False,
+        extra: Sequence[str] = (),
     ):
-        """`defaults`: llama-server as a user starts it (`-m MODEL`): its own threads, slots and context."""
+        """`defaults`: llama-server as a user starts it (`-m MODEL`): its own threads, slots and context; `extra`:
+        more of its flags (`-md DRAFT`)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -143,6 +145,7 @@ class LlamaServer:
             cmd += ["-c", str(ctx_per_slot * slots), "-np", str(slots), "-t", str(threads), "-tb", str(threads)]
         if spec:
             cmd += ["--spec-type", spec]
+        cmd += extra
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ready()
 
