@@ -1,14 +1,29 @@
 """Vision models (issue 31): a model stored with a vision projector, a `clip` GGUF given by a second FROM (Ollama's
-way) or uploaded beside the weights, shown with the `vision` capability and counted by `localllm plan`. The projector
-is the synthetic idefics3 one of tests/vision_model.py, over smollm2:135m's embeddings."""
+way) or uploaded beside the weights, shown with the `vision` capability and counted by `localllm plan`; images in
+Ollama chat and generate requests, served by the real app to the real `ollama` client, their prefix reused, their
+answers equal to llama.cpp's own llama-mtmd-cli on the same files, and every bad image a 400 before any decode. The
+projectors are the synthetic ones of tests/vision_model.py, over smollm2:135m's embeddings."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import os
+import struct
+import subprocess
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import numpy as np
+import ollama
 import pytest
+from PIL import Image
+from server_harness import private_home, served
 from typer.testing import CliRunner
+from vision_model import N_PATCHES, write_projector
 
 from localllm import api
 from localllm.cli.app import app
@@ -17,7 +32,6 @@ from localllm.models.create import create_model
 from localllm.models.info import show_model
 from localllm.models.modelfile import parse_modelfile, render_modelfile
 from localllm.models.store import MEDIA_PROJECTOR, Store
-from tests.vision_model import write_projector
 
 pytestmark = pytest.mark.models
 
@@ -33,6 +47,7 @@ def files(tmp_path_factory, smollm2_path) -> Path:
     (folder / "smollm2.gguf").symlink_to(smollm2_path)
     write_projector(folder / "mmproj.gguf")
     write_projector(folder / "wide-mmproj.gguf", text_embd=640)
+    write_projector(folder / "idefics3-mmproj.gguf", kind="idefics3")
     return folder
 
 
@@ -69,7 +84,7 @@ def test_the_projector_is_a_layer_of_its_own_and_shows_vision(store):
     assert "vision" in shown.capabilities and "vision" not in show_model(store, "smol").capabilities
     assert shown.projector_info is not None
     assert shown.projector_info["general.architecture"] == "clip"
-    assert shown.projector_info["clip.projector_type"] == "idefics3"
+    assert shown.projector_info["clip.projector_type"] == "mlp"
     assert show_model(store, "smol").projector_info is None
     # The weights are the same blob: only the projector layer is new.
     assert model.weights == store.resolve("smol").weights
@@ -140,3 +155,152 @@ def test_plan_counts_the_projector(store, monkeypatch):
     text_only = json.loads(CliRunner().invoke(app, ["plan", "smol", "--json"]).output)
     assert plan["projector"] > 0 and text_only["projector"] == 0
     assert plan["total"] == text_only["total"] + plan["projector"]
+
+
+# ------------------------------------------------------------------------------------------------- serving images
+
+VISION = "smolvlm"
+OPTIONS = {"temperature": 0, "num_predict": 12, "num_ctx": 512, "num_thread": 1, "seed": 0}
+DEFAULT_MTMD_CLI = "/root/.cache/localllm-bench/llama.cpp-0.3.36/build/bin/llama-mtmd-cli"
+
+
+def png(seed: int = 0, size: int = 32) -> bytes:
+    """A PNG of random pixels (random weights see noise anyway)."""
+    pixels = np.random.default_rng(seed).integers(0, 255, (size, size, 3)).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A valid PNG header declaring width x height, with a few bytes of data: decoding it would take the memory
+    of every pixel it declares."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    )
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def vision_home(models_home, files, tmp_path_factory) -> Path:
+    """A private home with the catalog models and `smolvlm`: smollm2:135m with the LLaVA-style projector."""
+    home = private_home(models_home, tmp_path_factory.mktemp("vision-home"))
+    store = Store(home / "models")
+    modelfile = "FROM smollm2:135m\nFROM ./mmproj.gguf\nPARAMETER spec_type none\n"
+    _create(store, VISION, modelfile, files)
+    _create(store, "smolvlm-wrapped", "FROM smollm2:135m\nFROM ./idefics3-mmproj.gguf\n", files)
+    return home
+
+
+@pytest.fixture(scope="module")
+def url(vision_home) -> Iterator[str]:
+    os.environ["LOCALLLM_HOME"] = str(vision_home)  # the prefix cache's disk tier lives in the home
+    with served(vision_home, LOCALLLM_NUM_PARALLEL="1") as base:
+        yield base
+
+
+def chat(url: str, content: str, images: list[str], model: str = VISION) -> httpx.Response:
+    message = {"role": "user", "content": content, "images": images}
+    body = {"model": model, "messages": [message], "stream": False, "options": OPTIONS}
+    return httpx.post(f"{url}/api/chat", json=body, timeout=120)
+
+
+def test_the_ollama_client_chats_about_an_image(url):
+    reply = ollama.Client(host=url).chat(
+        model=VISION,
+        messages=[{"role": "user", "content": "What is in this image?", "images": [png()]}],
+        options=OPTIONS,
+    )
+    assert reply.done and reply.message.content
+    assert reply.prompt_eval_count > N_PATCHES  # the image's positions count as prompt tokens
+
+
+def test_the_ollama_client_generates_about_an_image(url):
+    reply = ollama.Client(host=url).generate(model=VISION, prompt="Describe it.", images=[png(1)], options=OPTIONS)
+    assert reply.done and reply.response
+    assert reply.context is None  # placeholders are no tokens a client could send back
+
+
+def test_a_second_question_about_the_same_image_reuses_its_prefix(url):
+    first = chat(url, "What is in this image?", [b64(png(2))]).json()
+    again = chat(url, "Which colours are there?", [b64(png(2))]).json()
+    other = chat(url, "Which colours are there?", [b64(png(3))]).json()
+    # The same image: the cached prefix runs through the image's positions; another image stops before them.
+    assert again["prompt_cache_count"] >= other["prompt_cache_count"] + N_PATCHES
+    assert first["prompt_eval_count"] > 0
+
+
+def error(reply: httpx.Response) -> str:
+    assert reply.status_code == 400, reply.text
+    return reply.json()["error"]
+
+
+def test_a_model_without_a_projector_refuses_images_in_ollamas_words(url):
+    assert "this model is missing data required for image input" in error(chat(url, "hi", [b64(png())], "smollm2:135m"))
+
+
+def test_a_projector_whose_wrapper_tokens_the_model_lacks_is_refused(url):
+    assert "special tokens this model's vocabulary lacks" in error(chat(url, "hi", [b64(png())], "smolvlm-wrapped"))
+
+
+@pytest.mark.parametrize(
+    ("image", "says"),
+    [
+        ("not base64 at all!", "image 1 of message 1 is not valid base64"),
+        (b64(b"just some text, no image"), "is not an image localllm reads"),
+        (b64(bomb_png(5000, 5000)), "5000x5000 = 25,000,000 pixels; the limit is 16,777,216 (checked before decoding)"),
+        (b64(bomb_png(30000, 30000)), "declares more than 16,777,216 pixels"),
+        (b64(png()[:60]), "could not be decoded"),
+    ],
+    ids=["bad base64", "unknown format", "bomb", "huge bomb", "truncated"],
+)
+def test_a_bad_image_is_a_400_that_says_why(url, image, says):
+    assert says in error(chat(url, "hi", [image]))
+
+
+def test_too_many_images_are_refused(url):
+    assert "17 images; the limit is 16" in error(chat(url, "hi", [b64(png())] * 17))
+
+
+def test_an_image_over_the_byte_limit_is_refused(url, monkeypatch):
+    from localllm import media
+
+    monkeypatch.setattr(media, "MAX_IMAGE_BYTES", 100)
+    assert f"is {len(png()):,} bytes; the limit is 100" in error(chat(url, "hi", [b64(png())]))
+
+
+def test_the_server_answers_after_the_refusals(url):
+    assert chat(url, "What is in this image?", [b64(png())]).status_code == 200
+
+
+def test_answers_equal_llama_mtmd_cli(url, files, tmp_path, smollm2_path):
+    """The same weights, projector, image and prompt (raw: the template is the identity) through llama.cpp's own
+    pipeline: the greedy text is the same."""
+    binary = os.environ.get("LLAMA_MTMD_CLI", DEFAULT_MTMD_CLI)
+    if not Path(binary).is_file():
+        pytest.skip(f"llama-mtmd-cli is not built at {binary} (scripts/build_llama_server.sh; LLAMA_MTMD_CLI=PATH)")
+    image = tmp_path / "image.png"
+    image.write_bytes(png(4))
+    prompt = "Describe this picture:"
+    identity = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    reference = subprocess.run(
+        [binary, "-m", str(smollm2_path), "--mmproj", str(files / "mmproj.gguf"), "--image", str(image)]
+        + ["-p", prompt, "-n", "12", "--temp", "0", "-t", "1", "-c", "512", "--no-warmup", "--jinja"]
+        + ["--chat-template", identity],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    body = {"model": VISION, "prompt": prompt, "raw": True, "images": [b64(png(4))], "stream": False}
+    ours = httpx.post(f"{url}/api/generate", json=body | {"options": OPTIONS}, timeout=120).json()
+    assert ours["response"].strip()
+    assert reference.stdout.strip().startswith(ours["response"].strip())
