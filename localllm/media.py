@@ -94,3 +94,20 @@ def _too_big(what: str, size: int) -> InvalidInput:
     return InvalidInput(
         f"{what} is {size:,} bytes; the limit is {MAX_IMAGE_BYTES:,}", hint="send a smaller or more compressed image"
     )
+
+
+def data_uri_image(url: str, *, where: str) -> str:
+    """The base64 payload of an image `data:` URI (OpenAI's image_url, Responses' input_image). The server never
+    fetches a URL: a remote one is refused, saying how to send the image instead."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme in ("http", "https"):
+        raise InvalidInput(
+            f"{where}: remote image URLs are not fetched (localllm never downloads a URL a request names)",
+            hint="send the image inline as a data: URI (data:image/png;base64,...)",
+        )
+    header, comma, payload = url.partition(",")
+    if scheme != "data" or not comma or not header.lower().endswith(";base64"):
+        raise InvalidInput(
+            f"{where}: an image URL must be a base64 data: URI", hint="send data:image/png;base64,... (or jpeg, webp)"
+        )
+    return payload

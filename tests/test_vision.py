@@ -16,9 +16,11 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import numpy as np
 import ollama
+import openai
 import pytest
 from PIL import Image
 from server_harness import private_home, served
@@ -304,3 +306,54 @@ def test_answers_equal_llama_mtmd_cli(url, files, tmp_path, smollm2_path):
     ours = httpx.post(f"{url}/api/generate", json=body | {"options": OPTIONS}, timeout=120).json()
     assert ours["response"].strip()
     assert reference.stdout.strip().startswith(ours["response"].strip())
+
+
+# ------------------------------------------------------------------------------------------------- other APIs
+
+OPENAI_OPTIONS = {"temperature": 0, "max_tokens": 8, "seed": 0}
+
+
+def data_uri(data: bytes) -> str:
+    return f"data:image/png;base64,{b64(data)}"
+
+
+def test_openai_chat_takes_an_image_url_data_uri(url):
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    content = [
+        {"type": "text", "text": "What is in this image?"},
+        {"type": "image_url", "image_url": {"url": data_uri(png(5))}},
+    ]
+    reply = oai.chat.completions.create(model=VISION, messages=[{"role": "user", "content": content}], **OPENAI_OPTIONS)
+    assert reply.choices[0].message.content is not None
+    assert reply.usage is not None and reply.usage.prompt_tokens > N_PATCHES
+
+
+def test_openai_chat_refuses_a_remote_image_url(url):
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    content = [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]
+    with pytest.raises(openai.BadRequestError, match="remote image URLs are not fetched") as err:
+        oai.chat.completions.create(model=VISION, messages=[{"role": "user", "content": content}], **OPENAI_OPTIONS)
+    assert "data: URI" in str(err.value)
+
+
+def test_responses_take_an_input_image(url):
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    content = [{"type": "input_text", "text": "Describe it."}, {"type": "input_image", "image_url": data_uri(png(6))}]
+    reply = oai.responses.create(
+        model=VISION, input=[{"role": "user", "content": content}], temperature=0, max_output_tokens=8
+    )
+    assert reply.usage is not None and reply.usage.input_tokens > N_PATCHES
+
+
+def test_anthropic_messages_take_a_base64_image(url):
+    claude = anthropic.Anthropic(base_url=url, api_key="unused")
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(png(7))}}
+    reply = claude.messages.create(
+        model=VISION,
+        max_tokens=8,
+        messages=[{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}],
+    )
+    assert reply.usage.input_tokens > N_PATCHES
+    by_url = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
+    with pytest.raises(anthropic.BadRequestError, match="never fetches a URL"):
+        claude.messages.create(model=VISION, max_tokens=8, messages=[{"role": "user", "content": [by_url]}])
