@@ -357,3 +357,50 @@ def test_anthropic_messages_take_a_base64_image(url):
     by_url = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
     with pytest.raises(anthropic.BadRequestError, match="never fetches a URL"):
         claude.messages.create(model=VISION, max_tokens=8, messages=[{"role": "user", "content": [by_url]}])
+
+
+# ------------------------------------------------------------------------------------------------- terminal chat
+
+
+class ScriptedLines:
+    """The chat's line reader, reading from a list; then Ctrl-D."""
+
+    def __init__(self, lines: list[str]):
+        self.lines = list(lines)
+
+    def __call__(self, prompt: str) -> str:
+        if not self.lines:
+            raise EOFError
+        return self.lines.pop(0)
+
+    def take_interrupt(self) -> bool:
+        return False
+
+    def keep_history(self, enabled: bool) -> None:
+        pass
+
+
+def test_the_terminal_chat_attaches_an_image_with_slash_image(vision_home, tmp_path, capsys):
+    from server_harness import local_client
+
+    from localllm.cli.repl import Repl
+    from localllm.conversation import Conversation
+
+    image = tmp_path / "photo.png"
+    image.write_bytes(png(8))
+    (tmp_path / "notes.txt").write_text("no image")
+    lines = [f"/image {tmp_path / 'nowhere.png'}", f"/image {tmp_path / 'notes.txt'}", f"/image {image}", "What is it?"]
+    client = local_client(vision_home)
+    try:
+        conversation = Conversation(model=VISION, options=dict(OPTIONS))
+        repl = Repl(client, conversation, reader=ScriptedLines(lines))
+        repl.run()
+    finally:
+        client.close()
+    captured = capsys.readouterr()
+    out = " ".join((captured.out + captured.err).split())  # rich wraps lines at the terminal's width
+    assert "no image file at" in out and "is not an image localllm reads" in out
+    assert "Added image" in out and "1 for the next message" in out
+    asked, answer = conversation.messages
+    assert asked.images == [b64(png(8))] and answer.role == "assistant"
+    assert repl.images == []  # sent with that message, not with the next
