@@ -50,6 +50,7 @@ def files(tmp_path_factory, smollm2_path) -> Path:
     write_projector(folder / "mmproj.gguf")
     write_projector(folder / "wide-mmproj.gguf", text_embd=640)
     write_projector(folder / "idefics3-mmproj.gguf", kind="idefics3")
+    write_projector(folder / "unknown-mmproj.gguf", kind="no-such-projector")  # a clip GGUF mtmd cannot load
     return folder
 
 
@@ -199,6 +200,7 @@ def vision_home(models_home, files, tmp_path_factory) -> Path:
     modelfile = "FROM smollm2:135m\nFROM ./mmproj.gguf\nPARAMETER spec_type none\n"
     _create(store, VISION, modelfile, files)
     _create(store, "smolvlm-wrapped", "FROM smollm2:135m\nFROM ./idefics3-mmproj.gguf\n", files)
+    _create(store, "smolvlm-unknown", "FROM smollm2:135m\nFROM ./unknown-mmproj.gguf\n", files)
     return home
 
 
@@ -247,6 +249,13 @@ def error(reply: httpx.Response) -> str:
 
 def test_a_model_without_a_projector_refuses_images_in_ollamas_words(url):
     assert "this model is missing data required for image input" in error(chat(url, "hi", [b64(png())], "smollm2:135m"))
+
+
+def test_a_projector_mtmd_cannot_load_leaves_the_model_chatting_in_text(url):
+    """A projector only another engine reads (Ollama's own, say) must not cost the model its text chats."""
+    body = {"model": "smolvlm-unknown", "messages": [{"role": "user", "content": "hi"}], "stream": False}
+    assert httpx.post(f"{url}/api/chat", json=body | {"options": OPTIONS}, timeout=120).status_code == 200
+    assert "missing data required for image input" in error(chat(url, "hi", [b64(png())], "smolvlm-unknown"))
 
 
 def test_a_projector_whose_wrapper_tokens_the_model_lacks_is_refused(url):

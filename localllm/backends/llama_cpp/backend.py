@@ -139,8 +139,7 @@ class LlamaCppBackend:
             ctx = _new_context(model, options, n_seq=n_seq, n_ctx=n_ctx)
             loras = _apply_adapters(model, ctx, adapters)
             if projector is not None:
-                threads = options.num_thread or physical_cores()
-                vision = Projector(projector, model, n_threads=threads, n_embd=llama_cpp.llama_model_n_embd(model))
+                vision = _load_projector(projector, model, options)
             return LlamaCppModel(
                 path,
                 model,
@@ -166,6 +165,17 @@ class LlamaCppBackend:
     def placement(self, path: Path, options: LoadOptions) -> Placement:
         n_seq, n_ctx = context_size(options)
         return place_model(path, options, n_seq=n_seq, n_ctx=n_ctx).placement
+
+
+def _load_projector(path: Path, model, options: LoadOptions) -> Projector | None:
+    """The model's vision projector, or None where mtmd cannot use it: the model still chats in text (a projector
+    pulled from an Ollama registry may be one only Ollama's own engine reads), and images are refused."""
+    threads = options.num_thread or physical_cores()
+    try:
+        return Projector(path, model, n_threads=threads, n_embd=llama_cpp.llama_model_n_embd(model))
+    except ModelFormatError as exc:
+        log.warning("%s: images are off for this load: %s", path.name, exc.message)
+        return None
 
 
 def _load_over_rpc(
