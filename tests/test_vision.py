@@ -288,6 +288,27 @@ def test_an_image_over_the_byte_limit_is_refused(url, monkeypatch):
     assert f"is {len(png()):,} bytes; the limit is 100" in error(chat(url, "hi", [b64(png())]))
 
 
+def generate(url: str, prompt: str, images: list[str], truncate: bool = False, **options) -> httpx.Response:
+    body = {"model": VISION, "prompt": prompt, "raw": True, "images": images, "stream": False, "truncate": truncate}
+    return httpx.post(f"{url}/api/generate", json=body | {"options": OPTIONS | options}, timeout=120)
+
+
+def test_an_image_that_does_not_fit_is_the_same_overflow_as_text(url):
+    """Truncation is asked for, but a cut could fall inside an image: the prompt is refused whole."""
+    text = "word " * 70
+    plain = error(generate(url, text, [], num_ctx=64))
+    assert generate(url, text, [], truncate=True, num_ctx=64).status_code == 200  # text alone is cut
+    seen = error(generate(url, text, [b64(png())], num_ctx=64, truncate=True))
+    n_plain, n_seen = (int(m.split("prompt is ")[1].split()[0]) for m in (plain, seen))
+    assert n_seen == n_plain + N_PATCHES and "the context holds 64 per slot" in seen
+
+
+def test_an_image_longer_than_a_batch_is_refused(url):
+    assert f"an image takes {N_PATCHES} positions, more than num_batch 2" in error(
+        generate(url, "Describe it.", [b64(png())], num_batch=2)
+    )
+
+
 def test_the_server_answers_after_the_refusals(url):
     assert chat(url, "What is in this image?", [b64(png())]).status_code == 200
 
