@@ -12,6 +12,7 @@ import json
 import os
 import struct
 import subprocess
+import sys
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -434,3 +435,79 @@ def test_the_terminal_chat_attaches_an_image_with_slash_image(vision_home, tmp_p
     asked, answer = conversation.messages
     assert asked.images == [b64(png(8))] and answer.role == "assistant"
     assert repl.images == []  # sent with that message, not with the next
+
+
+# ------------------------------------------------------------------------------------------------- reference
+
+REFERENCE_EMBEDDINGS = """
+import ctypes, sys
+import llama_cpp
+import numpy as np
+from llama_cpp import mtmd_cpp as m
+
+text, projector, image, out = sys.argv[1:]
+llama_cpp.llama_backend_init()
+model = llama_cpp.llama_model_load_from_file(text.encode(), llama_cpp.llama_model_default_params())
+params = m.mtmd_context_params_default()
+params.n_threads, params.warmup = 1, False
+ctx = m.mtmd_init_from_file(projector.encode(), model, params)
+bitmap = m.mtmd_helper_bitmap_init_from_file(ctx, image.encode(), False)  # mtmd decodes the file itself
+chunks = m.mtmd_input_chunks_init()
+marker = m.mtmd_default_marker()
+prompt = m.mtmd_input_text()
+prompt.text, prompt.text_len, prompt.add_special, prompt.parse_special = marker, len(marker), False, True
+assert m.mtmd_tokenize(ctx, chunks, ctypes.byref(prompt), (m.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) == 0
+rows = []
+for i in range(m.mtmd_input_chunks_size(chunks)):
+    chunk = m.mtmd_input_chunks_get(chunks, i)
+    if m.mtmd_input_chunk_get_type(chunk) == 1:
+        n = m.mtmd_input_chunk_get_n_tokens(chunk)
+        assert m.mtmd_encode_chunk(ctx, chunk) == 0
+        embd = m.mtmd_get_output_embd(ctx)
+        rows.append(np.ctypeslib.as_array(embd, shape=(n * 576,)).reshape(n, 576).copy())
+np.save(out, np.concatenate(rows))
+"""
+
+
+def test_image_embeddings_equal_mtmds_own_pipeline(files, smollm2_path, tmp_path):
+    """Our pixels (Pillow's decode, bounded first) through our Projector give the embeddings llama.cpp's mtmd
+    gives when it reads the same PNG itself (stb_image), computed in a child process."""
+    import llama_cpp
+
+    from localllm.backends.base import PromptImage
+    from localllm.backends.llama_cpp.backend import init_backend
+    from localllm.backends.llama_cpp.vision import Projector
+    from localllm.media import decode_image
+
+    image = tmp_path / "image.png"
+    image.write_bytes(png(9))
+    out = tmp_path / "reference.npy"
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            REFERENCE_EMBEDDINGS,
+            str(smollm2_path),
+            str(files / "mmproj.gguf"),
+            str(image),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    init_backend()
+    model = llama_cpp.llama_model_load_from_file(str(smollm2_path).encode(), llama_cpp.llama_model_default_params())
+    projector = Projector(files / "mmproj.gguf", model, n_threads=1, n_embd=576)
+    try:
+        pixels = decode_image(image.read_bytes())
+        placeholders = tuple(t for t in projector.image_tokens(pixels) if t < 0)
+        projector.encode(PromptImage(pixels, placeholders))
+        ours = projector.rows(list(placeholders))
+    finally:
+        projector.close()
+        llama_cpp.llama_model_free(model)
+    reference = np.load(out)
+    assert ours.shape == reference.shape == (N_PATCHES, 576)
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-5)
