@@ -558,6 +558,7 @@ class ShowResponse(_Model):
     system: str = ""
     details: ModelDetails = Field(default_factory=ModelDetails)
     model_info: dict[str, Any] = Field(default_factory=dict)
+    projector_info: dict[str, Any] | None = Field(None, description="the vision projector's metadata, as Ollama's")
     capabilities: list[str] = Field(default_factory=list)
     modified_at: datetime | None = None
     path: str | None = Field(None, description="weights file or folder on disk (localllm extension)")
@@ -587,6 +588,7 @@ class CreateRequest(_Model):
 
     model: str = Field(validation_alias=AliasChoices("model", "name"))  # `name`: Ollama's deprecated spelling
     from_: str | None = Field(None, alias="from")
+    projector: str | None = Field(None, description="a vision projector (`clip` GGUF) path: a Modelfile's second FROM")
     modelfile: str | None = None
     template: str | None = None
     system: str | None = None

@@ -107,9 +107,9 @@ class Conversation:
     think: bool | str | None = None  # Ollama's think: None leaves the model's default
     figures: AnswerFigures = field(default_factory=AnswerFigures)
 
-    def ask(self, text: str) -> api.ChatRequest:
-        """Add the user's message and return the request that asks for the answer."""
-        self.messages.append(api.Message(role="user", content=text))
+    def ask(self, text: str, images: list[str] | None = None) -> api.ChatRequest:
+        """Add the user's message (with `images`, base64) and return the request that asks for the answer."""
+        self.messages.append(api.Message(role="user", content=text, images=images or None))
         return self.request()
 
     def request(self) -> api.ChatRequest:

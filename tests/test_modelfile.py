@@ -218,7 +218,8 @@ ERROR_CASES = {
     "unterminated quote": ('FROM a\nSYSTEM "You are', 2, 'unterminated " in SYSTEM'),
     "unterminated MESSAGE": ('FROM a\nMESSAGE user """hi', 2, 'unterminated """ in MESSAGE'),
     "triple quote closed mid-line": ('FROM a\nSYSTEM """hi""" there', 2, 'unterminated """'),
-    "FROM twice": ("FROM a\n# again\nFROM b", 3, "FROM given twice (first on line 1)"),
+    # A second FROM is a vision projector (issue 31); a third has no meaning.
+    "FROM three times": ("FROM a\n# again\nFROM b\nFROM c", 4, "FROM given three times (lines 1 and 3)"),
     "SYSTEM twice": ("FROM a\nSYSTEM x\nSYSTEM y", 3, "SYSTEM given twice (first on line 2)"),
     "error after a multi-line value": (
         'FROM a\nSYSTEM """x\ny\nz"""\nPARAMETER top_k many',

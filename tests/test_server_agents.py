@@ -315,7 +315,7 @@ def test_claude_code_request_shapes(claude):
     assert "metadata" in notes and "context_management" in notes
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}
     refused = [
-        ({"messages": [{"role": "user", "content": [image]}]}, "vision model"),
+        ({"messages": [{"role": "user", "content": [image]}]}, "missing data required for image input"),
         ({"metadata": {"user": "x"}}, "metadata.user"),
         ({"thinking": {"type": "enabled", "budget_tokens": 64}}, "less than max_tokens"),
     ]

@@ -237,7 +237,13 @@ IMAGE = [
 # ContextWindowExceededError from its code alone.
 ERRORS = {
     "unknown model": ({"model": "nothing-here:1b", "messages": PARIS}, openai.NotFoundError, "pull", "model_not_found"),
-    "image part": ({"model": MODEL, "messages": IMAGE}, openai.BadRequestError, "image_url", "invalid_request_error"),
+    # A model without a vision projector (tests/test_vision.py serves one with a projector).
+    "image part": (
+        {"model": MODEL, "messages": IMAGE},
+        openai.BadRequestError,
+        "missing data required for image input",
+        "invalid_request_error",
+    ),
     "prompt too long": (
         {"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}], "stream": True},
         openai.BadRequestError,

@@ -209,7 +209,7 @@ def test_errors(oai, base_url):
         oai.responses.create(model="nothing-here:1b", input="hi")
     with pytest.raises(openai.BadRequestError, match="does not support thinking"):
         oai.responses.create(model=MODEL, input="hi", reasoning={"effort": "high"})
-    with pytest.raises(openai.BadRequestError, match="input_image"):
+    with pytest.raises(openai.BadRequestError, match="missing data required for image input"):  # no projector
         oai.responses.create(
             model=MODEL,
             input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,aGk="}]}],

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..api import LoadOptions, LoraAdapter, SamplingOptions
 from ..chat.fim import FimTokens
+from ..media import ImagePixels
 from ..models.info import RANK_POOLING
 from ..models.plan import Placement
 
@@ -44,6 +45,7 @@ class ModelMeta:
     description: str = ""
     fim: FimTokens | None = None  # the fill-in-the-middle tokens, where the vocabulary has all three
     pooling: int | None = None  # the GGUF's pooling type: set only in an embedding model, which generates nothing
+    vision: bool = False  # loaded with a vision projector: prompts may hold images
 
     @property
     def embedding_only(self) -> bool:
@@ -53,6 +55,19 @@ class ModelMeta:
     def reranker(self) -> bool:
         """A cross-encoder: rank pooling through a classifier head, which scores pairs and embeds nothing."""
         return self.pooling == RANK_POOLING
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """An image in a prompt: its pixels and the placeholder ids that stand for its embeddings there (negative ids,
+    derived from the digest: equal images give equal placeholders, so prefix reuse works as for text)."""
+
+    pixels: ImagePixels
+    placeholders: tuple[int, ...]
+
+
+def is_placeholder(token: int) -> bool:
+    return token < 0
 
 
 @dataclass
@@ -171,6 +186,15 @@ class LoadedModel(Protocol):
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
 
+    def image_tokens(self, image: ImagePixels) -> list[int]:
+        """The prompt piece that stands for `image`: the text tokens the projector wraps it in and one placeholder
+        per embedding position (a PromptImage's); tokenizing only, so any thread may ask. Raises InvalidInput for a
+        model loaded without a vision projector, or an image its projector cannot take."""
+
+    def encode_image(self, image: PromptImage) -> None:
+        """Compute the embeddings of `image` (engine thread, before a decode whose rows hold its placeholders); a
+        batch row whose token is a placeholder then decodes that embedding. Cheap when they are still at hand."""
+
     def token_bytes(self, token: int) -> bytes:
         """The raw bytes of one token (may be part of a UTF-8 character)."""
 
@@ -181,7 +205,8 @@ class LoadedModel(Protocol):
         """True for end-of-generation tokens (EOS, EOT, ...)."""
 
     def decode(self, batch: Batch) -> None:
-        """Run the model over `batch`; raises LocalLLMError when the native call fails."""
+        """Run the model over `batch`; raises LocalLLMError when the native call fails. Placeholder rows (images,
+        encoded first) come after every token row, and none asks for logits (engine/scheduler.py keeps both)."""
 
     def logits(self, row: int) -> np.ndarray:
         """Raw logits of `row` of the last decode, shape [n_vocab]."""
@@ -239,10 +264,18 @@ class Backend(Protocol):
         process down, and measure what `options` leave open. `memory` is a folder the backend may keep its findings
         in (once per file, not per load); a path that does not exist is the load's error to give."""
 
-    def load(self, path: Path, options: LoadOptions, *, adapters: Sequence[LoraAdapter] = ()) -> LoadedModel:
-        """Load the weights at `path` (a split GGUF's first part) with `adapters` applied, in num_parallel
-        sequences of num_ctx tokens (`options` have their defaults filled: models/options.context_size); a
-        backend that cannot apply adapters raises InvalidInput."""
+    def load(
+        self,
+        path: Path,
+        options: LoadOptions,
+        *,
+        adapters: Sequence[LoraAdapter] = (),
+        projector: Path | None = None,
+    ) -> LoadedModel:
+        """Load the weights at `path` (a split GGUF's first part) with `adapters` applied and, with `projector`,
+        that vision projector beside them, in num_parallel sequences of num_ctx tokens (`options` have their
+        defaults filled: models/options.context_size); a backend that cannot apply adapters or read images raises
+        InvalidInput."""
 
     def placement(self, path: Path, options: LoadOptions) -> Placement | None:
         """Where load() would put the layers with these options, by the devices' free memory now."""

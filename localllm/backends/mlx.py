@@ -26,7 +26,7 @@ from ..api import LoadOptions, LoraAdapter, SamplingOptions
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
 from ..models.options import context_size
 from ..models.plan import Placement
-from .base import Batch, CacheShape, LoadCheck, ModelMeta
+from .base import Batch, CacheShape, ImagePixels, LoadCheck, ModelMeta, PromptImage
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +44,22 @@ class MlxBackend:
     def placement(self, path: Path, options: LoadOptions) -> None:
         return None  # one device, unified memory: nothing to place
 
-    def load(self, path: Path, options: LoadOptions, *, adapters: Sequence[LoraAdapter] = ()) -> MlxModel:
+    def load(
+        self,
+        path: Path,
+        options: LoadOptions,
+        *,
+        adapters: Sequence[LoraAdapter] = (),
+        projector: Path | None = None,
+    ) -> MlxModel:
         import mlx_lm
 
         n_seq, n_ctx = context_size(options)
+        if projector is not None:
+            raise InvalidInput(
+                "vision projectors are not supported on the MLX backend",
+                hint="run the model on llama.cpp (backend llama.cpp) with its GGUF weights",
+            )
         if adapters:
             raise InvalidInput(
                 "LoRA adapters are not supported on the MLX backend yet",
@@ -367,6 +379,12 @@ class MlxModel:
         pooled = hidden.mean(axis=0)
         norm = mx.maximum(mx.linalg.norm(pooled), 1e-12)
         return np.array(pooled / norm, dtype=np.float64).tolist()
+
+    def image_tokens(self, image: ImagePixels) -> list[int]:
+        raise InvalidInput("this model is missing data required for image input")  # Ollama's wording
+
+    def encode_image(self, image: PromptImage) -> None:
+        raise InvalidInput("this model is missing data required for image input")
 
     def pair_tokens(self, query: str, document: str) -> list[int]:
         raise self._no_rerank()

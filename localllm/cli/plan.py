@@ -121,7 +121,8 @@ def _plan_one(model: str, overrides: dict):
         raise InvalidInput(f"{model} is an {resolved.format} model; the memory plan reads GGUF metadata")
     load, _ = resolve_options(resolved, overrides)
     adapters: int = sum([inspect_lora(Path(adapter.path)).tensor_bytes for adapter in resolved.adapters], 0)
-    mem = plan_memory(inspect_gguf(resolved.weights), effective_load(load), adapters=adapters)
+    projector = inspect_gguf(resolved.projector).tensor_bytes if resolved.projector is not None else 0
+    mem = plan_memory(inspect_gguf(resolved.weights), effective_load(load), adapters=adapters, projector=projector)
     return resolved.name, weights_identity(resolved.weights, effective_load(load)), mem, place(resolved, load)
 
 
@@ -132,6 +133,8 @@ def _table(name: str, mem: MemoryPlan, *, shared: bool, cache_ram: int, cache_di
     table.add_row("weights" + (" (shared with a model above: counted once)" if shared else ""), _mib(mem.weights))
     if mem.adapters:
         table.add_row("LoRA adapters", _mib(mem.adapters))
+    if mem.projector:
+        table.add_row("vision projector", _mib(mem.projector))
     table.add_row(f"KV cache per token ({mem.kv_per_token:,} bytes), one slot's {mem.num_ctx:,}", _mib(mem.kv_per_slot))
     table.add_row(
         f"KV pool the {mem.num_parallel} slots share ({mem.kv_cells:,} tokens, LOCALLLM_KV_POOL)", _mib(mem.kv_total)

@@ -1,5 +1,5 @@
 """The interactive chat of `localllm run MODEL`: a prompt with history and multi-line input, answers streamed as
-markdown, and Ollama's slash commands (/set, /show, /load, /save, /clear, /help, /bye) plus /stats.
+markdown, and Ollama's slash commands (/set, /show, /load, /save, /clear, /help, /bye) plus /stats and /image.
 
 Ctrl-C while an answer streams closes the response stream (which cancels the request, on the server too) and returns
 to the prompt; Ctrl-C at the prompt prints a hint; Ctrl-D or /bye ends the chat. A bad command or value is a one-line
@@ -7,6 +7,7 @@ error and the chat goes on."""
 
 from __future__ import annotations
 
+import base64
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from .. import api
 from ..client.protocol import Client
 from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
+from ..media import MAX_IMAGE_BYTES, decode_image
 from .app import console, err_console, print_error
 from .interrupts import interrupt_handled, raise_noted_interrupt
 from .prompt_cache_file import is_prompt_cache_file, read_prompt_cache, write_prompt_cache
@@ -52,6 +54,7 @@ HELP = f"""Available Commands:
   /save <file.kv> Save this chat with its prompt cache to a file
   /load <file.kv> Go on with a chat saved with its prompt cache
   /clear          Clear session context
+  /image <path>   Attach an image to the next message (a model with vision)
   /stats          Show speed, prompt cache reuse and speculation figures
   /bye            Exit
   /?, /help       Help for a command
@@ -313,12 +316,14 @@ class Repl:
         self.verbose = verbose
         self.wordwrap = True
         self.hide_thinking = hide_thinking
+        self.images: list[str] = []  # base64 images /image attached to the next message
         self._commands: dict[str, Callable[[str], bool | None]] = {
             "/set": self._set,
             "/show": self._show,
             "/load": self._load,
             "/save": self._save,
             "/clear": self._clear,
+            "/image": self._image,
             "/stats": self._stats,
             "/help": self._help,
             "/?": self._help,
@@ -357,7 +362,8 @@ class Repl:
 
     def ask(self, text: str) -> None:
         """Stream the answer to `text` as markdown; Ctrl-C stops it and keeps what was written."""
-        request = self.conversation.ask(text)
+        request = self.conversation.ask(text, self.images)
+        self.images = []  # sent: they stay in the history, with the message they came with
         parts: list[str] = []
         thoughts: list[str] = []
         final = None
@@ -418,6 +424,20 @@ class Repl:
         if text is None:
             raise InvalidInput(f"no help for {rest.strip()!r}", hint="type /? for the list of commands")
         console.print(text, highlight=False, markup=False)
+
+    def _image(self, rest: str) -> None:
+        """/image PATH: read and check the image now (a wrong file is refused here, not after the question)."""
+        if not rest.strip():
+            raise InvalidInput("/image needs a file", hint="/image ./photo.png")
+        path = Path(unquote(rest.strip())).expanduser()
+        if not path.is_file():
+            raise InvalidInput(f"no image file at {path}")
+        if path.stat().st_size > MAX_IMAGE_BYTES:
+            raise InvalidInput(f"{path} is {path.stat().st_size:,} bytes; the limit is {MAX_IMAGE_BYTES:,}")
+        data = path.read_bytes()
+        decode_image(data, what=str(path))
+        self.images.append(base64.b64encode(data).decode())
+        console.print(f"Added image '{path}' ({len(self.images)} for the next message)", highlight=False)
 
     def _clear(self, rest: str) -> None:
         self.conversation.clear()

@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any, BinaryIO, Generic, TypeVar
 
 from .. import __version__, api
+from ..backends.base import PromptImage
 from ..chat.fim import FimInput, fim_prompt, require_fim
 from ..chat.structured import grammar_for_format, tool_choice_grammar
 from ..chat.templates import render_chat, transcript_sampling
@@ -39,6 +40,7 @@ from ..models.options import bound_sampling, resolve_options
 from ..models.plan import Placement
 from ..models.pull import pull_model
 from ..models.store import ResolvedModel, Store
+from .images import MarkedImages, mark_messages, mark_prompt, tokenize_marked
 
 T = TypeVar("T")
 
@@ -169,8 +171,6 @@ class LocalClient:
     def _generate_batch(
         self, requests: list[api.GenerateRequest], token: CancelToken
     ) -> Iterator[tuple[int, api.GenerateChunk]]:
-        for request in requests:
-            _refuse_images(request.images)
         with self._admitted(requests, token, self._prepare_generate) as (loaded, prepared, streams, waited):
             for index, (request, (params, answer), stream) in enumerate(zip(requests, prepared, streams)):
                 generated: list[int] = []
@@ -179,7 +179,10 @@ class LocalClient:
                     # Ollama's `context`: the conversation so far as tokens, to send back with the next prompt.
                     # Ours is the prompt's tokens as sent to the engine and the answer's, so the next request finds
                     # them in the prefix cache (all but the answer's last token, never decoded).
-                    context = params.prompt + generated if chunk.done and not request.raw else None
+                    # Not with images: their placeholders are no tokens a client could send back.
+                    context = (
+                        params.prompt + generated if chunk.done and not request.raw and not params.images else None
+                    )
                     yield index, self._generate_chunk(request.model, chunk, loaded, waited, context, answer)
 
     @contextmanager
@@ -221,18 +224,21 @@ class LocalClient:
         think = parse_think(request.think)
         template = _template(loaded, model, request.template)
         check_thinking(request.model, template, think)
-        text = self._generate_text(loaded, model, request, template, think, token)
+        _require_vision(loaded, len(request.images or []))
+        prompt, marks = mark_prompt(request.prompt, request.images)
+        text = self._generate_text(loaded, model, request.model_copy(update={"prompt": prompt}), template, think, token)
         answer = _Answer.start(loaded, template, text, think, sampling.stop)
         context = _checked_tokens(loaded, request.context or [], "context")
-        tokens = context + (self._tokenize(loaded, text) if text else [])
+        tokens, images = self._tokenize_marked(loaded, text, marks) if text else ([], ())
         params = GenerationParams(
-            tokens,
+            context + tokens,
             sampling,
             answer.grammar(grammar_for_format(request.format)),
             request.truncate,
             _logprobs_wanted(request),
             started=ready,
             keep_prefix=sampling.keep_prefix,
+            images=images,
         )
         return params, answer
 
@@ -332,8 +338,6 @@ class LocalClient:
         for request in requests:
             if not request.messages:
                 raise InvalidInput("messages is empty", hint="send at least one message")
-            for message in request.messages:
-                _refuse_images(message.images)
         with self._admitted(requests, token, self._prepare_chat) as (loaded, prepared, streams, waited):
             for index, (request, (_, tools, answer), stream) in enumerate(zip(requests, prepared, streams)):
                 if tools:
@@ -352,7 +356,7 @@ class LocalClient:
         if _template(loaded, model) is None:
             sampling = transcript_sampling(sampling)
         sampling = _bound_sampling(loaded, sampling)
-        tokens, answer = self._chat_prompt(
+        tokens, answer, images = self._chat_prompt(
             loaded, model, request, tools, parse_think(request.think), sampling.stop, token
         )
         params = GenerationParams(
@@ -363,6 +367,7 @@ class LocalClient:
             _logprobs_wanted(request),
             started=ready,
             keep_prefix=sampling.keep_prefix,
+            images=images,
         )
         return params, tools, answer
 
@@ -373,7 +378,7 @@ class LocalClient:
         load, _ = resolve_options(model, request.options)
         tools = request.tools if request.tool_choice != "none" else None
         with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
-            tokens, _ = self._chat_prompt(loaded, model, request, tools, parse_think(request.think), [])
+            tokens, _, _ = self._chat_prompt(loaded, model, request, tools, parse_think(request.think), [])
         return len(tokens)
 
     def _chat_prompt(
@@ -385,10 +390,12 @@ class LocalClient:
         think: Think,
         stops: list[str],
         token: CancelToken | None = None,
-    ) -> tuple[list[int], _Answer]:
+    ) -> tuple[list[int], _Answer, tuple[PromptImage, ...]]:
         template = _template(loaded, model)
         check_thinking(request.model, template, think)
+        _require_vision(loaded, sum(len(m.images or []) for m in request.messages))
         messages = _messages_with_system(model, None, request.messages)
+        messages, marks = mark_messages(messages, added=len(messages) - len(request.messages))
         text = self._render(
             loaded,
             model,
@@ -397,8 +404,8 @@ class LocalClient:
             extra=think.template_variables(),
             token=token,
         )
-        tokens = self._tokenize(loaded, text)
-        return tokens, _Answer.start(loaded, template, text, think, stops, prompt_tokens=len(tokens))
+        tokens, images = self._tokenize_marked(loaded, text, marks)
+        return tokens, _Answer.start(loaded, template, text, think, stops, prompt_tokens=len(tokens)), images
 
     def _chat_with_tools(
         self, name: str, stream, loaded: Loaded, load_seconds: float, tools, answer: _Answer
@@ -564,6 +571,19 @@ class LocalClient:
             extra=extra,
             cancelled=(lambda: token.cancelled) if token is not None else None,
         )
+
+    @classmethod
+    def _tokenize_marked(
+        cls, loaded: Loaded, text: str, marks: MarkedImages | None
+    ) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """The prompt's tokens and its images (their marks replaced by each image's piece)."""
+        if marks is None:
+            return cls._tokenize(loaded, text), ()
+
+        def tokenize(piece: str, first: bool) -> list[int]:
+            return cls._tokenize(loaded, piece) if first else loaded.engine.tokenize(piece, add_special=False)
+
+        return tokenize_marked(text, marks, tokenize, loaded.engine.image_tokens)
 
     @staticmethod
     def _tokenize(loaded: Loaded, text: str) -> list[int]:
@@ -736,10 +756,12 @@ def _shorten(vector: list[float], dimensions: int) -> list[float]:
     return [v / norm for v in head] if norm > 0 else head
 
 
-def _refuse_images(images: list[str] | None) -> None:
-    if images:
+def _require_vision(loaded: Loaded, n_images: int) -> None:
+    """Refuse images for a model without a vision projector, before decoding any (Ollama's wording)."""
+    if n_images and not loaded.engine.meta.vision:
         raise InvalidInput(
-            "images are not supported yet: no vision model backend exists in localllm", hint="send text only"
+            "this model is missing data required for image input",
+            hint=f"{loaded.model.name} has no vision projector; use a model whose `localllm show` lists vision",
         )
 
 

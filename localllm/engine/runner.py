@@ -20,8 +20,9 @@ import numpy as np
 
 from .. import config
 from ..api import SamplingOptions, Timings
-from ..backends.base import LoadedModel, ModelMeta
+from ..backends.base import LoadedModel, ModelMeta, PromptImage, is_placeholder
 from ..errors import Cancelled, ContextOverflow, InvalidInput, LocalLLMError, QueueFull, WorkerLost
+from ..media import ImagePixels
 from .cache_keeper import CacheKeeper
 from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler, Step
@@ -67,6 +68,7 @@ class GenerationParams:
     logprobs: int | None = None  # None: none; n: the chosen token's and the n most likely alternatives
     started: float | None = None  # perf_counter when the request began (prompt_eval counts from here); None: now
     keep_prefix: bool = False  # pin the prompt and answer in the prefix cache when the request ends
+    images: tuple[PromptImage, ...] = ()  # images whose placeholders the prompt holds (LoadedModel.image_tokens)
 
 
 ACCEPTANCE_POSITIONS = 64  # draft positions counted one by one; later ones count in the last
@@ -276,6 +278,12 @@ class ModelEngine:
             raise Cancelled("the model was unloaded")
         return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
+    def image_tokens(self, image: ImagePixels) -> list[int]:
+        """The prompt piece for one image (tokenizing only: any thread may ask); see LoadedModel.image_tokens."""
+        if self._closed:
+            raise Cancelled("the model was unloaded")
+        return self.model.image_tokens(image)
+
     def submit(self, params: GenerationParams) -> Stream:
         """Queue a generation; raises ContextOverflow or QueueFull at once, never later."""
         return self.submit_all([params])[0]
@@ -317,6 +325,7 @@ class ModelEngine:
         if params.started is not None:
             sink.t_submit = params.started
         request = Request(prompt=prompt, max_tokens=max_tokens, sink=sink, keep_prefix=params.keep_prefix)
+        request.images = params.images
         request.deterministic = opts.deterministic or self._all_deterministic
         return request, params
 
@@ -373,9 +382,11 @@ class ModelEngine:
             raise InvalidInput(
                 "the prompt is empty after templating", hint="the template rendered nothing: check it, or send a prompt"
             )
+        if params.images:
+            _check_image_runs(prompt, self.model.n_batch)
         if len(prompt) < n_ctx:
             return prompt, 0
-        if not params.truncate:
+        if not params.truncate or params.images:  # a cut could fall inside an image
             raise ContextOverflow(prompt_tokens=len(prompt), num_ctx=n_ctx)
         # Keep the newest tokens (and a leading BOS), leaving a quarter of the context for the answer.
         keep = max(1, n_ctx - max(1, n_ctx // 4))
@@ -437,8 +448,11 @@ class ModelEngine:
         try:
             sampler = request.sampler = self.model.make_sampler(params.sampling, grammar=params.grammar)
             for tok in request.prompt:
-                sampler.accept(tok)
-            if self.speculation is not None and not request.deterministic:  # verify batches change numerics
+                if not is_placeholder(tok):  # an image's embeddings are no token penalties could count
+                    sampler.accept(tok)
+            # Drafters read prompts as tokens: a prompt with images is not speculated on. Verify batches change
+            # numerics, so a deterministic request is not either.
+            if self.speculation is not None and not request.deterministic and not request.images:
                 request.drafter = self.speculation.drafter_for(
                     params.sampling, grammar=params.grammar, n_prompt=len(request.prompt)
                 )
@@ -466,6 +480,16 @@ class ModelEngine:
         tokens = self._keeper.import_(blob)
         self._publish_cache_figures()
         return tokens
+
+    def _encode_images(self, step: Step) -> None:
+        """Encode the images whose placeholders this step decodes (the backend keeps recent ones at hand)."""
+        wanted = {t for t in step.batch.tokens if is_placeholder(t)}
+        if not wanted:
+            return
+        for req in self._scheduler.in_batch(step):
+            for image in req.images:
+                if wanted.intersection(image.placeholders):
+                    self.model.encode_image(image)
 
     def _propose_drafts(self) -> None:
         """Ask each generating request's drafter for this step's draft tokens (speculative decoding)."""
@@ -503,14 +527,13 @@ class ModelEngine:
         threads = self._set_threads(kind)
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
+            self._encode_images(step)
             self.model.decode(step.batch)
         except WorkerLost:
             raise  # the model is abandoned: the engine ends, and the pool loads it again for the next request
         except LocalLLMError as exc:
             if not self._rewind_restores(step):
-                for work in step.work:
-                    self._scheduler.finish(work.request, "error")
-                    self._close_request(work.request, exc)
+                self._fail_step(step, exc)
             return
         self._confirm_restores(step)
         seconds = time.perf_counter() - t0
@@ -535,6 +558,16 @@ class ModelEngine:
         self._scheduler.update(step, sampled)
         self._drop_rejected(step)
         self._emit(step, sampled)
+
+    def _fail_step(self, step: Step, exc: LocalLLMError) -> None:
+        """End every request with rows in a failed step (a prefill chunk has no work to sample: an image's rows),
+        its slot's cache cut back to what was decoded before the step."""
+        failed = list(self._scheduler.in_batch(step))
+        for seq, keep in self._scheduler.rewind(step, restart=[]):
+            self.model.remove(seq, keep)
+        for req in failed:
+            self._scheduler.finish(req, "error")
+            self._close_request(req, exc)
 
     def _rewind_restores(self, step: Step) -> bool:
         """A decode that fails on the rows right after a restore blames that saved state: it is dropped (RAM and
@@ -772,3 +805,19 @@ class ModelEngine:
         s.queue_depth = len(self._scheduler.waiting)
         s.kv_used = min(self._scheduler.cells_held(), s.kv_cells)
         return s
+
+
+def _check_image_runs(prompt: list[int], n_batch: int) -> None:
+    """Refuse a prompt the scheduler could not prefill: an image is prefilled whole, in one batch, and the prompt's
+    last token must be text (its output is the first answer token)."""
+    if is_placeholder(prompt[-1]):
+        raise InvalidInput("the prompt ends with an image", hint="add text after the image")
+    run = longest = 0
+    for token in prompt:
+        run = run + 1 if is_placeholder(token) else 0
+        longest = max(longest, run)
+    if longest > n_batch:
+        raise InvalidInput(
+            f"an image takes {longest} positions, more than num_batch {n_batch}",
+            hint=f"raise num_batch to at least {longest}, or send a smaller image",
+        )

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from ..backends.base import Batch, Sampler
+from ..backends.base import Batch, PromptImage, Sampler, is_placeholder
 from ..errors import QueueFull
 from .prefix_cache import SAVE_MIN_TOKENS, Entry, Match, PrefixCache
 from .slots import Slot, SlotChoice, SlotState, SlotTable
@@ -71,6 +71,7 @@ class Request(Generic[SinkT]):
     # Deterministic mode: it runs alone (no other request's rows in its batches) and prefills its whole prompt from
     # position 0 in the same chunks, so nothing cached or running beside it changes its numerics.
     deterministic: bool = False
+    images: tuple[PromptImage, ...] = ()  # the images whose placeholders the prompt holds (the engine encodes them)
 
     @property
     def finished(self) -> bool:
@@ -122,6 +123,16 @@ class Step:
     @property
     def cache_ops(self) -> bool:
         return bool(self.saves or self.restores or self.trims or self.copies)
+
+
+def _text_end(prompt: list[int], start: int) -> int:
+    """Where the run of text tokens from `start` ends: at the next image placeholder, or the prompt's end."""
+    return next((i for i in range(start, len(prompt)) if is_placeholder(prompt[i])), len(prompt))
+
+
+def _text_start(prompt: list[int], start: int) -> int:
+    """Where the run of image placeholders from `start` ends."""
+    return next((i for i in range(start, len(prompt)) if not is_placeholder(prompt[i])), len(prompt))
 
 
 def _prefilling(request: Request | None) -> bool:
@@ -209,9 +220,13 @@ class Scheduler:
         decode_rows = self.n_batch - budget
         if self.pacing is not None and decode_rows:
             budget = self.pacing.prefill_tokens(decode_rows, budget)
+        images: list[tuple[Slot[Request[Any]], Request[Any], int, int]] = []
         for slot, req in self.table.serving():
             if slot.state is SlotState.PREFILL and budget > 0 and not req.restoring:
-                budget -= self._add_prefill_chunk(step, slot, req, min(budget, self._prefill_cells(step)))
+                budget -= self._add_prefill_chunk(step, slot, req, min(budget, self._prefill_cells(step)), images)
+        for slot, req, start, end in images:  # after every token row: the backend decodes image rows first
+            for pos in range(start, end):
+                step.batch.add(req.prompt[pos], pos, slot.seq, False)
         if self.kv_cells is not None and not step:
             self._end_stalled_prefills(step)
         return step
@@ -414,9 +429,19 @@ class Scheduler:
             free = self._give_up_idle(step, reserved + 1) - reserved
         return free
 
-    def _add_prefill_chunk(self, step: Step, slot: Slot[Request[Any]], req: Request[Any], budget: int) -> int:
+    def _add_prefill_chunk(
+        self,
+        step: Step,
+        slot: Slot[Request[Any]],
+        req: Request[Any],
+        budget: int,
+        images: list[tuple[Slot[Request[Any]], Request[Any], int, int]],
+    ) -> int:
         start = req.n_prefilled
-        end = self._chunk_end(start, min(len(req.prompt), start + budget), len(req.prompt))
+        if is_placeholder(req.prompt[start]):
+            return self._add_image_run(step, slot, req, images)
+        stop = _text_end(req.prompt, start) if req.images else len(req.prompt)
+        end = self._chunk_end(start, min(stop, start + budget), stop)
         last_row = -1
         for pos in range(start, end):
             last_row = step.batch.add(req.prompt[pos], pos, slot.seq, pos == len(req.prompt) - 1)
@@ -425,6 +450,27 @@ class Scheduler:
         req.n_prefilled = end
         self._cells_used += end - start
         return end - start
+
+    def _add_image_run(
+        self,
+        step: Step,
+        slot: Slot[Request[Any]],
+        req: Request[Any],
+        images: list[tuple[Slot[Request[Any]], Request[Any], int, int]],
+    ) -> int:
+        """An image's placeholders are prefilled whole, in a step with room for them (the engine refuses an image
+        longer than num_batch); the rows are added after the step's token rows. Pacing does not shrink them: an
+        image would otherwise wait for as long as others decode."""
+        start = req.n_prefilled
+        end = _text_start(req.prompt, start)
+        n = end - start
+        room = self.n_batch - len(step.batch) - sum(e - s for _, _, s, e in images)
+        if n > room or n > self.cells_free():
+            return 0
+        images.append((slot, req, start, end))
+        req.n_prefilled = end
+        self._cells_used += n
+        return n
 
     def _chunk_end(self, start: int, end: int, prompt_end: int) -> int:
         """Where a prefill chunk should stop: on a multiple of `kv_pad` (the backend attends over spans of that many

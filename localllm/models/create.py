@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import api, config
 from ..chat.templates import validate_template
-from ..errors import InvalidInput, InvalidName
+from ..errors import InvalidInput, InvalidName, ModelFormatError
 from ..machine import physical_cores
 from ..quant.gguf import inspect_gguf
 from .names import parse_digest, parse_ref
@@ -43,12 +43,13 @@ def _create_model(request: api.CreateRequest, store: Store, *, base_dir: Path | 
         InvalidInput: no FROM, a bad quantize type, a quantized parent without allow_requantize, unknown parameters,
             a missing adapter file or one that is not a GGUF LoRA (ModelFormatError, also HTTP 400).
     """
-    request = _merge_modelfile(request)
+    request = _projector_second(_merge_modelfile(request), base_dir)
     target = parse_ref(request.model)
     _check_request(request)
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     # Refusals come before the first progress line, so that /api/create answers them with a status code.
     adapters_files = {path: _adapter_file(path, digest, store, base) for path, digest in request.adapters.items()}
+    projector = _projector_file(request.projector, base) if request.projector else None
     if request.quantize and not _wants_mlx(request):
         _check_quantize_early(request, store, base)
     yield api.PullProgress(status="parsing modelfile")
@@ -82,6 +83,7 @@ def _create_model(request: api.CreateRequest, store: Store, *, base_dir: Path | 
         _store_adapter(path, file, request.adapter_scales.get(path, 1.0), store, parent)
         for path, file in adapters_files.items()
     ]
+    projectors = [_store_projector(projector, store, parent, fmt)] if projector else parent.projectors
     yield api.PullProgress(status="writing manifest")
     store.write_model(
         target.display,
@@ -94,6 +96,7 @@ def _create_model(request: api.CreateRequest, store: Store, *, base_dir: Path | 
         license=_pick(request.license, parent.model.license),
         draft=_draft_name(request.draft, base) if request.draft else parent.model.draft,
         adapters=adapters,
+        projectors=projectors,
         details=details,
         quality=quality,
     )
@@ -222,12 +225,20 @@ def _convert_to_mlx(
 class _Parent:
     """The model a new one builds on: its resolved fields, its weights as write_model takes them, its adapters."""
 
-    def __init__(self, model: ResolvedModel, weights_spec: Weights, adapters: list[tuple[str, float]], label: str):
+    def __init__(
+        self,
+        model: ResolvedModel,
+        weights_spec: Weights,
+        adapters: list[tuple[str, float]],
+        label: str,
+        projectors: list[str] | None = None,
+    ):
         self.model = model
         self.format = model.format
         self.weights_spec = weights_spec
         self.adapters = adapters
         self.label = label
+        self.projectors = projectors or []  # the vision projector's digest, which a new model inherits
 
 
 def _resolve_parent(from_: str, store: Store, base: Path) -> Generator[api.PullProgress, None, _Parent]:
@@ -236,6 +247,11 @@ def _resolve_parent(from_: str, store: Store, base: Path) -> Generator[api.PullP
     if ref.kind == "file":
         path = _relative_to(ref.path or Path(from_), base)
         model = store.resolve(str(path))
+        if model.details.family == "clip":
+            raise InvalidInput(
+                f"{path} is a vision projector, not a model",
+                hint="FROM the model's weights first, then the projector on a second FROM line",
+            )
         yield api.PullProgress(status=f"copying {path}", total=model.size, completed=0)
         digests = [store.blobs.add_file(part) for part in model.parts]  # every part of a split GGUF
         return _Parent(model, digests[0] if len(digests) == 1 else digests, [], path.name)
@@ -244,11 +260,12 @@ def _resolve_parent(from_: str, store: Store, base: Path) -> Generator[api.PullP
         yield from pull_model(name, store)
         name = make_source(name).stored_name
     _, weights = store.weights_of(name)
-    return _Parent(store.resolve(name), weights, store.adapter_layers(name), name)
+    return _Parent(store.resolve(name), weights, store.adapter_layers(name), name, store.projector_layers(name))
 
 
 def _parent_from_files(files: dict[str, str], store: Store) -> _Parent:
-    """Ollama's create(files={"model.gguf": "sha256:..."}): the weights are a blob the client uploaded first."""
+    """Ollama's create(files={"model.gguf": "sha256:..."}): the weights are a blob the client uploaded first, and a
+    second GGUF whose architecture is `clip` is the model's vision projector (as Ollama tells them apart)."""
     ggufs = {name: digest for name, digest in files.items() if name.lower().endswith(".gguf")}
     others = sorted(set(files) - set(ggufs))
     if others:
@@ -256,21 +273,82 @@ def _parent_from_files(files: dict[str, str], store: Store) -> _Parent:
             f"files {others} are not GGUF: localllm creates models from one .gguf file",
             hint="convert safetensors weights to GGUF first (llama.cpp's convert_hf_to_gguf.py)",
         )
-    if len(ggufs) != 1:
-        raise InvalidInput(f"files names {len(ggufs)} .gguf files; localllm creates a model from exactly one")
-    name, digest = next(iter(ggufs.items()))
+    infos = {name: inspect_gguf(_uploaded_blob(name, digest, store)) for name, digest in ggufs.items()}
+    models = [name for name, info in infos.items() if info.architecture != "clip"]
+    projectors = [name for name, info in infos.items() if info.architecture == "clip"]
+    if len(models) != 1 or len(projectors) > 1:
+        raise InvalidInput(
+            f"files names {len(models)} model .gguf files and {len(projectors)} vision projectors; localllm creates "
+            "a model from exactly one, with at most one projector"
+        )
+    name = models[0]
+    info = infos[name]
+    path = info.path
+    model = ResolvedModel(
+        name=name,
+        digest=parse_digest(ggufs[name]),
+        weights=path,
+        format="gguf",
+        size=path.stat().st_size,
+        details=info.details(),
+    )
+    if projectors:
+        from ..quant.gguf import inspect_projector
+
+        inspect_projector(infos[projectors[0]].path)  # a clip GGUF without a vision encoder fails here
+    return _Parent(model, model.digest, [], name, [parse_digest(ggufs[p]) for p in projectors])
+
+
+def _uploaded_blob(name: str, digest: str, store: Store) -> Path:
+    """The blob a client uploaded for `name`, checked to be a GGUF file before a manifest names it."""
     digest = parse_digest(digest)
     if not store.blobs.has(digest):
         raise InvalidInput(
             f"blob {digest} for {name!r} is not on the server",
             hint="upload it first: POST /api/blobs/<digest> (what the ollama client's create does)",
         )
-    path = store.blobs.path(digest)
-    info = inspect_gguf(path)  # a file that is no GGUF fails here, before a manifest names it
-    model = ResolvedModel(
-        name=name, digest=digest, weights=path, format="gguf", size=path.stat().st_size, details=info.details()
-    )
-    return _Parent(model, digest, [], name)
+    return store.blobs.path(digest)
+
+
+def _projector_second(request: api.CreateRequest, base_dir: Path | None) -> api.CreateRequest:
+    """Two FROMs in either order, as Ollama takes them: the one that is a `clip` GGUF file is the projector."""
+    if not request.projector or not request.from_ or parse_ref(request.from_).kind != "file":
+        return request
+    first = _relative_to(Path(request.from_), Path(base_dir) if base_dir is not None else Path.cwd())
+    try:
+        swapped = first.is_file() and inspect_gguf(first).architecture == "clip"
+    except ModelFormatError:
+        return request  # not a GGUF: resolving the FROM says so
+    if not swapped:
+        return request
+    return request.model_copy(update={"from_": request.projector, "projector": request.from_})
+
+
+def _projector_file(path: str, base: Path) -> Path:
+    """The second FROM's file, checked to be a vision projector before anything is copied."""
+    from ..quant.gguf import PROJECTOR_HINT, inspect_projector
+
+    file = _relative_to(Path(path), base)
+    if not file.is_file():
+        raise InvalidInput(f"vision projector file {file} does not exist", hint=PROJECTOR_HINT)
+    inspect_projector(file)
+    return file
+
+
+def _store_projector(file: Path, store: Store, parent: _Parent, fmt: str) -> str:
+    """Check the projector feeds embeddings as wide as the model's, then store it; its digest for the manifest."""
+    from ..quant.gguf import inspect_projector
+
+    if fmt != "gguf":
+        raise InvalidInput("a vision projector needs GGUF weights", hint="create the model without --format mlx")
+    width = inspect_projector(file).output_width
+    text_width = inspect_gguf(parent.model.weights).embedding_length
+    if width is not None and text_width is not None and width != text_width:
+        raise InvalidInput(
+            f"vision projector {file.name} makes {width}-wide embeddings, but {parent.label} reads {text_width}",
+            hint="use the projector made for this model (the mmproj file published beside its weights)",
+        )
+    return store.blobs.add_file(file)
 
 
 def _adapter_file(path: str, digest: str, store: Store, base: Path) -> Path:

@@ -37,7 +37,8 @@ def show_model(store: Store, name: str, *, verbose: bool = False) -> api.ShowRes
         system=model.system or "",
         details=model.details,
         model_info=model_info,
-        capabilities=capabilities(template, pooling=_pooling(model_info)),
+        projector_info=_projector_info(model),
+        capabilities=capabilities(template, pooling=_pooling(model_info), vision=model.projector is not None),
         modified_at=model.modified_at,
         path=str(model.weights),
         draft=model.draft,
@@ -86,6 +87,14 @@ def render_model_modelfile(model: ResolvedModel, *, template: str | None) -> str
         return header + render_modelfile(**fields)
 
 
+def _projector_info(model: ResolvedModel) -> dict[str, Any] | None:
+    if model.projector is None:
+        return None
+    from ..quant.gguf import inspect_gguf
+
+    return inspect_gguf(model.projector).model_info()
+
+
 def _inspect(model: ResolvedModel):
     if model.format == "mlx":
         from ..quant.mlx_convert import inspect_mlx_folder
@@ -116,11 +125,11 @@ def _pooling(model_info: dict[str, Any]) -> int | None:
     return value if isinstance(value, int) else -1
 
 
-def capabilities(template: str, *, pooling: int | None = None) -> list[str]:
+def capabilities(template: str, *, pooling: int | None = None, vision: bool = False) -> list[str]:
     """What a model can do, decided from its chat template (and, for an embedding model, its pooling metadata) as
-    Ollama decides it: weights that name a pooling type embed, or with rank pooling rerank. The one place that
-    decides: /api/show lists these; require_tools and thinking.check_thinking refuse requests that need one it
-    lacks."""
+    Ollama decides it: weights that name a pooling type embed, or with rank pooling rerank; a model stored with a
+    vision projector reads images. The one place that decides: /api/show lists these; require_tools and
+    thinking.check_thinking refuse requests that need one it lacks."""
     if pooling is not None:
         return ["rerank"] if pooling == RANK_POOLING else ["embedding"]
     found = ["completion"]
@@ -128,6 +137,8 @@ def capabilities(template: str, *, pooling: int | None = None) -> list[str]:
         found.append("tools")
     if supports_thinking(template):
         found.append("thinking")
+    if vision:
+        found.append("vision")
     return found
 
 

@@ -4,6 +4,7 @@ Grammar (Ollama's `parser/parser.go`, plus our DRAFT); instruction names are cas
 
     # a comment line
     FROM smollm2:135m                  required: a model name or a path to a .gguf file
+    FROM ./mmproj.gguf                 a second FROM: a vision projector (a `clip` GGUF), as in Ollama
     PARAMETER temperature 0.2          typed and checked against api.LoadOptions / api.SamplingOptions
     PARAMETER stop "<|im_end|>"        repeated `stop` lines accumulate into a list
     MESSAGE user "What is 2+2?"        role is system, user or assistant
@@ -34,7 +35,7 @@ SKIPPED_INSTRUCTIONS = frozenset({"REQUIRES"})
 UNSUPPORTED_INSTRUCTIONS = frozenset({"RENDERER", "PARSER"})
 MESSAGE_ROLES = ("system", "user", "assistant")
 # Instructions that hold one value; saying one twice is almost always a copy-paste slip, so it is an error.
-SINGLE_VALUED = frozenset({"FROM", "TEMPLATE", "SYSTEM", "DRAFT"})
+SINGLE_VALUED = frozenset({"TEMPLATE", "SYSTEM", "DRAFT"})
 TRIPLE_QUOTE = '"""'
 
 
@@ -149,7 +150,7 @@ def _add_single(ins: _Instruction, collected: _Collected) -> None:
     if ins.name in collected.seen:
         raise ModelfileError(ins.line, f"{ins.name} given twice (first on line {collected.seen[ins.name]})")
     collected.seen[ins.name] = ins.line
-    key = {"FROM": "from_", "TEMPLATE": "template", "SYSTEM": "system", "DRAFT": "draft"}[ins.name]
+    key = {"TEMPLATE": "template", "SYSTEM": "system", "DRAFT": "draft"}[ins.name]
     collected.fields[key] = _parse_value(ins, ins.args)
 
 
@@ -175,8 +176,23 @@ def _add_message(ins: _Instruction, collected: _Collected) -> None:
     collected.messages.append(api.Message(role=role, content=_unquote(raw.strip())))
 
 
+def _add_from(ins: _Instruction, collected: _Collected) -> None:
+    """The first FROM is the model; a second one is its vision projector (Ollama's way to pair a model with one)."""
+    if "PROJECTOR" in collected.seen:
+        raise ModelfileError(
+            ins.line,
+            f"FROM given three times (lines {collected.seen['FROM']} and {collected.seen['PROJECTOR']}): "
+            "a model takes one FROM for its weights and at most one more for a vision projector",
+        )
+    key = "projector" if "FROM" in collected.seen else "from_"
+    collected.seen["PROJECTOR" if key == "projector" else "FROM"] = ins.line
+    collected.fields[key] = _parse_value(ins, ins.args)
+
+
 def _add_instruction(ins: _Instruction, collected: _Collected) -> None:
-    if ins.name in SINGLE_VALUED:
+    if ins.name == "FROM":
+        _add_from(ins, collected)
+    elif ins.name in SINGLE_VALUED:
         _add_single(ins, collected)
     elif ins.name == "PARAMETER":
         _add_parameter(ins, collected)
@@ -232,7 +248,8 @@ def parse_modelfile(text: str) -> api.CreateRequest:
         text: the Modelfile's contents.
     Returns:
         The request: `from_`, `parameters` typed as in api.LoadOptions / api.SamplingOptions (`stop` a list),
-        `messages`, `license` (a string, or a list when LICENSE is repeated), `adapters` (path -> "" digest), `draft`.
+        `messages`, `license` (a string, or a list when LICENSE is repeated), `adapters` (path -> "" digest), `draft`,
+        `projector` (a second FROM).
     Raises:
         ModelfileError: naming the line of the first problem.
     """
@@ -317,6 +334,7 @@ def _as_list(value: str | Iterable[str] | None) -> list[str]:
 def render_modelfile(
     *,
     from_: str,
+    projector: str | None = None,
     template: str | None = None,
     system: str | None = None,
     parameters: Mapping[str, Any] | None = None,
@@ -330,6 +348,7 @@ def render_modelfile(
 
     Args:
         from_: the FROM model name or path.
+        projector: a vision projector's path, written as a second FROM.
         parameters: option name -> value (a list for `stop`).
         messages: api.Message values or {"role", "content"} dicts.
         license: one text or several (one LICENSE instruction each).
@@ -339,6 +358,8 @@ def render_modelfile(
         The Modelfile text, one instruction per line (multi-line values quoted).
     """
     lines = [f"FROM {quote_value(from_, what='FROM')}"]
+    if projector is not None:
+        lines.append(f"FROM {quote_value(projector, what='FROM')}")
     if draft is not None:
         lines.append(f"DRAFT {quote_value(draft, what='DRAFT')}")
     lines += [_render_adapter(path, (adapter_scales or {}).get(path, 1.0)) for path in _as_list(adapters)]

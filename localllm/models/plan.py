@@ -48,19 +48,20 @@ class MemoryPlan:
     output_weights: int = 0
     output_tied: bool = False  # the head is token_embd: a copy only where it leaves the CPU
     kv_cells: int = 0  # tokens of KV the slots share (num_ctx x num_parallel where each has its own)
+    projector: int = 0  # the vision projector's tensors (loaded beside the model, on the host)
 
     @property
     def total(self) -> int:
-        return self.weights + self.adapters + self.kv_total + self.compute
+        return self.weights + self.adapters + self.projector + self.kv_total + self.compute
 
     @property
     def fits(self) -> bool | None:
         return None if self.available is None else self.total <= self.available
 
 
-def plan_memory(info: GGUFInfo, load: LoadOptions, *, adapters: int = 0) -> MemoryPlan:
+def plan_memory(info: GGUFInfo, load: LoadOptions, *, adapters: int = 0, projector: int = 0) -> MemoryPlan:
     """`load` must carry effective values (models/options.effective_load fills them from the environment); `adapters`
-    is the bytes of the LoRA adapters' tensors (gguf.inspect_lora)."""
+    is the bytes of the LoRA adapters' tensors (gguf.inspect_lora), `projector` of the vision projector's."""
     n_ctx, slots, kv_type = load.num_ctx or 0, load.num_parallel or 1, load.kv_type or "f16"
     per_layer = kv_elements_by_layer(info)
     per_token = int(sum(per_layer) * KV_BYTES[kv_type])
@@ -87,6 +88,7 @@ def plan_memory(info: GGUFInfo, load: LoadOptions, *, adapters: int = 0) -> Memo
         output_weights=output_weights,
         output_tied=tied,
         kv_cells=cells,
+        projector=projector,
     )
 
 

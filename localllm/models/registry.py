@@ -10,9 +10,9 @@ Every layer lands in the store's `-partial` file first (a dropped connection res
 place only after its sha256 matches the digest the manifest names. Ollama's layer media types
 (`application/vnd.ollama.image.<kind>`) map onto the store's layers: `model` the GGUF weights, `template` (a Go
 template: chat/go_templates.py renders those), `system`, `params` (JSON: checked like a Modelfile's PARAMETERs),
-`messages`, `license`, `adapter` (a LoRA) and `projector` (a vision projector: stored and verified so the model is
-whole, but not used, since localllm refuses images). Any other media type is refused, naming it. Plain http is used
-only for a loopback registry or when the pull says `insecure`, as Ollama does."""
+`messages`, `license`, `adapter` (a LoRA) and `projector` (a vision projector: the model then reads images). Any
+other media type is refused, naming it. Plain http is used only for a loopback registry or when the pull says
+`insecure`, as Ollama does."""
 
 from __future__ import annotations
 
@@ -259,8 +259,6 @@ class RegistrySource:
                 source={"registry": base, "name": self.origin},
                 **fields,
             )
-        if any(layer.kind == "projector" for layer in layers):
-            yield api.PullProgress(status="the vision projector is stored but unused: images are not supported yet")
         yield api.PullProgress(status="success")
 
     def _hint(self, otherwise: str) -> str:

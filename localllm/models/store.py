@@ -51,7 +51,7 @@ MEDIA_LICENSE = "application/vnd.localllm.license"
 MEDIA_DRAFT = "application/vnd.localllm.draft"
 MEDIA_ADAPTER = "application/vnd.localllm.adapter"  # with its "scale" (default 1)
 MEDIA_QUALITY = "application/vnd.localllm.quantization-report+json"
-MEDIA_PROJECTOR = "application/vnd.localllm.projector"  # a vision projector, kept for a vision backend (unused yet)
+MEDIA_PROJECTOR = "application/vnd.localllm.projector"  # a vision projector (a `clip` GGUF) the model reads images with
 
 WEIGHT_MEDIA = {"gguf": MEDIA_GGUF, "mlx": MEDIA_MLX}
 MAX_SPLIT_PARTS = 9999  # gguf-split numbers parts with five digits
@@ -84,6 +84,7 @@ class ResolvedModel:
     license: str | None = None
     draft: str | None = None
     adapters: list[api.LoraAdapter] = field(default_factory=list)
+    projector: Path | None = None  # the vision projector: images become embeddings the model reads
     parts: list[Path] = field(default_factory=list)  # every weights file: a split GGUF's parts, in order
     quality: api.QuantizationReport | None = None
     size: int = 0
@@ -183,6 +184,10 @@ class Store:
             (layer["digest"], float(layer.get("scale", 1.0)))
             for layer in self._read_manifest(parse_ref(name)).layers_of(MEDIA_ADAPTER)
         ]
+
+    def projector_layers(self, name: str) -> builtins.list[str]:
+        """The digest of a stored model's vision projector (none, or one), as write_model takes it."""
+        return [layer["digest"] for layer in self._read_manifest(parse_ref(name)).layers_of(MEDIA_PROJECTOR)]
 
     def manifest_digest(self, name: str) -> str | None:
         """The id of the manifest stored under `name` now (None when there is none): what a loaded model compares
@@ -302,12 +307,14 @@ class Store:
             messages: api.Message objects or dicts.
             draft: a model name, kept as a reference (the draft's weights are resolved when loading).
             adapters: each LoRA adapter blob's digest, or (digest, scale) for a scale other than 1.
-            projectors: vision projector blobs (an Ollama model's), kept with the model but not loaded yet.
+            projectors: the vision projector's blob (a `clip` GGUF), at most one.
             details: cached for `list`; read from the GGUF metadata when not given.
             source: where the weights came from ({"url": ...}), kept in the manifest's config.
             quality: the quantization report of a model made by `create --quantize`.
         """
         ref = parse_ref(name)
+        if len(projectors) > 1:
+            raise InvalidInput(f"{name} names {len(projectors)} vision projectors; a model takes at most one")
         with self.lock():  # the blobs checked here cannot be collected before the manifest names them
             layers = self._weight_layers(weights, fmt)
             layers += self._extra_layers(
@@ -476,6 +483,9 @@ class Store:
                 )
                 for layer in manifest.layers_of(MEDIA_ADAPTER)
             ],
+            projector=next(
+                (self._existing_blob(manifest, layer["digest"]) for layer in manifest.layers_of(MEDIA_PROJECTOR)), None
+            ),
             size=manifest.size,
             modified_at=manifest.modified_at,
             details=self._details(manifest),

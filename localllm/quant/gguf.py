@@ -759,3 +759,50 @@ def _lora_pair_problem(name: str, a: tuple[int, ...], b: tuple[int, ...], base: 
     if rank_a != rank_b or rank_a < 1:
         return f"{name} has lora_a {list(a)} and lora_b {list(b)}: their ranks ({rank_a}, {rank_b}) differ"
     return None
+
+
+# ---------------------------------------------------------------------------------------------------------- projectors
+
+PROJECTOR_HINT = "the second FROM takes a vision projector: a `clip` GGUF (an mmproj-*.gguf file beside the model)"
+
+
+@dataclass(frozen=True)
+class ProjectorInfo:
+    """A vision projector (a `clip` GGUF): what turns an image into embeddings the text model reads."""
+
+    path: Path
+    projector_type: str  # clip.projector_type, e.g. "idefics3", "gemma3"
+    output_width: int | None  # clip.vision.projection_dim: the text model's embedding width it feeds
+    file_size: int
+
+
+def inspect_projector(path: Path) -> ProjectorInfo:
+    """Check that `path` is a vision projector as llama.cpp's mtmd loads them (tools/mtmd/clip.cpp), from its header.
+
+    Raises:
+        ModelFormatError (HTTP 400): not a GGUF file, not a `clip` architecture, or no vision encoder in it.
+    """
+    path = Path(path)
+    try:
+        header = _read_header(path)
+    except ModelFormatError as exc:
+        raise ModelFormatError(f"vision projector {exc.message}", hint=PROJECTOR_HINT) from None
+    meta = header.metadata
+    arch = _text(meta, gguf.Keys.General.ARCHITECTURE) or ""
+    if arch != "clip":
+        raise ModelFormatError(
+            f"{path} is not a vision projector: its architecture is {arch or 'unnamed'!r}, not 'clip'",
+            hint=PROJECTOR_HINT,
+        )
+    if meta.get("clip.has_vision_encoder") is not True:
+        raise ModelFormatError(
+            f"vision projector {path} has no vision encoder (clip.has_vision_encoder is not true)",
+            hint="localllm reads images only; audio projectors are not supported",
+        )
+    width = meta.get("clip.vision.projection_dim")
+    return ProjectorInfo(
+        path=path,
+        projector_type=str(meta.get("clip.vision.projector_type") or meta.get("clip.projector_type") or ""),
+        output_width=int(width) if isinstance(width, int) else None,
+        file_size=path.stat().st_size,
+    )

@@ -17,6 +17,7 @@ import ctypes
 import logging
 import threading
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -28,13 +29,15 @@ from ...api import LoadOptions, LoraAdapter, SamplingOptions
 from ...chat.fim import FimTokens
 from ...errors import InvalidInput, LocalLLMError, ModelFormatError, WorkerLost
 from ...machine import physical_cores
+from ...media import ImagePixels
 from ...models.options import context_size
 from ...models.plan import Placement, kv_cells
-from ..base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead
+from ..base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead, PromptImage, is_placeholder
 from .embedding import MAX_SEQS, embed_group, pack, pooling_for
 from .rerank import PairLayout, pair_layout, pair_tokens, score_group
 from .rpc import PlacedModel, RpcGuard, place_model
 from .speculative import LlamaGrammarProbe, LlamaMtpHead
+from .vision import Projector, decode_rows
 
 log = logging.getLogger(__name__)
 
@@ -111,19 +114,32 @@ def loaded_weights_users(key: WeightsKey) -> int:
 class LlamaCppBackend:
     name = "llama.cpp"
 
-    def load(self, path: Path, options: LoadOptions, *, adapters: Sequence[LoraAdapter] = ()) -> LlamaCppModel:
+    def load(
+        self,
+        path: Path,
+        options: LoadOptions,
+        *,
+        adapters: Sequence[LoraAdapter] = (),
+        projector: Path | None = None,
+    ) -> LlamaCppModel:
         n_seq, n_ctx = context_size(options)
         init_backend()
         if not Path(path).is_file():
             raise ModelFormatError(f"weights file {path} does not exist")
         placed = place_model(path, options, n_seq=n_seq, n_ctx=n_ctx)
         if placed.endpoints:
+            if projector is not None:
+                raise InvalidInput(
+                    "a model with a vision projector cannot load over RPC workers yet", hint="unset LOCALLLM_RPC"
+                )
             return _load_over_rpc(path, options, placed, n_seq=n_seq, n_ctx=n_ctx, adapters=adapters)
         key, model = _WEIGHTS.acquire(path, options, placed)
-        ctx, loras = None, _Adapters([], [])
+        ctx, loras, vision = None, _Adapters([], []), None
         try:
             ctx = _new_context(model, options, n_seq=n_seq, n_ctx=n_ctx)
             loras = _apply_adapters(model, ctx, adapters)
+            if projector is not None:
+                vision = _load_projector(projector, model, options)
             return LlamaCppModel(
                 path,
                 model,
@@ -135,8 +151,11 @@ class LlamaCppBackend:
                 release_weights=partial(_WEIGHTS.release, key),
                 weights=key,
                 adapters=loras,
+                projector=vision,
             )
         except BaseException:
+            if vision is not None:
+                vision.close()
             _free_adapters(loras)
             if ctx is not None:
                 llama_cpp.llama_free(ctx)
@@ -146,6 +165,17 @@ class LlamaCppBackend:
     def placement(self, path: Path, options: LoadOptions) -> Placement:
         n_seq, n_ctx = context_size(options)
         return place_model(path, options, n_seq=n_seq, n_ctx=n_ctx).placement
+
+
+def _load_projector(path: Path, model, options: LoadOptions) -> Projector | None:
+    """The model's vision projector, or None where mtmd cannot use it: the model still chats in text (a projector
+    pulled from an Ollama registry may be one only Ollama's own engine reads), and images are refused."""
+    threads = options.num_thread or physical_cores()
+    try:
+        return Projector(path, model, n_threads=threads, n_embd=llama_cpp.llama_model_n_embd(model))
+    except ModelFormatError as exc:
+        log.warning("%s: images are off for this load: %s", path.name, exc.message)
+        return None
 
 
 def _load_over_rpc(
@@ -398,6 +428,7 @@ class LlamaCppModel:
         adapters: _Adapters,
         placement: Placement | None = None,
         guard: RpcGuard | None = None,
+        projector: Projector | None = None,
     ):
         self.path = path
         self.options = options
@@ -411,7 +442,9 @@ class LlamaCppModel:
         self._ctx = ctx
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self._mem = llama_cpp.llama_get_memory(ctx)
-        self.meta = _read_meta(model, path)
+        self.meta = replace(_read_meta(model, path), vision=projector is not None)
+        self._projector = projector
+        self._embd_batch = None  # a batch of embedding rows, made at the first image
         self.n_seq = n_seq
         # A unified pool lets any sequence reach all its cells; a slot's context stays the one asked for.
         self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx_seq(ctx))
@@ -439,6 +472,20 @@ class LlamaCppModel:
             buf = (llama_cpp.llama_token * capacity)()
             n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
         return list(buf[:n])
+
+    def image_tokens(self, image: ImagePixels) -> list[int]:
+        if self._projector is None:
+            # Ollama's wording (model/model.go ErrNoVisionModel), which clients match on.
+            raise InvalidInput(
+                "this model is missing data required for image input",
+                hint="use a model with a vision projector (`localllm show` lists vision among its capabilities)",
+            )
+        return self._projector.image_tokens(image)
+
+    def encode_image(self, image: PromptImage) -> None:
+        if self._projector is None:
+            raise InvalidInput("this model is missing data required for image input")
+        self._projector.encode(image)
 
     def token_bytes(self, token: int) -> bytes:
         piece = self._piece_cache.get(token)
@@ -474,6 +521,14 @@ class LlamaCppModel:
             return
         if n > self.n_batch:
             raise InvalidInput(f"batch of {n} tokens exceeds num_batch {self.n_batch}")
+        # Placeholder rows trail the batch and want no logits: decoding them first leaves the token rows' outputs
+        # as the last decode's, at their own row numbers. Each sequence has rows of one kind only in a step.
+        first_image = next((i for i, t in enumerate(batch.tokens) if is_placeholder(t)), n)
+        if first_image < n:
+            self._decode_images(batch, first_image)
+            n = first_image
+            if n == 0:
+                return
         b = self._batch
         b.n_tokens = n
         for i in range(n):
@@ -488,6 +543,18 @@ class LlamaCppModel:
                 f"llama_decode failed with status {status} on a batch of {n} tokens",
                 hint="1 means the KV cache is full: lower num_parallel or raise num_ctx",
             )
+
+    def _decode_images(self, batch: Batch, start: int) -> None:
+        if self._projector is None:
+            raise LocalLLMError("a batch holds image placeholders, but the model has no vision projector")
+        if any(batch.logits[start:]) or not all(map(is_placeholder, batch.tokens[start:])):
+            raise LocalLLMError("image rows must trail the batch and want no logits")
+        if self._embd_batch is None:
+            self._embd_batch = llama_cpp.llama_batch_init(self.n_batch, self.meta.n_embd, 1)
+        rows = self._projector.rows(batch.tokens[start:])
+        status = decode_rows(self._ctx, self._embd_batch, rows, batch.positions[start:], batch.seqs[start:])
+        if status != 0:
+            raise LocalLLMError(f"llama_decode failed with status {status} on {len(rows)} image rows")
 
     def _decode_native(self, batch) -> int:
         def decode_and_wait() -> int:
@@ -628,6 +695,10 @@ class LlamaCppModel:
         if self._ctx is None:
             return
         llama_cpp.llama_batch_free(self._batch)
+        if self._embd_batch is not None:
+            llama_cpp.llama_batch_free(self._embd_batch)
+        if self._projector is not None:
+            self._projector.close()  # before the weights it reads
         try:
             if self._guard is not None:
                 self._guard.call(self._free_native)

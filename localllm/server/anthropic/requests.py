@@ -4,8 +4,9 @@ The wire types live here, as OpenAI's live in openai/requests.py: only these rou
 our messages: text joins into content, a `tool_use` becomes a tool call (several in one turn stay one turn), a
 `tool_result` a tool message (`is_error` marks its text as an error), a `thinking` block the assistant's thinking.
 `cache_control` is accepted anywhere: our prefix cache reuses every prefix without marks. Claude Code's billing line
-is left out of the system prompt (billing_header.py). What cannot be expressed (images, documents) is a 400 naming
-the block. Server tools (web search, code execution) cannot run here: they are left out with a warning in the log, so
+is left out of the system prompt (billing_header.py). An `image` block with a base64 source in a user turn goes
+before the turn's text; what cannot be expressed (documents, image URLs, images elsewhere) is a 400 naming the
+block. Server tools (web search, code execution) cannot run here: they are left out with a warning in the log, so
 an agent that always sends them still works. Fields accepted but without effect here are named by `ignored()`, which
 the route reports in the X-LocalLLM-Ignored header: nothing is dropped in silence."""
 
@@ -249,11 +250,13 @@ def _assistant(blocks: list[dict[str, Any]], where: str, tool_names: dict[str, s
 
 def _user(blocks: list[dict[str, Any]], where: str, tool_names: dict[str, str]) -> list[api.Message]:
     """Tool results first (they answer the previous turn's calls), then the user's own text."""
-    results, texts = [], []
+    results, texts, images = [], [], []
     for j, block in enumerate(blocks):
         kind = block.get("type")
         if kind == "text":
             texts.append(_text_block(block, f"{where}.{j}"))
+        elif kind == "image":
+            images.append(_image_block(block, f"{where}.{j}"))
         elif kind == "tool_result":
             results.append(
                 api.Message(
@@ -264,7 +267,20 @@ def _user(blocks: list[dict[str, Any]], where: str, tool_names: dict[str, str]) 
             )
         else:
             raise _unsupported(kind, f"{where}.{j}")
-    return results + ([api.Message(role="user", content="".join(texts))] if texts or not results else [])
+    user = api.Message(role="user", content="".join(texts), images=images or None)
+    return results + ([user] if texts or images or not results else [])
+
+
+def _image_block(block: dict[str, Any], where: str) -> str:
+    """An image block's base64 data; a URL source is refused (the server never fetches one)."""
+    source = block.get("source")
+    if not isinstance(source, dict) or source.get("type") != "base64" or not isinstance(source.get("data"), str):
+        kind = source.get("type") if isinstance(source, dict) else None
+        raise InvalidInput(
+            f"{where}.source: image sources of type {kind!r} are not supported (the server never fetches a URL)",
+            hint='send {"type": "base64", "media_type": "image/png", "data": ...}',
+        )
+    return source["data"]
 
 
 def _result_text(block: dict[str, Any], where: str) -> str:
@@ -293,8 +309,8 @@ def _tool_input(value: Any, where: str) -> dict[str, Any]:
 def _unsupported(kind: Any, where: str) -> InvalidInput:
     if kind in ("image", "document"):
         return InvalidInput(
-            f"{where}: {kind} blocks need a vision model, which localllm cannot run yet",
-            hint="send the content as text; only text, tool_use, tool_result and thinking blocks are accepted",
+            f"{where}: {kind} blocks are accepted only in a user turn (images), as base64",
+            hint="send text, tool_use, tool_result and thinking blocks, and images in user turns",
         )
     return InvalidInput(
         f"{where}: content blocks of type {kind!r} are not supported",

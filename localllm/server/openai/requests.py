@@ -2,7 +2,8 @@
 
 These wire types live here rather than in api.py because only the OpenAI routes speak them (Ollama keeps its OpenAI
 layer apart from api/types.go the same way). Everything that is not expressible is a 400 naming the field, never
-silently dropped (image parts, echo with logprobs). `n` choices and prompt lists become several api requests, run
+silently dropped (echo with logprobs). Image parts are `data:` URIs (a remote URL is refused: the server never fetches
+one); a message's images go before its text. `n` choices and prompt lists become several api requests, run
 as one batch."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ... import api
 from ...chat.thinking import think_from_effort
 from ...errors import InvalidInput
+from ...media import data_uri_image
 from ..billing_header import without_billing_header
 
 
@@ -174,6 +176,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[api.Message]:
             api.Message(
                 role=role,
                 content=message_text(message.content, f"messages.{i}.content"),
+                images=message_images(message.content, f"messages.{i}.content") or None,
                 tool_calls=calls or None,
                 tool_name=tool_names.get(message.tool_call_id or "") or message.name,
             )
@@ -182,17 +185,34 @@ def chat_messages(messages: list[ChatMessage]) -> list[api.Message]:
 
 
 def message_text(content: str | list[dict[str, Any]] | None, where: str) -> str:
+    """The text parts of a message's content, joined (image parts are message_images')."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
-    for part in content:
-        if part.get("type") != "text":
+    for j, part in enumerate(content):
+        if part.get("type") not in ("text", "image_url"):
             raise InvalidInput(
-                f"{where}: content parts of type {part.get('type')!r} are not supported",
-                hint="send text only; no vision model backend exists in localllm yet",
+                f"{where}.{j}: content parts of type {part.get('type')!r} are not supported",
+                hint="send text and image_url parts",
             )
-        texts.append(str(part.get("text", "")))
+        if part.get("type") == "text":
+            texts.append(str(part.get("text", "")))
     return "".join(texts)
+
+
+def message_images(content: str | list[dict[str, Any]] | None, where: str) -> list[str]:
+    """The base64 images of a message's image_url parts (data: URIs only), in order; they go before its text."""
+    if content is None or isinstance(content, str):
+        return []
+    images = []
+    for j, part in enumerate(content):
+        if part.get("type") == "image_url":
+            image_url = part.get("image_url")
+            url = image_url.get("url") if isinstance(image_url, dict) else image_url
+            if not isinstance(url, str):
+                raise InvalidInput(f"{where}.{j}.image_url.url must be a string")
+            images.append(data_uri_image(url, where=f"{where}.{j}.image_url.url"))
+    return images
 
 
 def _tool_call(call: dict[str, Any], where: str) -> api.ToolCall:

@@ -1,6 +1,7 @@
 """OpenAI's Responses request body (what Codex speaks) and its translation into our api.ChatRequest.
 
-`input` is a string or a list of items: messages (with input_text / output_text parts), `function_call` and
+`input` is a string or a list of items: messages (with input_text / output_text parts, and input_image parts whose
+image_url is a data: URI: they go before the message's text), `function_call` and
 `function_call_output`, `reasoning` (its text becomes the next assistant turn's thinking), `compaction` (the sealed
 summary a compaction wrote, in place of the history it replaced: compaction.py), and a last `compaction_trigger`
 (this turn compacts instead of answering). `instructions` is the system prompt of this turn only;
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ... import api
 from ...chat.thinking import think_from_effort
 from ...errors import InvalidInput
+from ...media import data_uri_image
 from ..billing_header import strip_billing_header, without_billing_header
 from ..ignored import RequestBody
 from .compaction import summary_message, unseal
@@ -272,11 +274,15 @@ def _message(item: dict[str, Any], where: str, thinking: str) -> api.Message:
     if role not in ("user", "system", "developer", "assistant"):
         raise InvalidInput(f"{where}.role {role!r} is not valid", hint="use user, system, developer or assistant")
     content = item.get("content", "")
+    images: list[str] = []
     if isinstance(content, list):
-        content = "".join(_part_text(part, f"{where}.content.{j}") for j, part in enumerate(content))
+        parts = [(part, f"{where}.content.{j}") for j, part in enumerate(content)]
+        images = [_part_image(part, at) for part, at in parts if part.get("type") == "input_image"]
+        content = "".join(_part_text(part, at) for part, at in parts if part.get("type") != "input_image")
     return api.Message(
         role="system" if role == "developer" else role,
         content=str(content),
+        images=images or None,
         thinking=thinking or None if role == "assistant" else None,
     )
 
@@ -285,9 +291,20 @@ def _part_text(part: dict[str, Any], where: str) -> str:
     if part.get("type") not in ("input_text", "output_text", "text"):
         raise InvalidInput(
             f"{where}: content parts of type {part.get('type')!r} are not supported",
-            hint="send text only; no vision model backend exists in localllm yet",
+            hint="send input_text, output_text and input_image parts",
         )
     return str(part.get("text", ""))
+
+
+def _part_image(part: dict[str, Any], where: str) -> str:
+    """An input_image's base64 data, from its data: URI (a message's images go before its text)."""
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise InvalidInput(
+            f"{where}: an input_image needs an image_url (file_id is not supported: no files are stored here)",
+            hint="send image_url as a data: URI (data:image/png;base64,...)",
+        )
+    return data_uri_image(url, where=f"{where}.image_url")
 
 
 def _function_call(item: dict[str, Any], where: str) -> api.ToolCall:

@@ -1,0 +1,113 @@
+"""Images from requests, checked and decoded before any native code sees them: base64 text in, RGB pixels out.
+
+Every size is bounded before the work it would cost: the base64 text before decoding it, the file's bytes, the count
+per request, and the pixels its header declares before Pillow decodes one (a small PNG can declare 30000x30000: a
+decompression bomb). PNG, JPEG, WebP and GIF (its first frame) are read, with Pillow; mtmd gets pixels, never files.
+Pillow is imported here only, at the first image."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from dataclasses import dataclass
+
+from .errors import InvalidInput
+
+MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one image file
+MAX_IMAGES = 16  # per request, over all its messages
+MAX_IMAGE_PIXELS = 4096 * 4096  # width x height, as the file's header declares them
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+
+
+@dataclass(frozen=True)
+class ImagePixels:
+    """An image decoded to 8-bit RGB, rows top to bottom: what a projector reads. `digest` is the sha256 of the
+    file's bytes: the key the prefix cache tells images apart by, as llama-server hashes image bytes."""
+
+    width: int
+    height: int
+    rgb: bytes
+    digest: str
+
+
+def check_image_count(n: int) -> None:
+    if n > MAX_IMAGES:
+        raise InvalidInput(
+            f"the request holds {n} images; the limit is {MAX_IMAGES}", hint="send fewer images per request"
+        )
+
+
+def decode_base64_image(text: str, *, what: str = "image") -> ImagePixels:
+    """`text` (base64, as Ollama's `images` and data URIs carry it) as pixels; InvalidInput naming `what`."""
+    text = text.strip()
+    size = len(text.rstrip("=")) * 3 // 4  # the bytes it decodes to, told before decoding
+    if size > MAX_IMAGE_BYTES:
+        raise _too_big(what, size)
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInput(f"{what} is not valid base64", hint="send the image file's bytes base64-encoded") from None
+    return decode_image(data, what=what)
+
+
+def decode_image(data: bytes, *, what: str = "image") -> ImagePixels:
+    """An image file's bytes as pixels, refused before decoding when too large in bytes or declared pixels."""
+    if len(data) > MAX_IMAGE_BYTES:
+        raise _too_big(what, len(data))
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise InvalidInput("reading images needs Pillow", hint="pip install pillow") from None
+    try:
+        # open() reads the header only; its own bomb check fires for far larger images than our limit.
+        with Image.open(io.BytesIO(data), formats=list(FORMATS)) as image:
+            _check_pixels(what, *image.size)
+            image.seek(0)  # a GIF's first frame
+            rgb = image.convert("RGB")
+    except Image.DecompressionBombError as exc:
+        raise InvalidInput(
+            f"{what} declares more than {MAX_IMAGE_PIXELS:,} pixels ({exc})", hint="send a smaller image"
+        ) from None
+    except UnidentifiedImageError:
+        raise InvalidInput(
+            f"{what} is not an image localllm reads", hint=f"send {', '.join(FORMATS[:-1])} or {FORMATS[-1]}"
+        ) from None
+    except (OSError, ValueError, SyntaxError) as exc:  # a truncated or corrupt file, found while decoding
+        raise InvalidInput(f"{what} could not be decoded: {exc}", hint="send the whole, unmodified file") from None
+    return ImagePixels(rgb.width, rgb.height, rgb.tobytes(), hashlib.sha256(data).hexdigest())
+
+
+def _check_pixels(what: str, width: int, height: int) -> None:
+    if width * height > MAX_IMAGE_PIXELS:
+        raise InvalidInput(
+            f"{what} is {width}x{height} = {width * height:,} pixels; the limit is {MAX_IMAGE_PIXELS:,} "
+            "(checked before decoding)",
+            hint="scale the image down before sending it",
+        )
+    if width < 1 or height < 1:
+        raise InvalidInput(f"{what} is {width}x{height}: it has no pixels")
+
+
+def _too_big(what: str, size: int) -> InvalidInput:
+    return InvalidInput(
+        f"{what} is {size:,} bytes; the limit is {MAX_IMAGE_BYTES:,}", hint="send a smaller or more compressed image"
+    )
+
+
+def data_uri_image(url: str, *, where: str) -> str:
+    """The base64 payload of an image `data:` URI (OpenAI's image_url, Responses' input_image). The server never
+    fetches a URL: a remote one is refused, saying how to send the image instead."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme in ("http", "https"):
+        raise InvalidInput(
+            f"{where}: remote image URLs are not fetched (localllm never downloads a URL a request names)",
+            hint="send the image inline as a data: URI (data:image/png;base64,...)",
+        )
+    header, comma, payload = url.partition(",")
+    if scheme != "data" or not comma or not header.lower().endswith(";base64"):
+        raise InvalidInput(
+            f"{where}: an image URL must be a base64 data: URI", hint="send data:image/png;base64,... (or jpeg, webp)"
+        )
+    return payload
