@@ -179,7 +179,10 @@ def test_a_step_is_compared_with_what_a_step_of_its_size_really_costs():
     assert cost.seconds(1) > 0.040  # the fit, right for wide steps, is off for a lone row
     assert cost.baseline(1) == pytest.approx(0.034)
     assert cost.with_drafts(1, 4) == pytest.approx(0.034 + 4 * cost.coef[1])
-    assert cost.baseline(7) == cost.seconds(7)  # no step of 7 rows seen: the fit speaks for it
+    # Sizes not seen: the nearest smaller mean and the slope speak for them where they say less than the fit.
+    assert cost.baseline(2) == pytest.approx(0.034 + cost.coef[1]) and cost.baseline(2) < cost.seconds(2)
+    assert cost.baseline(7) == pytest.approx(min(cost.seconds(7), cost.baseline(4) + 3 * cost.coef[1]))
+    assert StepCost().baseline(3) == StepCost().seconds(3)  # nothing measured: the fit (its prior)
 
 
 def test_a_draft_model_that_costs_more_than_the_rows_it_saves_stops_drafting():

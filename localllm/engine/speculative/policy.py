@@ -71,7 +71,17 @@ class StepCost:
         CPU a 1.5B model's one-row step ran 34 ms where the fit said 44, and drafts that lost 28% looked like gains
         (docs/benchmark-notes.md, "A real draft pair on a CPU")."""
         steps, total = self._baseline.get(rows, (0.0, 0.0))
-        return total / steps if steps >= self.BASELINE_STEPS else self.seconds(rows)
+        if steps >= self.BASELINE_STEPS:
+            return total / steps
+        # A size not seen often enough: from the nearest smaller one that was, where that says less than the fit (a
+        # four-slot batch whose last two requests run on must not find drafts cheap because the fit is high there).
+        known = [r for r, (n, _) in self._baseline.items() if r < rows and n >= self.BASELINE_STEPS]
+        fitted = self.seconds(rows)
+        if not known:
+            return fitted
+        below = max(known)
+        n, seconds = self._baseline[below]
+        return min(fitted, seconds / n + float(self.coef[1]) * (rows - below))
 
     def with_drafts(self, busy: int, drafts: int) -> float:
         """Seconds of a step of `busy` rows plus `drafts` draft rows: the batch's own cost and what each row adds."""
