@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from random_weights import weight_writers
 
 N_EMBD = 64
 N_FF = 128
@@ -66,15 +67,7 @@ def write_reranker(path: Path, *, seed: int = 0, n_ctx_train: int = N_CTX_TRAIN,
     if template is not None:
         writer.add_string(gguf.Keys.Tokenizer.CHAT_TEMPLATE_N.format(name="rerank"), template)
 
-    def tensor(name: str, *shape: int, scale: float | None = None) -> None:
-        # A matrix's default scale keeps activations near unit size (1/sqrt(fan-in)), so that the float rounding of
-        # one batch shape or another stays far below the 1e-4 the scores are compared within.
-        std = scale if scale is not None else 1 / np.sqrt(shape[-1])
-        writer.add_tensor(name, (rng.standard_normal(shape) * std).astype(np.float32))
-
-    def norm(name: str) -> None:
-        writer.add_tensor(f"{name}.weight", (1.0 + rng.standard_normal(N_EMBD) * 0.05).astype(np.float32))
-        writer.add_tensor(f"{name}.bias", (rng.standard_normal(N_EMBD) * 0.05).astype(np.float32))
+    tensor, norm = weight_writers(writer, rng, N_EMBD)
 
     tensor("token_embd.weight", len(tokens), N_EMBD, scale=1.0)
     tensor("token_types.weight", 2, N_EMBD, scale=0.1)

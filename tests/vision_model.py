@@ -12,6 +12,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from random_weights import weight_writers
 
 TEXT_EMBD = 576  # smollm2:135m's n_embd: the projector's output width must match the text model's
 IMAGE_SIZE = 32
@@ -50,14 +51,7 @@ def write_projector(path: Path, *, seed: int = 0, text_embd: int = TEXT_EMBD, ki
     writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
 
-    def tensor(name: str, *shape: int, scale: float | None = None) -> None:
-        # 1/sqrt(fan-in) keeps activations near unit size, so float rounding stays far below what tests compare.
-        std = scale if scale is not None else 1 / np.sqrt(shape[-1])
-        writer.add_tensor(name, (rng.standard_normal(shape) * std).astype(np.float32))
-
-    def norm(name: str) -> None:
-        writer.add_tensor(f"{name}.weight", (1.0 + rng.standard_normal(N_EMBD) * 0.05).astype(np.float32))
-        writer.add_tensor(f"{name}.bias", (rng.standard_normal(N_EMBD) * 0.05).astype(np.float32))
+    tensor, norm = weight_writers(writer, rng, N_EMBD)
 
     # numpy shapes are ggml's ne reversed: the patch convolution is ne [16, 16, 3, n_embd].
     tensor("v.patch_embd.weight", N_EMBD, 3, PATCH_SIZE, PATCH_SIZE, scale=1 / np.sqrt(3 * PATCH_SIZE**2))
