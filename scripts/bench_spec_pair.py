@@ -153,7 +153,8 @@ def _single_stream(
             for task, prompt in prompts.items():
                 log(f"{task}, 1 slot: repeat {i + 1}/{repeats}")
                 for spec_type in ("none", "draft", "ngram") if task == "code edit" else ("none", "draft"):
-                    counters = (list(ours.engine.snapshot().verified_at), list(ours.engine.snapshot().accepted_at))
+                    stats = ours.engine.snapshot()
+                    counters = (list(stats.verified_at), list(stats.accepted_at))
                     rate, tokens, timings = ours.stream(prompt, n, spec_type)
                     note = f"{_acceptance_note(counters, ours.engine)}; {_split_note(timings)}"
                     keep((task, spec_type), rate, tokens, note)

@@ -15,7 +15,9 @@ from ..models.plan import Placement
 from .app import app, console
 
 if TYPE_CHECKING:
+    from ..api import LoadOptions
     from ..models.plan import MemoryPlan
+    from ..models.store import ResolvedModel
 
 
 def _mib(n: int) -> str:
@@ -98,28 +100,28 @@ def _plan_with_draft(model: str, overrides: dict) -> list:
     from ..models.options import resolve_options
     from ..models.store import Store
 
-    plans = [_plan_one(model, overrides)]
-    load, _ = resolve_options(Store().resolve(model), overrides)
+    store = Store()
+    resolved = store.resolve(model)
+    load, _ = resolve_options(resolved, overrides)
+    plans = [_plan_one(model, resolved, load)]
     if load.draft:
-        name, identity, mem, _ = _plan_one(
-            load.draft, {**overrides, "num_ctx": plans[0][2].num_ctx, "num_parallel": plans[0][2].num_parallel}
-        )
+        shape = {"num_ctx": plans[0][2].num_ctx, "num_parallel": plans[0][2].num_parallel}
+        draft = store.resolve(load.draft)
+        name, identity, mem, _ = _plan_one(load.draft, draft, resolve_options(draft, {**overrides, **shape})[0])
         plans.append((f"{name} (draft model of {plans[0][0]})", identity, mem, None))
     return plans
 
 
-def _plan_one(model: str, overrides: dict):
+def _plan_one(model: str, resolved: ResolvedModel, load: LoadOptions):
+    """The plan of `model` (as the user named it), resolved to `resolved` with the load options `load`."""
     from ..engine.scaleout import placement as place
     from ..errors import InvalidInput
-    from ..models.options import effective_load, resolve_options
+    from ..models.options import effective_load
     from ..models.plan import plan_memory, weights_identity
-    from ..models.store import Store
     from ..quant.gguf import inspect_gguf, inspect_lora
 
-    resolved = Store().resolve(model)
     if resolved.format != "gguf":
         raise InvalidInput(f"{model} is an {resolved.format} model; the memory plan reads GGUF metadata")
-    load, _ = resolve_options(resolved, overrides)
     adapters: int = sum([inspect_lora(Path(adapter.path)).tensor_bytes for adapter in resolved.adapters], 0)
     projector = inspect_gguf(resolved.projector).tensor_bytes if resolved.projector is not None else 0
     mem = plan_memory(inspect_gguf(resolved.weights), effective_load(load), adapters=adapters, projector=projector)

@@ -69,7 +69,7 @@ class StepCost:
         """Seconds of a step of exactly `rows` rows: their own mean once enough such steps ran, else the fit. The
         fit is weighted to be right where drafts take a step (wide batches), and a step's cost bends below that: on a
         CPU a 1.5B model's one-row step ran 34 ms where the fit said 44, and drafts that lost 28% looked like gains
-        (docs/benchmark-notes.md, "A real draft pair on a CPU")."""
+        (docs/benchmark-notes.md, "a real draft pair on a CPU")."""
         steps, total = self._baseline.get(rows, (0.0, 0.0))
         if steps >= self.BASELINE_STEPS:
             return total / steps
@@ -85,7 +85,7 @@ class StepCost:
 
     def with_drafts(self, busy: int, drafts: int) -> float:
         """Seconds of a step of `busy` rows plus `drafts` draft rows: the batch's own cost and what each row adds."""
-        return self.baseline(busy) + float(self.coef[1]) * drafts if drafts else self.baseline(busy)
+        return self.baseline(busy) + float(self.coef[1]) * drafts
 
     @property
     def measured(self) -> bool:
