@@ -21,6 +21,7 @@ import pexpect
 import pytest
 from server_harness import free_port, linked_home
 
+from localllm.cli.image_files import cut_mentions, find_image_files
 from localllm.cli.render import split_finished
 from localllm.cli.repl import read_message, unquote
 from localllm.conversation import parse_parameter
@@ -352,3 +353,30 @@ def test_set_parameter_values_are_typed(name, words, value):
 def test_bad_set_parameter_names_the_value(name, words, message):
     with pytest.raises(InvalidInput, match=message):
         parse_parameter(name, words)
+
+
+@pytest.mark.parametrize(
+    "typed, found, rest",
+    [
+        ("What is in ./cat.png?", ["cat.png"], "What is in?"),
+        ("Describe '{home}/my photo.png' please", ["my photo.png"], "Describe please"),
+        ('Compare "cat.png" with my\\ photo.png.', ["cat.png", "my photo.png"], "Compare with."),
+        ("~/cat.png", ["cat.png"], ""),
+        ("{home}/album/Dog.JPEG and a\\(1\\).webp", ["Dog.JPEG", "a(1).webp"], "and"),
+        ("Rename it to final.png", [], "Rename it to final.png"),  # no such file: just a word
+        ("cat.png.bak and cat.pngs", [], "cat.png.bak and cat.pngs"),
+        ("album.png is a folder", [], "album.png is a folder"),
+    ],
+)
+def test_image_files_named_in_a_message(tmp_path, monkeypatch, typed, found, rest):
+    (tmp_path / "album").mkdir()
+    (tmp_path / "album.png").mkdir()
+    for name in ("cat.png", "my photo.png", "album/Dog.JPEG", "a(1).webp"):
+        (tmp_path / name).write_bytes(b"")  # only the names count here: the chat checks the bytes when it reads them
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    text = typed.format(home=tmp_path)
+    mentions = find_image_files(text)
+    assert [mention.path.name for mention in mentions] == found
+    assert all(mention.path.is_file() for mention in mentions)
+    assert cut_mentions(text, mentions) == rest

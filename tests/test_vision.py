@@ -437,6 +437,72 @@ def test_the_terminal_chat_attaches_an_image_with_slash_image(vision_home, tmp_p
     assert repl.images == []  # sent with that message, not with the next
 
 
+def chat_in_terminal(home: Path, lines: list[str], model: str = VISION):
+    """The terminal chat over `lines` with `model`; its conversation and what it printed (unwrapped)."""
+    from server_harness import local_client
+
+    from localllm.cli.repl import Repl
+    from localllm.conversation import Conversation
+
+    client = local_client(home)
+    try:
+        conversation = Conversation(model=model, options=dict(OPTIONS))
+        Repl(client, conversation, reader=ScriptedLines(lines)).run()
+    finally:
+        client.close()
+    return conversation
+
+
+def printed(capsys) -> str:
+    captured = capsys.readouterr()
+    return " ".join((captured.out + captured.err).split())  # rich wraps lines at the terminal's width
+
+
+def test_an_image_path_in_a_message_goes_with_it(vision_home, tmp_path, capsys):
+    """As in Ollama's chat: a quoted path with a space is read, sent as the message's image and taken out of its
+    text; the answer's prompt counts the image's positions."""
+    image = tmp_path / "my photo.png"
+    image.write_bytes(png(10))
+    conversation = chat_in_terminal(vision_home, [f"Describe '{image}' in a word."])
+    asked, answer = conversation.messages
+    assert (asked.content, asked.images) == ("Describe in a word.", [b64(png(10))])
+    assert answer.role == "assistant"
+    assert conversation.figures.last is not None and conversation.figures.last.prompt_eval_count > N_PATCHES
+    assert f"Added image '{image}'" in printed(capsys)
+
+
+def test_a_message_may_open_with_image_paths(vision_home, tmp_path, monkeypatch, capsys):
+    """A line starting with an absolute path is a message, not an unknown command; an escaped space and a path
+    relative to the working directory are read too, in the order typed."""
+    (tmp_path / "my photo.png").write_bytes(png(11))
+    (tmp_path / "cat.png").write_bytes(png(12))
+    monkeypatch.chdir(tmp_path)
+    escaped = str(tmp_path / "my photo.png").replace(" ", "\\ ")
+    conversation = chat_in_terminal(vision_home, [f"{escaped} cat.png Which is brighter?"])
+    asked, _ = conversation.messages
+    assert (asked.content, asked.images) == ("Which is brighter?", [b64(png(11)), b64(png(12))])
+    assert "unknown command" not in printed(capsys)
+
+
+def test_a_path_to_no_file_stays_text_and_a_file_that_is_no_image_is_refused(vision_home, tmp_path, capsys):
+    notes = tmp_path / "notes.png"
+    notes.write_text("no image, whatever its name says")
+    missing = f"Rename it to {tmp_path / 'final.png'}, please."
+    conversation = chat_in_terminal(vision_home, [f"What is in {notes}?", missing])
+    assert f"{notes} is not an image localllm reads" in printed(capsys)
+    asked, _ = conversation.messages  # the refused message was not sent
+    assert (asked.content, asked.images) == (missing, None)
+
+
+def test_a_model_without_vision_keeps_the_path_as_text(vision_home, tmp_path, capsys):
+    image = tmp_path / "photo.png"
+    image.write_bytes(png(13))
+    conversation = chat_in_terminal(vision_home, [f"Describe {image}"], model="smollm2:135m")
+    asked, _ = conversation.messages
+    assert (asked.content, asked.images) == (f"Describe {image}", None)
+    assert "Added image" not in printed(capsys)
+
+
 # ------------------------------------------------------------------------------------------------- reference
 
 REFERENCE_EMBEDDINGS = """

@@ -1,5 +1,6 @@
 """The interactive chat of `localllm run MODEL`: a prompt with history and multi-line input, answers streamed as
-markdown, and Ollama's slash commands (/set, /show, /load, /save, /clear, /help, /bye) plus /stats and /image.
+markdown, and Ollama's slash commands (/set, /show, /load, /save, /clear, /help, /bye) plus /stats and /image. With
+a vision model, image files named in a message go with it, as in Ollama's chat (image_files.py).
 
 Ctrl-C while an answer streams closes the response stream (which cancels the request, on the server too) and returns
 to the prompt; Ctrl-C at the prompt prints a hint; Ctrl-D or /bye ends the chat. A bad command or value is a one-line
@@ -7,7 +8,6 @@ error and the chat goes on."""
 
 from __future__ import annotations
 
-import base64
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -21,8 +21,8 @@ from .. import api
 from ..client.protocol import Client
 from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
-from ..media import MAX_IMAGE_BYTES, decode_image
 from .app import console, err_console, print_error
+from .image_files import cut_mentions, find_image_files, read_image_file
 from .interrupts import interrupt_handled, raise_noted_interrupt
 from .prompt_cache_file import is_prompt_cache_file, read_prompt_cache, write_prompt_cache
 from .render import MarkdownStream, RawStream, print_model_facts, print_timings, render_pull, timing_rows
@@ -60,7 +60,8 @@ HELP = f"""Available Commands:
   /?, /help       Help for a command
   /? shortcuts    Help for keyboard shortcuts
 
-Use {TRIPLE_QUOTE} to begin a multi-line message."""
+Use {TRIPLE_QUOTE} to begin a multi-line message.
+Name a .jpg, .jpeg, .png or .webp file in a message to attach it (a model with vision)."""
 
 HELP_SET = """Available Commands:
   /set parameter NAME VALUE   Set a parameter (/set parameter alone lists them)
@@ -317,6 +318,7 @@ class Repl:
         self.wordwrap = True
         self.hide_thinking = hide_thinking
         self.images: list[str] = []  # base64 images /image attached to the next message
+        self._vision: dict[str, bool] = {}  # by model name: whether its capabilities list vision
         self._commands: dict[str, Callable[[str], bool | None]] = {
             "/set": self._set,
             "/show": self._show,
@@ -349,10 +351,10 @@ class Repl:
     def _handle(self, text: str) -> bool:
         """Answer or run one input; False ends the chat. Errors are one line and the chat goes on."""
         try:
-            if text.lstrip().startswith("/"):
+            if text.lstrip().startswith("/") and not self._opens_with_image(text.lstrip()):
                 return self._command(text.strip())
             if text.strip():
-                self.ask(unquote(text))
+                self.ask(unquote(self._take_images(text)))  # first: a quoted path keeps its quotes
         except LocalLLMError as exc:
             print_error(exc)
         except KeyboardInterrupt:  # e.g. during /load: stop that, not the chat
@@ -398,6 +400,26 @@ class Repl:
         if final is not None and self.verbose:
             print_timings(final, to=err_console)
 
+    def _take_images(self, text: str) -> str:
+        """Attach the image files a vision model's message names and return its text without them. Every file is
+        checked before any is attached, so a bad one leaves the message unsent and nothing half-attached."""
+        mentions = find_image_files(text) if self._has_vision() else []
+        images = [read_image_file(mention.path) for mention in mentions]
+        for mention, image in zip(mentions, images, strict=True):
+            self.images.append(image)
+            console.print(f"Added image '{mention.path}'", highlight=False, markup=False)
+        return cut_mentions(text, mentions)
+
+    def _opens_with_image(self, text: str) -> bool:
+        """Whether a line that starts with / is a message opening with an image's absolute path, not a command."""
+        return any(mention.start == 0 for mention in find_image_files(text)) and self._has_vision()
+
+    def _has_vision(self) -> bool:
+        model = self.conversation.model
+        if model not in self._vision:
+            self._vision[model] = "vision" in self.client.show(model).capabilities
+        return self._vision[model]
+
     # ----------------------------------------------------------------------------------------------- commands
 
     def _command(self, line: str) -> bool:
@@ -430,13 +452,7 @@ class Repl:
         if not rest.strip():
             raise InvalidInput("/image needs a file", hint="/image ./photo.png")
         path = Path(unquote(rest.strip())).expanduser()
-        if not path.is_file():
-            raise InvalidInput(f"no image file at {path}")
-        if path.stat().st_size > MAX_IMAGE_BYTES:
-            raise InvalidInput(f"{path} is {path.stat().st_size:,} bytes; the limit is {MAX_IMAGE_BYTES:,}")
-        data = path.read_bytes()
-        decode_image(data, what=str(path))
-        self.images.append(base64.b64encode(data).decode())
+        self.images.append(read_image_file(path))
         console.print(f"Added image '{path}' ({len(self.images)} for the next message)", highlight=False)
 
     def _clear(self, rest: str) -> None:
