@@ -277,7 +277,7 @@ RESPONSES_MAX_AGE = Setting(
 KV_POOL = Setting(
     "LOCALLLM_KV_POOL",
     "KV cache tokens a model's slots share, so one long conversation uses what short ones leave "
-    "(e.g. num_ctx, as llama-server's unified cache; default num_ctx x slots: each slot its own cells)",
+    "(default num_ctx, as llama-server's unified cache; num_ctx x slots gives each slot cells of its own)",
     parse_positive_int,
     lambda: 0,
 )

@@ -35,6 +35,7 @@ from localllm.chat.templates import render_chat
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.engine.speculative.speculation import Speculation
 from localllm.machine import physical_cores
+from localllm.models.plan import kv_cells
 
 FUNCTION = '''def summarize_orders(orders, tax_rate, discount=None):
     """Total the orders of one customer and return a small report."""
@@ -141,8 +142,10 @@ class LlamaServer:
             self.port = s.getsockname()[1]
         cmd = [binary, "-m", str(path), "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
         if not defaults:
-            # -c is the total context, which llama-server divides among its -np slots.
-            cmd += ["-c", str(ctx_per_slot * slots), "-np", str(slots), "-t", str(threads), "-tb", str(threads)]
+            # -c is the total context: our KV pool for these slots, unified as ours is when it is shared.
+            cells = kv_cells(ctx_per_slot, slots)
+            cmd += ["-c", str(cells), "-np", str(slots), "-t", str(threads), "-tb", str(threads)]
+            cmd += ["--kv-unified" if cells < ctx_per_slot * slots else "--no-kv-unified"]
         if spec:
             cmd += ["--spec-type", spec]
         cmd += extra

@@ -31,11 +31,9 @@ def test_kv_cache_matches_llama_cpp(smollm2_path, monkeypatch):
 
 
 @pytest.mark.models
-def test_the_slots_share_one_pool_when_asked(smollm2_path, monkeypatch):
+def test_the_slots_share_one_pool_of_a_slots_context_by_default(smollm2_path, monkeypatch):
     """As llama-server's unified cache for the same context: more slots draw from the same cells."""
     info = inspect_gguf(smollm2_path)
-    assert plan_memory(info, _load()).kv_cells == 8192  # by default every slot has cells of its own
-    monkeypatch.setenv("LOCALLLM_KV_POOL", "4096")
     base = plan_memory(info, _load())
     assert base.kv_total == base.kv_per_slot == 90 * MIB and base.kv_cells == 4096
     assert plan_memory(info, _load(num_parallel=4)).kv_total == base.kv_total
@@ -59,7 +57,6 @@ def test_plan_scales_with_context_and_kv_type(smollm2_path):
 @pytest.mark.models
 def test_plan_command(models_home, monkeypatch):
     monkeypatch.setenv("LOCALLLM_HOME", str(models_home))
-    monkeypatch.setenv("LOCALLLM_KV_POOL", "4096")
     result = CliRunner().invoke(app, ["plan", "smollm2:135m", "--num-ctx", "4096", "--num-parallel", "2"])
     assert result.exit_code == 0, result.output
     assert "90.0 MiB" in result.output and "2 slots x 4096 tokens" in result.output

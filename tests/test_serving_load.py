@@ -96,8 +96,7 @@ def test_a_long_prompt_beside_decoding_streams_goes_in_budget_sized_chunks(smoll
     assert len(chunks) >= math.ceil(1400 / expected) > math.ceil(1400 / model.n_batch)
 
 
-def test_a_long_conversation_uses_the_cells_short_ones_leave(smollm2_path, monkeypatch):
-    monkeypatch.setenv("LOCALLLM_KV_POOL", "512")
+def test_a_long_conversation_uses_the_cells_short_ones_leave(smollm2_path):
     # Two slots of 512 tokens draw from one pool of 512 cells (the default: one slot's context).
     model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1, num_parallel=2, num_ctx=512))
     assert model.kv_cells == 512 and model.n_ctx == 512
@@ -121,8 +120,7 @@ def test_a_long_conversation_uses_the_cells_short_ones_leave(smollm2_path, monke
         engine.close()
 
 
-def test_a_load_beyond_the_pool_ends_cleanly_before_native_code(smollm2_path, monkeypatch):
-    monkeypatch.setenv("LOCALLLM_KV_POOL", "512")
+def test_a_load_beyond_the_pool_ends_cleanly_before_native_code(smollm2_path):
     """Two conversations that would each run to a full context of 512 share 512 cells: neither makes llama_decode
     fail; the one that finds the pool full ends with "length", as at the end of a context."""
     model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_thread=1, num_parallel=2, num_ctx=512))
@@ -145,7 +143,7 @@ def test_a_load_beyond_the_pool_ends_cleanly_before_native_code(smollm2_path, mo
 
 
 def test_ps_shows_the_pool(models_home, tmp_path):
-    with served(private_home(models_home, tmp_path), LOCALLLM_KV_POOL="512") as url:
+    with served(private_home(models_home, tmp_path)) as url:
         options = {"temperature": 0, "num_predict": 8, "num_ctx": 512, "num_parallel": 2}
         reply = httpx.post(
             f"{url}/api/generate",

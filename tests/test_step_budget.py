@@ -225,3 +225,32 @@ def test_a_pool_smaller_than_one_context_is_refused():
 def test_a_pool_as_large_as_every_slot_bounds_nothing():
     s = _pooled(3 * 64)
     assert s.kv_cells is None
+
+
+def test_a_deterministic_request_starts_from_an_empty_pool():
+    # In a shared pool a sequence's cells land where others left room, which changes llama.cpp's sums: a
+    # deterministic request has every idle cache given up first, so it lands on the same cells every time.
+    s = _pooled(64)
+    for prompt in ([1, 2, 3, 4], [5, 6, 7]):
+        req = Request(prompt=prompt, max_tokens=1, sink=None)
+        s.admit(req)
+        _step_until_sampled(s, req)
+        s.finish(req, "length")
+    assert s.cells_held() == 7
+    det = Request(prompt=[1, 2, 3, 4, 9], max_tokens=4, sink=None, deterministic=True)
+    s.admit(det)
+    step = s.schedule()
+    assert sorted(step.trims) == [(0, 0), (1, 0)] and det.n_cached == 0
+    assert s.cells_held() == 0 and len(step.batch) == 5
+
+
+def test_without_a_pool_a_deterministic_request_leaves_the_other_caches():
+    s = _pooled(3 * 64)  # every slot has cells of its own: others' caches cannot move its cells
+    first = Request(prompt=[1, 2, 3, 4], max_tokens=1, sink=None)
+    s.admit(first)
+    _step_until_sampled(s, first)
+    s.finish(first, "length")
+    det = Request(prompt=[5, 6, 7], max_tokens=4, sink=None, deterministic=True)
+    s.admit(det)
+    step = s.schedule()
+    assert step.trims == [] and s.cells_held() == 4

@@ -10,6 +10,7 @@ from pathlib import Path
 import llama_cpp
 
 from ..backends.llama_cpp.backend import init_backend
+from ..models.plan import kv_cells
 
 
 class RawLoop:
@@ -171,7 +172,9 @@ def raw_decode_rate(path: Path, prompt: list[int], n: int, *, threads: int, n_ct
 
 
 def raw_batched_rate(path: Path, prompts: list[list[int]], n: int, *, threads: int, n_ctx: int) -> float:
-    loop = RawLoop(path, n_ctx=n_ctx, n_seq=len(prompts), threads=threads, ignore_eos=True)
+    # The same KV pool as our engine's slots draw from (the attention spans a shared pool's used cells).
+    pool = kv_cells(n_ctx, len(prompts))
+    loop = RawLoop(path, n_ctx=n_ctx, n_seq=len(prompts), threads=threads, ignore_eos=True, kv_cells=pool)
     try:
         clock = _Clock()
         outs = loop.generate_batched(prompts, n, on_token=clock.tick)

@@ -306,6 +306,10 @@ class Scheduler:
                 return
             req = self.waiting[0]
             slot = choice.slot
+            if req.deterministic and self.kv_cells is not None:
+                # In a shared pool a sequence's cells land where others left room, which changes llama.cpp's sums:
+                # a deterministic request starts from an empty pool (idle caches saved first), the same cells each time.
+                self._give_up_idle(step, self.kv_cells)
             # Keep at least the last prompt token to decode: its output is the first generated token.
             reuse = min(choice.reuse, len(req.prompt) - 1)
             saved = None if req.deterministic else self._saved_prefix(req.prompt, beats=reuse)

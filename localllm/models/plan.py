@@ -93,10 +93,9 @@ def plan_memory(info: GGUFInfo, load: LoadOptions, *, adapters: int = 0, project
 
 
 def kv_cells(n_ctx: int, n_seq: int) -> int:
-    """The KV cells `n_seq` slots of `n_ctx` tokens share: LOCALLLM_KV_POOL, never less than one slot's context nor
-    more than all of theirs. Unset, every slot keeps cells of its own: a shared pool places a sequence's cells where
-    others left room, which changes llama.cpp's numerics, and deterministic mode needs the same cells every time."""
-    pool = config.KV_POOL.get() or n_ctx * max(1, n_seq)
+    """The KV cells `n_seq` slots of `n_ctx` tokens share: LOCALLLM_KV_POOL, by default one slot's context (what
+    llama-server's unified cache holds for the same context), never less than that nor more than all of theirs."""
+    pool = config.KV_POOL.get() or n_ctx
     return max(n_ctx, min(pool, n_ctx * max(1, n_seq)))
 
 
