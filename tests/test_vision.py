@@ -7,7 +7,6 @@ projectors are the synthetic ones of tests/vision_model.py, over smollm2:135m's 
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
 import struct
@@ -23,10 +22,9 @@ import numpy as np
 import ollama
 import openai
 import pytest
-from PIL import Image
 from server_harness import private_home, served
 from typer.testing import CliRunner
-from vision_model import N_PATCHES, write_projector
+from vision_model import N_PATCHES, png, write_projector
 
 from localllm import api
 from localllm.cli.app import app
@@ -166,14 +164,6 @@ def test_plan_counts_the_projector(store, monkeypatch):
 VISION = "smolvlm"
 OPTIONS = {"temperature": 0, "num_predict": 12, "num_ctx": 512, "num_thread": 1, "seed": 0}
 DEFAULT_MTMD_CLI = "/root/.cache/localllm-bench/llama.cpp-0.3.36/build/bin/llama-mtmd-cli"
-
-
-def png(seed: int = 0, size: int = 32) -> bytes:
-    """A PNG of random pixels (random weights see noise anyway)."""
-    pixels = np.random.default_rng(seed).integers(0, 255, (size, size, 3)).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
 
 
 def bomb_png(width: int, height: int) -> bytes:

@@ -8,6 +8,7 @@ tensor names and `clip.vision.*` keys tools/mtmd/clip.cpp reads, so llama-mtmd-c
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import gguf
@@ -81,3 +82,13 @@ def write_projector(path: Path, *, seed: int = 0, text_embd: int = TEXT_EMBD, ki
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def png(seed: int = 0, size: int = IMAGE_SIZE) -> bytes:
+    """A PNG of random pixels (random weights see noise anyway); another seed, another image."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 255, (size, size, 3)).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
