@@ -7,6 +7,7 @@ low-level API on the same model, threads and tokens, or our own engine where the
     python scripts/bench.py                          # all sections, catalog models from the local store
     python scripts/bench.py --only engine rest       # some sections
     python scripts/bench.py --models smollm2:135m --tokens 64 --no-write
+    python scripts/bench.py --only vision --llama-server PATH   # one image's first token, against llama-server
 """
 
 from __future__ import annotations
@@ -173,6 +174,15 @@ def rerank_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return bench_embed.rerank_figures(llama_server_binary=args.llama_server, repeats=args.repeats)
 
 
+def vision_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """Time to first token with one image against llama-server --mmproj, `path` the text model under a synthetic
+    projector the section writes itself (scripts/bench_vision.py). `python scripts/bench.py --only vision
+    --llama-server PATH`."""
+    import bench_vision
+
+    return bench_vision.vision_figures(path, llama_server_binary=args.llama_server, repeats=args.repeats)
+
+
 def bandwidth_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     """One stream's decode at the defaults as a share of the measured memory read bandwidth, ours and llama-server's
     (scripts/bench_embed.py). `python scripts/bench.py --models qwen2.5-coder:1.5b --only bandwidth`."""
@@ -198,6 +208,7 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "rpc": ("RPC worker over loopback (informational)", rpc_section),
     "embed": ("Embeddings against llama-server", embed_section),
     "rerank": ("Reranking against llama-server", rerank_section),
+    "vision": ("Vision: first token with an image against llama-server", vision_section),
     "bandwidth": ("Decode against memory bandwidth (informational)", bandwidth_section),
 }
 
@@ -293,7 +304,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=["smollm2:135m"], help="pulled models to measure")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--draft", default="qwen2.5-coder:0.5b", help="the pair section's draft model")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats of the embed and bandwidth sections")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of the embed, vision and bandwidth sections")
     parser.add_argument("--threads", type=int, default=None, help="our engine's threads (default: its own)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     parser.add_argument(

@@ -69,7 +69,8 @@ class Bracketed:
             run.spread.append(abs(1 - after / before))
         return run
 
-    def figure(self, name: str, target: float, *, note: str) -> Figure:
+    def figure(self, name: str, target: float, *, note: str, lower_is_better: bool = False) -> Figure:
+        """`lower_is_better`: the runs measured times, not rates, and ours must stay under target x reference."""
         import statistics
 
         return Figure(
@@ -78,6 +79,7 @@ class Bracketed:
             statistics.median(self.reference),
             "tok/s",
             target,
+            lower_is_better=lower_is_better,
             noise=statistics.median(self.spread),
             note=f"{note}; median of {len(self.ours)} repeats of reference, ours, reference",
         )

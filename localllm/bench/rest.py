@@ -40,14 +40,18 @@ def served_model(
     n_ctx: int,
     home: Path | None = None,
     env: dict[str, str] | None = None,
+    projector: Path | None = None,
 ) -> Iterator[str]:
-    """`localllm serve` in a subprocess over a home that holds `path` as model "bench:latest": a private one, or
-    `home` (kept, so a second server on it is a restart), with `env`'s settings on top."""
+    """`localllm serve` in a subprocess over a home that holds `path` as model "bench:latest" (with `projector` as
+    its vision projector): a private one, or `home` (kept, so a second server on it is a restart), with `env`'s
+    settings on top."""
     import tempfile
 
     if home is None:
         with tempfile.TemporaryDirectory(prefix="localllm-bench-") as private:
-            with served_model(path, slots=slots, threads=threads, n_ctx=n_ctx, home=Path(private), env=env) as base:
+            with served_model(
+                path, slots=slots, threads=threads, n_ctx=n_ctx, home=Path(private), env=env, projector=projector
+            ) as base:
                 yield base
         return
     import os
@@ -77,7 +81,7 @@ def served_model(
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_until_up(base, proc)
-        _create_bench_model(path, home)
+        _create_bench_model(path, home, projector)
         started = time.perf_counter()
         httpx.post(f"{base}/api/generate", json={"model": "bench", "prompt": ""}, timeout=300)  # load it
         SERVED_PIDS[base], FIRST_LOADS[base] = proc.pid, time.perf_counter() - started
@@ -95,7 +99,7 @@ SERVED_PIDS: dict[str, int] = {}
 FIRST_LOADS: dict[str, float] = {}
 
 
-def _create_bench_model(path: Path, home: Path) -> None:
+def _create_bench_model(path: Path, home: Path, projector: Path | None) -> None:
     from ..api import CreateRequest
     from ..models.create import create_model
     from ..models.store import Store
@@ -103,7 +107,8 @@ def _create_bench_model(path: Path, home: Path) -> None:
     weights = home / "bench.gguf"  # a blob has no .gguf name; a model name must say it is a file
     if not weights.exists():
         weights.symlink_to(Path(path).resolve())
-    list(create_model(CreateRequest(model="bench", **{"from": str(weights)}), Store(home / "models")))
+    request = CreateRequest(model="bench", projector=str(projector) if projector else None, **{"from": str(weights)})
+    list(create_model(request, Store(home / "models")))
 
 
 def _wait_until_up(base: str, proc) -> None:
