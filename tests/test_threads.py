@@ -117,6 +117,46 @@ def test_ties_go_to_fewer_threads():
     assert tuner.settled("decode") == 1
 
 
+def time_sliced(fast_share: float):
+    """Two cores, one taken by a process the OS slices in and out: two threads run a step at full speed while it is
+    off the CPU and stall 8x while it is on; one thread shares its core at a steady 0.6 of full speed. Two threads'
+    steps are fast more often than not, yet take longer on average than one thread's."""
+    steps = [0]
+
+    def step(threads: int, rows: int) -> float:
+        steps[0] += 1
+        if threads == 1:
+            return 0.010 * rows / 0.6
+        fast = (steps[0] * 0.618) % 1 < fast_share  # a fixed scatter of fast and slow steps
+        return 0.005 * rows * (1 if fast else 8)
+
+    return step
+
+
+def test_counts_are_compared_by_their_mean_step_not_a_lucky_median():
+    tuner = ThreadTuner(2)
+    run(tuner, time_sliced(0.6), TRIAL * 2)
+    assert tuner.settled("decode") == 1  # two threads: median 5 ms, mean about 19 ms a row; one thread 17 ms
+
+
+def test_a_slowdown_of_scattered_slow_steps_is_seen():
+    tuner = ThreadTuner(2, recheck=10_000, first_recheck=10_000)
+    run(tuner, machine(2), TRIAL * 2)
+    assert tuner.settled("decode") == 2
+    # The load arrives: most two-thread steps are as fast as before, but never six slow ones in a row.
+    used = run(tuner, time_sliced(0.6), 6 + TRIAL * 2 + 10)
+    assert tuner.settled("decode") == 1 and used[-10:] == [1] * 10
+
+
+def test_more_threads_must_win_by_the_margin():
+    tuner = ThreadTuner(2, margin=1.05)
+    run(tuner, lambda threads, rows: 0.010 if threads == 1 else 0.0098, TRIAL * 2)
+    assert tuner.settled("decode") == 1  # 2% faster: not worth a core
+    tuner = ThreadTuner(2, margin=1.05)
+    run(tuner, lambda threads, rows: 0.010 if threads == 1 else 0.009, TRIAL * 2)
+    assert tuner.settled("decode") == 2
+
+
 def test_physical_cores_count_hyperthread_siblings_once(tmp_path: Path):
     for cpu, (package, core) in enumerate([(0, 0), (0, 1), (0, 0), (0, 1), (1, 0)]):
         topology = tmp_path / f"cpu{cpu}" / "topology"

@@ -10,6 +10,7 @@ seconds): the engine thread times each decode and sets the count (backends' `set
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,7 +28,7 @@ class _Tuning:
     best: int = 0
     # The settled count's seconds per row, per rows bucket: from its trial, or its first steps of a new batch shape.
     baselines: dict[int, list[float]] = field(default_factory=dict)
-    slow: int = 0  # consecutive steps slower than the baseline allows
+    recent: deque[float] = field(default_factory=deque)  # the settled count's latest steps, as a share of baseline
     since: int = 0  # steps since it settled
     interval: int = 0  # steps before the next re-check: short after a change of count, doubling while it holds
     settles: int = 0  # how many times it has settled (for ps and the benchmark)
@@ -39,12 +40,17 @@ class ThreadTuner:
 
     Trials interleave the candidates (1, 2, .., n, 1, 2, .., n, ...) for up to `rounds` rounds, each count for its
     kind's TrialShape, so a change in the batch or the machine during a trial weighs on every count alike; each
-    count's median seconds per row decides. A trial ends after two rounds when one count's slowest step beat every
-    other count's fastest, and a re-check after one when that count is the settled one: a trial's steps at the
-    losing counts are what tuning costs. A settled count is tried again soon (`first_recheck` steps), then less
-    often while trials keep choosing it (up to `recheck` steps): a trial may have met a passing load, such as
-    another program's threads winding down. It is tried at once after `patience` steps in a row slower than
-    `slowdown` times its baseline (another process took a core)."""
+    count's mean seconds per row decides, and more threads win only by `margin`. A trial ends after two rounds when
+    one count's slowest step beat every other count's fastest, and a re-check after one when that count is the
+    settled one: a trial's steps at the losing counts are what tuning costs. A settled count is tried again soon
+    (`first_recheck` steps), then less often while trials keep choosing it (up to `recheck` steps): a trial may
+    have met a passing load, such as another program's threads winding down. It is tried at once when its last
+    `patience` steps took on average more than `slowdown` times its baseline (another process took a core).
+
+    Means, not medians: while another process shares the cores, threads that need a core of their own run some steps
+    fast (the other process is off the CPU) and others several times slower; a median of such steps looks fast, and
+    a count chosen by it, or a slowdown looked for in a run of slow steps, can keep half the speed the fewer threads
+    give (docs/benchmark-notes.md, "Threads under contention")."""
 
     def __init__(
         self,
@@ -55,6 +61,7 @@ class ThreadTuner:
         recheck: int = 1024,
         slowdown: float = 1.3,
         patience: int = 6,
+        margin: float = 1.05,
     ):
         self.candidates = list(range(1, max(1, max_threads) + 1))
         self.rounds = rounds
@@ -62,6 +69,7 @@ class ThreadTuner:
         self.recheck = recheck
         self.slowdown = slowdown
         self.patience = patience
+        self.margin = margin
         self._kinds: dict[str, _Tuning] = {}
 
     def choose(self, kind: StepKind) -> int:
@@ -91,8 +99,11 @@ class ThreadTuner:
         if len(seen) < BASELINE_STEPS:  # a batch shape the trial did not see: its first steps set its baseline
             seen.append(per_row)
             return
-        tuning.slow = tuning.slow + 1 if per_row > statistics.median(seen) * self.slowdown else 0
-        if tuning.slow >= self.patience or tuning.since >= tuning.interval:
+        tuning.recent.append(per_row / statistics.median(seen))
+        if len(tuning.recent) > self.patience:
+            tuning.recent.popleft()
+        slowed = len(tuning.recent) == self.patience and statistics.fmean(tuning.recent) > self.slowdown
+        if slowed or tuning.since >= tuning.interval:
             self._start_trial(tuning)
 
     def settled(self, kind: StepKind) -> int | None:
@@ -114,9 +125,9 @@ class ThreadTuner:
 
     def _start_trial(self, tuning: _Tuning) -> None:
         if len(tuning.candidates) == 1:  # nothing to choose, and nothing to watch
-            tuning.best, tuning.since, tuning.slow, tuning.settles = tuning.candidates[0], 0, 0, 1
+            tuning.best, tuning.since, tuning.settles = tuning.candidates[0], 0, 1
             tuning.interval = self.recheck
-            tuning.baselines = {}
+            tuning.baselines, tuning.recent = {}, deque()
             return
         block = [False] * tuning.shape.warm_up + [True] * tuning.shape.measured
         tuning.trials = [(t, measured) for _ in range(self.rounds) for t in tuning.candidates for measured in block]
@@ -133,16 +144,18 @@ class ThreadTuner:
         return rounds >= 2 or (tuning.settles > 0 and winner == tuning.best)
 
     def _settle(self, tuning: _Tuning) -> None:
-        medians = {t: statistics.median(per_row for _, per_row in s) for t, s in tuning.samples.items() if s}
-        # Ties go to fewer threads: they leave more of the machine to everything else.
-        best = min(medians, key=lambda t: (medians[t], t))
+        means = {t: statistics.fmean(per_row for _, per_row in s) for t, s in tuning.samples.items() if s}
+        # Fewer threads unless more are faster by the margin: they leave more of the machine to everything else,
+        # and more threads lose most when a core is taken.
+        fastest = min(means.values())
+        best = min(t for t in means if means[t] <= fastest * self.margin)
         confirmed = tuning.settles > 0 and best == tuning.best
         tuning.interval = min(self.recheck, tuning.interval * 2) if confirmed else self.first_recheck
         tuning.best = best
         tuning.baselines = {}
         for shape, per_row in tuning.samples[tuning.best]:
             tuning.baselines.setdefault(shape, []).append(per_row)
-        tuning.since = tuning.slow = 0
+        tuning.since, tuning.recent = 0, deque()
         tuning.settles += 1
 
 
