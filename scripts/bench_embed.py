@@ -4,8 +4,8 @@
   on the same GGUF (`--models nomic-embed-text --only embed --llama-server PATH`);
 - reranking: 64 documents in one /v1/rerank request, ours against llama-server --rerank, on the synthetic
   cross-encoder the tests score (tests/rerank_model.py; `--only rerank --llama-server PATH`: no model is pulled);
-- bandwidth: one stream's decode at the defaults as a share of this machine's measured memory read bandwidth
-  (model bytes x tok/s / GB/s), ours and llama-server's (`--models qwen2.5-coder:1.5b --only bandwidth`)."""
+- bandwidth: one stream's decode at 1 thread and at every core as a share of the read bandwidth as many threads
+  measure (model bytes x tok/s / GB/s), ours and llama-server's (`--models qwen2.5-coder:1.5b --only bandwidth`)."""
 
 from __future__ import annotations
 
@@ -211,47 +211,57 @@ def read_bandwidth(threads: int, *, size: int = 1 << 30, repeats: int = 5) -> fl
 def bandwidth_figures(
     path: Path, *, n: int, llama_server_binary: str | None, repeats: int = 3, log: Callable[[str], None] = print
 ) -> list[Figure]:
-    from bench_threads import _llama_server_run, _prompts
+    """One stream's decode as a share of the read bandwidth the same threads measure, at 1 thread and at every core,
+    ours and llama-server's (both pinned to the count)."""
+    from bench_threads import _prompts
 
     from localllm.machine import physical_cores
 
-    cores = physical_cores()
-    model_bytes = path.stat().st_size
     story, _ = _prompts(path)
-    log(f"bandwidth: reading 1 GiB with {cores} thread(s)")
-    gbs = read_bandwidth(cores)
+    figures = []
+    for threads in sorted({1, physical_cores()}):
+        log(f"bandwidth: reading 1 GiB with {threads} thread(s)")
+        gbs = read_bandwidth(threads)
+        rates = _decode_rates(path, story, n=n, threads=threads, binary=llama_server_binary, repeats=repeats, log=log)
+        figures += [_share(path, who, measured, gbs, threads) for who, measured in rates.items() if measured]
+    return figures
+
+
+def _decode_rates(
+    path: Path, story: list[int], *, n: int, threads: int, binary: str | None, repeats: int, log: Callable[[str], None]
+) -> dict[str, list[float]]:
+    """One stream's decode tok/s at `threads`, `repeats` times each, ours and llama-server's (when given)."""
+    from bench_threads import _llama_server_run
+
     rates: dict[str, list[float]] = {"ours": [], "llama-server": []}
-    with rest.served_model(path, slots=1, threads=None, n_ctx=4096) as ours:
+    with rest.served_model(path, slots=1, threads=threads, n_ctx=4096) as ours:
         rest.rest_run(ours, [story], 8)  # warm-up
         for i in range(repeats):
-            log(f"bandwidth: localllm serve at its defaults, one stream, repeat {i + 1}/{repeats}")
+            log(f"bandwidth: localllm serve, one stream at {threads} thread(s), repeat {i + 1}/{repeats}")
             rates["ours"].append(rest.rest_run(ours, [story], n).rate())
-    if llama_server_binary:
+    if binary:
         import bench_spec
 
-        server = bench_spec.LlamaServer(llama_server_binary, path, threads=0, spec=None, defaults=True)
+        server = bench_spec.LlamaServer(binary, path, threads=threads, spec=None, slots=1)
         try:
             server.complete(story[:8], 4)
             for i in range(repeats):
-                log(f"bandwidth: llama-server at its defaults, one stream, repeat {i + 1}/{repeats}")
+                log(f"bandwidth: llama-server, one stream at {threads} thread(s), repeat {i + 1}/{repeats}")
                 rates["llama-server"].append(_llama_server_run(server, [story], n).rate())
         finally:
             server.close()
-    figures = []
-    for who, measured in rates.items():
-        if not measured:
-            continue
-        rate = statistics.median(measured)
-        achieved = model_bytes * rate / 1e9
-        figures.append(
-            Figure(
-                f"decode as a share of read bandwidth: {who}",
-                achieved,
-                gbs,
-                "GB/s",
-                None,
-                note=f"{model_bytes / 1e9:.2f} GB x {rate:.2f} tok/s (median of {len(measured)}) against "
-                f"{gbs:.1f} GB/s read by {cores} thread(s); the ratio is the share",
-            )
-        )
-    return figures
+    return rates
+
+
+def _share(path: Path, who: str, measured: list[float], gbs: float, threads: int) -> Figure:
+    model_bytes = path.stat().st_size
+    rate = statistics.median(measured)
+    return Figure(
+        f"decode as a share of read bandwidth at {threads} thread(s): {who}",
+        model_bytes * rate / 1e9,
+        gbs,
+        "GB/s",
+        None,
+        note=f"{model_bytes / 1e9:.2f} GB x {rate:.2f} tok/s (median of {len(measured)}) against "
+        f"{gbs:.1f} GB/s read by {threads} thread(s); the ratio is the share",
+    )

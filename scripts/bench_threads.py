@@ -31,6 +31,7 @@ from localllm.chat.templates import render_chat
 from localllm.machine import physical_cores
 
 N_CTX = 4096
+BUSY_REPEATS = 5  # every one must hold: a collapse in one of them is what a user meets
 
 
 def thread_figures(
@@ -38,27 +39,37 @@ def thread_figures(
 ) -> list[Figure]:
     os.environ.pop("LOCALLLM_NUM_THREAD", None)  # defaults: nothing pinned
     story, four = _prompts(path)
+    sixteen = _client_prompts(path, 16)
     cores = physical_cores()
     figures = _raw_against_defaults(path, story, n=n, cores=cores, repeats=repeats, log=log)
     if llama_server:
-        figures += _servers_at_defaults(path, llama_server, story, four, n=n, repeats=repeats, log=log)
+        streams = {"single stream": [story], "4 streams": four, "16 clients on 4 slots": sixteen}
+        figures += _servers_at_defaults(path, llama_server, streams, n=n, repeats=repeats, log=log)
     else:
         log("no llama-server binary (LLAMA_SERVER=$(bash scripts/build_llama_server.sh)): its rows are skipped")
     return figures
 
 
 def _prompts(path: Path) -> tuple[list[int], list[list[int]]]:
+    story, *four = _rendered(path, [LONG_STORY, *FOUR_PROMPTS])
+    return story, four
+
+
+def _client_prompts(path: Path, count: int) -> list[list[int]]:
+    """`count` distinct chat prompts, the four prompts asked by numbered clients."""
+    texts = [f"{FOUR_PROMPTS[i % len(FOUR_PROMPTS)]} (client {i + 1})" for i in range(count)]
+    return _rendered(path, texts)
+
+
+def _rendered(path: Path, texts: list[str]) -> list[list[int]]:
+    """Each text as a user message in the model's chat template, as token ids."""
     loop = RawLoop(path, n_ctx=512, threads=1)
     try:
         import llama_cpp
 
         raw = llama_cpp.llama_model_chat_template(loop.model, None)
         template = raw.decode() if raw else None
-
-        def render(text: str) -> list[int]:
-            return loop.tokenize(render_chat(template, [{"role": "user", "content": text}]))
-
-        return render(LONG_STORY), [render(p) for p in FOUR_PROMPTS]
+        return [loop.tokenize(render_chat(template, [{"role": "user", "content": text}])) for text in texts]
     finally:
         loop.close()
 
@@ -73,35 +84,61 @@ def _raw_against_defaults(
     path: Path, story: list[int], *, n: int, cores: int, repeats: int, log: Callable[[str], None]
 ) -> list[Figure]:
     engine = make_engine(path, threads=None, n_ctx=N_CTX)
-    tuner = engine.threads
-    assert tuner is not None
     try:
-        figures = []
-        for label, load, target in (("idle", _idle, 0.97), ("one core busy", busy_core, 0.9)):
-            best_t, best, ours = 0, 0.0, 0.0
-            with load():
-                for i in range(repeats):
-                    log(f"defaults, {label}: raw loop at 1..{cores} threads and ours, repeat {i + 1}/{repeats}")
-                    t, rate = _best_raw(path, story, n=n, cores=cores)
-                    if rate > best:
-                        best_t, best = t, rate
-                    ours = max(ours, engine_run(engine, [story], n).rate())
-                settled = tuner.settled("decode")
-                steps = tuner.trial_steps("decode")
-            figures.append(
-                Figure(
-                    f"defaults, {label}: single stream vs the best raw thread count",
-                    ours,
-                    best,
-                    "tok/s",
-                    target,
-                    note=f"raw best at {best_t} of 1..{cores} thread(s); ours settled on {settled} "
-                    f"thread(s), its last trial took {steps} decode steps",
-                )
-            )
-        return figures
+        return [
+            _idle_figure(engine, path, story, n=n, cores=cores, repeats=repeats, log=log),
+            _contended_figure(engine, path, story, n=n, cores=cores, repeats=BUSY_REPEATS, log=log),
+        ]
     finally:
         engine.close()
+
+
+def _idle_figure(engine, path: Path, story: list[int], *, n: int, cores: int, repeats: int, log) -> Figure:
+    """Idle: our best run against the best raw count's best run."""
+    best_t, best, ours = 0, 0.0, 0.0
+    for i in range(repeats):
+        log(f"defaults, idle: raw loop at 1..{cores} threads and ours, repeat {i + 1}/{repeats}")
+        t, rate = _best_raw(path, story, n=n, cores=cores)
+        if rate > best:
+            best_t, best = t, rate
+        ours = max(ours, engine_run(engine, [story], n).rate())
+    return Figure(
+        "defaults, idle: single stream vs the best raw thread count",
+        ours,
+        best,
+        "tok/s",
+        0.97,
+        note=f"raw best at {best_t} of 1..{cores} thread(s); {_tuner_note(engine)}",
+    )
+
+
+def _contended_figure(engine, path: Path, story: list[int], *, n: int, cores: int, repeats: int, log) -> Figure:
+    """One core busy elsewhere: each repeat's ratio against the best raw count under the same load; the worst repeat
+    is the figure (a median hides a collapse)."""
+    runs: list[tuple[float, float, int]] = []  # (ours, best raw, its count)
+    with busy_core():
+        for i in range(repeats):
+            log(f"defaults, one core busy: raw loop at 1..{cores} threads and ours, repeat {i + 1}/{repeats}")
+            t, rate = _best_raw(path, story, n=n, cores=cores)
+            runs.append((engine_run(engine, [story], n).rate(), rate, t))
+    ours, best, best_t = min(runs, key=lambda r: r[0] / r[1])
+    ratios = " ".join(f"{o / b:.2f}" for o, b, _ in runs)
+    return Figure(
+        f"defaults, one core busy: single stream vs the best raw thread count, worst of {repeats}",
+        ours,
+        best,
+        "tok/s",
+        0.9,
+        note=f"each repeat {ratios}; raw best at {best_t} of 1..{cores} thread(s) in the worst; {_tuner_note(engine)}",
+    )
+
+
+def _tuner_note(engine) -> str:
+    tuner = engine.threads
+    return (
+        f"ours settled on {tuner.settled('decode')} thread(s), its last trial took "
+        f"{tuner.trial_steps('decode')} decode steps"
+    )
 
 
 @contextmanager
@@ -112,55 +149,50 @@ def _idle() -> Iterator[None]:
 def _servers_at_defaults(
     path: Path,
     binary: str,
-    story: list[int],
-    four: list[list[int]],
+    streams: dict[str, list[list[int]]],
     *,
     n: int,
     repeats: int,
     log: Callable[[str], None],
 ) -> list[Figure]:
+    """Each load of `streams` on both servers at their defaults, interleaved: decode rate and time to first token."""
     import bench_spec
 
     server = bench_spec.LlamaServer(binary, path, threads=0, spec=None, defaults=True)
+    ours_runs: dict[str, list[EngineRun]] = {name: [] for name in streams}
+    their_runs: dict[str, list[EngineRun]] = {name: [] for name in streams}
     try:
         with rest.served_model(path, slots=4, threads=None, n_ctx=N_CTX) as base:
-            rest.rest_run(base, four, 8)  # warm-up, as for llama-server below
-            server.complete(four[0][:8], 4)
-            rows: dict[str, tuple[list[float], list[float]]] = {}
+            warm = streams["4 streams"]
+            rest.rest_run(base, warm, 8)  # warm-up, as for llama-server below
+            server.complete(warm[0][:8], 4)
             for i in range(repeats):
-                for name, prompts in (("single stream", [story]), ("4 streams", four)):
+                for name, prompts in streams.items():
                     log(f"defaults vs llama-server's: {name}, repeat {i + 1}/{repeats}")
-                    theirs = _llama_server_run(server, prompts, n)
-                    ours = rest.rest_run(base, prompts, n)
-                    rates, firsts = rows.setdefault(name, ([], []))
-                    rates.append(ours.rate() / theirs.rate())
-                    firsts.append(ours.ttft() / theirs.ttft())
-                    rows[name + " raw"] = rows.get(name + " raw", ([], []))
-                    rows[name + " raw"][0].append(theirs.rate())
-                    rows[name + " raw"][1].append(theirs.ttft())
+                    their_runs[name].append(_llama_server_run(server, prompts, n))
+                    ours_runs[name].append(rest.rest_run(base, prompts, n))
     finally:
         server.close()
+    note = f"median of {repeats} interleaved runs, both servers at their defaults, the client's clock"
     figures = []
-    for name in ("single stream", "4 streams"):
-        rates, firsts = rows[name]
-        their_rate = statistics.median(rows[name + " raw"][0])
-        their_ttft = statistics.median(rows[name + " raw"][1]) * 1000
-        rate = statistics.median(rates)
-        first = statistics.median(firsts)
-        note = f"median of {repeats} interleaved runs, both servers at their defaults, the client's clock"
+    for name in streams:
+        ours, theirs = ours_runs[name], their_runs[name]
+        # More clients than slots: the clients' whole wait counts, not only the window when all of them decode.
+        measure = EngineRun.throughput if len(streams[name]) > 4 else EngineRun.rate
+        their_rate = statistics.median(measure(r) for r in theirs)
+        their_ttft = statistics.median(r.ttft() for r in theirs) * 1000
+        rate = statistics.median(measure(o) / measure(t) for o, t in zip(ours, theirs))
+        first = statistics.median(o.ttft() / t.ttft() for o, t in zip(ours, theirs))
         figures.append(
-            Figure(
-                f"defaults vs llama-server's: {name} decode", rate * their_rate, their_rate, "tok/s", 0.97, note=note
-            )
+            Figure(f"defaults vs llama-server's: {name} decode", rate * their_rate, their_rate, "tok/s", 1.0, note=note)
         )
-        # 0.97x of its speed in time to first token is at most 1/0.97 of its time.
         figures.append(
             Figure(
                 f"defaults vs llama-server's: {name} time to first token",
                 first * their_ttft,
                 their_ttft,
                 "ms",
-                round(1 / 0.97, 3),
+                1.05 if name == "single stream" else None,
                 lower_is_better=True,
                 note=note,
             )

@@ -83,6 +83,13 @@ class EngineRun:
     def ttft(self) -> float:
         return min(chunks[0][0] for chunks in self.arrivals) - self.submitted
 
+    def throughput(self) -> float:
+        """Every token over the time from submission to the last one: with more streams than slots the later ones
+        wait for a slot, and that waiting is part of what the clients get."""
+        end = max(chunks[-1][0] for chunks in self.arrivals)
+        tokens = sum(n for chunks in self.arrivals for _, n in chunks)
+        return tokens / (end - self.submitted) if end > self.submitted else 0.0
+
 
 def make_engine(path: Path, *, threads: int | None, n_ctx: int, n_slots: int = 1) -> ModelEngine:
     """Our engine on `path`; `threads` pins the count, None tunes it as it runs (the server's default)."""
