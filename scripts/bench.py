@@ -134,16 +134,17 @@ def _serving(path: Path, args: argparse.Namespace) -> tuple[list[Figure], list[F
     key = (path, args.tokens, args.llama_server)
     if key not in _SERVING:
         _SERVING[key] = bench_serving.mixed_and_memory_figures(
-            path, n=max(args.tokens, 96), llama_server_binary=args.llama_server
+            path, n=max(args.tokens, 256), llama_server_binary=args.llama_server
         )
     return _SERVING[key]
 
 
 def first_load_section(path: Path, args: argparse.Namespace) -> list[Figure]:
-    """The first load of a model on a fresh home against a repeated load (scripts/bench_serving.py)."""
+    """The first load of a model on a fresh home against a repeated load, and the first `localllm run` after a pull
+    (scripts/bench_serving.py)."""
     import bench_serving
 
-    return bench_serving.first_load_figures(path)
+    return bench_serving.first_load_figures(path) + bench_serving.first_run_figures(path)
 
 
 def mlx_section(path: Path, args: argparse.Namespace) -> list[Figure]:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +33,7 @@ from localllm.bench.figures import Figure  # noqa: E402
 from localllm.bench.rest import http_client, served_model  # noqa: E402
 
 LONG_TOKENS = 1400
-BUSY = "taken on a busy shared machine"  # the note these figures carry until the lead measures them idle
+ROUNDS = 3
 N_CTX = 4096  # our default context per slot, and what llama-server gets per slot from its trained context or more
 # A stream function: stream(prompt tokens, n, on_tokens) runs one streamed greedy request to its end.
 StreamFn = Callable[[list[int], int, Callable[[list[int]], None]], None]
@@ -146,96 +147,141 @@ def llama_server(binary: str, path: Path) -> Iterator:
         server.close()
 
 
+@dataclass
+class Served:
+    """A server under test: how to stream to it, its process, and what each round measured."""
+
+    stream: StreamFn
+    pid: int
+    alone: list[float] = field(default_factory=list)  # the long prompt's TTFT with nothing else running
+    mixed: list[Mixed] = field(default_factory=list)
+    idle_rss: float = 0.0
+    busy_rss: float = 0.0
+
+
 def mixed_and_memory_figures(
-    path: Path, *, n: int = 256, llama_server_binary: str | None = None, log: Callable[[str], None] = print
+    path: Path,
+    *,
+    n: int = 256,
+    rounds: int = ROUNDS,
+    llama_server_binary: str | None = None,
+    log: Callable[[str], None] = print,
 ) -> tuple[list[Figure], list[Figure]]:
-    """The mixed load on ours (and llama-server's), and the servers' RSS idle and after it."""
+    """The same workload on ours and llama-server (when given), both at their defaults, in interleaved rounds: a
+    lone long prompt, then three decoders with a long prompt arriving; each server's RSS idle and after all rounds."""
     from localllm.bench import rest
 
     decoders, long = _prompts(path)
-    with served_model(path, slots=4, threads=None, n_ctx=N_CTX) as base:
-        pid = rest.SERVED_PIDS[base]
-        ours = _ours(base)
-        idle = rss(pid)
-        log("serving: our lone long prompt")
-        alone = alone_ttft(ours, long(1))
-        log("serving: our mixed load")
-        mixed = mixed_run(ours, decoders, long(2), n)
-        busy = rss(pid)
-    theirs: Mixed | None = None
-    their_idle = their_busy = float("nan")
-    if llama_server_binary:
-        with llama_server(llama_server_binary, path) as server:
-            their_idle = rss(server.proc.pid)
-            log("serving: llama-server's mixed load")
-            theirs = mixed_run(_theirs(server), decoders, long(3), n)
-            their_busy = rss(server.proc.pid)
-    shared = BUSY
-    mixed_figures = [
+    with ExitStack() as stack:
+        base = stack.enter_context(served_model(path, slots=4, threads=None, n_ctx=N_CTX))
+        servers = {"ours": Served(_ours(base), rest.SERVED_PIDS[base])}
+        if llama_server_binary:
+            server = stack.enter_context(llama_server(llama_server_binary, path))
+            servers["llama-server"] = Served(_theirs(server), server.proc.pid)
+        for served in servers.values():
+            served.idle_rss = rss(served.pid)
+        for r in range(rounds):
+            for k, (who, served) in enumerate(servers.items()):
+                variant = 2 * (r * len(servers) + k)  # a long prompt no server has seen
+                log(f"serving: {who}, round {r + 1}/{rounds}: the long prompt alone, then beside 3 decoders")
+                served.alone.append(alone_ttft(served.stream, long(variant)))
+                served.mixed.append(mixed_run(served.stream, decoders, long(variant + 1), n))
+        for served in servers.values():
+            served.busy_rss = rss(served.pid)
+    return _mixed_figures(servers, rounds), _memory_figures(servers)
+
+
+def _median(values) -> float:
+    return statistics.median(list(values))
+
+
+def _mixed_figures(servers: dict[str, Served], rounds: int) -> list[Figure]:
+    ours, theirs = servers["ours"], servers.get("llama-server")
+    of = f"median of {rounds} interleaved rounds"
+    gap, ttft = _median(m.p99_gap for m in ours.mixed), _median(m.ttft for m in ours.mixed)
+    figures = [
         Figure(
-            "mixed: long prompt TTFT beside 3 decoders vs alone",
-            mixed.ttft,
-            alone,
+            "mixed: long prompt TTFT beside 3 decoders vs alone (ours)",
+            ttft,
+            _median(ours.alone),
             "s",
-            1.1,
+            None,
             lower_is_better=True,
-            note=f"{LONG_TOKENS} tokens; ours at its defaults; {shared}",
+            note=f"{LONG_TOKENS} tokens; {of}",
         )
     ]
     if theirs is None:
-        mixed_figures.append(
+        return figures + [
             Figure(
                 "mixed: decoders' p99 gap vs the prompt's prefill alone",
-                mixed.p99_gap,
-                alone,
+                gap,
+                _median(ours.alone),
                 "s",
                 0.5,
                 lower_is_better=True,
-                note=f"max gap {mixed.max_gap:.2f} s; the reference is one step holding the whole prompt; {shared}",
+                note=f"max gap {max(m.max_gap for m in ours.mixed):.2f} s; the reference is one step holding the "
+                f"whole prompt; {of}",
             )
-        )
-    else:
-        mixed_figures += [
-            Figure(
-                "mixed: decoders' p99 gap, ours vs llama-server",
-                mixed.p99_gap,
-                theirs.p99_gap,
-                "s",
-                0.5,
-                lower_is_better=True,
-                note=f"max gap {mixed.max_gap:.2f} s vs {theirs.max_gap:.2f} s; both at defaults; {shared}",
-            ),
-            Figure(
-                "mixed: long prompt TTFT, ours vs llama-server",
-                mixed.ttft,
-                theirs.ttft,
-                "s",
-                1.1,
-                lower_is_better=True,
-                note=f"{LONG_TOKENS} tokens beside 3 decoders; {shared}",
-            ),
         ]
-    memory = [
+    their_gap, their_ttft = _median(m.p99_gap for m in theirs.mixed), _median(m.ttft for m in theirs.mixed)
+    max_gaps = f"{max(m.max_gap for m in ours.mixed):.2f} s vs {max(m.max_gap for m in theirs.mixed):.2f} s"
+    return figures + [
         Figure(
-            "memory: server RSS after the mixed load" + (", ours vs llama-server" if theirs else ""),
-            busy,
-            their_busy if theirs else idle,
-            "MiB",
-            1.2 if theirs else None,
+            "mixed: decoders' p99 gap, ours vs llama-server",
+            gap,
+            their_gap,
+            "s",
+            0.5,
             lower_is_better=True,
-            note=("both at defaults" if theirs else "reference: ours idle with the model loaded") + f"; {shared}",
+            note=f"largest gap {max_gaps}; both at their defaults; {of}",
         ),
         Figure(
-            "memory: idle RSS, one model loaded" + (", ours vs llama-server" if theirs else ""),
-            idle,
-            their_idle if theirs else idle,
+            "mixed: long prompt TTFT, ours vs llama-server",
+            ttft,
+            their_ttft,
+            "s",
+            1.1,
+            lower_is_better=True,
+            note=f"{LONG_TOKENS} tokens beside 3 decoders; alone {_median(ours.alone):.2f} s vs "
+            f"{_median(theirs.alone):.2f} s; {of}",
+        ),
+    ]
+
+
+def _memory_figures(servers: dict[str, Served]) -> list[Figure]:
+    ours, theirs = servers["ours"], servers.get("llama-server")
+    if theirs is None:
+        return [
+            Figure(
+                "memory: server RSS after the mixed load vs idle (ours)",
+                ours.busy_rss,
+                ours.idle_rss,
+                "MiB",
+                None,
+                lower_is_better=True,
+                note="one model loaded at the defaults",
+            )
+        ]
+    return [
+        Figure(
+            "memory: server RSS after the same workload, ours vs llama-server",
+            ours.busy_rss,
+            theirs.busy_rss,
+            "MiB",
+            1.2,
+            lower_is_better=True,
+            note="both at their defaults, after every round of the mixed load",
+        ),
+        Figure(
+            "memory: idle RSS with one model loaded, ours vs llama-server",
+            ours.idle_rss,
+            theirs.idle_rss,
             "MiB",
             None,
             lower_is_better=True,
-            note=shared,
+            note="both at their defaults, the model loaded and one request answered",
         ),
     ]
-    return mixed_figures, memory
 
 
 def first_load_figures(path: Path, *, log: Callable[[str], None] = print) -> list[Figure]:
@@ -271,10 +317,56 @@ def first_load_figures(path: Path, *, log: Callable[[str], None] = print) -> lis
             "s",
             1.3,
             lower_is_better=True,
-            note="the load probe runs (its flash trial after, in the background); the repeated load the best of two; "
-            + BUSY,
+            note="the load probe runs (its flash trial after, in the background); the repeated load the best of two",
         )
     ]
+
+
+def first_run_figures(path: Path, *, log: Callable[[str], None] = print) -> list[Figure]:
+    """What a newcomer meets: `localllm run MODEL PROMPT` right after the model is stored in a fresh home (no server
+    running, the model never probed), against the same command once its probe is remembered. Each run starts the
+    background server `run` uses and stops it after; greedy, 16 tokens."""
+    import tempfile
+
+    from localllm.bench.rest import create_bench_model
+
+    with tempfile.TemporaryDirectory(prefix="localllm-bench-") as home:
+        create_bench_model(path, Path(home), parameters={"temperature": 0, "num_predict": 16})
+        log("serving: the first `localllm run` after a pull")
+        first = _timed_run(Path(home))
+        log("serving: `localllm run` again, the probe remembered")
+        again = min(_timed_run(Path(home)), _timed_run(Path(home)))
+    return [
+        Figure(
+            "first `localllm run` after a pull vs a later run",
+            first,
+            again,
+            "s",
+            None,
+            lower_is_better=True,
+            note="one-shot, each starting the background server; the later run the best of two",
+        )
+    ]
+
+
+def _timed_run(home: Path) -> float:
+    """Seconds of `localllm run bench PROMPT` in `home` on a free port, its background server stopped after."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "LOCALLLM_HOME": str(home), "LOCALLLM_HOST": f"127.0.0.1:{port}"}
+    command = [sys.executable, "-m", "localllm"]
+    started = time.perf_counter()
+    done = subprocess.run([*command, "run", "bench", "Say hello."], env=env, capture_output=True, timeout=600)
+    seconds = time.perf_counter() - started
+    subprocess.run([*command, "serve", "--stop"], env=env, capture_output=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"localllm run failed: {done.stderr.decode()[-500:]}")
+    return seconds
 
 
 def _wait_for_trials(probes: Path, timeout: float = 300) -> None:
@@ -302,7 +394,7 @@ def main() -> None:
 
     path = Store().resolve(args.model).weights
     mixed, memory = mixed_and_memory_figures(path, n=args.tokens, llama_server_binary=args.llama_server)
-    for f in [*mixed, *memory, *first_load_figures(path)]:
+    for f in [*mixed, *memory, *first_load_figures(path), *first_run_figures(path)]:
         print(f"  {f.name:58} ours {f.ours:9.2f} ref {f.reference:9.2f} {f.unit:4} ratio {f.ratio:5.2f}  {f.note}")
 
 

@@ -81,7 +81,7 @@ def served_model(
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_until_up(base, proc)
-        _create_bench_model(path, home, projector)
+        create_bench_model(path, home, projector)
         started = time.perf_counter()
         httpx.post(f"{base}/api/generate", json={"model": "bench", "prompt": ""}, timeout=300)  # load it
         SERVED_PIDS[base], FIRST_LOADS[base] = proc.pid, time.perf_counter() - started
@@ -99,7 +99,10 @@ SERVED_PIDS: dict[str, int] = {}
 FIRST_LOADS: dict[str, float] = {}
 
 
-def _create_bench_model(path: Path, home: Path, projector: Path | None) -> None:
+def create_bench_model(
+    path: Path, home: Path, projector: Path | None = None, *, name: str = "bench", parameters: dict | None = None
+) -> None:
+    """Store `path` in `home` as model `name` (with `projector`, and Modelfile `parameters`), as a pull leaves it."""
     from ..api import CreateRequest
     from ..models.create import create_model
     from ..models.store import Store
@@ -107,7 +110,12 @@ def _create_bench_model(path: Path, home: Path, projector: Path | None) -> None:
     weights = home / "bench.gguf"  # a blob has no .gguf name; a model name must say it is a file
     if not weights.exists():
         weights.symlink_to(Path(path).resolve())
-    request = CreateRequest(model="bench", projector=str(projector) if projector else None, **{"from": str(weights)})
+    request = CreateRequest(
+        model=name,
+        projector=str(projector) if projector else None,
+        parameters=parameters or {},
+        **{"from": str(weights)},
+    )
     list(create_model(request, Store(home / "models")))
 
 
