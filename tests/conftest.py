@@ -33,25 +33,36 @@ def _test_cache() -> Path:
 @pytest.fixture(scope="session")
 def models_home() -> Path:
     """A LOCALLLM_HOME holding both catalog models, pulled once (a no-op when the cache has them)."""
-    from localllm.models.pull import pull_model
     from localllm.models.store import Store
 
     home = _test_cache() / "home"
     store = Store(home / "models")
     for name in CATALOG_TEST_MODELS:
-        for _ in pull_model(name, store):
-            pass
+        _pulled(store, name)
     return home
+
+
+def _pulled(store, name: str) -> None:
+    """Pull `name` into `store` (a no-op when there) with its load check remembered, flash attention trial and all.
+    A first load runs the trial in the background and applies it from the next load: remembered here, every load
+    in the suite runs the model alike, whenever a trial would have landed."""
+    from localllm import api
+    from localllm.backends import load_check_memory
+    from localllm.backends.llama_cpp import probe
+    from localllm.models.pull import pull_model
+
+    for _ in pull_model(name, store):
+        pass
+    probe.LoadProbe(load_check_memory(store.root)).check(store.resolve(name).weights, api.LoadOptions())
+    probe.wait_for_trials()
 
 
 @pytest.fixture(scope="session")
 def coder_home(models_home) -> Path:
     """models_home with qwen2.5-coder:0.5b pulled too (a real tool-calling, fill-in-the-middle model)."""
-    from localllm.models.pull import pull_model
     from localllm.models.store import Store
 
-    for _ in pull_model(CODER_TEST_MODEL, Store(models_home / "models")):
-        pass
+    _pulled(Store(models_home / "models"), CODER_TEST_MODEL)
     return models_home
 
 
@@ -61,11 +72,9 @@ PAIR_TARGET_MODEL = "qwen2.5-coder:1.5b"  # drafted by CODER_TEST_MODEL: the rea
 @pytest.fixture(scope="session")
 def pair_home(coder_home) -> Path:
     """`coder_home` with qwen2.5-coder:1.5b pulled too: the target of the real draft pair, for the slow tests."""
-    from localllm.models.pull import pull_model
     from localllm.models.store import Store
 
-    for _ in pull_model(PAIR_TARGET_MODEL, Store(coder_home / "models")):
-        pass
+    _pulled(Store(coder_home / "models"), PAIR_TARGET_MODEL)
     return coder_home
 
 
@@ -75,11 +84,9 @@ EMBED_TEST_MODEL = "nomic-embed-text:v1.5"
 @pytest.fixture(scope="session")
 def embed_home(models_home) -> Path:
     """`models_home` with nomic-embed-text pulled too, on demand, so tests that do not embed do not pay for it."""
-    from localllm.models.pull import pull_model
     from localllm.models.store import Store
 
-    for _ in pull_model(EMBED_TEST_MODEL, Store(models_home / "models")):
-        pass
+    _pulled(Store(models_home / "models"), EMBED_TEST_MODEL)
     return models_home
 
 

@@ -60,7 +60,9 @@ def test_the_finding_applies_only_where_the_load_leaves_flash_attention_open():
 def test_the_probe_times_both_settings_and_remembers_the_trial(tmp_path, monkeypatch):
     path = write_tiny_llama(tmp_path / "tiny.gguf")
     memory = LoadProbe(tmp_path / "probes")
-    trial = memory.check(path, api.LoadOptions()).trial
+    assert memory.check(path, api.LoadOptions()).trial is None  # the trial is never on the request path...
+    probe.wait_for_trials()
+    trial = memory.check(path, api.LoadOptions()).trial  # ...it ran in the background, for the next load
     assert trial is not None  # a tiny model affords the deepest trial on any machine
     assert trial.depth == flash_trial.MAX_DEPTH and trial.threads >= 1
     assert all(t > 0 for times in (trial.on, trial.off) for t in (times.prefill, times.short_batch, times.one_token))
@@ -84,6 +86,19 @@ def test_weights_probed_before_the_trial_existed_are_probed_again(tmp_path):
     entry = tmp_path / "probes" / weights_key(path)
     entry.parent.mkdir()
     entry.write_text(json.dumps({**probe._record(), "probe": "1"}))  # what the probe before the trial wrote
+    LoadProbe(tmp_path / "probes").check(path, api.LoadOptions())
+    probe.wait_for_trials()
+    assert LoadProbe(tmp_path / "probes").check(path, api.LoadOptions()).trial is not None
+
+
+def test_a_success_whose_trial_never_finished_starts_it_again(tmp_path):
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    entry = tmp_path / "probes" / weights_key(path)
+    entry.parent.mkdir()
+    entry.write_text(json.dumps({**probe._record(), "flash_trial": None, "trial_done": False}))  # a server stopped
+    assert LoadProbe(tmp_path / "probes").check(path, api.LoadOptions()).trial is None  # no child on the path
+    probe.wait_for_trials()
+    assert json.loads(entry.read_text())["trial_done"] is True
     assert LoadProbe(tmp_path / "probes").check(path, api.LoadOptions()).trial is not None
 
 

@@ -22,6 +22,7 @@ from localllm import api
 from localllm.backends.llama_cpp.probe import LoadProbe, weights_key
 from localllm.cli import app
 from localllm.errors import LocalLLMError, ModelFormatError
+from localllm.models import catalog
 from localllm.models.create import create_model
 from localllm.models.store import Store
 from localllm.quant.gguf import MAX_STRING_ITEMS, inspect_gguf
@@ -105,6 +106,7 @@ def test_a_good_file_is_probed_once_and_remembered(tmp_path, monkeypatch):
     path = write_tiny_llama(tmp_path / "ok.gguf")
     memory = LoadProbe(tmp_path / "probes")
     memory.check(path, api.LoadOptions())
+    probe.wait_for_trials()  # its flash attention trial, in the background: not beside the children patched out below
     entry = tmp_path / "probes" / weights_key(path)
     assert json.loads(entry.read_text())["llama_cpp"]
 
@@ -116,6 +118,33 @@ def test_a_good_file_is_probed_once_and_remembered(tmp_path, monkeypatch):
     entry.write_text(json.dumps({**json.loads(entry.read_text()), "llama_cpp": "0.0.1"}))  # another llama.cpp
     with pytest.raises(AssertionError, match="probed again"):
         memory.check(path, api.LoadOptions())
+
+
+def test_a_catalog_file_needs_no_child_under_the_llama_cpp_it_was_checked_with(tmp_path, monkeypatch):
+    """The pinned bytes of a catalog model were loaded and decoded with this llama-cpp-python (the suite does it):
+    that verdict ships, so a first load starts no child. Any other llama.cpp, or any other file, runs the child."""
+    import localllm.backends.llama_cpp.probe as probe
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("probed in a child")
+
+    monkeypatch.setattr(probe, "_run_child", no_child)
+    no_trial = api.LoadOptions(flash_attn=False)
+    blob = write_tiny_llama(tmp_path / catalog.CATALOG[0].digest)  # a store blob is named by its digest
+    LoadProbe(tmp_path / "probes").check(blob, no_trial)
+    assert json.loads((tmp_path / "probes" / blob.name).read_text())["llama_cpp"] == catalog.CHECKED_WITH_LLAMA_CPP
+    with pytest.raises(AssertionError, match="probed in a child"):
+        LoadProbe(tmp_path / "other-probes").check(write_tiny_llama(tmp_path / f"sha256-{'0' * 64}"), no_trial)
+    monkeypatch.setattr(probe, "_llama_cpp_version", lambda: "0.3.99")
+    with pytest.raises(AssertionError, match="probed in a child"):
+        LoadProbe(tmp_path / "probes").check(blob, no_trial)
+
+
+def test_the_catalog_was_checked_with_the_pinned_llama_cpp():
+    """Raising the pin makes every catalog file pass the probe's child again until the suite has run on the new one
+    and this constant says so."""
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    assert f'"llama-cpp-python=={catalog.CHECKED_WITH_LLAMA_CPP}"' in pyproject
 
 
 def test_a_file_that_aborts_llama_cpp_fails_in_the_probe_every_time(tmp_path, bad_norm):

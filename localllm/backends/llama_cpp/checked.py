@@ -1,6 +1,6 @@
 """The llama.cpp backend as the registry hands it out: the backend with its load check.
 
-The check is the load probe (probe.py) with its flash attention trial (flash_trial.py). Both load weights through
+The check is the load probe (probe.py) and its flash attention trial (flash_trial.py). Both load weights through
 the plain backend in a child process, so the check sits above backend.py rather than in it."""
 
 from __future__ import annotations

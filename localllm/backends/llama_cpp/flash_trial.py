@@ -1,4 +1,5 @@
-"""Flash attention on a CPU: measured once per model and machine, in the load probe's child (probe.py).
+"""Flash attention on a CPU: measured once per model and machine, in a child started in the background after the
+load probe (probe.py), applied from the next load.
 
 llama.cpp's default ("auto") turns flash attention on wherever the device has the kernel, CPUs included. On a CPU
 that is not always faster: for a model with small heads (smollm2's 64) short batches and decode steps deep in the

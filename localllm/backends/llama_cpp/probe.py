@@ -4,11 +4,13 @@ llama.cpp stops the whole process on a failed GGML_ASSERT (a hyperparameter out 
 cannot take), and no Python code can catch that. So the first load of a weights file runs in a child (load, then
 one decode of a few tokens and one of a single token, the two paths a model takes): if the child dies, only that
 request fails, with the assert's own line in its error, and the server lives on. A success is remembered per blob,
-so each file pays the probe once per LOCALLLM_HOME and llama.cpp version (seconds for the catalog models; their
-weights stay in the page cache for the real load that follows).
+so each file pays the probe once per LOCALLLM_HOME and llama.cpp version (seconds; the weights stay in the page
+cache for the real load that follows). A catalog file needs no child: its pinned bytes load and decode under the
+llama-cpp-python the catalog was checked with (catalog.CHECKED_WITH_LLAMA_CPP), so that verdict ships with it.
 
-The child also runs the flash attention trial (flash_trial.py) where the choice is open and the CPU runs the
-model: its finding comes back on the child's stdout, is remembered with the success, and `check` returns it.
+The flash attention trial (flash_trial.py) runs where the choice is open and the CPU runs the model, never on the
+request path: a second child, started in the background after a success; its finding is remembered with the
+success and applies from the next load (`check` returns it).
 
 A model with LoRA adapters is probed as a pair: its first load with those adapters applied runs in the child too (a
 lora_a whose shape passes llama.cpp's checks can still abort the first multiplication).
@@ -31,6 +33,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +41,7 @@ from pathlib import Path
 
 from ... import api
 from ...errors import LocalLLMError, ModelFormatError
+from ...models import catalog
 from . import flash_trial
 from .flash_trial import FlashTrial
 
@@ -53,6 +57,7 @@ PROBE_TEXT = 'Hello, world!\n\t{"a": [1, 2.5]} <b>x</b> Grüße, ça va? При�
 # an exception code on Windows.
 EXIT_REFUSED = 10
 EXIT_PYTHON_ERROR = 1
+TRIAL_FLAG = "--trial"  # the child runs only the flash attention trial, for weights already probed
 _DIGEST_NAME = re.compile(r"^sha256-[0-9a-f]{64}$")
 _STDERR_TAIL = 8192
 # ggml's abort message: "<source file>:<line>: <what failed>" (llama.cpp's log lines may run into it unbroken).
@@ -101,27 +106,82 @@ class LoadProbe:
 
     def _check_once(self, weights: Path, load: api.LoadOptions, files: list[Path]) -> Probed:
         entry = self.memory_dir / pair_key(weights, files)
+        trial = flash_trial.wanted(load) and not files  # the weights' own probe runs the trial, a pair's does not
         remembered = _recall(entry)
         if remembered is not None:
+            if trial and remembered.trial is None and not _tried(entry):
+                _start_trial(weights, load, entry)
             return remembered
-        log.info("first load of %s on this machine: trying it in a child process", weights.name)
-        outcome = _run_child(weights, load, files)
-        if outcome.returncode == 0:
-            probed = Probed(trial=_reported_trial(outcome.stdout))
-            if probed.trial is not None:
-                log.info("%s on this CPU, %s", weights.name, probed.trial.describe())
-            _remember(entry, probed)
-            return probed
-        if outcome.returncode == EXIT_PYTHON_ERROR:  # not llama.cpp: the child itself could not run
-            log.warning("the load probe of %s could not run: %s", weights.name, outcome.stderr[-_STDERR_TAIL:])
-        elif outcome.returncode != EXIT_REFUSED:
-            log.warning("%s crashed llama.cpp in the load probe: %s", weights, outcome.stderr[-_STDERR_TAIL:])
-            what = f"{weights} with its LoRA adapters" if files else str(weights)
-            raise ModelFormatError(
-                f"{what} crashed llama.cpp while loading: {_crash_line(outcome)}",
-                hint="the file is damaged or needs another llama.cpp; only this load failed",
-            )
+        if not files and _shipped(weights):
+            log.info("first load of %s on this machine: a catalog file, checked with this llama.cpp", weights.name)
+        else:
+            log.info("first load of %s on this machine: trying it in a child process", weights.name)
+            outcome = _run_child(weights, load, files)
+            if outcome.returncode != 0:
+                return _failed(weights, files, outcome)
+        _remember(entry, Probed(), tried=not trial)
+        if trial:
+            _start_trial(weights, load, entry)
         return Probed()
+
+
+def _failed(weights: Path, files: Sequence[Path], outcome: subprocess.CompletedProcess) -> Probed:
+    """Raise ModelFormatError for a child that died; nothing is known from one that failed cleanly."""
+    if outcome.returncode == EXIT_PYTHON_ERROR:  # not llama.cpp: the child itself could not run
+        log.warning("the load probe of %s could not run: %s", weights.name, outcome.stderr[-_STDERR_TAIL:])
+    elif outcome.returncode != EXIT_REFUSED:
+        log.warning("%s crashed llama.cpp in the load probe: %s", weights, outcome.stderr[-_STDERR_TAIL:])
+        what = f"{weights} with its LoRA adapters" if files else str(weights)
+        raise ModelFormatError(
+            f"{what} crashed llama.cpp while loading: {_crash_line(outcome)}",
+            hint="the file is damaged or needs another llama.cpp; only this load failed",
+        )
+    return Probed()
+
+
+def _shipped(weights: Path) -> bool:
+    """Whether `weights` is a catalog file and this is the llama-cpp-python its verdict was checked with."""
+    pinned = {entry.digest for entry in catalog.CATALOG}
+    return weights.name in pinned and _llama_cpp_version() == catalog.CHECKED_WITH_LLAMA_CPP
+
+
+_trials_lock = threading.Lock()
+_trials: dict[Path, threading.Thread] = {}  # background trials of this process, by memory entry
+
+
+def _start_trial(weights: Path, load: api.LoadOptions, entry: Path) -> None:
+    """Run the flash attention trial in a child of its own, off the request path; its finding is remembered for
+    the next load. One trial per entry and process at a time."""
+    with _trials_lock:
+        running = _trials.get(entry)
+        if running is not None and running.is_alive():
+            return
+        thread = threading.Thread(target=_trial_child, args=(weights, load, entry), name="localllm-trial", daemon=True)
+        _trials[entry] = thread
+        thread.start()
+
+
+def wait_for_trials(timeout: float | None = None) -> None:
+    """Wait for the background trials this process started (tests; a benchmark that wants the next load tuned)."""
+    with _trials_lock:
+        threads = list(_trials.values())
+    for thread in threads:
+        thread.join(timeout)
+
+
+def _trial_child(weights: Path, load: api.LoadOptions, entry: Path) -> None:
+    try:
+        outcome = _run_child(weights, load, trial=True)
+    except ModelFormatError as exc:  # too slow: llama.cpp's choice stays
+        log.warning("flash attention trial of %s: %s", weights.name, exc)
+        outcome = None
+    trial = _reported_trial(outcome.stdout) if outcome is not None and outcome.returncode == 0 else None
+    if outcome is not None and outcome.returncode != 0:
+        log.warning("flash attention trial of %s failed: %s", weights.name, outcome.stderr[-_STDERR_TAIL:])
+    if trial is not None:
+        log.info("%s on this CPU, %s (from its next load)", weights.name, trial.describe())
+    if _recall(entry) is not None:  # still a success of this llama.cpp: add what the trial found
+        _remember(entry, Probed(trial=trial), tried=True)
 
 
 def weights_key(weights: Path) -> str:
@@ -156,6 +216,16 @@ def _record() -> dict[str, str]:
     return {"llama_cpp": _llama_cpp_version(), "probe": PROBE_VERSION}
 
 
+def _tried(entry: Path) -> bool:
+    """Whether the flash attention trial has run for this success (found something or not); a memory written before
+    trials ran in the background has its trial with it."""
+    try:
+        memory = json.loads(entry.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(memory, dict) and bool(memory.get("trial_done", "flash_trial" in memory))
+
+
 def _recall(entry: Path) -> Probed | None:
     """What a success under this llama.cpp and probe remembered; None when there is none to trust."""
     try:
@@ -167,8 +237,8 @@ def _recall(entry: Path) -> Probed | None:
     return Probed(trial=FlashTrial.from_json(memory.get("flash_trial")))
 
 
-def _remember(entry: Path, probed: Probed) -> None:
-    memory = {**_record(), "flash_trial": probed.trial.to_json() if probed.trial else None}
+def _remember(entry: Path, probed: Probed, *, tried: bool) -> None:
+    memory = {**_record(), "flash_trial": probed.trial.to_json() if probed.trial else None, "trial_done": tried}
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         temp = entry.with_name(f".{entry.name}.{uuid.uuid4().hex}")
@@ -183,7 +253,10 @@ def _timeout(weights: Path) -> float:
     return 60.0 + Path(weights).stat().st_size / 30e6
 
 
-def _run_child(weights: Path, load: api.LoadOptions, adapters: Sequence[Path] = ()) -> subprocess.CompletedProcess:
+def _run_child(
+    weights: Path, load: api.LoadOptions, adapters: Sequence[Path] = (), *, trial: bool = False
+) -> subprocess.CompletedProcess:
+    """The probe's child (`trial`: the flash attention trial's) on `weights` with `adapters`, to its end."""
     options = load.model_copy(
         update={
             "num_ctx": PROBE_CTX,
@@ -195,7 +268,8 @@ def _run_child(weights: Path, load: api.LoadOptions, adapters: Sequence[Path] = 
     )
     # No backtrace: ggml would otherwise try to attach a debugger to the dying child.
     env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
-    command = [sys.executable, "-m", "localllm.backends.llama_cpp.probe", str(weights), *map(str, adapters)]
+    flag = [TRIAL_FLAG] if trial else []
+    command = [sys.executable, "-m", "localllm.backends.llama_cpp.probe", *flag, str(weights), *map(str, adapters)]
     try:
         return subprocess.run(
             command,
@@ -277,14 +351,16 @@ def probe_load(weights: Path, load: api.LoadOptions, adapters: Sequence[Path] = 
 
 def _main(argv: list[str]) -> int:
     load = api.LoadOptions.model_validate_json(sys.stdin.read())
+    if argv[0] == TRIAL_FLAG:
+        trial = _flash_trial(Path(argv[1]), load)
+        print(json.dumps(trial.to_json() if trial else None), flush=True)
+        return 0
     weights, adapters = Path(argv[0]), [Path(arg) for arg in argv[1:]]
     try:
         probe_load(weights, load, adapters)
     except LocalLLMError as exc:
         print(exc, flush=True)
         return EXIT_REFUSED
-    trial = None if adapters else _flash_trial(weights, load)  # the weights' own probe runs the trial
-    print(json.dumps(trial.to_json() if trial else None), flush=True)
     return 0
 
 
