@@ -329,7 +329,8 @@ def first_load_figures(path: Path, *, log: Callable[[str], None] = print) -> lis
             "s",
             1.3,
             lower_is_better=True,
-            note="the load probe runs (its flash trial after, in the background); the repeated load the best of two",
+            note="the load check runs (a catalog file: no child; the flash trial after the load, in the background); "
+            "the repeated load the best of two",
         )
     ]
 

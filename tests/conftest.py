@@ -53,8 +53,10 @@ def _pulled(store, name: str) -> None:
 
     for _ in pull_model(name, store):
         pass
-    probe.LoadProbe(load_check_memory(store.root)).check(store.resolve(name).weights, api.LoadOptions())
-    probe.wait_for_trials()
+    memory, weights = load_check_memory(store.root), store.resolve(name).weights
+    if probe.LoadProbe(memory).check(weights, api.LoadOptions()).trial_due:
+        probe.start_trial(memory, weights, api.LoadOptions())
+        probe.wait_for_trials()
 
 
 @pytest.fixture(scope="session")

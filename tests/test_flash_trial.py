@@ -60,9 +60,10 @@ def test_the_finding_applies_only_where_the_load_leaves_flash_attention_open():
 def test_the_probe_times_both_settings_and_remembers_the_trial(tmp_path, monkeypatch):
     path = write_tiny_llama(tmp_path / "tiny.gguf")
     memory = LoadProbe(tmp_path / "probes")
-    assert memory.check(path, api.LoadOptions()).trial is None  # the trial is never on the request path...
-    probe.wait_for_trials()
-    trial = memory.check(path, api.LoadOptions()).trial  # ...it ran in the background, for the next load
+    first = memory.check(path, api.LoadOptions())
+    assert first.trial is None and first.trial_due  # the trial is never on the request path...
+    _run_due_trial(tmp_path / "probes", path)
+    trial = memory.check(path, api.LoadOptions()).trial  # ...it runs in the background after the load, for the next
     assert trial is not None  # a tiny model affords the deepest trial on any machine
     assert trial.depth == flash_trial.MAX_DEPTH and trial.threads >= 1
     assert all(t > 0 for times in (trial.on, trial.off) for t in (times.prefill, times.short_batch, times.one_token))
@@ -78,7 +79,8 @@ def test_the_probe_times_both_settings_and_remembers_the_trial(tmp_path, monkeyp
 
 def test_no_trial_where_the_choice_is_not_open(tmp_path):
     path = write_tiny_llama(tmp_path / "tiny.gguf")
-    assert LoadProbe(tmp_path / "probes").check(path, api.LoadOptions(flash_attn=True)).trial is None
+    checked = LoadProbe(tmp_path / "probes").check(path, api.LoadOptions(flash_attn=True))
+    assert checked.trial is None and not checked.trial_due
 
 
 def test_weights_probed_before_the_trial_existed_are_probed_again(tmp_path):
@@ -86,8 +88,8 @@ def test_weights_probed_before_the_trial_existed_are_probed_again(tmp_path):
     entry = tmp_path / "probes" / weights_key(path)
     entry.parent.mkdir()
     entry.write_text(json.dumps({**probe._record(), "probe": "1"}))  # what the probe before the trial wrote
-    LoadProbe(tmp_path / "probes").check(path, api.LoadOptions())
-    probe.wait_for_trials()
+    assert LoadProbe(tmp_path / "probes").check(path, api.LoadOptions()).trial_due
+    _run_due_trial(tmp_path / "probes", path)
     assert LoadProbe(tmp_path / "probes").check(path, api.LoadOptions()).trial is not None
 
 
@@ -96,10 +98,18 @@ def test_a_success_whose_trial_never_finished_starts_it_again(tmp_path):
     entry = tmp_path / "probes" / weights_key(path)
     entry.parent.mkdir()
     entry.write_text(json.dumps({**probe._record(), "flash_trial": None, "trial_done": False}))  # a server stopped
-    assert LoadProbe(tmp_path / "probes").check(path, api.LoadOptions()).trial is None  # no child on the path
-    probe.wait_for_trials()
+    again = LoadProbe(tmp_path / "probes").check(path, api.LoadOptions())
+    assert again.trial is None and again.trial_due  # no child on the path: the trial is due after the load
+    _run_due_trial(tmp_path / "probes", path)
     assert json.loads(entry.read_text())["trial_done"] is True
-    assert LoadProbe(tmp_path / "probes").check(path, api.LoadOptions()).trial is not None
+    checked = LoadProbe(tmp_path / "probes").check(path, api.LoadOptions())
+    assert checked.trial is not None and not checked.trial_due
+
+
+def _run_due_trial(memory, path) -> None:
+    """What the pool does once the weights have loaded: start the due trial (here, and wait for it)."""
+    probe.start_trial(memory, path, api.LoadOptions())
+    probe.wait_for_trials()
 
 
 def _context_flash(client) -> str:

@@ -6,7 +6,7 @@ Rows of a Batch are addressed by their index: `decode(batch)` computes outputs f
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -115,6 +115,9 @@ class LoadCheck:
     """What a backend's check of weights before their load found on this machine, beyond "they load"."""
 
     flash_attn: bool | None = None  # the setting measured faster, where the load leaves it open; None: not settled
+    # Work the check leaves until the weights have loaded (the flash attention trial's child), so that it never
+    # competes with the load: the pool calls it after a successful load.
+    then: Callable[[], None] | None = None
 
     def applied_to(self, load: LoadOptions) -> LoadOptions:
         """`load` with what the check settled filled in."""

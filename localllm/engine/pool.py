@@ -168,6 +168,8 @@ class ModelPool:
             pinned_threads=load.num_thread or 0,
             prefix_cache=prefix_cache,
         )
+        if checked.then is not None:
+            checked.then()
         log.info(
             "loaded %s on %s in %.2fs: %d slots x %d tokens",
             model.name,

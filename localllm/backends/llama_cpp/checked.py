@@ -6,12 +6,13 @@ the plain backend in a child process, so the check sits above backend.py rather 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from ...api import LoadOptions, LoraAdapter
 from ..base import LoadCheck
 from .backend import LlamaCppBackend
-from .probe import LoadProbe
+from .probe import LoadProbe, start_trial
 
 
 class CheckedLlamaCppBackend(LlamaCppBackend):
@@ -21,4 +22,5 @@ class CheckedLlamaCppBackend(LlamaCppBackend):
         """A file (or a file with adapters) that aborts llama.cpp fails here, in the probe's child, once per file (or
         pair) and llama.cpp version."""
         probed = LoadProbe(memory).check(path, options, adapters=adapters)
-        return LoadCheck(flash_attn=probed.flash_attn_for(options))
+        then = partial(start_trial, memory, path, options) if probed.trial_due else None
+        return LoadCheck(flash_attn=probed.flash_attn_for(options), then=then)

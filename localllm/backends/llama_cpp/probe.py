@@ -71,6 +71,7 @@ class Probed:
     """What the probe learned about the weights on this machine, beyond "they load"."""
 
     trial: FlashTrial | None = None
+    trial_due: bool = False  # the flash attention trial should run (start_trial), once the weights have loaded
 
     def flash_attn_for(self, load: api.LoadOptions) -> bool | None:
         """The setting the trial found faster, where `load` leaves it open; None where it settles nothing."""
@@ -109,9 +110,8 @@ class LoadProbe:
         trial = flash_trial.wanted(load) and not files  # the weights' own probe runs the trial, a pair's does not
         remembered = _recall(entry)
         if remembered is not None:
-            if trial and remembered.trial is None and not _tried(entry):
-                _start_trial(weights, load, entry)
-            return remembered
+            due = trial and remembered.trial is None and not _tried(entry)
+            return Probed(trial=remembered.trial, trial_due=due)
         if not files and _shipped(weights):
             log.info("first load of %s on this machine: a catalog file, checked with this llama.cpp", weights.name)
         else:
@@ -120,9 +120,13 @@ class LoadProbe:
             if outcome.returncode != 0:
                 return _failed(weights, files, outcome)
         _remember(entry, Probed(), tried=not trial)
-        if trial:
-            _start_trial(weights, load, entry)
-        return Probed()
+        return Probed(trial_due=trial)
+
+
+def start_trial(memory_dir: Path, weights: Path, load: api.LoadOptions) -> None:
+    """Begin the flash attention trial a check found due for `weights`, in a child of its own in the background; its
+    finding is remembered for the next load. Called once the weights have loaded, so it never slows that load."""
+    _start_trial(Path(weights), load, Path(memory_dir) / weights_key(Path(weights)))
 
 
 def _failed(weights: Path, files: Sequence[Path], outcome: subprocess.CompletedProcess) -> Probed:
