@@ -15,7 +15,7 @@ import pytest
 from server_harness import served
 
 from localllm.backends.llama_cpp import backend
-from localllm.backends.llama_cpp.embedding import pack
+from localllm.backends.llama_cpp.embedding import pack, pack_limit
 
 MODEL = "nomic-embed-text"
 QUERY = "search_query: Why do cats purr?"
@@ -85,6 +85,14 @@ def test_batched_inputs_decode_together(api, monkeypatch):
 def test_inputs_are_packed_into_decodes_that_fit_the_context():
     assert [list(run) for run in pack([[1] * 5, [1] * 5, [1] * 5], n_ctx=10)] == [[0, 1], [2]]
     assert [list(run) for run in pack([[1]] * 5, n_ctx=100, max_seqs=2)] == [[0, 1], [2, 3], [4]]
+
+
+def test_a_small_encoder_packs_fewer_cells_than_its_context():
+    """Masked attention over a whole packed decode costs a small model more than packing saves: a
+    64-wide reranker packs 128 cells a decode; a 768-wide embedder (nomic) 1536 of its 2048."""
+    assert pack_limit(512, 64) == 128
+    assert pack_limit(2048, 768) == 1536
+    assert pack_limit(512, 1024) == 512
     assert [list(run) for run in pack([[1] * 10, [1]], n_ctx=10)] == [[0], [1]]
 
 

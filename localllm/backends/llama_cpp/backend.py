@@ -33,7 +33,7 @@ from ...media import ImagePixels
 from ...models.options import context_size
 from ...models.plan import Placement, kv_cells
 from ..base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead, PromptImage, is_placeholder
-from .embedding import MAX_SEQS, embed_group, pack, pooling_for
+from .embedding import MAX_SEQS, embed_group, pack, pack_limit, pooling_for
 from .rerank import PairLayout, pair_layout, pair_tokens, score_group
 from .rpc import PlacedModel, RpcGuard, place_model
 from .speculative import LlamaGrammarProbe, LlamaMtpHead
@@ -641,7 +641,7 @@ class LlamaCppModel:
                 raise InvalidInput(f"input {i} is {len(tokens)} tokens; the embedding context holds 1 to {self.n_ctx}")
         ctx = self._embedding_context()
         vectors: list[list[float]] = []
-        for run in pack(inputs, self.n_ctx):
+        for run in pack(inputs, pack_limit(self.n_ctx, self.meta.n_embd)):
             vectors += embed_group(ctx, [inputs[i] for i in run], self.meta.n_embd)
         return vectors
 
@@ -679,7 +679,7 @@ class LlamaCppModel:
         ctx = self._pooled_context(llama_cpp.LLAMA_POOLING_TYPE_RANK, no_flash)
         n_cls_out = max(1, llama_cpp.llama_model_n_cls_out(self._model))
         scores: list[float] = []
-        for run in pack(pairs, self.n_ctx):
+        for run in pack(pairs, pack_limit(self.n_ctx, self.meta.n_embd)):
             scores += score_group(ctx, [pairs[i] for i in run], n_cls_out)
         return scores
 

@@ -28,6 +28,14 @@ def pooling_for(gguf_pooling: int | None) -> int:
     return gguf_pooling
 
 
+def pack_limit(n_ctx: int, n_embd: int) -> int:
+    """The tokens one packed decode may hold. Every token of a decode attends over every cell of it, masked by
+    sequence, so packing costs each token ~4 x cells x n_embd flops beside ~24 x n_embd^2 in its matrix products: up to
+    2 x n_embd cells keep that waste near a third. A real encoder (n_embd 768 and up) packs a whole context; a small
+    one is otherwise bound by the masked attention (docs/benchmark-notes.md, reranking)."""
+    return max(1, min(n_ctx, 2 * n_embd))
+
+
 def pack(inputs: Sequence[Sequence[int]], n_ctx: int, max_seqs: int = MAX_SEQS) -> Iterator[range]:
     """Consecutive runs of inputs (as index ranges) whose tokens together fit `n_ctx` cells, `max_seqs` at most."""
     start, used = 0, 0
