@@ -378,7 +378,10 @@ def test_show_modelfile_is_accepted_by_create_as_is(env, tmp_path, model):
 
 @pytest.mark.models
 def test_plan_exits_1_when_the_load_does_not_fit_and_still_prints_json(env):
-    result = localllm(env, "plan", "smollm2:135m", "--num-ctx", "1000000", "--num-parallel", "64", "--json")
+    # 64 slots of a million tokens each, in a pool as large as all of them (the default pool, one slot's context, is
+    # 23 GB for smollm2: a machine with that much free would plan it as fitting).
+    huge = {**env, "LOCALLLM_KV_POOL": str(64 * 1_000_000)}
+    result = localllm(huge, "plan", "smollm2:135m", "--num-ctx", "1000000", "--num-parallel", "64", "--json")
     plan = json.loads(result.stdout)
     if plan["available"] is None:
         pytest.skip("this system does not report available memory")
