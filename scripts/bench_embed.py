@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,9 +42,7 @@ def llama_server(binary: str, path: Path, *extra: str) -> Iterator[str]:
     """llama-server at its defaults on a free loopback port (plus `extra` flags); yields its base URL."""
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = rest.free_port()
     command = [binary, "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "--no-webui", *extra]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"

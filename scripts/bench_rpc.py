@@ -13,13 +13,8 @@ from pathlib import Path
 from localllm.api import LoadOptions
 from localllm.bench.engine import LONG_STORY, engine_run
 from localllm.bench.figures import Figure
+from localllm.bench.rest import free_port
 from localllm.engine.runner import ModelEngine
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _start_worker(port: int, threads: int) -> subprocess.Popen:
@@ -57,7 +52,7 @@ def run_rpc_benchmarks(
     from localllm.machine import physical_cores
 
     threads = threads or config.NUM_THREAD.get() or physical_cores()
-    port = _free_port()
+    port = free_port()
     log(f"RPC: a worker on 127.0.0.1:{port}")
     worker = _start_worker(port, threads)
     engines = {}

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from localllm.bench.figures import Figure  # noqa: E402
-from localllm.bench.rest import http_client, served_model  # noqa: E402
+from localllm.bench.rest import free_port, http_client, served_model  # noqa: E402
 
 LONG_TOKENS = 1400
 ROUNDS = 3
@@ -365,13 +365,9 @@ def first_run_figures(path: Path, *, log: Callable[[str], None] = print) -> list
 def _timed_run(home: Path) -> float:
     """Seconds of `localllm run bench PROMPT` in `home` on a free port, its background server stopped after."""
     import os
-    import socket
     import subprocess
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "LOCALLLM_HOME": str(home), "LOCALLLM_HOST": f"127.0.0.1:{port}"}
+    env = {**os.environ, "LOCALLLM_HOME": str(home), "LOCALLLM_HOST": f"127.0.0.1:{free_port()}"}
     command = [sys.executable, "-m", "localllm"]
     started = time.perf_counter()
     done = subprocess.run([*command, "run", "bench", "Say hello."], env=env, capture_output=True, timeout=600)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -30,7 +29,7 @@ from localllm.api import LoadOptions, SamplingOptions
 from localllm.backends.llama_cpp.backend import LlamaCppBackend
 from localllm.bench.engine import FOUR_PROMPTS
 from localllm.bench.figures import Bracketed, Figure
-from localllm.bench.rest import http_client
+from localllm.bench.rest import free_port, http_client
 from localllm.chat.templates import render_chat
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.engine.speculative.speculation import Speculation
@@ -137,9 +136,7 @@ class LlamaServer:
     ):
         """`defaults`: llama-server as a user starts it (`-m MODEL`): its own threads, slots and context; `extra`:
         more of its flags (`-md DRAFT`)."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         cmd = [binary, "-m", str(path), "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
         if not defaults:
             # -c is the total context: our KV pool for these slots, unified as ours is when it is shared.

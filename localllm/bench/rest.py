@@ -31,6 +31,15 @@ def http_client() -> httpx.Client:
     return httpx.Client(timeout=600, limits=httpx.Limits(max_keepalive_connections=0))
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on now, for a server the benchmark starts."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @contextmanager
 def served_model(
     path: Path,
@@ -55,15 +64,12 @@ def served_model(
                 yield base
         return
     import os
-    import socket
     import subprocess
     import sys
 
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     settings = {
         **os.environ,
         "LOCALLLM_HOME": str(home),
