@@ -119,6 +119,11 @@ class LoadCheck:
     # competes with the load: the pool calls it after a successful load.
     then: Callable[[], None] | None = None
 
+    def loaded(self) -> None:
+        """Begin what the check left for after a successful load."""
+        if self.then is not None:
+            self.then()
+
     def applied_to(self, load: LoadOptions) -> LoadOptions:
         """`load` with what the check settled filled in."""
         return load if self.flash_attn is None else load.model_copy(update={"flash_attn": self.flash_attn})

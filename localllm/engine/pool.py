@@ -168,8 +168,7 @@ class ModelPool:
             pinned_threads=load.num_thread or 0,
             prefix_cache=prefix_cache,
         )
-        if checked.then is not None:
-            checked.then()
+        checked.loaded()
         log.info(
             "loaded %s on %s in %.2fs: %d slots x %d tokens",
             model.name,

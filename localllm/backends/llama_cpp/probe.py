@@ -110,8 +110,7 @@ class LoadProbe:
         trial = flash_trial.wanted(load) and not files  # the weights' own probe runs the trial, a pair's does not
         remembered = _recall(entry)
         if remembered is not None:
-            due = trial and remembered.trial is None and not _tried(entry)
-            return Probed(trial=remembered.trial, trial_due=due)
+            return Probed(trial=remembered.trial, trial_due=trial and remembered.trial_due)
         if not files and _shipped(weights):
             log.info("first load of %s on this machine: a catalog file, checked with this llama.cpp", weights.name)
         else:
@@ -220,25 +219,17 @@ def _record() -> dict[str, str]:
     return {"llama_cpp": _llama_cpp_version(), "probe": PROBE_VERSION}
 
 
-def _tried(entry: Path) -> bool:
-    """Whether the flash attention trial has run for this success (found something or not); a memory written before
-    trials ran in the background has its trial with it."""
-    try:
-        memory = json.loads(entry.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(memory, dict) and bool(memory.get("trial_done", "flash_trial" in memory))
-
-
 def _recall(entry: Path) -> Probed | None:
-    """What a success under this llama.cpp and probe remembered; None when there is none to trust."""
+    """What a success under this llama.cpp and probe remembered, its trial due where none has run yet (a memory
+    written before trials ran in the background has its trial with it); None when there is none to trust."""
     try:
         memory = json.loads(entry.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(memory, dict) or {key: memory.get(key) for key in _record()} != _record():
         return None
-    return Probed(trial=FlashTrial.from_json(memory.get("flash_trial")))
+    tried = bool(memory.get("trial_done", "flash_trial" in memory))
+    return Probed(trial=FlashTrial.from_json(memory.get("flash_trial")), trial_due=not tried)
 
 
 def _remember(entry: Path, probed: Probed, *, tried: bool) -> None:

@@ -127,8 +127,7 @@ def load_speculation(store: Store, model: ResolvedModel, load: LoadOptions, load
         backend = get_backend(choose_backend(load.backend, weights))
         checked = backend.check(weights, load, memory=load_check_memory(store.root))
         draft = open_draft_model(weights, checked.applied_to(load), loaded, name=load.draft)
-        if checked.then is not None:
-            checked.then()
+        checked.loaded()
     return Speculation(loaded, draft=draft, mtp=open_mtp_head(loaded))
 
 
