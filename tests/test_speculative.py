@@ -4,9 +4,7 @@ accepts every draft; MTP on a tiny GLM-4-MoE written here. The draft policy on p
 
 from __future__ import annotations
 
-import os
 import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
@@ -48,26 +46,13 @@ def _engine(path: Path, *, slots: int, draft: bool = False, window=FixedWindow, 
     # which would leave the plumbing untested. Unless `pooled`, each slot gets its own KV stream (a pool as large as
     # every slot's context): in one shared pool where a sequence's cells sit moves llama.cpp's sums, which the exact
     # comparisons below cannot allow (gemma3's test runs the default pool and allows its near-ties).
-    with _kv_pool(None if pooled else 512 * slots):
+    with pytest.MonkeyPatch.context() as env:
+        if not pooled:
+            env.setenv("LOCALLLM_KV_POOL", str(512 * slots))
         model = LlamaCppBackend().load(path, LoadOptions(num_ctx=512, num_parallel=slots))
         drafter = open_draft_model(path, LoadOptions(num_ctx=512), model, name="itself") if draft else None
     spec = Speculation(model, draft=drafter, mtp=open_mtp_head(model), window=window)
     return ModelEngine(model, max_queue=8, speculation=spec), spec
-
-
-@contextmanager
-def _kv_pool(cells: int | None):
-    """LOCALLLM_KV_POOL set to `cells` (None: left as it is) while the models load."""
-    before = os.environ.get("LOCALLLM_KV_POOL")
-    if cells is not None:
-        os.environ["LOCALLLM_KV_POOL"] = str(cells)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("LOCALLLM_KV_POOL", None)
-        else:
-            os.environ["LOCALLLM_KV_POOL"] = before
 
 
 def _params(
