@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # All set-up on a fresh machine, then lint, types and the whole test suite. README's test command; .ci/run calls
-# exactly this. The first run builds llama-cpp-python from source (a few minutes); pip's wheel cache makes later runs
-# quick. Arguments go to pytest; `--quick` first skips the tests that need the models, MLX or minutes:
+# exactly this. The first run builds llama-cpp-python from source (a few minutes) and llama.cpp's own reference tools
+# (about 7 minutes on 2 cores); pip's wheel cache and the tools' cache make later runs quick. Arguments go to pytest;
+# `--quick` first skips the tests that need the models, MLX or minutes (and the reference tools' build):
 #   bash scripts/test.sh --quick            bash scripts/test.sh tests/test_scheduler.py -k chunk
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,5 +13,10 @@ bash scripts/setup.sh dev,mlx
 if [ "${1:-}" = "--quick" ]; then
   shift
   set -- -m "not models and not mlx and not slow" "$@"
+else
+  # llama.cpp's own llama-server and llama-mtmd-cli, which the vision and rerank tests compare with: built once per
+  # machine into a cache outside the tree (about 7 minutes on 2 cores), found there by every later run.
+  LLAMA_SERVER=$(bash scripts/build_llama_server.sh)
+  export LLAMA_SERVER LLAMA_MTMD_CLI="${LLAMA_SERVER%/*}/llama-mtmd-cli"
 fi
 exec .venv/bin/python -m pytest "$@"

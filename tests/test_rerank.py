@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from reference_tools import reference_tool
 from rerank_model import write_reranker
 from server_harness import free_port, private_home, served
 
@@ -26,7 +27,6 @@ RERANKER = "tiny-reranker"
 # The two ways llama-server lays out a pair, each a model of its own: the vocabulary's special tokens, or the GGUF's
 # `rerank` template (whose [CLS] and [SEP] are parsed as the special tokens they name).
 LAYOUTS = {RERANKER: None, "tiny-reranker-templated": "[CLS]query: {query}[SEP]document: {document}[SEP]"}
-DEFAULT_LLAMA_SERVER = "/root/.cache/localllm-bench/llama.cpp-0.3.36/build/bin/llama-server"
 QUERY = "what is the capital of france"
 DOCUMENTS = [
     "paris is the capital of france",
@@ -86,19 +86,12 @@ def scores(reply: dict) -> dict[int, float]:
 # ------------------------------------------------------------------------------------------------ the reference
 
 
-def llama_server_binary() -> str:
-    binary = os.environ.get("LLAMA_SERVER", DEFAULT_LLAMA_SERVER)
-    if not Path(binary).is_file():
-        pytest.skip(f"llama-server is not built at {binary} (scripts/build_llama_server.sh; LLAMA_SERVER=PATH)")
-    return binary
-
-
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def reference(request, reranker_ggufs) -> Iterator[tuple[str, str]]:
     """llama.cpp's own llama-server with --rerank on the same file, on a free loopback port. Flash attention off, as
     we score: its F16 rounding moves a score by ~1e-3 with the length of the batch the pair shares."""
     port = free_port()
-    command = [llama_server_binary(), "-m", str(reranker_ggufs[request.param]), "--rerank", "-fa", "off"]
+    command = [reference_tool("llama-server"), "-m", str(reranker_ggufs[request.param]), "--rerank", "-fa", "off"]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"

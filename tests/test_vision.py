@@ -22,6 +22,7 @@ import numpy as np
 import ollama
 import openai
 import pytest
+from reference_tools import reference_tool
 from server_harness import private_home, served
 from typer.testing import CliRunner
 from vision_model import N_PATCHES, png, write_projector
@@ -163,7 +164,6 @@ def test_plan_counts_the_projector(store, monkeypatch):
 
 VISION = "smolvlm"
 OPTIONS = {"temperature": 0, "num_predict": 12, "num_ctx": 512, "num_thread": 1, "seed": 0}
-DEFAULT_MTMD_CLI = "/root/.cache/localllm-bench/llama.cpp-0.3.36/build/bin/llama-mtmd-cli"
 
 
 def bomb_png(width: int, height: int) -> bytes:
@@ -311,9 +311,7 @@ def test_answers_equal_llama_mtmd_cli(url, files, tmp_path, smollm2_path):
     """The same weights, projector, image and prompt (raw: the template is the identity) through llama.cpp's own
     pipeline: the same greedy text, up to a near-tie. Random weights make near-ties, where llama-mtmd-cli's batch
     shapes may pick the runner-up: there the text may part, but only to our second choice."""
-    binary = os.environ.get("LLAMA_MTMD_CLI", DEFAULT_MTMD_CLI)
-    if not Path(binary).is_file():
-        pytest.skip(f"llama-mtmd-cli is not built at {binary} (scripts/build_llama_server.sh; LLAMA_MTMD_CLI=PATH)")
+    binary = reference_tool("llama-mtmd-cli")
     image = tmp_path / "image.png"
     image.write_bytes(png(4))
     prompt = "Describe this picture:"
