@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from localllm.bench.engine import (
     make_engine,
 )
 from localllm.bench.figures import Figure
-from localllm.bench.raw import RawLoop, raw_decode_rate
+from localllm.bench.raw import RawLoop, raw_decode_rate, raw_process
 from localllm.chat.templates import render_chat
 from localllm.machine import physical_cores
 
@@ -74,8 +75,10 @@ def _rendered(path: Path, texts: list[str]) -> list[list[int]]:
         loop.close()
 
 
-def _best_raw(path: Path, story: list[int], *, n: int, cores: int) -> tuple[int, float]:
-    rates = {t: raw_decode_rate(path, story, n, threads=t, n_ctx=N_CTX)[0] for t in range(1, cores + 1)}
+def _best_raw(raw: Executor, path: Path, story: list[int], *, n: int, cores: int) -> tuple[int, float]:
+    """The best raw thread count and its rate, run in `raw`'s process (localllm.bench.raw.raw_process says why)."""
+    runs = {t: raw.submit(raw_decode_rate, path, story, n, threads=t, n_ctx=N_CTX) for t in range(1, cores + 1)}
+    rates = {t: run.result()[0] for t, run in runs.items()}
     best = max(rates, key=rates.__getitem__)
     return best, rates[best]
 
@@ -85,20 +88,23 @@ def _raw_against_defaults(
 ) -> list[Figure]:
     engine = make_engine(path, threads=None, n_ctx=N_CTX)
     try:
-        return [
-            _idle_figure(engine, path, story, n=n, cores=cores, repeats=repeats, log=log),
-            _contended_figure(engine, path, story, n=n, cores=cores, repeats=BUSY_REPEATS, log=log),
-        ]
+        with raw_process() as raw:
+            return [
+                _idle_figure(engine, raw, path, story, n=n, cores=cores, repeats=repeats, log=log),
+                _contended_figure(engine, raw, path, story, n=n, cores=cores, repeats=BUSY_REPEATS, log=log),
+            ]
     finally:
         engine.close()
 
 
-def _idle_figure(engine, path: Path, story: list[int], *, n: int, cores: int, repeats: int, log) -> Figure:
+def _idle_figure(
+    engine, raw: Executor, path: Path, story: list[int], *, n: int, cores: int, repeats: int, log
+) -> Figure:
     """Idle: our best run against the best raw count's best run."""
     best_t, best, ours = 0, 0.0, 0.0
     for i in range(repeats):
         log(f"defaults, idle: raw loop at 1..{cores} threads and ours, repeat {i + 1}/{repeats}")
-        t, rate = _best_raw(path, story, n=n, cores=cores)
+        t, rate = _best_raw(raw, path, story, n=n, cores=cores)
         if rate > best:
             best_t, best = t, rate
         ours = max(ours, engine_run(engine, [story], n).rate())
@@ -112,14 +118,16 @@ def _idle_figure(engine, path: Path, story: list[int], *, n: int, cores: int, re
     )
 
 
-def _contended_figure(engine, path: Path, story: list[int], *, n: int, cores: int, repeats: int, log) -> Figure:
+def _contended_figure(
+    engine, raw: Executor, path: Path, story: list[int], *, n: int, cores: int, repeats: int, log
+) -> Figure:
     """One core busy elsewhere: each repeat's ratio against the best raw count under the same load; the worst repeat
     is the figure (a median hides a collapse)."""
     runs: list[tuple[float, float, int]] = []  # (ours, best raw, its count)
     with busy_core():
         for i in range(repeats):
             log(f"defaults, one core busy: raw loop at 1..{cores} threads and ours, repeat {i + 1}/{repeats}")
-            t, rate = _best_raw(path, story, n=n, cores=cores)
+            t, rate = _best_raw(raw, path, story, n=n, cores=cores)
             runs.append((engine_run(engine, [story], n).rate(), rate, t))
     ours, best, best_t = min(runs, key=lambda r: r[0] / r[1])
     ratios = " ".join(f"{o / b:.2f}" for o, b, _ in runs)

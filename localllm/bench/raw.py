@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor
+from contextlib import contextmanager
 from pathlib import Path
 
 import llama_cpp
@@ -193,3 +195,17 @@ def raw_prefill_rate(path: Path, prompt: list[int], *, threads: int, n_ctx: int)
         return len(prompt) / (time.perf_counter() - t0)
     finally:
         loop.close()
+
+
+@contextmanager
+def raw_process() -> Iterator[Executor]:
+    """A process of its own for raw loops that are compared with an engine in this one. GNU OpenMP gives every
+    thread that runs llama.cpp a team of its own, and once a process's teams hold more threads than it has CPUs, it
+    cuts the spin at every barrier to a thousand turns for good: a raw loop run here would leave our engine's
+    two-thread steps sleeping at barriers (on a 2-core EPYC: 60-80 ms steps among 10 ms ones, 0.4-0.8x the rate it
+    has alone). The server's process runs one team per loaded model, as this child does."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
