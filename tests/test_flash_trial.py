@@ -5,6 +5,7 @@ as the trial found, only where the load leaves the choice open."""
 from __future__ import annotations
 
 import json
+import threading
 
 import llama_cpp
 import pytest
@@ -104,6 +105,16 @@ def test_a_success_whose_trial_never_finished_starts_it_again(tmp_path):
     assert json.loads(entry.read_text())["trial_done"] is True
     checked = LoadProbe(tmp_path / "probes").check(path, api.LoadOptions())
     assert checked.trial is not None and not checked.trial_due
+
+
+def test_a_background_trial_says_when_it_has_ended(tmp_path):
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    memory = tmp_path / "probes"
+    assert LoadProbe(memory).check(path, api.LoadOptions()).trial_due
+    ended = threading.Event()
+    probe.start_trial(memory, path, api.LoadOptions(), ended.set)  # the pool passes its engine's machine_changed
+    probe.wait_for_trials()
+    assert ended.is_set() and json.loads((memory / weights_key(path)).read_text())["trial_done"] is True
 
 
 def _run_due_trial(memory, path) -> None:

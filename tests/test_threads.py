@@ -148,6 +148,60 @@ def test_a_slowdown_of_scattered_slow_steps_is_seen():
     assert tuner.settled("decode") == 1 and used[-10:] == [1] * 10
 
 
+def test_a_lone_slow_step_starts_no_trial():
+    tuner = ThreadTuner(2, recheck=10_000, first_recheck=10_000)
+    run(tuner, machine(2), TRIAL * 2)
+    settles = tuner._kinds["decode"].settles
+    steady = machine(2)
+    steps = iter(range(10_000))
+
+    def a_hiccup_every_twenty(threads: int, rows: int) -> float:  # a garbage collection, a page fault: 6x one step
+        return steady(threads, rows) * (6 if next(steps) % 20 == 19 else 1)
+
+    run(tuner, a_hiccup_every_twenty, 200)
+    assert tuner._kinds["decode"].settles == settles and tuner.settled("decode") == 2
+    run(tuner, time_sliced(0.6), 6 + TRIAL * 2 + 10)  # while a load that slows a share of the steps is still seen
+    assert tuner.settled("decode") == 1
+
+
+def test_retry_tries_the_counts_again_at_the_next_step():
+    tuner = ThreadTuner(2, recheck=10_000, first_recheck=10_000)
+    run(tuner, machine(2, busy=1), TRIAL * 2)  # the load check's trial ran beside the first request
+    run(tuner, machine(2), 50)
+    assert tuner.settled("decode") == 1  # nothing looks slow at one thread, and no re-check is due
+    tuner.retry()  # its child has ended
+    used = run(tuner, machine(2), TRIAL * 2 + 5)
+    assert used[:ROUND] == [1] * ROUND and used[ROUND : 2 * ROUND] == [2] * ROUND
+    assert tuner.settled("decode") == 2 and used[-5:] == [2] * 5
+
+
+@pytest.mark.models
+def test_an_engine_told_the_machine_changed_tries_its_counts_again(smollm2_path):
+    from localllm.api import LoadOptions, SamplingOptions
+    from localllm.backends.llama_cpp.backend import LlamaCppBackend
+    from localllm.engine.runner import GenerationParams, ModelEngine
+
+    # No re-check by time or slowdown: only the engine's word starts a trial after the first.
+    tuner = ThreadTuner(2, recheck=10_000, first_recheck=10_000, slowdown=1e9)
+    model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_ctx=256, num_parallel=1))
+    engine = ModelEngine(model, max_queue=1, threads=tuner)
+    sampling = SamplingOptions(temperature=0, num_predict=30, ignore_eos=True, spec_type="none")
+
+    def generate() -> None:
+        list(engine.submit(GenerationParams(engine.tokenize("Once upon a time"), sampling)))
+
+    try:
+        generate()
+        generate()
+        settled = tuner._kinds["decode"].settles
+        assert settled == 1
+        engine.machine_changed()
+        generate()
+        assert tuner._kinds["decode"].settles == settled + 1
+    finally:
+        engine.close()
+
+
 def test_more_threads_must_win_by_the_margin():
     tuner = ThreadTuner(2, margin=1.05)
     run(tuner, lambda threads, rows: 0.010 if threads == 1 else 0.0098, TRIAL * 2)

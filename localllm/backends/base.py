@@ -116,13 +116,14 @@ class LoadCheck:
 
     flash_attn: bool | None = None  # the setting measured faster, where the load leaves it open; None: not settled
     # Work the check leaves until the weights have loaded (the flash attention trial's child), so that it never
-    # competes with the load: the pool calls it after a successful load.
-    then: Callable[[], None] | None = None
+    # competes with the load: the pool starts it after a successful load, and it calls its argument when it ends.
+    then: Callable[[Callable[[], None] | None], None] | None = None
 
-    def loaded(self) -> None:
-        """Begin what the check left for after a successful load."""
+    def loaded(self, done: Callable[[], None] | None = None) -> None:
+        """Begin what the check left for after a successful load; `done` is called (from another thread) once that
+        work has ended, as the CPU it took is free again. Nothing left: nothing to call."""
         if self.then is not None:
-            self.then()
+            self.then(done)
 
     def applied_to(self, load: LoadOptions) -> LoadOptions:
         """`load` with what the check settled filled in."""

@@ -168,7 +168,7 @@ class ModelPool:
             pinned_threads=load.num_thread or 0,
             prefix_cache=prefix_cache,
         )
-        checked.loaded()
+        checked.loaded(engine.machine_changed)  # the trial's child took CPU: the thread counts are tried again
         log.info(
             "loaded %s on %s in %.2fs: %d slots x %d tokens",
             model.name,

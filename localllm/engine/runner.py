@@ -228,6 +228,7 @@ class ModelEngine:
         self.speculation = speculation
         self.threads = threads  # None: the count is pinned (or the backend schedules its own threads)
         self._threads_now = 0
+        self._machine_changed = threading.Event()  # set by any thread, read by this engine's before a step
         self._all_deterministic = config.DETERMINISTIC.get()  # a server for evaluation runs: every request
         # Prefixes evicted from the slots, in RAM and on disk (engine/prefix_cache.py); only this thread touches it.
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
@@ -367,6 +368,11 @@ class ModelEngine:
 
     def busy(self) -> bool:
         return self._outstanding > 0
+
+    def machine_changed(self) -> None:
+        """Work of ours that shared the CPU has ended (the load check's background trial): the tuned thread counts
+        are tried again before the next step, as one settled while it ran may be the wrong one."""
+        self._machine_changed.set()
 
     def close(self) -> None:
         """Stop the thread; unfinished requests end with Cancelled. Frees the native context."""
@@ -593,6 +599,9 @@ class ModelEngine:
     def _set_threads(self, kind: StepKind) -> int:
         if self.threads is None:
             return 0
+        if self._machine_changed.is_set():
+            self._machine_changed.clear()
+            self.threads.retry()
         threads = self.threads.choose(kind)
         if threads != self._threads_now:
             self.model.set_threads(threads)

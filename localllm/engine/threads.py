@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -102,9 +103,17 @@ class ThreadTuner:
         tuning.recent.append(per_row / statistics.median(seen))
         if len(tuning.recent) > self.patience:
             tuning.recent.popleft()
-        slowed = len(tuning.recent) == self.patience and statistics.fmean(tuning.recent) > self.slowdown
+        slowed = len(tuning.recent) == self.patience and _typical(tuning.recent) > self.slowdown
         if slowed or tuning.since >= tuning.interval:
             self._start_trial(tuning)
+
+    def retry(self) -> None:
+        """Try the counts again at the next step of every kind already settled: the load on the machine changed in
+        a way the engine knows of (work of its own in another process, such as the flash attention trial, ended),
+        which a count settled while it ran would otherwise keep until its next re-check."""
+        for tuning in self._kinds.values():
+            if not tuning.trials:
+                self._start_trial(tuning)
 
     def settled(self, kind: StepKind) -> int | None:
         """The count in use for `kind` once a trial has settled it; None while the first trial runs."""
@@ -179,6 +188,16 @@ TRIAL_SHAPES: dict[str, TrialShape] = {
     "batch": TrialShape(warm_up=0, measured=1),
 }
 BASELINE_STEPS = 3  # steps of a batch shape that set the settled count's baseline for it
+
+
+def _typical(values: Iterable[float]) -> float:
+    """The mean of `values` less the single slowest one (of three or more). A lone step that met a passing hiccup (a
+    garbage collection of the process, 30 ms beside 10 ms steps on the EPYC; a page fault; a virtual machine's host)
+    must not start a trial, while a load that slows a share of the steps still weighs in full. A trial's means keep
+    every step: a hiccup there costs one re-check, and a trimmed mean would favour more threads under a load that
+    slices them."""
+    ordered = sorted(values)
+    return statistics.fmean(ordered[:-1] if len(ordered) >= 3 else ordered)
 
 
 def _standing_apart(samples: dict[int, list[tuple[int, float]]]) -> int | None:

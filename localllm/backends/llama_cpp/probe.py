@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,10 +122,11 @@ class LoadProbe:
         return Probed(trial_due=trial)
 
 
-def start_trial(memory_dir: Path, weights: Path, load: api.LoadOptions) -> None:
+def start_trial(memory_dir: Path, weights: Path, load: api.LoadOptions, done: Callable[[], None] | None = None) -> None:
     """Begin the flash attention trial a check found due for `weights`, in a child of its own in the background; its
-    finding is remembered for the next load. Called once the weights have loaded, so it never slows that load."""
-    _start_trial(Path(weights), load, Path(memory_dir) / weights_key(Path(weights)))
+    finding is remembered for the next load, and `done` is called when it ends. Called once the weights have loaded,
+    so it never slows that load."""
+    _start_trial(Path(weights), load, Path(memory_dir) / weights_key(Path(weights)), done)
 
 
 def _failed(weights: Path, files: Sequence[Path], outcome: subprocess.CompletedProcess) -> Probed:
@@ -152,14 +153,16 @@ _trials_lock = threading.Lock()
 _trials: dict[Path, threading.Thread] = {}  # background trials of this process, by memory entry
 
 
-def _start_trial(weights: Path, load: api.LoadOptions, entry: Path) -> None:
+def _start_trial(weights: Path, load: api.LoadOptions, entry: Path, done: Callable[[], None] | None) -> None:
     """Run the flash attention trial in a child of its own, off the request path; its finding is remembered for
     the next load. One trial per entry and process at a time."""
     with _trials_lock:
         running = _trials.get(entry)
         if running is not None and running.is_alive():
             return
-        thread = threading.Thread(target=_trial_child, args=(weights, load, entry), name="localllm-trial", daemon=True)
+        thread = threading.Thread(
+            target=_trial_child, args=(weights, load, entry, done), name="localllm-trial", daemon=True
+        )
         _trials[entry] = thread
         thread.start()
 
@@ -172,7 +175,15 @@ def wait_for_trials(timeout: float | None = None) -> None:
         thread.join(timeout)
 
 
-def _trial_child(weights: Path, load: api.LoadOptions, entry: Path) -> None:
+def _trial_child(weights: Path, load: api.LoadOptions, entry: Path, done: Callable[[], None] | None) -> None:
+    try:
+        _run_trial(weights, load, entry)
+    finally:
+        if done is not None:
+            done()
+
+
+def _run_trial(weights: Path, load: api.LoadOptions, entry: Path) -> None:
     try:
         outcome = _run_child(weights, load, trial=True)
     except ModelFormatError as exc:  # too slow: llama.cpp's choice stays
