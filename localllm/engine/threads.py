@@ -33,6 +33,7 @@ class _Tuning:
     since: int = 0  # steps since it settled
     interval: int = 0  # steps before the next re-check: short after a change of count, doubling while it holds
     settles: int = 0  # how many times it has settled (for ps and the benchmark)
+    slowed: bool = False  # the trial under way began because the settled count's steps slowed down
     last_trial_steps: int = 0  # steps the last trial took, from its start to settling
 
 
@@ -105,7 +106,7 @@ class ThreadTuner:
             tuning.recent.popleft()
         slowed = len(tuning.recent) == self.patience and _typical(tuning.recent) > self.slowdown
         if slowed or tuning.since >= tuning.interval:
-            self._start_trial(tuning)
+            self._start_trial(tuning, slowed=slowed)
 
     def retry(self) -> None:
         """Try the counts again at the next step of every kind already settled: the load on the machine changed in
@@ -132,7 +133,7 @@ class ThreadTuner:
             self._start_trial(tuning)
         return tuning
 
-    def _start_trial(self, tuning: _Tuning) -> None:
+    def _start_trial(self, tuning: _Tuning, *, slowed: bool = False) -> None:
         if len(tuning.candidates) == 1:  # nothing to choose, and nothing to watch
             tuning.best, tuning.since, tuning.settles = tuning.candidates[0], 0, 1
             tuning.interval = self.recheck
@@ -142,15 +143,18 @@ class ThreadTuner:
         tuning.trials = [(t, measured) for _ in range(self.rounds) for t in tuning.candidates for measured in block]
         tuning.samples = {}
         tuning.last_trial_steps = 0
+        tuning.slowed = slowed
 
     @staticmethod
     def _clear_early(tuning: _Tuning, rounds: int) -> bool:
         """Whether a trial may end after `rounds` rounds: one count stands apart after two, or after one when a
-        re-check finds the settled count again (a first trial's two rounds guard against a passing load)."""
+        re-check finds the settled count again, or when the settled count's slowdown began it (a first trial's two
+        rounds guard against a passing load; after a slowdown the load has changed, and every step more at the
+        slowed count is what a user waits for: a two-thread step stalled 280 ms beside 15 ms ones on the EPYC)."""
         winner = _standing_apart(tuning.samples)
         if winner is None:
             return False
-        return rounds >= 2 or (tuning.settles > 0 and winner == tuning.best)
+        return rounds >= 2 or (tuning.settles > 0 and (winner == tuning.best or tuning.slowed))
 
     def _settle(self, tuning: _Tuning) -> None:
         means = {t: statistics.fmean(per_row for _, per_row in s) for t, s in tuning.samples.items() if s}
