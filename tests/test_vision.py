@@ -24,6 +24,7 @@ import openai
 import pytest
 from reference_tools import reference_tool
 from server_harness import private_home, served
+from tiny_models import write_tiny_llama
 from typer.testing import CliRunner
 from vision_model import N_PATCHES, png, write_projector
 
@@ -51,6 +52,10 @@ def files(tmp_path_factory, smollm2_path) -> Path:
     write_projector(folder / "wide-mmproj.gguf", text_embd=640)
     write_projector(folder / "idefics3-mmproj.gguf", kind="idefics3")
     write_projector(folder / "unknown-mmproj.gguf", kind="no-such-projector")  # a clip GGUF mtmd cannot load
+    # SmolVLM's layout whole: a text model whose vocabulary has the markers mtmd wraps an idefics3 image in (its
+    # overview and one tile), under the same projector at that model's width. Greedy text is whole words.
+    write_tiny_llama(folder / "tiny-smolvlm.gguf", added=IDEFICS3_MARKERS, writes_bytes=False)
+    write_projector(folder / "tiny-idefics3-mmproj.gguf", kind="idefics3", text_embd=TINY_EMBD)
     return folder
 
 
@@ -164,6 +169,9 @@ def test_plan_counts_the_projector(store, monkeypatch):
 
 VISION = "smolvlm"
 OPTIONS = {"temperature": 0, "num_predict": 12, "num_ctx": 512, "num_thread": 1, "seed": 0}
+# What mtmd wraps an idefics3 image in, looked up in the text model's vocabulary ("\n" is its byte token).
+IDEFICS3_MARKERS = ("\n\n", "<fake_token_around_image>", "<global-img>", "<row_1_col_1>")
+TINY_EMBD = 64  # tests/tiny_models.py's width
 
 
 def bomb_png(width: int, height: int) -> bytes:
@@ -192,6 +200,7 @@ def vision_home(models_home, files, tmp_path_factory) -> Path:
     _create(store, VISION, modelfile, files)
     _create(store, "smolvlm-wrapped", "FROM smollm2:135m\nFROM ./idefics3-mmproj.gguf\n", files)
     _create(store, "smolvlm-unknown", "FROM smollm2:135m\nFROM ./unknown-mmproj.gguf\n", files)
+    _create(store, "tiny-smolvlm", "FROM ./tiny-smolvlm.gguf\nFROM ./tiny-idefics3-mmproj.gguf\n", files)
     return home
 
 
@@ -307,17 +316,25 @@ def test_the_server_answers_after_the_refusals(url):
 NEAR_TIE = 0.1  # nats between the top two tokens within which another batch shape may flip the greedy pick
 
 
-def test_answers_equal_llama_mtmd_cli(url, files, tmp_path, smollm2_path):
+@pytest.mark.parametrize(
+    ("model", "weights", "projector", "prompt"),
+    [
+        (VISION, "smollm2.gguf", "mmproj.gguf", "Describe this picture:"),
+        ("tiny-smolvlm", "tiny-smolvlm.gguf", "tiny-idefics3-mmproj.gguf", "w1 w2"),
+    ],
+    ids=["llava", "idefics3"],
+)
+def test_answers_equal_llama_mtmd_cli(url, files, tmp_path, model, weights, projector, prompt):
     """The same weights, projector, image and prompt (raw: the template is the identity) through llama.cpp's own
     pipeline: the same greedy text, up to a near-tie. Random weights make near-ties, where llama-mtmd-cli's batch
-    shapes may pick the runner-up: there the text may part, but only to our second choice."""
+    shapes may pick the runner-up: there the text may part, but only to our second choice. SmolVLM's idefics3
+    layout has an overview and a tile per image, each wrapped in marker tokens of the text model's vocabulary."""
     binary = reference_tool("llama-mtmd-cli")
     image = tmp_path / "image.png"
     image.write_bytes(png(4))
-    prompt = "Describe this picture:"
     identity = "{% for m in messages %}{{ m.content }}{% endfor %}"
     reference = subprocess.run(
-        [binary, "-m", str(smollm2_path), "--mmproj", str(files / "mmproj.gguf"), "--image", str(image)]
+        [binary, "-m", str(files / weights), "--mmproj", str(files / projector), "--image", str(image)]
         + ["-p", prompt, "-n", "12", "--temp", "0", "-t", "1", "-c", "512", "--no-warmup", "--jinja"]
         + ["--chat-template", identity],
         capture_output=True,
@@ -325,12 +342,14 @@ def test_answers_equal_llama_mtmd_cli(url, files, tmp_path, smollm2_path):
         timeout=300,
     )
     assert reference.returncode == 0, reference.stderr[-2000:]
-    body = {"model": VISION, "prompt": prompt, "raw": True, "images": [b64(png(4))], "stream": False}
+    body = {"model": model, "prompt": prompt, "raw": True, "images": [b64(png(4))], "stream": False}
     body |= {"options": OPTIONS, "logprobs": True, "top_logprobs": 2}
     ours = httpx.post(f"{url}/api/generate", json=body, timeout=120).json()
     generated = reference.stdout.removeprefix("\n")  # llama-mtmd-cli prints a newline once the prompt is read
     compared = _same_text_up_to_a_near_tie(generated, ours["logprobs"])
     assert compared >= 2 or compared == len(ours["logprobs"])
+    without = httpx.post(f"{url}/api/generate", json={**body, "images": []}, timeout=120).json()
+    assert without["response"] != ours["response"]  # the image is read: the answer is not the text's alone
 
 
 def _same_text_up_to_a_near_tie(theirs: str, ours: list[dict]) -> int:

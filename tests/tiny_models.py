@@ -30,10 +30,14 @@ def write_tiny_llama(
     half: tuple[str, ...] = (),
     byte_tokens: bool = True,
     seed: int = 0,
+    added: tuple[str, ...] = (),
+    writes_bytes: bool = True,
 ) -> Path:
     """`hparams` override HPARAMS (by GGUFWriter.add_<name>); `raw` adds keys as they are (e.g. a string where a
     number belongs); tensors named in `half` are stored as F16. Without `byte_tokens` the vocabulary lacks the
-    <0xNN> tokens a SentencePiece vocabulary falls back to, and llama.cpp aborts tokenizing any unknown text."""
+    <0xNN> tokens a SentencePiece vocabulary falls back to, and llama.cpp aborts tokenizing any unknown text.
+    `added` are tokens matched whole before the rest is tokenized (a vision model's image markers, as SmolVLM's).
+    Without `writes_bytes` the byte tokens' logits are 0, below the words', so greedy text is whole words."""
     rng = np.random.default_rng(seed)
     n_embd = 64
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -46,11 +50,11 @@ def write_tiny_llama(
             writer.add_uint32(key, value)
     writer.add_tokenizer_model("llama")
     pieces = [f"<0x{byte:02X}>" for byte in range(256)] if byte_tokens else []
-    words = [f"\u2581w{i}" for i in range(320 - 3 - len(pieces))]
-    n_vocab = 3 + len(pieces) + len(words)
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + pieces + words)
+    words = [f"\u2581w{i}" for i in range(320 - 3 - len(pieces) - len(added))]
+    n_vocab = 3 + len(pieces) + len(words) + len(added)
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + pieces + words + list(added))
     writer.add_token_scores([0.0] * n_vocab)
-    writer.add_token_types([2, 3, 3] + [6] * len(pieces) + [1] * len(words))
+    writer.add_token_types([2, 3, 3] + [6] * len(pieces) + [1] * len(words) + [4] * len(added))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 
@@ -61,7 +65,10 @@ def write_tiny_llama(
         add(name, rng.standard_normal(shape) * scale)
 
     tensor("token_embd.weight", n_vocab, n_embd, scale=1.0)
-    tensor("output.weight", n_vocab, n_embd, scale=0.5)
+    output = rng.standard_normal((n_vocab, n_embd)) * 0.5
+    if not writes_bytes:
+        output[3 : 3 + len(pieces)] = 0.0
+    add("output.weight", output)
     add("output_norm.weight", np.ones(n_embd))
     add("blk.0.attn_norm.weight", np.ones(n_embd))
     add("blk.0.ffn_norm.weight", np.ones(n_embd))
