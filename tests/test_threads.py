@@ -59,7 +59,10 @@ def test_load_arriving_moves_to_fewer_threads_and_leaving_moves_back():
     assert tuner.settled("decode") == 2
     used = run(tuner, machine(2, busy=1), 4 + TRIAL * 2 + 10)  # patience slow steps, then a trial
     assert tuner.settled("decode") == 1 and used[-10:] == [1] * 10
-    assert tuner.trial_steps("decode") == ROUND * 2  # begun by the slowdown: one round that sets one count apart
+    # Begun by the slowdown: the slowed count's latest steps are its samples, so only one thread runs in the trial.
+    slowed = used.index(1)
+    assert slowed <= 4 and set(used[slowed:]) == {1}
+    assert tuner.trial_steps("decode") == TRIAL  # the window still held steps from before the load: three rounds
     # The load goes away: nothing looks slow at one thread, so the periodic re-check finds two threads again.
     used = run(tuner, machine(2), 200 + TRIAL * 2 + 5)
     assert tuner.settled("decode") == 2 and used[-5:] == [2] * 5
@@ -162,6 +165,19 @@ def test_a_lone_slow_step_starts_no_trial():
     assert tuner._kinds["decode"].settles == settles and tuner.settled("decode") == 2
     run(tuner, time_sliced(0.6), 6 + TRIAL * 2 + 10)  # while a load that slows a share of the steps is still seen
     assert tuner.settled("decode") == 1
+
+
+def test_a_slowdown_that_the_other_counts_do_not_beat_keeps_the_settled_count():
+    tuner = ThreadTuner(2, recheck=10_000, first_recheck=10_000)
+    run(tuner, machine(2), TRIAL * 2)
+    slower = machine(2)
+
+    def everything_slower(threads: int, rows: int) -> float:  # the machine slows down alike for every count
+        return slower(threads, rows) * 1.6
+
+    used = run(tuner, everything_slower, 6 + TRIAL + 20)
+    assert tuner.settled("decode") == 2 and used[-20:] == [2] * 20
+    assert tuner._kinds["decode"].settles == 2  # one trial, of one thread only; its new baseline is the slower one
 
 
 def test_retry_tries_the_counts_again_at_the_next_step():

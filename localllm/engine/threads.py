@@ -25,11 +25,13 @@ class _Tuning:
     candidates: list[int]
     shape: TrialShape
     trials: list[tuple[int, bool]] = field(default_factory=list)  # (count, measured) still to run, in order
+    trying: list[int] = field(default_factory=list)  # the counts the trial under way runs, each round
     samples: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # per count: (rows bucket, s/row)
     best: int = 0
     # The settled count's seconds per row, per rows bucket: from its trial, or its first steps of a new batch shape.
     baselines: dict[int, list[float]] = field(default_factory=dict)
     recent: deque[float] = field(default_factory=deque)  # the settled count's latest steps, as a share of baseline
+    recent_steps: deque[tuple[int, float]] = field(default_factory=deque)  # the same steps: (rows bucket, s/row)
     since: int = 0  # steps since it settled
     interval: int = 0  # steps before the next re-check: short after a change of count, doubling while it holds
     settles: int = 0  # how many times it has settled (for ps and the benchmark)
@@ -47,7 +49,8 @@ class ThreadTuner:
     settled one: a trial's steps at the losing counts are what tuning costs. A settled count is tried again soon
     (`first_recheck` steps), then less often while trials keep choosing it (up to `recheck` steps): a trial may
     have met a passing load, such as another program's threads winding down. It is tried at once when its last
-    `patience` steps took on average more than `slowdown` times its baseline (another process took a core).
+    `patience` steps took on average (less the slowest) more than `slowdown` times its baseline (another process
+    took a core): then those steps are its samples, only the other counts run, and one round may settle it.
 
     Means, not medians: while another process shares the cores, threads that need a core of their own run some steps
     fast (the other process is off the CPU) and others several times slower; a median of such steps looks fast, and
@@ -90,7 +93,7 @@ class ThreadTuner:
                     tuning.samples.setdefault(threads, []).append((shape, per_row))
                 tuning.trials.pop(0)
                 tuning.last_trial_steps += 1
-                rounds, within = divmod(tuning.last_trial_steps, len(tuning.candidates) * tuning.shape.steps)
+                rounds, within = divmod(tuning.last_trial_steps, len(tuning.trying) * tuning.shape.steps)
                 if within == 0 and self._clear_early(tuning, rounds):
                     tuning.trials = []
                 if not tuning.trials:
@@ -102,8 +105,10 @@ class ThreadTuner:
             seen.append(per_row)
             return
         tuning.recent.append(per_row / statistics.median(seen))
+        tuning.recent_steps.append((shape, per_row))
         if len(tuning.recent) > self.patience:
             tuning.recent.popleft()
+            tuning.recent_steps.popleft()
         slowed = len(tuning.recent) == self.patience and _typical(tuning.recent) > self.slowdown
         if slowed or tuning.since >= tuning.interval:
             self._start_trial(tuning, slowed=slowed)
@@ -137,11 +142,15 @@ class ThreadTuner:
         if len(tuning.candidates) == 1:  # nothing to choose, and nothing to watch
             tuning.best, tuning.since, tuning.settles = tuning.candidates[0], 0, 1
             tuning.interval = self.recheck
-            tuning.baselines, tuning.recent = {}, deque()
+            tuning.baselines, tuning.recent, tuning.recent_steps = {}, deque(), deque()
             return
+        # After a slowdown the settled count's latest steps are its samples, and only the other counts run: a step
+        # more at the slowed count is what a user waits for (a two-thread step stalled 280 ms beside 15 ms ones on
+        # the EPYC once a core was taken).
+        tuning.trying = [t for t in tuning.candidates if t != tuning.best] if slowed else list(tuning.candidates)
+        tuning.samples = {tuning.best: list(tuning.recent_steps)} if slowed else {}
         block = [False] * tuning.shape.warm_up + [True] * tuning.shape.measured
-        tuning.trials = [(t, measured) for _ in range(self.rounds) for t in tuning.candidates for measured in block]
-        tuning.samples = {}
+        tuning.trials = [(t, measured) for _ in range(self.rounds) for t in tuning.trying for measured in block]
         tuning.last_trial_steps = 0
         tuning.slowed = slowed
 
@@ -149,8 +158,7 @@ class ThreadTuner:
     def _clear_early(tuning: _Tuning, rounds: int) -> bool:
         """Whether a trial may end after `rounds` rounds: one count stands apart after two, or after one when a
         re-check finds the settled count again, or when the settled count's slowdown began it (a first trial's two
-        rounds guard against a passing load; after a slowdown the load has changed, and every step more at the
-        slowed count is what a user waits for: a two-thread step stalled 280 ms beside 15 ms ones on the EPYC)."""
+        rounds guard against a passing load; after a slowdown the load has changed)."""
         winner = _standing_apart(tuning.samples)
         if winner is None:
             return False
@@ -168,7 +176,7 @@ class ThreadTuner:
         tuning.baselines = {}
         for shape, per_row in tuning.samples[tuning.best]:
             tuning.baselines.setdefault(shape, []).append(per_row)
-        tuning.since, tuning.recent = 0, deque()
+        tuning.since, tuning.recent, tuning.recent_steps = 0, deque(), deque()
         tuning.settles += 1
 
 
