@@ -16,7 +16,7 @@ class FixedCosts:
     def __init__(self, base: float, per_token: float):
         self.line = Line(base, per_token)
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, *, chunk: bool) -> None:
         pass
 
     def fit(self) -> Line | None:
@@ -48,28 +48,47 @@ def _decoders(s: Scheduler, n: int, prompt_len: int = 3) -> list[Request]:
 def test_the_learnt_cost_line_recovers_synthetic_step_times():
     costs = StepCosts()
     for tokens in (3, 3, 4, 512, 3, 256, 128, 3, 512, 64):
-        costs.observe(tokens, 0.02 + 0.001 * tokens)
+        costs.observe(tokens, 0.02 + 0.001 * tokens, chunk=tokens > 4)
     line = costs.fit()
     assert line is not None
     assert line.base == pytest.approx(0.02) and line.per_token == pytest.approx(0.001)
 
 
+def test_the_chunks_line_wins_once_they_span_sizes():
+    # Decode-only steps run under the chunks' line (llama.cpp's matrix-vector path): a line through both would read
+    # the chunks' base as about nothing.
+    costs = StepCosts()
+    for _ in range(8):
+        costs.observe(3, 0.05, chunk=False)
+        costs.observe(512, 0.14 + 0.011 * 512, chunk=True)
+    mixed = costs.fit()
+    assert mixed is not None and mixed.base < 0.05  # only 512-token chunks so far: every step counts
+    for tokens in (64, 70, 130, 200):
+        costs.observe(tokens, 0.14 + 0.011 * tokens, chunk=True)
+    line = costs.fit()
+    assert line is not None
+    assert line.base == pytest.approx(0.14) and line.per_token == pytest.approx(0.011)
+    # By the chunks' line the prompt goes in steps more than twice as long (207 tokens against 84).
+    sized_by_both = StepBudget(FixedCosts(mixed.base, mixed.per_token)).prefill_tokens(3, 509)
+    assert StepBudget(costs).prefill_tokens(3, 509) > 2 * sized_by_both
+
+
 def test_no_line_until_the_samples_span_step_sizes():
     costs = StepCosts()
     for _ in range(20):  # decode-only steps: no slope to read
-        costs.observe(3, 0.02)
+        costs.observe(3, 0.02, chunk=False)
     assert costs.fit() is None
-    costs.observe(0, 1.0)  # empty or unmeasured steps are ignored
-    costs.observe(64, 0.0)
+    costs.observe(0, 1.0, chunk=True)  # empty or unmeasured steps are ignored
+    costs.observe(64, 0.0, chunk=True)
     assert costs.fit() is None
 
 
 def test_the_line_follows_the_latest_steps():
     costs = StepCosts(per_size=8)
     for tokens in (4, 400) * 8:
-        costs.observe(tokens, 0.01 + 0.001 * tokens)
+        costs.observe(tokens, 0.01 + 0.001 * tokens, chunk=tokens > 4)
     for tokens in (4, 400) * 8:  # the machine got four times slower
-        costs.observe(tokens, 0.04 + 0.004 * tokens)
+        costs.observe(tokens, 0.04 + 0.004 * tokens, chunk=tokens > 4)
     line = costs.fit()
     assert line is not None and line.per_token == pytest.approx(0.004)
 
@@ -77,9 +96,9 @@ def test_the_line_follows_the_latest_steps():
 def test_long_steps_are_remembered_through_many_decode_steps():
     costs = StepCosts()
     for tokens in (3, 512) * 8:
-        costs.observe(tokens, 0.02 + 0.001 * tokens)
+        costs.observe(tokens, 0.02 + 0.001 * tokens, chunk=tokens > 3)
     for _ in range(1000):  # the decoders ran alone for a long while
-        costs.observe(3, 0.023)
+        costs.observe(3, 0.023, chunk=False)
     line = costs.fit()
     assert line is not None and line.per_token == pytest.approx(0.001)
 
@@ -87,7 +106,9 @@ def test_long_steps_are_remembered_through_many_decode_steps():
 def test_a_noisy_slope_gives_no_budget():
     costs = StepCosts()
     for tokens in (4, 400) * 5:
-        costs.observe(tokens, 0.5 if tokens == 4 else 0.1)  # bigger steps cheaper: load noise, not a cost
+        costs.observe(
+            tokens, 0.5 if tokens == 4 else 0.1, chunk=tokens > 4
+        )  # bigger steps cheaper: load noise, not a cost
     assert costs.fit() is None
     assert StepBudget(costs).prefill_tokens(3, 509) == 509
 
@@ -100,20 +121,44 @@ def test_a_lone_prefill_uses_the_whole_step():
     assert budget.prefill_tokens(0, 512) == 512
 
 
+def _per_prompt_token(line: Line, decode_rows: int, tokens: int) -> float:
+    """What each prompt token costs in a step of `decode_rows` decode rows and `tokens` prompt tokens."""
+    return line.seconds(decode_rows + tokens) / tokens
+
+
+@pytest.mark.parametrize(
+    ("base", "per_token", "decode_rows"),
+    [(0.02, 0.004, 3), (0.14, 0.011, 3), (0.002, 0.00006, 3), (0.0, 0.014, 3), (0.14, 0.011, 16), (0.02, 0.004, 1)],
+)
+def test_the_prompt_pays_at_most_the_slowdown_for_the_pacing(base, per_token, decode_rows):
+    budget = StepBudget(FixedCosts(base, per_token))
+    line, full = Line(base, per_token), 512
+    room = full - decode_rows
+    n = budget.prefill_tokens(decode_rows, room)
+    alone = _per_prompt_token(line, 0, full)
+    assert budget.min_chunk <= n <= room
+    if n < room:  # the fewest tokens within the bound: one fewer would cost the prompt more
+        assert _per_prompt_token(line, decode_rows, n) <= (1 + budget.slowdown) * alone
+        assert _per_prompt_token(line, decode_rows, n - 1) > (1 + budget.slowdown) * alone
+
+
 def test_the_prefill_share_follows_the_budget():
-    slow = StepBudget(FixedCosts(base=0.02, per_token=0.004), decode_share=0.1)
-    # Three decode rows cost 0.032 s; the step may take ten times that: 0.288 s of prefill is 72 tokens.
-    assert slow.prefill_tokens(3, 509) == 72
-    faster = StepBudget(FixedCosts(base=0.02, per_token=0.001), decode_share=0.1)
+    slow = StepBudget(FixedCosts(base=0.02, per_token=0.004), slowdown=0.1)
+    # Three decode rows and the fixed part cost 0.032 s; the prompt may pay a tenth more a token than in 512-token
+    # chunks (0.00404 s): 0.032 / (1.1 x 0.00404 - 0.004) is 72.2, so 73 tokens.
+    assert slow.prefill_tokens(3, 509) == 73
+    faster = StepBudget(FixedCosts(base=0.02, per_token=0.001), slowdown=0.1)
     assert faster.prefill_tokens(3, 509) > slow.prefill_tokens(3, 509)
-    # More decoders, a dearer fixed part, a longer step: more prefill per step, never past the batch's room.
+    # More decoders, a dearer fixed part: more prefill per step, never past the batch's room.
     assert slow.prefill_tokens(8, 504) > slow.prefill_tokens(3, 509)
-    assert StepBudget(FixedCosts(base=1.0, per_token=1e-6)).prefill_tokens(3, 509) == 509
+    assert StepBudget(FixedCosts(base=1.0, per_token=1e-6)).prefill_tokens(3, 509) > 480  # the step is its base
+    # A tighter bound on the prompt's slowdown means longer steps.
+    assert StepBudget(FixedCosts(0.02, 0.004), slowdown=0.05).prefill_tokens(3, 509) > 73
 
 
 def test_a_prefill_always_advances():
-    # Decode rows that may take nine tenths of a step leave no whole prefill token: the chunk is the minimum.
-    budget = StepBudget(FixedCosts(base=0.0001, per_token=1.0), decode_share=0.9, min_chunk=16)
+    # A prompt allowed to pay ten times its lone cost needs few tokens a step: the chunk is the minimum.
+    budget = StepBudget(FixedCosts(base=0.0001, per_token=1.0), slowdown=9.0, min_chunk=16)
     assert budget.prefill_tokens(3, 509) == 16
     assert budget.prefill_tokens(3, 5) == 5
 
@@ -123,7 +168,7 @@ def test_without_timings_the_step_is_sized_in_tokens():
 
 
 def test_the_scheduler_schedules_every_decode_row_then_the_budgets_prefill():
-    budget = StepBudget(FixedCosts(base=0.02, per_token=0.004), decode_share=0.1)
+    budget = StepBudget(FixedCosts(base=0.02, per_token=0.004), slowdown=0.1)
     s = Scheduler(n_slots=4, n_ctx=4096, n_batch=512, max_queue=4, pacing=budget)
     decoders = _decoders(s, 3)
     long = Request(prompt=list(range(1000, 2400)), max_tokens=4, sink=None)
@@ -132,10 +177,10 @@ def test_the_scheduler_schedules_every_decode_row_then_the_budgets_prefill():
     rows = [w.request for w in step.work]
     assert all(d in rows for d in decoders)  # every decode row, first
     assert step.batch.tokens[:3] == [100, 100, 100]
-    assert len(step.batch) == 3 + budget.prefill_tokens(3, 509) == 75
+    assert len(step.batch) == 3 + budget.prefill_tokens(3, 509) == 76
     s.update(step, {d.id: [101] for d in decoders})
     # Chunks go on at that size while the decoders run; every step still carries all three decode rows.
-    chunks = [72]
+    chunks = [73]
     while long.slot is not None and long.slot.state is SlotState.PREFILL:
         step = s.schedule()
         decode_rows = sum(1 for seq in step.batch.seqs if seq != long.slot.seq)
@@ -143,7 +188,7 @@ def test_the_scheduler_schedules_every_decode_row_then_the_budgets_prefill():
         chunks.append(len(step.batch) - decode_rows)
         done = any(w.request is long for w in step.work)
         s.update(step, {**{d.id: [101] for d in decoders}, **({long.id: [7]} if done else {})})
-    assert sum(chunks) == 1400 and max(chunks) <= 72 and len(chunks) > 1400 // 509
+    assert sum(chunks) == 1400 and max(chunks) <= 73 and len(chunks) > 1400 // 509
 
 
 def test_a_lone_long_prompt_is_read_in_full_batches():

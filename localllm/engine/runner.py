@@ -547,7 +547,7 @@ class ModelEngine:
             # Wall time, not CPU time: a thread that waits for a core another process holds is what it must see.
             self.threads.record(kind, threads, len(step.batch), seconds)
         if self._scheduler.pacing is not None:
-            self._scheduler.pacing.observe(len(step.batch), seconds)
+            self._scheduler.pacing.observe(len(step.batch), seconds, chunk=kind == "batch")
         if kind == "batch" and self.prefix_cache is not None:
             self.prefix_cache.price.observe_prefill(len(step.batch), seconds)
         if self.speculation is not None:

@@ -6,9 +6,10 @@ then as many prefill tokens as fit a time budget; a step with no decode rows (a 
 num_batch, so its prompt is read as fast as before.
 
 The budget comes from the engine's own step timings: StepCosts fits seconds = base + per_token x tokens to the latest
-steps of each size (plain data; the engine thread feeds it). A mixed step is sized so that its decode rows cost at most
-DECODE_SHARE of it: the prefill pays a small share of each step for the pacing, and a decoder waits a bounded
-multiple of a plain decode step however long the prompt beside it."""
+steps of each size (plain data; the engine thread feeds it). A mixed step carries the fewest prefill tokens at which
+the prompt's tokens cost at most PREFILL_SLOWDOWN more each than in a lone prefill's full chunks (the whole step,
+decode rows included, charged to the prompt): the long prompt's first token comes nearly as soon as alone, and a
+decoder waits one such step, a fraction of the prompt, however long the prompt is."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Protocol
 PER_SIZE = 16  # the latest steps of each size (by powers of two) the fit reads: recent enough to follow the load
 MIN_SAMPLES = 8
 SPREAD = 2  # the largest step in the window must have this many times the tokens of the smallest to fit a slope
-DECODE_SHARE = 0.05  # a mixed step is at least (its decode rows' cost / this) long
+PREFILL_SLOWDOWN = 0.05  # a prompt beside decoders costs each of its tokens at most this much more than alone
 MIN_CHUNK = 16  # a prefill always advances by at least this many tokens a step (or what is left of the room)
 
 
@@ -37,28 +38,24 @@ class Line:
 class StepCostModel(Protocol):
     """What a step of some size costs: learnt from measured steps (StepCosts), or given (a test's fixed figures)."""
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """A step of `tokens` batch rows took `seconds` of wall time."""
+    def observe(self, tokens: int, seconds: float, *, chunk: bool) -> None:
+        """A step of `tokens` batch rows took `seconds` of wall time; `chunk`: it carried a prefill chunk."""
 
     def fit(self) -> Line | None:
-        """The cost line, or None while too little is known."""
+        """The cost line of steps that carry a prefill chunk, or None while too little is known."""
 
 
-@dataclass
-class StepCosts:
-    """Least squares over the latest samples of each step size (sizes grouped by powers of two, PER_SIZE samples
-    each); None until they span sizes SPREAD apart. By size, so that the few long steps a prompt brings are still
-    known after hundreds of decode-only steps, and each size follows the machine's latest speed."""
+class _Window:
+    """The latest samples of each step size (by powers of two), and the least-squares line through them."""
 
-    per_size: int = PER_SIZE
-    sizes: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
+    def __init__(self, per_size: int):
+        self.per_size = per_size
+        self.sizes: dict[int, deque[tuple[int, float]]] = {}
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or not seconds > 0:
-            return
+    def add(self, tokens: int, seconds: float) -> None:
         self.sizes.setdefault(tokens.bit_length(), deque(maxlen=self.per_size)).append((tokens, seconds))
 
-    def fit(self) -> Line | None:
+    def line(self) -> Line | None:
         samples = [sample for size in self.sizes.values() for sample in size]
         if len(samples) < MIN_SAMPLES:
             return None
@@ -76,31 +73,53 @@ class StepCosts:
         return Line(base=max(0.0, mean_t - per_token * mean_n), per_token=per_token)
 
 
+class StepCosts:
+    """Least squares over the latest samples of each step size (sizes grouped by powers of two, PER_SIZE samples
+    each); None until they span sizes SPREAD apart. By size, so that the few long steps a prompt brings are still
+    known after hundreds of decode-only steps, and each size follows the machine's latest speed.
+
+    Steps that carry a prefill chunk have a line of their own, used once they span sizes: decode-only steps run
+    llama.cpp's matrix-vector path and lie well under the chunks' line (qwen2.5-coder:1.5b on 2 cores: three decode
+    rows 0.05 s, where chunks cost 0.14 s + 11 ms a token), so a line through both reads too small a base, and the
+    chunks it sizes are too small to be efficient (60 tokens a step made the prompt 19% slower). Until the chunks
+    span sizes, every step counts: the small chunks that line gives are what brings the spread."""
+
+    def __init__(self, per_size: int = PER_SIZE):
+        self._all = _Window(per_size)
+        self._chunks = _Window(per_size)
+
+    def observe(self, tokens: int, seconds: float, *, chunk: bool) -> None:
+        if tokens <= 0 or not seconds > 0:
+            return
+        self._all.add(tokens, seconds)
+        if chunk:
+            self._chunks.add(tokens, seconds)
+
+    def fit(self) -> Line | None:
+        return self._chunks.line() or self._all.line()
+
+
 class Pacing(Protocol):
     """The scheduler's view of the step budget."""
 
     def prefill_tokens(self, decode_rows: int, room: int) -> int:
         """How many prefill tokens a step with `decode_rows` decode rows may carry, of the `room` left in the batch."""
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """A decoded step's size and wall time."""
+    def observe(self, tokens: int, seconds: float, *, chunk: bool) -> None:
+        """A decoded step's size and wall time; `chunk`: it carried a prefill chunk."""
 
 
 @dataclass
 class StepBudget:
-    """Decode rows first, then the prefill tokens that fit a step DECODE_SHARE of which is the decode rows' cost."""
+    """Decode rows first, then the fewest prefill tokens at which the prompt's tokens cost at most `slowdown` more
+    each than in full chunks of the batch (decode rows + room)."""
 
     costs: StepCostModel = field(default_factory=StepCosts)
-    decode_share: float = DECODE_SHARE
+    slowdown: float = PREFILL_SLOWDOWN
     min_chunk: int = MIN_CHUNK
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        self.costs.observe(tokens, seconds)
-
-    def step_seconds(self, decode_rows: int) -> float | None:
-        """The time a step with `decode_rows` decode rows may take (None: nothing learnt yet)."""
-        line = self.costs.fit()
-        return None if line is None else line.seconds(decode_rows) / self.decode_share
+    def observe(self, tokens: int, seconds: float, *, chunk: bool) -> None:
+        self.costs.observe(tokens, seconds, chunk=chunk)
 
     def prefill_tokens(self, decode_rows: int, room: int) -> int:
         if decode_rows <= 0 or room <= 0:
@@ -108,6 +127,10 @@ class StepBudget:
         line = self.costs.fit()
         if line is None:
             return room  # no timings yet: token-sized chunks, as without a budget
-        spare = line.seconds(decode_rows) / self.decode_share - line.seconds(decode_rows)
-        fits = int(spare / line.per_token)
-        return min(room, max(self.min_chunk, fits))
+        # A step of d decode rows and n prompt tokens costs base + per_token (d + n), all charged to the prompt; alone
+        # its tokens cost (base / full + per_token) each. The first no dearer than (1 + slowdown) times the second:
+        #   n >= (base + per_token d) / (slowdown per_token + (1 + slowdown) base / full).
+        full = decode_rows + room
+        alone = line.base / full + line.per_token
+        fits = line.seconds(decode_rows) / ((1 + self.slowdown) * alone - line.per_token)
+        return min(room, max(self.min_chunk, int(fits) + 1))
