@@ -91,6 +91,37 @@ def test_decode_and_batch_steps_settle_apart():
     assert tuner.settled("decode") == 1 and tuner.settled("batch") == 2
 
 
+def _both_kinds(tuner: ThreadTuner, step, n: int, *, prefill_cost=None) -> list[int]:
+    """n rounds of a decode step and a 256-row prefill chunk (its per-row cost scaled by prefill_cost(i)); the
+    counts the chunks ran at."""
+    used = []
+    for i in range(n):
+        threads = tuner.choose("decode")
+        tuner.record("decode", threads, 1, step(threads, 1))
+        threads = tuner.choose("batch")
+        tuner.record("batch", threads, 256, step(threads, 256) * (prefill_cost(i) if prefill_cost else 1.0))
+        used.append(threads)
+    return used
+
+
+def test_prefill_chunks_deeper_in_a_prompt_start_no_trial():
+    # Chunks cost more a row as the prompt grows (attention over more cells): not a sign of another process.
+    tuner = ThreadTuner(2, patience=4, recheck=10_000, first_recheck=10_000)
+    _both_kinds(tuner, machine(2), TRIAL * 2)
+    settles = tuner._kinds["batch"].settles
+    used = _both_kinds(tuner, machine(2), 40, prefill_cost=lambda i: 1.0 + 0.05 * i)  # up to 3x slower
+    assert set(used) == {2} and tuner._kinds["batch"].settles == settles
+
+
+def test_prefill_tries_its_counts_again_when_decode_steps_move():
+    tuner = ThreadTuner(2, patience=4, recheck=10_000, first_recheck=10_000)
+    _both_kinds(tuner, machine(2), TRIAL * 2)
+    assert tuner.settled("decode") == 2 and tuner.settled("batch") == 2
+    used = _both_kinds(tuner, machine(2, busy=1), TRIAL * 2 + 5)  # another process takes a core
+    assert tuner.settled("decode") == 1 and tuner.settled("batch") == 1
+    assert used[-5:] == [1] * 5
+
+
 def test_counts_that_overlap_run_all_three_rounds():
     tuner = ThreadTuner(2)
     noise = iter([0.9, 1.1] * 100)  # steps alternate fast and slow whatever the count

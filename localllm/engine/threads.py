@@ -4,7 +4,8 @@ llama.cpp's speed against its thread count depends on the machine and on what el
 every physical core helps, but once another process takes a core, threads that wait for it stall every step, and
 fewer threads run faster (docs/benchmark-notes.md, "figures kept out of the code"). So the engine measures: per kind of
 step (decode-only, or carrying a prefill chunk), it tries each count from 1 to the physical cores in turn, keeps the
-fastest, tries them again now and then, and at once when its steps slow down. Pure bookkeeping on (threads, rows,
+fastest, tries them again now and then, and at once when decode steps slow down (prefill steps follow the decode
+steps' verdict: their cost depends on the prompt's depth more than on the machine). Pure bookkeeping on (threads, rows,
 seconds): the engine thread times each decode and sets the count (backends' `set_threads`)."""
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class ThreadTuner:
     one count's slowest step beat every other count's fastest, and a re-check after one when that count is the
     settled one: a trial's steps at the losing counts are what tuning costs. A settled count is tried again soon
     (`first_recheck` steps), then less often while trials keep choosing it (up to `recheck` steps): a trial may
-    have met a passing load, such as another program's threads winding down. It is tried at once when its last
-    `patience` steps took on average (less the slowest) more than `slowdown` times its baseline (another process
-    took a core): then those steps are its samples, only the other counts run, and one round may settle it.
+    have met a passing load, such as another program's threads winding down. A watched kind (decode) is tried at
+    once when its last `patience` steps took on average (less the slowest) more than `slowdown` times its baseline
+    (another process took a core): then those steps are its samples, only the other counts run, and one round may
+    settle it; when it moves to another count, the kinds not watched (prefill) try theirs again too.
 
     Means, not medians: while another process shares the cores, threads that need a core of their own run some steps
     fast (the other process is off the CPU) and others several times slower; a median of such steps looks fast, and
@@ -97,7 +99,9 @@ class ThreadTuner:
                 if within == 0 and self._clear_early(tuning, rounds):
                     tuning.trials = []
                 if not tuning.trials:
-                    self._settle(tuning)
+                    moved = self._settle(tuning)
+                    if moved and tuning.shape.watched:
+                        self._follow(tuning)
             return
         tuning.since += 1
         seen = tuning.baselines.setdefault(shape, [])
@@ -109,7 +113,9 @@ class ThreadTuner:
         if len(tuning.recent) > self.patience:
             tuning.recent.popleft()
             tuning.recent_steps.popleft()
-        slowed = len(tuning.recent) == self.patience and _typical(tuning.recent) > self.slowdown
+        slowed = (
+            tuning.shape.watched and len(tuning.recent) == self.patience and _typical(tuning.recent) > self.slowdown
+        )
         if slowed or tuning.since >= tuning.interval:
             self._start_trial(tuning, slowed=slowed)
 
@@ -119,6 +125,13 @@ class ThreadTuner:
         which a count settled while it ran would otherwise keep until its next re-check."""
         for tuning in self._kinds.values():
             if not tuning.trials:
+                self._start_trial(tuning)
+
+    def _follow(self, watched: _Tuning) -> None:
+        """A watched kind moved to another count: the load on the machine changed, so the kinds that are not watched
+        (their own steps cannot tell) try their counts again at their next step."""
+        for tuning in self._kinds.values():
+            if tuning is not watched and not tuning.shape.watched and not tuning.trials:
                 self._start_trial(tuning)
 
     def settled(self, kind: StepKind) -> int | None:
@@ -164,13 +177,15 @@ class ThreadTuner:
             return False
         return rounds >= 2 or (tuning.settles > 0 and (winner == tuning.best or tuning.slowed))
 
-    def _settle(self, tuning: _Tuning) -> None:
+    def _settle(self, tuning: _Tuning) -> bool:
+        """Settle on the fastest count; True when that is a change from the count settled before."""
         means = {t: statistics.fmean(per_row for _, per_row in s) for t, s in tuning.samples.items() if s}
         # Fewer threads unless more are faster by the margin: they leave more of the machine to everything else,
         # and more threads lose most when a core is taken.
         fastest = min(means.values())
         best = min(t for t in means if means[t] <= fastest * self.margin)
         confirmed = tuning.settles > 0 and best == tuning.best
+        moved = tuning.settles > 0 and best != tuning.best
         tuning.interval = min(self.recheck, tuning.interval * 2) if confirmed else self.first_recheck
         tuning.best = best
         tuning.baselines = {}
@@ -178,14 +193,17 @@ class ThreadTuner:
             tuning.baselines.setdefault(shape, []).append(per_row)
         tuning.since, tuning.recent, tuning.recent_steps = 0, deque(), deque()
         tuning.settles += 1
+        return moved
 
 
 @dataclass(frozen=True)
 class TrialShape:
-    """A count's steps in each round of a trial: unmeasured ones first, then the measured ones."""
+    """A count's steps in each round of a trial: unmeasured ones first, then the measured ones; `watched`: the
+    kind's own steps are watched for a slowdown."""
 
     warm_up: int
     measured: int
+    watched: bool
 
     @property
     def steps(self) -> int:
@@ -195,9 +213,12 @@ class TrialShape:
 TRIAL_SHAPES: dict[str, TrialShape] = {
     # The first decode after a change of count pays for starting the threads (llama.cpp's OpenMP team), which would
     # count against more threads; a decode is short, so that start is a large share of it.
-    "decode": TrialShape(warm_up=1, measured=2),
-    # A prefill chunk is long beside that start, and rare (one per turn of a chat): every one of them counts.
-    "batch": TrialShape(warm_up=0, measured=1),
+    "decode": TrialShape(warm_up=1, measured=2, watched=True),
+    # A prefill chunk is long beside that start, and rare (one per turn of a chat): every one of them counts. Its
+    # steps are not watched: a chunk deeper in a prompt costs more a row (qwen2.5-coder:1.5b's chunks beside
+    # decoders slowed 1.4x over one prompt), so they would start trials that each run seconds of prefill at the
+    # wrong count. A slowdown seen in decode steps, which follow the machine alone, starts theirs.
+    "batch": TrialShape(warm_up=0, measured=1, watched=False),
 }
 BASELINE_STEPS = 3  # steps of a batch shape that set the settled count's baseline for it
 
