@@ -54,6 +54,17 @@ def test_the_learnt_cost_line_recovers_synthetic_step_times():
     assert line.base == pytest.approx(0.02) and line.per_token == pytest.approx(0.001)
 
 
+def test_the_line_with_the_larger_base_sizes_the_chunks():
+    # Chunks deeper in a prompt cost more a token (attention): their own line reads no base, where the decode
+    # steps' line still shows the step's fixed cost.
+    costs = StepCosts()
+    for i, tokens in enumerate((64, 128, 256, 512) * 4):
+        costs.observe(3, 0.01, chunk=False)
+        costs.observe(tokens, 0.0001 * tokens * (1 + i / 8), chunk=True)
+    line = costs.fit()
+    assert line is not None and line.base > 0.005
+
+
 def test_the_chunks_line_wins_once_they_span_sizes():
     # Decode-only steps run under the chunks' line (llama.cpp's matrix-vector path): a line through both would read
     # the chunks' base as about nothing.
@@ -69,8 +80,8 @@ def test_the_chunks_line_wins_once_they_span_sizes():
     assert line is not None
     assert line.base == pytest.approx(0.14) and line.per_token == pytest.approx(0.011)
     # By the chunks' line the prompt goes in steps more than twice as long (207 tokens against 84).
-    sized_by_both = StepBudget(FixedCosts(mixed.base, mixed.per_token)).prefill_tokens(3, 509)
-    assert StepBudget(costs).prefill_tokens(3, 509) > 2 * sized_by_both
+    sized_by_both = StepBudget(FixedCosts(mixed.base, mixed.per_token), slowdown=0.05).prefill_tokens(3, 509)
+    assert StepBudget(costs, slowdown=0.05).prefill_tokens(3, 509) > 2 * sized_by_both
 
 
 def test_no_line_until_the_samples_span_step_sizes():

@@ -6,10 +6,12 @@ then as many prefill tokens as fit a time budget; a step with no decode rows (a 
 num_batch, so its prompt is read as fast as before.
 
 The budget comes from the engine's own step timings: StepCosts fits seconds = base + per_token x tokens to the latest
-steps of each size (plain data; the engine thread feeds it). A mixed step carries the fewest prefill tokens at which
-the prompt's tokens cost at most PREFILL_SLOWDOWN more each than in a lone prefill's full chunks (the whole step,
-decode rows included, charged to the prompt): the long prompt's first token comes nearly as soon as alone, and a
-decoder waits one such step, a fraction of the prompt, however long the prompt is."""
+steps of each size (plain data; the engine thread feeds it). A mixed step carries the fewest prefill tokens at which,
+by that line, the prompt's tokens cost at most PREFILL_SLOWDOWN more each than in a lone prefill's full chunks (the
+whole step, decode rows included, charged to the prompt): the long prompt's first token comes nearly as soon as
+alone, and a decoder waits one such step, a fraction of the prompt, however long the prompt is. The bound is tight
+(2%) because what the line leaves out (the engine's own work between steps, depth) costs the prompt more: at 5%
+by the line, smollm2's prompt beside decoders took 1.20x as long as alone (docs/benchmark-notes.md, 2026-12-04)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Protocol
 PER_SIZE = 16  # the latest steps of each size (by powers of two) the fit reads: recent enough to follow the load
 MIN_SAMPLES = 8
 SPREAD = 2  # the largest step in the window must have this many times the tokens of the smallest to fit a slope
-PREFILL_SLOWDOWN = 0.05  # a prompt beside decoders costs each of its tokens at most this much more than alone
+PREFILL_SLOWDOWN = 0.02  # by the line, a prompt beside decoders costs each token at most this much more than alone
 MIN_CHUNK = 16  # a prefill always advances by at least this many tokens a step (or what is left of the room)
 
 
@@ -78,11 +80,12 @@ class StepCosts:
     each); None until they span sizes SPREAD apart. By size, so that the few long steps a prompt brings are still
     known after hundreds of decode-only steps, and each size follows the machine's latest speed.
 
-    Steps that carry a prefill chunk have a line of their own, used once they span sizes: decode-only steps run
-    llama.cpp's matrix-vector path and lie well under the chunks' line (qwen2.5-coder:1.5b on 2 cores: three decode
-    rows 0.05 s, where chunks cost 0.14 s + 11 ms a token), so a line through both reads too small a base, and the
-    chunks it sizes are too small to be efficient (60 tokens a step made the prompt 19% slower). Until the chunks
-    span sizes, every step counts: the small chunks that line gives are what brings the spread."""
+    Steps that carry a prefill chunk have a line of their own once they span sizes, and the fit is whichever of the
+    two lines has the larger base: each reads too small a base in one regime, and too small a base sizes chunks that
+    each pay the step's fixed cost again. Decode-only steps run llama.cpp's matrix-vector path and lie well under the
+    chunks' line (qwen2.5-coder:1.5b on 2 cores: three decode rows 0.05 s, where chunks cost 0.14 s + 11 ms a token;
+    60-token chunks made the prompt 19% slower). Where attention dominates (smollm2, flash attention off) later
+    chunks cost more a token with depth, and the chunks' own line reads no base at all (40% slower)."""
 
     def __init__(self, per_size: int = PER_SIZE):
         self._all = _Window(per_size)
@@ -96,7 +99,8 @@ class StepCosts:
             self._chunks.add(tokens, seconds)
 
     def fit(self) -> Line | None:
-        return self._chunks.line() or self._all.line()
+        lines = [line for line in (self._chunks.line(), self._all.line()) if line is not None]
+        return max(lines, key=lambda line: line.base, default=None)
 
 
 class Pacing(Protocol):
