@@ -116,10 +116,8 @@ def test_long_steps_are_remembered_through_many_decode_steps():
 
 def test_a_noisy_slope_gives_no_budget():
     costs = StepCosts()
-    for tokens in (4, 400) * 5:
-        costs.observe(
-            tokens, 0.5 if tokens == 4 else 0.1, chunk=tokens > 4
-        )  # bigger steps cheaper: load noise, not a cost
+    for tokens in (4, 400) * 5:  # bigger steps cheaper: load noise, not a cost
+        costs.observe(tokens, 0.5 if tokens == 4 else 0.1, chunk=tokens > 4)
     assert costs.fit() is None
     assert StepBudget(costs).prefill_tokens(3, 509) == 509
 

@@ -218,11 +218,12 @@ class Scheduler:
             if slot.state is SlotState.DECODE:
                 budget -= self._add_decode(step, slot, req, budget)
         decode_rows = self.n_batch - budget
-        if self.pacing is not None and decode_rows:
+        prefills = [(s, r) for s, r in self.table.serving() if s.state is SlotState.PREFILL and not r.restoring]
+        if self.pacing is not None and decode_rows and prefills:  # the budget's fit is only worth it for a prompt
             budget = self.pacing.prefill_tokens(decode_rows, budget)
         images: list[tuple[Slot[Request[Any]], Request[Any], int, int]] = []
-        for slot, req in self.table.serving():
-            if slot.state is SlotState.PREFILL and budget > 0 and not req.restoring:
+        for slot, req in prefills:
+            if budget > 0:
                 budget -= self._add_prefill_chunk(step, slot, req, min(budget, self._prefill_cells(step)), images)
         for slot, req, start, end in images:  # after every token row: the backend decodes image rows first
             for pos in range(start, end):

@@ -44,7 +44,7 @@ class StepCostModel(Protocol):
         """A step of `tokens` batch rows took `seconds` of wall time; `chunk`: it carried a prefill chunk."""
 
     def fit(self) -> Line | None:
-        """The cost line of steps that carry a prefill chunk, or None while too little is known."""
+        """The cost line that sizes prefill chunks, or None while too little is known."""
 
 
 class _Window:

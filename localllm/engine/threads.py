@@ -101,7 +101,7 @@ class ThreadTuner:
                 if not tuning.trials:
                     moved = self._settle(tuning)
                     if moved and tuning.shape.watched:
-                        self._follow(tuning)
+                        self._follow()
             return
         tuning.since += 1
         seen = tuning.baselines.setdefault(shape, [])
@@ -123,15 +123,16 @@ class ThreadTuner:
         """Try the counts again at the next step of every kind already settled: the load on the machine changed in
         a way the engine knows of (work of its own in another process, such as the flash attention trial, ended),
         which a count settled while it ran would otherwise keep until its next re-check."""
-        for tuning in self._kinds.values():
-            if not tuning.trials:
-                self._start_trial(tuning)
+        self._try_again(self._kinds.values())
 
-    def _follow(self, watched: _Tuning) -> None:
+    def _follow(self) -> None:
         """A watched kind moved to another count: the load on the machine changed, so the kinds that are not watched
         (their own steps cannot tell) try their counts again at their next step."""
-        for tuning in self._kinds.values():
-            if tuning is not watched and not tuning.shape.watched and not tuning.trials:
+        self._try_again(tuning for tuning in self._kinds.values() if not tuning.shape.watched)
+
+    def _try_again(self, kinds: Iterable[_Tuning]) -> None:
+        for tuning in kinds:
+            if not tuning.trials:
                 self._start_trial(tuning)
 
     def settled(self, kind: StepKind) -> int | None:
