@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from localllm.engine.threads import TRIAL_SHAPES, ThreadTuner
+from localllm.engine.threads import FAR, TRIAL_SHAPES, ThreadTuner
 from localllm.machine import _linux_cores, physical_cores
 
 ROUND = TRIAL_SHAPES["decode"].steps  # steps of one count in a round of a decode trial: a warm-up, then measured
@@ -42,7 +42,7 @@ def test_idle_machine_settles_on_every_core():
     used = run(tuner, machine(4), TRIAL * 4 + 20)
     # One trial: interleaved rounds over every count, each a warm-up step and its measured steps; the counts stand
     # apart after two rounds, so a third is not run.
-    assert used[: 2 * ROUND * 4] == [t for _ in range(2) for t in (1, 2, 3, 4) for _ in range(ROUND)]
+    assert used[: 2 * ROUND * 4] == [t for _ in range(2) for t in (4, 1, 2, 3) for _ in range(ROUND)]
     assert tuner.settled("decode") == 4 and set(used[2 * ROUND * 4 :]) == {4}
     assert tuner.trial_steps("decode") == 2 * ROUND * 4
 
@@ -134,10 +134,28 @@ def test_counts_that_overlap_run_all_three_rounds():
 
 
 def test_a_prefill_trial_measures_every_chunk():
-    # Prefill chunks are long and few (one per turn): no warm-up steps, and two rounds settle clear counts.
+    # Prefill chunks are long and few (one per turn): no warm-up steps. The default (every core) runs first, and a
+    # first trial that finds it far ahead ends after one round: a first long prompt runs one chunk at the lost count.
     tuner = ThreadTuner(2)
     used = run(tuner, machine(2), 5, rows=256, kind="batch")
-    assert used == [1, 2, 1, 2, 2] and tuner.settled("batch") == 2 and tuner.trial_steps("batch") == 4
+    assert used == [2, 1, 2, 2, 2] and tuner.settled("batch") == 2 and tuner.trial_steps("batch") == 2
+
+
+def test_a_first_trial_leaves_the_default_only_after_two_rounds():
+    # One round could have met a passing load while the default ran: fewer threads far ahead still take two rounds.
+    tuner = ThreadTuner(2)
+    used = run(tuner, machine(2, busy=1), 6, rows=256, kind="batch")
+    assert used == [2, 1, 2, 1, 1, 1] and tuner.settled("batch") == 1 and tuner.trial_steps("batch") == 4
+
+
+def test_a_default_ahead_by_less_than_far_runs_two_rounds():
+    def close(threads: int, rows: int) -> float:
+        return 0.001 * rows / threads**0.3  # two threads 1.23x ahead: not far
+
+    tuner = ThreadTuner(2)
+    used = run(tuner, close, 6, rows=256, kind="batch")
+    assert FAR > 2**0.3
+    assert used == [2, 1, 2, 1, 2, 2] and tuner.settled("batch") == 2 and tuner.trial_steps("batch") == 4
 
 
 def test_one_core_never_tries_anything():

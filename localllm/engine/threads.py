@@ -3,10 +3,10 @@
 llama.cpp's speed against its thread count depends on the machine and on what else runs there: on an idle machine
 every physical core helps, but once another process takes a core, threads that wait for it stall every step, and
 fewer threads run faster (docs/benchmark-notes.md, "figures kept out of the code"). So the engine measures: per kind of
-step (decode-only, or carrying a prefill chunk), it tries each count from 1 to the physical cores in turn, keeps the
-fastest, tries them again now and then, and at once when decode steps slow down (prefill steps follow the decode
-steps' verdict: their cost depends on the prompt's depth more than on the machine). Pure bookkeeping on (threads, rows,
-seconds): the engine thread times each decode and sets the count (backends' `set_threads`)."""
+step (decode-only, or carrying a prefill chunk), it tries each count from 1 to the physical cores in turn (the one in
+use first), keeps the fastest, tries them again now and then, and at once when decode steps slow down (prefill steps
+follow the decode steps' verdict: their cost depends on the prompt's depth more than on the machine). Pure bookkeeping
+on (threads, rows, seconds): the engine thread times each decode and sets the count (backends' `set_threads`)."""
 
 from __future__ import annotations
 
@@ -43,16 +43,17 @@ class _Tuning:
 class ThreadTuner:
     """Chooses each step's thread count. `choose(kind)` before a decode, `record(kind, threads, rows, seconds)` after.
 
-    Trials interleave the candidates (1, 2, .., n, 1, 2, .., n, ...) for up to `rounds` rounds, each count for its
-    kind's TrialShape, so a change in the batch or the machine during a trial weighs on every count alike; each
-    count's mean seconds per row decides, and more threads win only by `margin`. A trial ends after two rounds when
-    one count's slowest step beat every other count's fastest, and a re-check after one when that count is the
-    settled one: a trial's steps at the losing counts are what tuning costs. A settled count is tried again soon
-    (`first_recheck` steps), then less often while trials keep choosing it (up to `recheck` steps): a trial may
-    have met a passing load, such as another program's threads winding down. A watched kind (decode) is tried at
-    once when its last `patience` steps took on average (less the slowest) more than `slowdown` times its baseline
-    (another process took a core): then those steps are its samples, only the other counts run, and one round may
-    settle it; when it moves to another count, the kinds not watched (prefill) try theirs again too.
+    Trials interleave the candidates, the count in use first (n, 1, .., n-1, n, 1, ...), for up to `rounds` rounds,
+    each count for its kind's TrialShape, so a change in the batch or the machine during a trial weighs on every count
+    alike; each count's mean seconds per row decides, and more threads win only by `margin`. A trial ends after two
+    rounds when one count's slowest step beat every other count's fastest, and after one when a re-check finds the
+    settled count again or a first trial finds the default FAR ahead: a trial's steps at the losing counts are what
+    tuning costs. A settled count is tried again soon (`first_recheck` steps), then less often while trials keep
+    choosing it (up to `recheck` steps): a trial may have met a passing load, such as another program's threads
+    winding down. A watched kind (decode) is tried at once when its last `patience` steps took on average (less the
+    slowest) more than `slowdown` times its baseline (another process took a core): then those steps are its samples,
+    only the other counts run, and one round may settle it; when it moves to another count, the kinds not watched
+    (prefill) try theirs again too.
 
     Means, not medians: while another process shares the cores, threads that need a core of their own run some steps
     fast (the other process is off the CPU) and others several times slower; a median of such steps looks fast, and
@@ -161,7 +162,10 @@ class ThreadTuner:
         # After a slowdown the settled count's latest steps are its samples, and only the other counts run: a step
         # more at the slowed count is what a user waits for (a two-thread step stalled 280 ms beside 15 ms ones on
         # the EPYC once a core was taken).
-        tuning.trying = [t for t in tuning.candidates if t != tuning.best] if slowed else list(tuning.candidates)
+        # The count in use runs first: a trial that finds it again switches nothing, and a first trial may end after
+        # its first round (_clear_early) with the default never having left it.
+        ordered = sorted(tuning.candidates, key=lambda t: t != tuning.best)
+        tuning.trying = [t for t in ordered if t != tuning.best] if slowed else ordered
         tuning.samples = {tuning.best: list(tuning.recent_steps)} if slowed else {}
         block = [False] * tuning.shape.warm_up + [True] * tuning.shape.measured
         tuning.trials = [(t, measured) for _ in range(self.rounds) for t in tuning.trying for measured in block]
@@ -171,12 +175,17 @@ class ThreadTuner:
     @staticmethod
     def _clear_early(tuning: _Tuning, rounds: int) -> bool:
         """Whether a trial may end after `rounds` rounds: one count stands apart after two, or after one when a
-        re-check finds the settled count again, or when the settled count's slowdown began it (a first trial's two
-        rounds guard against a passing load; after a slowdown the load has changed)."""
+        re-check finds the settled count again, or when the settled count's slowdown began it, or when a first trial
+        finds the default (every core) ahead by FAR (a first trial's two rounds guard against a passing load making
+        fewer threads look faster; ending early on the default keeps what the engine would run untuned, and after a
+        slowdown the load has changed). A prefill chunk at a count that loses by that much costs seconds: on the
+        EPYC, qwen2.5-coder:1.5b's first 1,400-token prompt ran two of its three chunks at one thread."""
         winner = _standing_apart(tuning.samples)
         if winner is None:
             return False
-        return rounds >= 2 or (tuning.settles > 0 and (winner == tuning.best or tuning.slowed))
+        if rounds >= 2 or (tuning.settles > 0 and (winner == tuning.best or tuning.slowed)):
+            return True
+        return tuning.settles == 0 and winner == tuning.best and _standing_apart(tuning.samples, by=FAR) == winner
 
     def _settle(self, tuning: _Tuning) -> bool:
         """Settle on the fastest count; True when that is a change from the count settled before."""
@@ -221,6 +230,9 @@ TRIAL_SHAPES: dict[str, TrialShape] = {
     # wrong count. A slowdown seen in decode steps, which follow the machine alone, starts theirs.
     "batch": TrialShape(warm_up=0, measured=1, watched=False),
 }
+# How far ahead the default must stand to end a first trial after one round: one thread of two ran prefill chunks
+# 1.8-1.9x slower on the idle EPYC, while decode steps at one thread ran at most 1.2x slower (docs/benchmark-notes.md).
+FAR = 1.5
 BASELINE_STEPS = 3  # steps of a batch shape that set the settled count's baseline for it
 
 
@@ -234,14 +246,15 @@ def _typical(values: Iterable[float]) -> float:
     return statistics.fmean(ordered[:-1] if len(ordered) >= 3 else ordered)
 
 
-def _standing_apart(samples: dict[int, list[tuple[int, float]]]) -> int | None:
-    """The count whose slowest step beat every other count's fastest; None when no count stands apart."""
+def _standing_apart(samples: dict[int, list[tuple[int, float]]], *, by: float = 1.0) -> int | None:
+    """The count whose slowest step beat every other count's fastest (`by` times over); None when no count stands
+    apart."""
     if len(samples) < 2:
         return None
     slowest = {t: max(per_row for _, per_row in s) for t, s in samples.items()}
     fastest = {t: min(per_row for _, per_row in s) for t, s in samples.items()}
     best = min(slowest, key=slowest.__getitem__)
-    return best if all(slowest[best] < fastest[t] for t in samples if t != best) else None
+    return best if all(slowest[best] * by < fastest[t] for t in samples if t != best) else None
 
 
 def _bucket(rows: int) -> int:
