@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from localllm.bench.figures import Figure  # noqa: E402
-from localllm.bench.rest import free_port, http_client, served_model  # noqa: E402
+from localllm.bench.rest import free_port, http_client, served_model, wait_for_trials  # noqa: E402
 
 LONG_TOKENS = 1400
 ROUNDS = 3
@@ -310,12 +310,11 @@ def first_load_figures(path: Path, *, log: Callable[[str], None] = print) -> lis
 
             def load() -> float:
                 client.post(f"{base}/api/generate", json={"model": "bench", "keep_alive": 0}, timeout=300)  # unload
-                _wait_for_trials(probes)  # the flash trial runs in the background: not beside a timed load
+                wait_for_trials(Path(home))  # the flash trial runs in the background: not beside a timed load
                 started = time.perf_counter()
                 client.post(f"{base}/api/generate", json={"model": "bench", "prompt": ""}, timeout=300)
                 return time.perf_counter() - started
 
-            _wait_for_trials(probes)
             shutil.rmtree(probes, ignore_errors=True)
             log("serving: the first load of a never-probed model")
             first = load()
@@ -376,21 +375,6 @@ def _timed_run(home: Path) -> float:
     if done.returncode != 0:
         raise RuntimeError(f"localllm run failed: {done.stderr.decode()[-500:]}")
     return seconds
-
-
-def _wait_for_trials(probes: Path, timeout: float = 300) -> None:
-    """Until every probe memory under `probes` says its flash trial has run."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pending = []
-        for entry in probes.glob("*") if probes.is_dir() else []:
-            try:
-                pending.append(not json.loads(entry.read_text()).get("trial_done", True))
-            except (OSError, ValueError):
-                pending.append(True)
-        if not any(pending):
-            return
-        time.sleep(0.5)
 
 
 def main() -> None:

@@ -53,7 +53,9 @@ def served_model(
 ) -> Iterator[str]:
     """`localllm serve` in a subprocess over a home that holds `path` as model "bench:latest" (with `projector` as
     its vision projector): a private one, or `home` (kept, so a second server on it is a restart), with `env`'s
-    settings on top."""
+    settings on top. Yields once the model has loaded and the flash attention trial its first load starts in the
+    background has ended: the figures are of a model this machine already knows, as a user's is from its second
+    load on (the first load has a section of its own), not of a server sharing its cores with that trial."""
     import tempfile
 
     if home is None:
@@ -91,12 +93,31 @@ def served_model(
         started = time.perf_counter()
         httpx.post(f"{base}/api/generate", json={"model": "bench", "prompt": ""}, timeout=300)  # load it
         SERVED_PIDS[base], FIRST_LOADS[base] = proc.pid, time.perf_counter() - started
+        wait_for_trials(home)
         yield base
     finally:
         SERVED_PIDS.pop(base, None)
         FIRST_LOADS.pop(base, None)
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def wait_for_trials(home: Path, timeout: float = 300) -> None:
+    """Until every probe memory in `home` says its flash attention trial has run (or `timeout` seconds)."""
+    import json
+
+    probes = home / "models" / "probes"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pending = []
+        for entry in probes.glob("*") if probes.is_dir() else []:
+            try:
+                pending.append(not json.loads(entry.read_text()).get("trial_done", True))
+            except (OSError, ValueError):
+                pending.append(True)
+        if not any(pending):
+            return
+        time.sleep(0.5)
 
 
 # Of each server served_model runs: its process (for its memory) and how long its first load took (the load
