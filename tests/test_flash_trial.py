@@ -162,3 +162,32 @@ def test_a_model_too_slow_for_the_trial_keeps_llama_cpp_s_choice(tmp_path, monke
     monkeypatch.setattr(flash_trial, "ONE_TOKEN_LIMIT", 0.0)
     path = write_tiny_llama(tmp_path / "tiny.gguf")
     assert flash_trial.run_trial(path, api.LoadOptions()) is None
+
+
+def test_a_draft_models_trial_tells_the_engine_when_it_has_ended(tmp_path):
+    from functools import partial
+
+    from localllm.engine.pool import ModelPool
+    from localllm.engine.speculative.speculation import load_speculation
+    from localllm.models.create import create_model
+    from localllm.models.store import Store
+
+    store = Store(tmp_path / "models")
+    for name, seed in (("target", 0), ("drafter", 1)):
+        path = write_tiny_llama(tmp_path / f"{name}.gguf", seed=seed)
+        for _ in create_model(api.CreateRequest(model=name, **{"from": str(path)}), store):
+            pass
+    pool = ModelPool(store, speculation_factory=partial(load_speculation, store))
+    try:
+        with pool.acquire(store.resolve("target"), api.LoadOptions(num_ctx=64)):
+            pass
+        probe.wait_for_trials()  # the target's own trial is remembered: the next load starts none
+        with pool.acquire(store.resolve("target"), api.LoadOptions(num_ctx=64, draft="drafter")) as loaded:
+            assert loaded.speculation is not None and loaded.speculation.draft_model is not None
+            probe.wait_for_trials()
+            # The engine heard of it (machine_changed), as of the target's trial: its thread counts are tried again.
+            assert loaded.engine._machine_changed.is_set()
+            drafter = store.resolve("drafter").weights
+            assert json.loads((store.root / "probes" / weights_key(drafter)).read_text())["trial_done"] is True
+    finally:
+        pool.close()

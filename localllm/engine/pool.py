@@ -169,6 +169,8 @@ class ModelPool:
             prefix_cache=prefix_cache,
         )
         checked.loaded(engine.machine_changed)  # the trial's child took CPU: the thread counts are tried again
+        if speculation is not None:
+            speculation.loaded(engine.machine_changed)  # the draft model's trial, likewise
         log.info(
             "loaded %s on %s in %.2fs: %d slots x %d tokens",
             model.name,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ...api import DraftProcess, LoadOptions, SamplingOptions
-from ...backends.base import Batch, MtpHead
+from ...backends.base import Batch, LoadCheck, MtpHead
 from ...errors import InvalidInput, LocalLLMError
 from ...machine import physical_cores
 from .drafters import Drafter, DraftModel, GrammarCheckedDrafter, NgramDrafter, SourceDrafter, check_same_vocab
@@ -44,9 +44,11 @@ class Speculation:
         draft: DraftModel | None = None,
         mtp: MtpHead | None = None,
         window: type[DraftWindow] = DraftWindow,
+        draft_check: LoadCheck | None = None,
     ):
         self.target = target
         self.draft_model = draft
+        self._draft_check = draft_check  # what the draft's load check left for after the load (loaded())
         self.mtp = mtp
         self.cost = StepCost()
         self._window = window
@@ -57,6 +59,14 @@ class Speculation:
             self._builders["draft"] = lambda window: SourceDrafter(draft, window, kind="draft")
         if mtp is not None:
             self._builders["mtp"] = lambda window: SourceDrafter(mtp, window, kind="mtp")
+
+    def loaded(self, done: Callable[[], None]) -> None:
+        """Begin what the draft's load check left for after the load (its flash attention trial), once the engine
+        exists: `done` (the engine's machine_changed) is called when it ends, so the thread counts tuned beside it
+        are tried again, as after the target's own trial."""
+        check, self._draft_check = self._draft_check, None
+        if check is not None:
+            check.loaded(done)
 
     def draft_row(self) -> DraftProcess | None:
         """The draft model as `ps` shows it, if one is loaded."""
@@ -127,8 +137,8 @@ def load_speculation(store: Store, model: ResolvedModel, load: LoadOptions, load
         backend = get_backend(choose_backend(load.backend, weights))
         checked = backend.check(weights, load, memory=load_check_memory(store.root))
         draft = open_draft_model(weights, checked.applied_to(load), loaded, name=load.draft)
-        checked.loaded()
-    return Speculation(loaded, draft=draft, mtp=open_mtp_head(loaded))
+        return Speculation(loaded, draft=draft, mtp=open_mtp_head(loaded), draft_check=checked)
+    return Speculation(loaded, mtp=open_mtp_head(loaded))
 
 
 def open_mtp_head(loaded: LoadedModel) -> MtpHead | None:
