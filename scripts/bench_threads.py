@@ -33,6 +33,9 @@ from localllm.machine import physical_cores
 
 N_CTX = 4096
 BUSY_REPEATS = 5  # every one must hold: a collapse in one of them is what a user meets
+# Medians of the servers' interleaved runs: a single run of 128 tokens moved by up to 15% between repeats on the
+# EPYC, and with three a single hiccup decided the median.
+SERVER_REPEATS = 5
 
 
 def thread_figures(
@@ -45,7 +48,7 @@ def thread_figures(
     figures = _raw_against_defaults(path, story, n=n, cores=cores, repeats=repeats, log=log)
     if llama_server:
         streams = {"single stream": [story], "4 streams": four, "16 clients on 4 slots": sixteen}
-        figures += _servers_at_defaults(path, llama_server, streams, n=n, repeats=repeats, log=log)
+        figures += _servers_at_defaults(path, llama_server, streams, n=n, repeats=SERVER_REPEATS, log=log)
     else:
         log("no llama-server binary (LLAMA_SERVER=$(bash scripts/build_llama_server.sh)): its rows are skipped")
     return figures
