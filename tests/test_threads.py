@@ -308,7 +308,32 @@ def test_a_load_that_passes_during_the_first_trial_is_corrected_soon():
     assert tuner.settled("decode") == 2 and used[-5:] == [2] * 5
     run(tuner, machine(2), 64 + TRIAL * 2)  # confirmed: the next re-check waits twice as long
     assert tuner._kinds["decode"].interval == 128
-    assert tuner.trial_steps("decode") == ROUND * 2  # and a re-check that finds the settled count takes one round
+    # and a re-check that finds the settled count ends at the other count's first measured step
+    assert tuner.trial_steps("decode") == ROUND + TRIAL_SHAPES["decode"].warm_up + 1
+
+
+def test_a_recheck_under_load_runs_one_measured_step_at_the_losing_count():
+    # Beside a busy core a two-thread step can stall many times over: a re-check that finds the settled count
+    # standing apart again stops there, and the losing count runs its warm-up and one measured step, not a round.
+    tuner = ThreadTuner(2, first_recheck=64, recheck=1024)
+    run(tuner, machine(2, busy=1), TRIAL * 2)
+    assert tuner.settled("decode") == 1
+    used = run(tuner, machine(2, busy=1), 64 + ROUND + 10)
+    other = used.index(2)
+    assert used[other:] == [2, 2] + [1] * (len(used) - other - 2)
+    assert tuner.trial_steps("decode") == ROUND + 2
+    assert tuner.settled("decode") == 1 and tuner._kinds["decode"].interval == 128
+
+
+def test_a_recheck_ends_early_only_once_every_count_has_run():
+    tuner = ThreadTuner(4, first_recheck=64, recheck=1024)
+    run(tuner, machine(4), TRIAL * 4)
+    assert tuner.settled("decode") == 4
+    used = run(tuner, machine(4), 64 + ROUND * 4)
+    # The re-check: four first, then 1 and 2 a round each; 3, the last, stops at its first measured step.
+    other = used.index(1)
+    assert used[other:] == [1] * ROUND + [2] * ROUND + [3, 3] + [4] * (len(used) - other - 2 * ROUND - 2)
+    assert tuner.settled("decode") == 4
 
 
 @pytest.mark.models

@@ -43,17 +43,17 @@ class _Tuning:
 class ThreadTuner:
     """Chooses each step's thread count. `choose(kind)` before a decode, `record(kind, threads, rows, seconds)` after.
 
-    Trials interleave the candidates, the count in use first (n, 1, .., n-1, n, 1, ...), for up to `rounds` rounds,
-    each count for its kind's TrialShape, so a change in the batch or the machine during a trial weighs on every count
-    alike; each count's mean seconds per row decides, and more threads win only by `margin`. A trial ends after two
-    rounds when one count's slowest step beat every other count's fastest, and after one when a re-check finds the
-    settled count again or a first trial finds the default FAR ahead: a trial's steps at the losing counts are what
-    tuning costs. A settled count is tried again soon (`first_recheck` steps), then less often while trials keep
-    choosing it (up to `recheck` steps): a trial may have met a passing load, such as another program's threads
-    winding down. A watched kind (decode) is tried at once when its last `patience` steps took on average (less the
-    slowest) more than `slowdown` times its baseline (another process took a core): then those steps are its samples,
-    only the other counts run, and one round may settle it; when it moves to another count, the kinds not watched
-    (prefill) try theirs again too.
+    Trials interleave the candidates, the count in use first (n, 1, .., n-1, n, 1, ...), for up to `rounds` rounds, each
+    count for its kind's TrialShape, so a change in the batch or the machine during a trial weighs on every count alike;
+    each count's mean seconds per row decides, and more threads win only by `margin`. A trial ends after two rounds when
+    one count's slowest step beat every other count's fastest, after one when a first trial finds the default FAR ahead,
+    and at the first measured step that shows a re-check's settled count standing apart again: a trial's steps at the
+    losing counts are what tuning costs. A settled count is tried again soon (`first_recheck` steps), then less often
+    while trials keep choosing it (up to `recheck` steps): a trial may have met a passing load, such as another
+    program's threads winding down. A watched kind (decode) is tried at once when its last `patience` steps took on
+    average (less the slowest) more than `slowdown` times its baseline (another process took a core): then those steps
+    are its samples, only the other counts run, and one round may settle it; when it moves to another count, the kinds
+    not watched (prefill) try theirs again too.
 
     Means, not medians: while another process shares the cores, threads that need a core of their own run some steps
     fast (the other process is off the CPU) and others several times slower; a median of such steps looks fast, and
@@ -97,7 +97,7 @@ class ThreadTuner:
                 tuning.trials.pop(0)
                 tuning.last_trial_steps += 1
                 rounds, within = divmod(tuning.last_trial_steps, len(tuning.trying) * tuning.shape.steps)
-                if within == 0 and self._clear_early(tuning, rounds):
+                if (within == 0 and self._clear_early(tuning, rounds)) or (measured and _confirmed(tuning)):
                     tuning.trials = []
                 if not tuning.trials:
                     moved = self._settle(tuning)
@@ -245,6 +245,15 @@ def _typical(values: Iterable[float]) -> float:
     slices them."""
     ordered = sorted(values)
     return statistics.fmean(ordered[:-1] if len(ordered) >= 3 else ordered)
+
+
+def _confirmed(tuning: _Tuning) -> bool:
+    """A re-check may end at any measured step once every count has run and the settled count stands apart: each
+    further step at a losing count is what the re-check costs, and under load one costs many (a two-thread step
+    beside a busy core stalled 126 ms among 11 ms one-thread steps on the EPYC). Leaving the settled count still
+    waits for whole rounds."""
+    tried = all(tuning.samples.get(t) for t in tuning.trying)
+    return tuning.settles > 0 and tried and _standing_apart(tuning.samples) == tuning.best
 
 
 def _standing_apart(samples: dict[int, list[tuple[int, float]]], *, by: float = 1.0) -> int | None:
