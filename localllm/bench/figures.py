@@ -61,9 +61,13 @@ class Bracketed:
 
     @classmethod
     def measure(cls, reference: Callable[[], float], ours: Callable[[], float], *, repeats: int) -> Bracketed:
+        return cls.of([(reference(), ours(), reference()) for _ in range(repeats)])
+
+    @classmethod
+    def of(cls, repeats: list[tuple[float, float, float]]) -> Bracketed:
+        """From runs already made: each repeat's (reference before, ours, reference after)."""
         run = cls([], [], [])
-        for _ in range(repeats):
-            before, mine, after = reference(), ours(), reference()
+        for before, mine, after in repeats:
             run.ours.append(mine)
             run.reference.append((before + after) / 2)
             run.spread.append(abs(1 - after / before))
