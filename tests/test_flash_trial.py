@@ -101,10 +101,14 @@ def test_a_success_whose_trial_never_finished_starts_it_again(tmp_path):
     entry.write_text(json.dumps({**probe._record(), "flash_trial": None, "trial_done": False}))  # a server stopped
     again = LoadProbe(tmp_path / "probes").check(path, api.LoadOptions())
     assert again.trial is None and again.trial_due  # no child on the path: the trial is due after the load
+    assert probe.trial_pending(entry)  # what the benchmark's servers wait on
     _run_due_trial(tmp_path / "probes", path)
     assert json.loads(entry.read_text())["trial_done"] is True
     checked = LoadProbe(tmp_path / "probes").check(path, api.LoadOptions())
     assert checked.trial is not None and not checked.trial_due
+    assert not probe.trial_pending(entry)
+    entry.write_text(json.dumps({**probe._record(), "llama_cpp": "0.0.1", "trial_done": False}))
+    assert not probe.trial_pending(entry)  # another llama.cpp's memory: nothing this one would run
 
 
 def test_a_background_trial_says_when_it_has_ended(tmp_path):

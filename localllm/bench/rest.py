@@ -104,18 +104,12 @@ def served_model(
 
 def wait_for_trials(home: Path, timeout: float = 300) -> None:
     """Until every probe memory in `home` says its flash attention trial has run (or `timeout` seconds)."""
-    import json
+    from ..backends.llama_cpp.probe import trial_pending
 
     probes = home / "models" / "probes"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pending = []
-        for entry in probes.glob("*") if probes.is_dir() else []:
-            try:
-                pending.append(not json.loads(entry.read_text()).get("trial_done", True))
-            except (OSError, ValueError):
-                pending.append(True)
-        if not any(pending):
+        if not any(trial_pending(entry) for entry in (probes.glob("*") if probes.is_dir() else [])):
             return
         time.sleep(0.5)
 

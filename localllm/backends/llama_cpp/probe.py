@@ -243,6 +243,12 @@ def _recall(entry: Path) -> Probed | None:
     return Probed(trial=FlashTrial.from_json(memory.get("flash_trial")), trial_due=not tried)
 
 
+def trial_pending(entry: Path) -> bool:
+    """Whether the memory at `entry` is one this llama.cpp trusts whose flash attention trial has not ended yet."""
+    recalled = _recall(entry)
+    return recalled is not None and recalled.trial_due
+
+
 def _remember(entry: Path, probed: Probed, *, tried: bool) -> None:
     memory = {**_record(), "flash_trial": probed.trial.to_json() if probed.trial else None, "trial_done": tried}
     try:
