@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from localllm.backends.base import CacheShape
+from localllm.engine.prefix_cache import PrefixCache
 from localllm.engine.scheduler import Request, Scheduler
 from localllm.engine.slots import SlotState
 from localllm.engine.step_budget import Line, StepBudget, StepCosts
@@ -210,8 +212,13 @@ def test_a_lone_long_prompt_is_read_in_full_batches():
 # ---------------------------------------------------------------------------------------------------------- KV pool
 
 
-def _pooled(cells: int, *, slots: int = 3, n_ctx: int = 64, n_batch: int = 64) -> Scheduler:
-    return Scheduler(n_slots=slots, n_ctx=n_ctx, n_batch=n_batch, max_queue=8, kv_cells=cells)
+SHAPE = CacheShape(fingerprint="test build; slots 3; ctx 64")
+
+
+def _pooled(
+    cells: int, *, slots: int = 3, n_ctx: int = 64, n_batch: int = 64, cache: PrefixCache | None = None
+) -> Scheduler:
+    return Scheduler(n_slots=slots, n_ctx=n_ctx, n_batch=n_batch, max_queue=8, kv_cells=cells, prefix_cache=cache)
 
 
 def test_a_long_conversation_uses_what_short_ones_leave():
@@ -223,18 +230,19 @@ def test_a_long_conversation_uses_what_short_ones_leave():
     long = Request(prompt=list(range(100, 150)), max_tokens=100, sink=None)
     s.admit(long)
     _step_until_sampled(s, long)
-    # The idle short cache was given up as the long one started; the long one decodes into the whole pool.
-    assert long.slot is not None and s.cells_held() == 50 and short.slot.cached == []
+    assert long.slot is not None and s.cells_held() == 50 + 4  # no prefix cache: the idle short cache stays
+    # It decodes past the short one's cells: the idle cache is given up.
     for _ in range(12):
         step = s.schedule()
         s.update(step, {long.id: [7]})
     assert len(long.slot.cached) == 62 and s.cells_held() == 62
+    assert short.slot.cached == []
 
 
 def test_a_request_starting_in_a_shared_pool_gives_up_the_idle_caches():
     # llama.cpp attends over every cell up to the highest one used, idle caches' too (smollm2 decoded 0.94x as fast
     # beside the idle caches 16 clients left): as llama-server's --cache-idle-slots, they go when a request starts.
-    s = _pooled(128)
+    s = _pooled(128, cache=PrefixCache(SHAPE, ram_limit=10**7))
     first, second = (Request(prompt=p, max_tokens=1, sink=None) for p in ([1, 2, 3, 4], [5, 6, 7]))
     s.admit(first)
     _step_until_sampled(s, first)
@@ -253,7 +261,7 @@ def test_a_request_starting_in_a_shared_pool_gives_up_the_idle_caches():
 
 
 def test_requests_arriving_together_each_find_their_own_cache_first():
-    s = _pooled(128)
+    s = _pooled(128, cache=PrefixCache(SHAPE, ram_limit=10**7))
     a, b = (Request(prompt=p, max_tokens=1, sink=None) for p in ([1, 2, 3, 4], [5, 6, 7]))
     for req in (a, b):  # two conversations at once: neither cache is idle when the other starts
         s.admit(req)
@@ -268,8 +276,11 @@ def test_requests_arriving_together_each_find_their_own_cache_first():
     assert (a2.slot, b2.slot) == (a.slot, b.slot) and (a2.n_cached, b2.n_cached) == (4, 3) and not step.trims
 
 
-def test_idle_caches_stay_where_each_slot_has_cells_of_its_own():
-    s = _pooled(3 * 64)  # as many cells as every slot's context: no pool to share
+@pytest.mark.parametrize("cells, cache", [(3 * 64, True), (128, False)], ids=["no shared pool", "no prefix cache"])
+def test_idle_caches_stay_without_a_shared_pool_or_a_prefix_cache(cells, cache):
+    # As many cells as every slot's context: no pool to share. Without a prefix cache the cells would be lost, not
+    # saved (llama-server keeps idle slots without its RAM cache too).
+    s = _pooled(cells, cache=PrefixCache(SHAPE, ram_limit=10**7) if cache else None)
     first, second = (Request(prompt=p, max_tokens=1, sink=None) for p in ([1, 2, 3, 4], [5, 6, 7]))
     for req in (first, second):
         s.admit(req)
@@ -336,12 +347,12 @@ def test_a_deterministic_request_starts_from_an_empty_pool():
         s.admit(req)
         _step_until_sampled(s, req)
         s.finish(req, "length")
-    assert s.cells_held() == 3  # the second one's: the first's went as the second started
-    det = Request(prompt=[5, 6, 7, 9], max_tokens=4, sink=None, deterministic=True)
+    assert s.cells_held() == 7
+    det = Request(prompt=[1, 2, 3, 4, 9], max_tokens=4, sink=None, deterministic=True)
     s.admit(det)
     step = s.schedule()
-    assert step.trims == [(1, 0)] and det.n_cached == 0
-    assert s.cells_held() == 0 and len(step.batch) == 4
+    assert sorted(step.trims) == [(0, 0), (1, 0)] and det.n_cached == 0
+    assert s.cells_held() == 0 and len(step.batch) == 5
 
 
 def test_without_a_pool_a_deterministic_request_leaves_the_other_caches():

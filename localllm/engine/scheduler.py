@@ -296,12 +296,12 @@ class Scheduler:
 
     def _assign_waiting(self, step: Step) -> None:
         """Give waiting requests slots; once some have started, the idle caches of a shared pool go to the prefix
-        cache (saved first), as llama-server's --cache-idle-slots (its default) does: llama.cpp attends over every
-        cell up to the highest one used, idle caches' too (docs/benchmark-notes.md). After every request of the
-        step has its slot, so requests that arrive together each find their own cache first."""
+        cache (saved first), as llama-server's --cache-idle-slots (its default, and off without its RAM cache) does:
+        llama.cpp attends over every cell up to the highest one used, idle caches' too (docs/benchmark-notes.md).
+        After every request of the step has its slot, so requests that arrive together each find their own cache."""
         started = len(self.table.free())
         self._take_slots(step)
-        if self.kv_cells is not None and len(self.table.free()) < started:
+        if self.kv_cells is not None and self.cache is not None and len(self.table.free()) < started:
             self._give_up_idle(step, self.kv_cells)
 
     def _take_slots(self, step: Step) -> None:
