@@ -299,22 +299,23 @@ class Scheduler:
         cache (saved first), as llama-server's --cache-idle-slots (its default, and off without its RAM cache) does:
         llama.cpp attends over every cell up to the highest one used, idle caches' too (docs/benchmark-notes.md).
         After every request of the step has its slot, so requests that arrive together each find their own cache."""
-        started = len(self.table.free())
-        self._take_slots(step)
-        if self.kv_cells is not None and self.cache is not None and len(self.table.free()) < started:
+        if self._take_slots(step) and self.kv_cells is not None and self.cache is not None:
             self._give_up_idle(step, self.kv_cells)
 
-    def _take_slots(self, step: Step) -> None:
+    def _take_slots(self, step: Step) -> int:
+        """Waiting requests take slots in order while they can; how many did."""
+        taken = 0
         while self.waiting:
             head = self.waiting[0]
             if _prefilling(head.follows):
-                return  # its prompt's KV is being computed; once done, choose() finds it to copy
+                return taken  # its prompt's KV is being computed; once done, choose() finds it to copy
             if self.alone or (head.deterministic and self.table.busy()):
-                return  # a deterministic request runs alone: it waits for the slots to empty, and others for it
+                # a deterministic request runs alone: it waits for the slots to empty, and others for it
+                return taken
             # A deterministic request reuses nothing: it takes the coldest slot, whose cache is saved first.
             choice = self.table.choose([] if head.deterministic else head.prompt)
             if choice is None:
-                return
+                return taken
             req = self.waiting[0]
             slot = choice.slot
             if req.deterministic and self.kv_cells is not None:
@@ -325,7 +326,7 @@ class Scheduler:
             reuse = min(choice.reuse, len(req.prompt) - 1)
             saved = None if req.deterministic else self._saved_prefix(req.prompt, beats=reuse)
             if not self._pool_fits(step, req, choice, reuse, saved):
-                return  # it waits for cells: requests ahead of it end, or idle caches go
+                return taken  # it waits for cells: requests ahead of it end, or idle caches go
             self.waiting.popleft()
             own = reuse if saved is None and choice.copy_from is None else 0
             self._save_before_loss(step, slot, keeps=own)
@@ -344,6 +345,8 @@ class Scheduler:
             slot.cached = req.prompt[:reuse]
             slot.state, slot.request, slot.last_used = SlotState.PREFILL, req, self._steps
             req.slot, req.n_cached, req.n_prefilled = slot, reuse, reuse
+            taken += 1
+        return taken
 
     def _pool_fits(
         self, step: Step, req: Request[Any], choice: SlotChoice[Request[Any]], reuse: int, saved: Match | None
