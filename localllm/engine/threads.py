@@ -174,16 +174,16 @@ class ThreadTuner:
 
     @staticmethod
     def _clear_early(tuning: _Tuning, rounds: int) -> bool:
-        """Whether a trial may end after `rounds` rounds: one count stands apart after two, or after one when a
-        re-check finds the settled count again, or when the settled count's slowdown began it, or when a first trial
-        finds the default (every core) ahead by FAR (a first trial's two rounds guard against a passing load making
-        fewer threads look faster; ending early on the default keeps what the engine would run untuned, and after a
-        slowdown the load has changed). A prefill chunk at a count that loses by that much costs seconds: on the
-        EPYC, qwen2.5-coder:1.5b's first 1,400-token prompt ran two of its three chunks at one thread."""
+        """Whether a trial may end after `rounds` rounds: one count stands apart after two, or after one when the
+        settled count's slowdown began it, or when a first trial finds the default (every core) ahead by FAR (a first
+        trial's two rounds guard against a passing load making fewer threads look faster; ending early on the default
+        keeps what the engine would run untuned, and after a slowdown the load has changed). A prefill chunk at a count
+        that loses by that much costs seconds: on the EPYC, qwen2.5-coder:1.5b's first 1,400-token prompt ran two of its
+        three chunks at one thread."""
         winner = _standing_apart(tuning.samples)
         if winner is None:
             return False
-        if rounds >= 2 or (tuning.settles > 0 and (winner == tuning.best or tuning.slowed)):
+        if rounds >= 2 or (tuning.settles > 0 and tuning.slowed):  # a re-check finding its count: _confirmed
             return True
         return tuning.settles == 0 and winner == tuning.best and _standing_apart(tuning.samples, by=FAR) == winner
 
