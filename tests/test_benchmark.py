@@ -49,3 +49,19 @@ def test_bracketed_figure_takes_the_median_of_repeats_against_the_reference_arou
     assert figure.ours == 99 and figure.reference == 100  # medians: the burst does not decide the figure
     assert figure.noise == pytest.approx(0.02)  # |1 - 102/100|, |1 - 60/90|, |1 - 99/101|: the median
     assert figure.met and "median of 3 repeats" in figure.note
+
+
+def test_the_bench_model_maps_the_very_file_llama_server_maps(tmp_path):
+    """A copy's fresh pages made our first decodes slower than llama-server's over the original: the bench's store
+    holds the weights as a hard link of the file both servers are given."""
+    from tiny_models import write_tiny_llama
+
+    from localllm.bench.rest import create_bench_model
+    from localllm.models.store import Store
+
+    weights = write_tiny_llama(tmp_path / "tiny.gguf")
+    home = tmp_path / "home"
+    create_bench_model(weights, home)
+    (stored,) = Store(home / "models").resolve("bench").parts
+    assert stored.stat().st_ino == weights.stat().st_ino
+    assert not list((home / "models" / "blobs").glob(".tmp-*"))
