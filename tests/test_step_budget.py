@@ -276,6 +276,33 @@ def test_requests_arriving_together_each_find_their_own_cache_first():
     assert (a2.slot, b2.slot) == (a.slot, b.slot) and (a2.n_cached, b2.n_cached) == (4, 3) and not step.trims
 
 
+def test_once_nothing_runs_the_older_idle_caches_are_saved_ahead():
+    # After sixteen clients, saving the idle caches took 4-8 ms of the next request's first token: they are saved
+    # while nothing runs, one a step, and stay in their slots; the latest is left for its conversation to continue.
+    cache = PrefixCache(SHAPE, ram_limit=10**7)
+    s = _pooled(128, n_batch=128, cache=cache)
+    older, latest = (Request(prompt=list(range(b, b + 40)), max_tokens=8, sink=None) for b in (100, 200))
+    for req in (older, latest):
+        s.admit(req)
+    step = s.schedule()
+    s.update(step, {older.id: [7], latest.id: [7]})
+    s.finish(older, "length")
+    s.update(s.schedule(), {latest.id: [8]})  # the latest decodes a step longer
+    s.finish(latest, "length")
+    assert not s.idle  # the older cache is due a save
+    step = s.schedule()
+    assert [(save.seq, len(save.tokens)) for save in step.saves] == [(older.slot.seq, 40)]
+    assert not step.trims and not step.batch.tokens and s.cells_held() == 40 + 41
+    for save in step.saves:  # as the engine's CacheKeeper does
+        cache.put(save.tokens, b"state")
+    assert s.idle and not s.schedule()  # the latest stays unsaved until a request starts
+    # The next request gives both up: the older one with a trim alone, the latest saved first.
+    s.admit(Request(prompt=list(range(300, 340)), max_tokens=1, sink=None))
+    step = s.schedule()
+    assert [save.seq for save in step.saves] == [latest.slot.seq]
+    assert sorted(step.trims) == sorted([(older.slot.seq, 0), (latest.slot.seq, 0)])
+
+
 @pytest.mark.parametrize("cells, cache", [(3 * 64, True), (128, False)], ids=["no shared pool", "no prefix cache"])
 def test_idle_caches_stay_without_a_shared_pool_or_a_prefix_cache(cells, cache):
     # As many cells as every slot's context: no pool to share. Without a prefix cache the cells would be lost, not
@@ -287,6 +314,7 @@ def test_idle_caches_stay_without_a_shared_pool_or_a_prefix_cache(cells, cache):
         _step_until_sampled(s, req)
         s.finish(req, "length")
     assert s.cells_held() == 7 and first.slot.cached == [1, 2, 3, 4]
+    assert s.idle and not s.schedule()  # nor are they saved ahead: nothing would give them up
 
 
 def test_a_request_that_does_not_fit_waits_and_nothing_exceeds_the_pool():

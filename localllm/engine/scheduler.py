@@ -171,6 +171,7 @@ class Scheduler:
         # Cells the slots share; None where each slot has n_ctx of its own (no sum to bound).
         self.kv_cells = kv_cells if kv_cells is not None and kv_cells < n_slots * n_ctx else None
         self._cells_used = 0  # batch rows added in the step being built: each takes a cell
+        self._offered: dict[int, int] = {}  # seq -> the slot's last_used when its idle cache was last saved ahead
 
     # ----------------------------------------------------------------------------------------------- intake
 
@@ -188,7 +189,8 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.table.busy()
+        """Nothing to do until a request comes: none waits or runs, and no idle cache is due a save ahead."""
+        return not self.waiting and not self.table.busy() and self._next_to_save_ahead() is None
 
     def decoding(self) -> list[Request[Any]]:
         """Requests past their prompt, generating one token (plus drafts) per step."""
@@ -230,7 +232,27 @@ class Scheduler:
                 step.batch.add(req.prompt[pos], pos, slot.seq, False)
         if self.kv_cells is not None and not step:
             self._end_stalled_prefills(step)
+        if not step and not self.waiting and not self.table.busy():
+            self._save_ahead(step)
         return step
+
+    def _save_ahead(self, step: Step) -> None:
+        """Once nothing runs, save one idle cache of a shared pool that the next request to start would give up
+        (_assign_waiting): it stays in its slot, and that request's step trims it with no copy to wait for. After
+        sixteen clients, the three or four saves took 4-8 ms of the next request's first token
+        (docs/benchmark-notes.md, 2026-12-04, fourth session). The most recently used cache is left alone: it is
+        the likeliest to be continued in place, where a save would copy a long conversation for nothing. One a
+        step, so that a request arriving meanwhile waits for one copy at most."""
+        slot = self._next_to_save_ahead()
+        if slot is not None:
+            self._save_before_loss(step, slot, keeps=0)
+            self._offered[slot.seq] = slot.last_used
+
+    def _next_to_save_ahead(self) -> Slot[Request[Any]] | None:
+        if self.kv_cells is None or self.cache is None:
+            return None
+        cached = sorted((s for s in self.table.free() if s.cached), key=lambda s: s.last_used)
+        return next((s for s in cached[:-1] if self._offered.get(s.seq) != s.last_used), None)
 
     def _end_stalled_prefills(self, step: Step) -> None:
         """Nothing could run and no cells are free: a prefill that cannot advance ends rather than spin."""
