@@ -7,6 +7,7 @@ path into a cache that later runs reuse (LOCALLLM_TEST_CACHE, default ~/.cache/l
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,16 @@ def _pulled(store, name: str) -> None:
     if probe.LoadProbe(memory).check(weights, api.LoadOptions()).trial_due:
         probe.start_trial(memory, weights, api.LoadOptions())
         probe.wait_for_trials()
+
+
+@pytest.fixture(scope="session")
+def pull_catalog(models_home) -> Callable[[str], None]:
+    """Pull a catalog model into models_home on demand (a no-op when the cache has it), for a test whose models
+    depend on its parameters (the Modelfiles' FROM and DRAFT)."""
+    from localllm.models.store import Store
+
+    store = Store(models_home / "models")
+    return lambda name: _pulled(store, name)
 
 
 @pytest.fixture(scope="session")
