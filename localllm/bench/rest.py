@@ -125,26 +125,27 @@ def create_bench_model(
 ) -> None:
     """Store `path` in `home` as model `name` (with `projector`, and Modelfile `parameters`), as a pull leaves it.
 
-    The weights' blob is a hard link to `path` where the file system allows (create_model then finds the bytes
-    stored): the server maps the very file llama-server maps. A fresh copy's pages in the page cache made each
-    request's first decode 1-3 ms slower than a steady one, where the original's cost 0.3-0.7 ms more
+    The weights' blob is a hard link to `path` where the file system allows, named to create_model by digest (no
+    copy is written): the server maps the very file llama-server maps. A fresh copy's pages in the page cache made
+    each request's first decode 1-3 ms slower than a steady one, where the original's cost 0.3-0.7 ms more
     (docs/benchmark-notes.md, 2026-12-04, fourth session)."""
     from ..api import CreateRequest
     from ..models.create import create_model
     from ..models.store import Store
 
     store = Store(home / "models")
-    home.mkdir(parents=True, exist_ok=True)
-    weights = home / "bench.gguf"  # a blob has no .gguf name; a model name must say it is a file
-    if not weights.exists():
-        weights.symlink_to(Path(path).resolve())
-        for _ in store.blobs.add_reference(weights):  # hashing progress
-            pass
+    hashing = store.blobs.add_reference(Path(path))
+    while True:
+        try:
+            next(hashing)
+        except StopIteration as added:
+            digest = added.value
+            break
     request = CreateRequest(
         model=name,
         projector=str(projector) if projector else None,
         parameters=parameters or {},
-        **{"from": str(weights)},
+        files={"bench.gguf": digest},
     )
     list(create_model(request, store))
 
