@@ -71,11 +71,9 @@ def pull_catalog(models_home) -> Callable[[str], None]:
 
 
 @pytest.fixture(scope="session")
-def coder_home(models_home) -> Path:
+def coder_home(models_home, pull_catalog) -> Path:
     """models_home with qwen2.5-coder:0.5b pulled too (a real tool-calling, fill-in-the-middle model)."""
-    from localllm.models.store import Store
-
-    _pulled(Store(models_home / "models"), CODER_TEST_MODEL)
+    pull_catalog(CODER_TEST_MODEL)
     return models_home
 
 
@@ -83,11 +81,9 @@ PAIR_TARGET_MODEL = "qwen2.5-coder:1.5b"  # drafted by CODER_TEST_MODEL: the rea
 
 
 @pytest.fixture(scope="session")
-def pair_home(coder_home) -> Path:
+def pair_home(coder_home, pull_catalog) -> Path:
     """`coder_home` with qwen2.5-coder:1.5b pulled too: the target of the real draft pair, for the slow tests."""
-    from localllm.models.store import Store
-
-    _pulled(Store(coder_home / "models"), PAIR_TARGET_MODEL)
+    pull_catalog(PAIR_TARGET_MODEL)
     return coder_home
 
 
@@ -95,11 +91,9 @@ EMBED_TEST_MODEL = "nomic-embed-text:v1.5"
 
 
 @pytest.fixture(scope="session")
-def embed_home(models_home) -> Path:
+def embed_home(models_home, pull_catalog) -> Path:
     """`models_home` with nomic-embed-text pulled too, on demand, so tests that do not embed do not pay for it."""
-    from localllm.models.store import Store
-
-    _pulled(Store(models_home / "models"), EMBED_TEST_MODEL)
+    pull_catalog(EMBED_TEST_MODEL)
     return models_home
 
 
