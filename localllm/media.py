@@ -32,6 +32,19 @@ class ImagePixels:
     digest: str
 
 
+@dataclass(frozen=True)
+class PromptImage:
+    """An image in a prompt: its pixels and the placeholder ids that stand for its embeddings there (negative ids,
+    derived from the digest: equal images give equal placeholders, so prefix reuse works as for text)."""
+
+    pixels: ImagePixels
+    placeholders: tuple[int, ...]
+
+
+def is_placeholder(token: int) -> bool:
+    return token < 0
+
+
 def check_image_count(n: int) -> None:
     if n > MAX_IMAGES:
         raise InvalidInput(

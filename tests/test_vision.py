@@ -578,7 +578,7 @@ def test_image_embeddings_equal_mtmds_own_pipeline(files, smollm2_path, tmp_path
     gives when it reads the same PNG itself (stb_image), computed in a child process."""
     import llama_cpp
 
-    from localllm.backends.base import PromptImage
+    from localllm.media import PromptImage
     from localllm.backends.llama_cpp.backend import init_backend
     from localllm.backends.llama_cpp.vision import Projector
     from localllm.media import decode_image

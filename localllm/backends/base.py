@@ -15,7 +15,7 @@ import numpy as np
 
 from ..api import LoadOptions, LoraAdapter, SamplingOptions
 from ..chat.fim import FimTokens
-from ..media import ImagePixels
+from ..media import ImagePixels, PromptImage
 from ..models.info import RANK_POOLING
 from ..models.plan import Placement
 
@@ -55,19 +55,6 @@ class ModelMeta:
     def reranker(self) -> bool:
         """A cross-encoder: rank pooling through a classifier head, which scores pairs and embeds nothing."""
         return self.pooling == RANK_POOLING
-
-
-@dataclass(frozen=True)
-class PromptImage:
-    """An image in a prompt: its pixels and the placeholder ids that stand for its embeddings there (negative ids,
-    derived from the digest: equal images give equal placeholders, so prefix reuse works as for text)."""
-
-    pixels: ImagePixels
-    placeholders: tuple[int, ...]
-
-
-def is_placeholder(token: int) -> bool:
-    return token < 0
 
 
 @dataclass

@@ -26,7 +26,8 @@ from ..api import LoadOptions, LoraAdapter, SamplingOptions
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
 from ..models.options import context_size
 from ..models.plan import Placement
-from .base import Batch, CacheShape, ImagePixels, LoadCheck, ModelMeta, PromptImage
+from ..media import ImagePixels, PromptImage
+from .base import Batch, CacheShape, LoadCheck, ModelMeta
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .. import api
-from ..backends.base import PromptImage, is_placeholder
+from ..media import PromptImage, is_placeholder
 from ..errors import InvalidInput
 from ..media import ImagePixels, check_image_count, decode_base64_image
 

@@ -15,7 +15,6 @@ from functools import partial
 from typing import Any, BinaryIO, Generic, TypeVar
 
 from .. import __version__, api
-from ..backends.base import PromptImage
 from ..chat.fim import FimInput, fim_prompt, require_fim
 from ..chat.structured import grammar_for_format, tool_choice_grammar
 from ..chat.templates import render_chat, transcript_sampling
@@ -33,6 +32,7 @@ from ..chat.tool_calls import ToolCallParser
 from ..engine.pool import Loaded, ModelPool
 from ..engine.runner import EngineChunk, GenerationParams, Stream
 from ..engine.speculative.speculation import load_speculation
+from ..media import PromptImage
 from ..errors import ContextOverflow, InvalidInput
 from ..models.create import create_model
 from ..models.info import show_model

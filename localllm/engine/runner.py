@@ -20,7 +20,8 @@ import numpy as np
 
 from .. import config
 from ..api import SamplingOptions, Timings
-from ..backends.base import LoadedModel, ModelMeta, PromptImage, is_placeholder
+from ..backends.base import LoadedModel, ModelMeta
+from ..media import PromptImage, is_placeholder
 from ..errors import Cancelled, ContextOverflow, InvalidInput, LocalLLMError, QueueFull, WorkerLost
 from ..media import ImagePixels
 from .cache_keeper import CacheKeeper

@@ -28,7 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from ..backends.base import Batch, PromptImage, Sampler, is_placeholder
+from ..backends.base import Batch, Sampler
+from ..media import PromptImage, is_placeholder
 from ..errors import QueueFull
 from .prefix_cache import SAVE_MIN_TOKENS, Entry, Match, PrefixCache
 from .slots import Slot, SlotChoice, SlotState, SlotTable

@@ -32,7 +32,8 @@ from ...machine import physical_cores
 from ...media import ImagePixels
 from ...models.options import context_size
 from ...models.plan import Placement, kv_cells
-from ..base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead, PromptImage, is_placeholder
+from ...media import PromptImage, is_placeholder
+from ..base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead
 from .embedding import MAX_SEQS, embed_group, pack, pack_limit, pooling_for
 from .rerank import PairLayout, pair_layout, pair_tokens, score_group
 from .rpc import PlacedModel, RpcGuard, place_model

@@ -23,7 +23,7 @@ from llama_cpp import mtmd_cpp
 
 from ...errors import InvalidInput, LocalLLMError, ModelFormatError
 from ...media import ImagePixels
-from ..base import PromptImage
+from ...media import PromptImage
 
 MTMD_INPUT_CHUNK_TYPE_IMAGE = 1
 KEPT_IMAGES = 32  # encoded images kept at hand: a step needs at most one run per slot
