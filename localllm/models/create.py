@@ -18,6 +18,7 @@ from ..chat.templates import validate_template
 from ..errors import InvalidInput, InvalidName, ModelFormatError
 from ..machine import physical_cores
 from ..quant.gguf import inspect_gguf
+from .adapters import check_adapter_fits
 from .names import parse_digest, parse_ref
 from .pull import make_source, pull_model
 from .store import ResolvedModel, Store, Weights
@@ -373,16 +374,7 @@ def _adapter_file(path: str, digest: str, store: Store, base: Path) -> Path:
 def _store_adapter(path: str, file: Path, scale: float, store: Store, parent: _Parent) -> tuple[str, float]:
     """Check the adapter fits the parent's architecture and every tensor shape, then store it; (digest, scale) for
     the manifest."""
-    from ..quant.gguf import check_lora_fits, inspect_gguf, inspect_lora
-
-    lora = inspect_lora(file)
-    check_lora_fits(lora, inspect_gguf(parent.model.weights), parent.label)
-    family = parent.model.details.family
-    if family and lora.architecture != family:
-        raise InvalidInput(
-            f"adapter {path!r} is for {lora.architecture or 'an unknown architecture'}, but {parent.label} is {family}",
-            hint="use an adapter trained on this base model",
-        )
+    check_adapter_fits(file, parent.model.weights, parent.label, path)
     return store.blobs.add_file(file), scale
 
 
