@@ -77,6 +77,35 @@ def test_repetition_is_written_as_gbnf_ranges_not_item_by_item():
     assert len(grammar) < 1000
 
 
+# Claude Code's Workflow tool: a size bound that only a grammar would need, on a tool the model may never call.
+WORKFLOW = {
+    "type": "function",
+    "function": {
+        "name": "Workflow",
+        "parameters": {
+            "type": "object",
+            "properties": {"script": {"type": "string", "maxLength": 524288}, "steps": {"type": "array"}},
+            "required": ["script"],
+        },
+    },
+}
+
+
+def test_a_tool_list_is_not_refused_for_a_bound_only_a_grammar_needs():
+    tools = [Tool(type="function", function=ToolFunction(**spec["function"])) for spec in (PYTHON, WORKFLOW)]
+    assert tool_choice_grammar(tools, "auto") is None
+    forced = tool_choice_grammar(tools, {"type": "function", "function": {"name": "Workflow"}})
+    assert forced is not None and "524288" not in forced  # the grammar leaves the string's length open
+    with pytest.raises(InvalidInput, match="maxLength 524288 is over the bound of 2000"):
+        schema_grammar(WORKFLOW["function"]["parameters"])  # a response format is still held to the bound
+
+
+def test_a_tool_list_is_still_held_to_the_size_bounds():
+    tools = [Tool(type="function", function=ToolFunction(name="deep", parameters=deep_properties(40)))]
+    with pytest.raises(InvalidInput, match="nests deeper than 32"):
+        tool_choice_grammar(tools, "auto")
+
+
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path: Path):
     model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_ctx=64, num_parallel=1))
@@ -86,7 +115,7 @@ def smollm2(smollm2_path: Path):
 
 def grammar_allows(model, grammar: str, prefix: str, more: str) -> bool:
     """Whether the grammar, after the tokens of `prefix`, allows the tokens of `more`."""
-    probe = model.grammar_probe(grammar)
+    probe = model.grammars.probe(grammar)
     try:
         head = model.tokenize(prefix, add_special=False)
         assert probe.allowed([], head) == len(head), f"the grammar refuses {prefix!r} itself"
@@ -199,6 +228,20 @@ def test_schema_bombs_are_400_naming_the_bound_on_every_route(base_url, schema, 
             assert refused.status_code == 400, (path, refused.text)
             assert bound in message_of(refused) and "2000" in message_of(refused), (path, refused.text)
     assert_still_answers(base_url)
+
+
+@pytest.mark.models
+def test_a_tool_with_an_agents_size_bound_is_accepted_on_the_routes(base_url):
+    anthropic_tool = {"name": "Workflow", "input_schema": WORKFLOW["function"]["parameters"]}
+    chat = [{"role": "user", "content": "Hi"}]
+    bodies = [
+        ("/v1/chat/completions", {"model": MODEL, "messages": chat, "max_tokens": 2, "tools": [WORKFLOW]}),
+        ("/v1/messages", {"model": MODEL, "messages": chat, "max_tokens": 2, "tools": [anthropic_tool]}),
+    ]
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        for path, body in bodies:
+            answered = http.post(path, json=body)
+            assert answered.status_code == 200, (path, answered.text)
 
 
 @pytest.mark.models

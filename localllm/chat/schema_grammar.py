@@ -62,6 +62,16 @@ def schema_grammar(schema: Any, where: str = "schema") -> str:
 
 def check_schema(schema: Any, where: str = "schema") -> None:
     """Bounds checked by a walk over the schema's JSON (`where` names it in errors), before the converter sees it."""
+    _walk_schema(schema, where, keywords=True)
+
+
+def check_schema_shape(schema: Any, where: str = "schema") -> None:
+    """The bounds on any schema a request brings (an object of plain JSON, its size, nesting and values), without
+    those that only a grammar needs (repetition counts, enum and property counts, patterns)."""
+    _walk_schema(schema, where, keywords=False)
+
+
+def _walk_schema(schema: Any, where: str, *, keywords: bool) -> None:
     if not isinstance(schema, dict):
         raise InvalidInput(f"{where}: a JSON schema must be an object, not {type(schema).__name__}")
     try:
@@ -82,7 +92,8 @@ def check_schema(schema: Any, where: str = "schema") -> None:
         if depth > MAX_DEPTH:
             raise InvalidInput(f"the JSON schema nests deeper than {MAX_DEPTH} levels at {where}", hint=_HINT)
         if isinstance(node, dict):
-            _check_keywords(node, where)
+            if keywords:
+                _check_keywords(node, where)
             stack.extend((value, depth + 1, f"{where}.{key}") for key, value in node.items())
         elif isinstance(node, list):
             stack.extend((value, depth + 1, f"{where}[{i}]") for i, value in enumerate(node))

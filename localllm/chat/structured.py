@@ -9,7 +9,7 @@ from typing import Any
 
 from ..api import Format, Tool
 from ..errors import InvalidInput
-from .schema_grammar import check_schema, schema_grammar
+from .schema_grammar import MAX_REPEAT, check_schema_shape, schema_grammar
 
 
 def grammar_for_format(fmt: Format) -> str | None:
@@ -35,7 +35,7 @@ def tool_call_schema(tools: list[Tool], *, name: str | None = None) -> dict[str,
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"},
+                "arguments": grammar_parameters(t.function.parameters or {"type": "object"}),
             },
             "required": ["name", "arguments"],
         }
@@ -44,12 +44,34 @@ def tool_call_schema(tools: list[Tool], *, name: str | None = None) -> dict[str,
     return variants[0] if len(variants) == 1 else {"oneOf": variants}
 
 
+def grammar_parameters(schema: Any) -> Any:
+    """A tool's parameters as its call grammar holds them: an upper bound past the grammar's repetition limit is
+    dropped (agents' tools carry sizes like maxLength 524288 that no grammar needs); everything else stays."""
+    if isinstance(schema, list):
+        return [grammar_parameters(value) for value in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {
+        key: grammar_parameters(value)
+        for key, value in schema.items()
+        if not (key in UPPER_BOUNDS and _past_repeat_bound(value))
+    }
+
+
+UPPER_BOUNDS = ("maxItems", "maxLength", "maxProperties")
+
+
+def _past_repeat_bound(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > MAX_REPEAT
+
+
 def tool_choice_grammar(tools: list[Tool] | None, tool_choice: Any) -> str | None:
     """A grammar forcing a tool call when tool_choice is "required" or names a function; else None. Every tool's
-    parameters are held to the schema bounds, forced or not, so a request's fate does not hang on tool_choice."""
+    parameters are checked for size and depth, forced or not; the bounds that only a grammar needs are checked
+    where a grammar is built."""
     for tool in tools or []:
         if tool.function.parameters:
-            check_schema(tool.function.parameters, f"tool {tool.function.name} parameters")
+            check_schema_shape(tool.function.parameters, f"tool {tool.function.name} parameters")
     if not tools or tool_choice in (None, "auto", "none"):
         return None
     if tool_choice == "required":
