@@ -698,8 +698,14 @@ class ProcessResponse(_Model):
     models: list[ProcessModel]
 
 
+# The Ollama release whose API /api/version claims: clients gate features on it (`codex --oss` wants 0.13.4 or
+# newer), as they would against Ollama itself. localllm's own version goes beside it.
+OLLAMA_API_VERSION = "0.13.5"
+
+
 class VersionResponse(_Model):
-    version: str
+    version: str  # the Ollama API version served
+    localllm: str | None = None  # this server's own version
 
 
 class ErrorBody(_Model):

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from server_harness import SMALL, SYSTEM, env, free_port, local_client, private_home, serve_in_thread
 
-from localllm import api
+from localllm import __version__, api
 from localllm.client.http import HttpClient, server_running
 from localllm.errors import InvalidInput, ModelNotFound, ServerUnreachable, Unauthorized
 from localllm.server.app import create_app
@@ -55,7 +55,7 @@ def test_server_running(base_url):
 
 
 def test_models_api(http):
-    assert http.version()
+    assert http.version() == __version__  # ours, not the Ollama API version the route claims
     assert "smollm2:135m" in [m.name for m in http.list_models().models]
     assert http.show("smollm2:135m").details.family == "llama"
     assert [p.status for p in http.pull("smollm2:135m")][-1] == "success"

@@ -11,6 +11,8 @@ import ollama
 import pytest
 from server_harness import SMALL, SYSTEM, private_home, served
 
+from localllm import __version__
+
 pytestmark = pytest.mark.models
 
 PARIS = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
@@ -23,7 +25,10 @@ def api(base_url) -> ollama.Client:
 
 def test_root_and_version(base_url, api):
     assert httpx.get(base_url + "/").text == "localllm is running"
-    assert api._client.get("/api/version").json()["version"]
+    answer = api._client.get("/api/version").json()
+    # Ollama's API version, which clients gate on (codex --oss refuses below 0.13.4); ours beside it
+    assert tuple(map(int, answer["version"].split("."))) >= (0, 13, 4)
+    assert answer["localllm"] == __version__
 
 
 def test_chat_non_streaming_answers_paris(api):

@@ -142,7 +142,8 @@ class HttpClient:
     # ----------------------------------------------------------------------------------------------- models
 
     def version(self) -> str:
-        return self._get("/api/version", api.VersionResponse).version
+        answer = self._get("/api/version", api.VersionResponse)
+        return answer.localllm or answer.version
 
     def list_models(self) -> api.ListResponse:
         return self._get("/api/tags", api.ListResponse)

@@ -37,7 +37,7 @@ def asks_unload(keep_alive: float | None) -> bool:
 
 @router.get("/api/version")
 def version(state: State) -> JSONResponse:
-    return json_of(api.VersionResponse(version=state.client.version()))
+    return json_of(api.VersionResponse(version=api.OLLAMA_API_VERSION, localllm=state.client.version()))
 
 
 @router.get("/api/tags")
