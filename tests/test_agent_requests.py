@@ -159,3 +159,31 @@ def test_tools_that_cannot_run_here_are_left_out(caplog):
     )
     assert [t.function.name for t in responses.chat_request(codex, []).tools] == ["shell"]
     assert "web_search" in caplog.text and "apply_patch" in caplog.text
+
+
+def test_a_system_message_between_turns_is_folded_into_the_next_user_turn():
+    # Claude Code's mid-conversation-system beta: the agent list arrives as a system message after the first turn.
+    body = messages_body(
+        system="Be brief.",
+        messages=[
+            {"role": "system", "content": [{"type": "text", "text": "Answer in English."}]},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "system", "content": "Agents: explore, plan."},
+            {"role": "user", "content": "Plan a trip."},
+            {"role": "system", "content": "Keep it short."},
+        ],
+    )
+    request = anthropic.chat_request(body)
+    assert [(m.role, m.content) for m in request.messages] == [
+        ("system", "Be brief.\n\nAnswer in English."),
+        ("user", "Hi"),
+        ("assistant", "Hello."),
+        ("user", "<system-reminder>\nAgents: explore, plan.\n</system-reminder>\nPlan a trip."),
+        ("user", "<system-reminder>\nKeep it short.\n</system-reminder>\n"),
+    ]
+
+
+def test_a_conversation_of_system_messages_alone_is_refused():
+    with pytest.raises(InvalidInput, match="at least one user message"):
+        anthropic.chat_request(messages_body(messages=[{"role": "system", "content": "Be brief."}]))

@@ -222,11 +222,28 @@ def test_errors_in_anthropic_shape(claude, base_url):
     ]
     with pytest.raises(anthropic.BadRequestError, match="image"):
         claude.messages.create(model=MODEL, max_tokens=4, messages=image)
-    with pytest.raises(anthropic.BadRequestError, match="1024"):
+    # Anthropic's words, which Claude Code matches to compact the conversation
+    with pytest.raises(anthropic.BadRequestError, match=r"prompt is too long: \d+ tokens > 1024 maximum"):
         claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "word " * 3000}])
     missing = httpx.post(base_url + "/v1/messages", json={"model": MODEL, "messages": PARIS})
     assert missing.status_code == 400 and missing.json()["type"] == "error"
-    assert "max_tokens" in missing.json()["error"]["message"]
+    assert missing.json()["error"]["message"] == "max_tokens: Field required"  # as Anthropic words it
+    wrong_role = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "tool", "content": "x"}]}
+    refused = httpx.post(base_url + "/v1/messages", json=wrong_role).json()["error"]["message"]
+    assert refused.startswith("messages.0.role: Input should be"), refused
+
+
+def test_a_system_message_inside_messages_is_accepted(claude):
+    turns = [
+        PARIS[0],
+        {"role": "assistant", "content": "Paris."},
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    reply = claude.messages.create(model=MODEL, max_tokens=4, messages=turns, extra_body=GREEDY)  # type: ignore[arg-type]
+    assert reply.stop_reason in ("end_turn", "max_tokens") and reply.content[0].text
+    streamed = claude.messages.create(model=MODEL, max_tokens=4, messages=turns, stream=True)  # type: ignore[arg-type]
+    assert "message_stop" in [event.type for event in streamed]
 
 
 def test_api_key_as_x_api_key_or_bearer(models_home):

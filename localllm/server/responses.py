@@ -96,8 +96,17 @@ _ANTHROPIC_TYPES = {
 }
 
 
-def anthropic_error(message: str, status: int) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+def anthropic_error(message: str, status: int, exc: BaseException | None = None) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": anthropic_wording(message, exc)}}
+
+
+def anthropic_wording(message: str, exc: BaseException | None) -> str:
+    """Anthropic's own words where its clients parse them: Claude Code compacts a conversation when told
+    `prompt is too long: N tokens > M maximum`."""
+    if isinstance(exc, ContextOverflow):
+        return f"prompt is too long: {exc.prompt_tokens} tokens > {exc.num_ctx} maximum ({message})"
+    return message
 
 
 def error_json(
@@ -105,8 +114,8 @@ def error_json(
 ) -> JSONResponse:
     """Ollama's `{"error": "..."}`; under /v1 OpenAI's `{"error": {"message", "type", "param", "code"}}`, which
     its client libraries read; under /v1/messages Anthropic's."""
-    if path == "/v1/messages" or path.startswith("/v1/messages/"):
-        body: dict[str, Any] = anthropic_error(message, status)
+    if _anthropic_path(path):
+        body: dict[str, Any] = anthropic_error(message, status, exc)
     elif path.startswith("/v1/"):
         body = {
             "error": {
@@ -131,14 +140,19 @@ def error_response(exc: Exception, path: str = "") -> JSONResponse:
     return error_json(f"internal error: {exc}", 500, path)
 
 
-def describe_validation(exc: RequestValidationError) -> str:
-    """pydantic's first complaint as one line naming the field, e.g. `messages.0.role: Input should be ...`."""
+def describe_validation(exc: RequestValidationError, *, anthropic: bool = False) -> str:
+    """pydantic's first complaint as one line naming the field: `invalid field messages.0.role: Input should be
+    ...`; on Anthropic's routes as Anthropic words it, `messages.0.role: Input should be ...` (clients match it)."""
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     field = ".".join(loc) or "body"
     if err.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
-    return f"invalid field {field}: {err.get('msg')}"
+    return f"{field}: {err.get('msg')}" if anthropic else f"invalid field {field}: {err.get('msg')}"
+
+
+def _anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 async def _on_local_error(request: Request, exc: LocalLLMError) -> JSONResponse:
@@ -146,7 +160,8 @@ async def _on_local_error(request: Request, exc: LocalLLMError) -> JSONResponse:
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_json(describe_validation(exc), 400, request.url.path)
+    path = request.url.path
+    return error_json(describe_validation(exc, anthropic=_anthropic_path(path)), 400, path)
 
 
 async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:

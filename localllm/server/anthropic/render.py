@@ -210,4 +210,4 @@ async def sse_events(stream: ChunkStream, renderer: MessageEvents) -> AsyncItera
     except Exception as exc:  # noqa: BLE001 - the status line is gone; the error travels as an event
         status = exc.status_code if isinstance(exc, LocalLLMError) else 500
         status = 503 if isinstance(exc, QueueFull) else status
-        yield sse("error", anthropic_error(error_payload(exc)["error"], status))
+        yield sse("error", anthropic_error(error_payload(exc)["error"], status, exc))

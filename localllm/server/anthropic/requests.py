@@ -30,7 +30,8 @@ class _Wire(BaseModel):
 
 
 class AnthropicMessage(_Wire):
-    role: Literal["user", "assistant"]
+    # "system" inside messages: Claude Code sends one after the first user turn (its mid-conversation-system beta)
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
@@ -78,11 +79,14 @@ class CountTokensRequest(RequestBody):
 
 
 def chat_request(body: MessagesRequest | CountTokensRequest) -> api.ChatRequest:
-    messages = chat_messages(body.messages)
+    leading, rest = _leading_system(body.messages)
+    if not rest:
+        raise InvalidInput("messages: at least one user message is required", hint="send the conversation's turns")
+    messages = chat_messages(rest, first=len(leading))
     if isinstance(body, MessagesRequest):
         check_metadata(body.metadata)
         check_budget(body.thinking, body.max_tokens)
-    system = system_text(body.system)
+    system = "\n\n".join(text for text in [system_text(body.system), *leading] if text)
     if system:
         messages.insert(0, api.Message(role="system", content=system))
     tools = [_tool(t) for t in body.tools or [] if _runs_locally(t)] or None
@@ -209,17 +213,42 @@ def _tool(tool: AnthropicTool) -> api.Tool:
 # ---------------------------------------------------------------------------------------------------------- messages
 
 
-def chat_messages(messages: list[AnthropicMessage]) -> list[api.Message]:
-    """Anthropic messages as ours. A tool_result names its call by id; we name the tool, found from that id."""
+def _leading_system(messages: list[AnthropicMessage]) -> tuple[list[str], list[AnthropicMessage]]:
+    """System messages before the first turn are part of the system prompt; the turns from there on."""
+    start = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
+    return [_system_message_text(m, f"messages.{i}") for i, m in enumerate(messages[:start])], messages[start:]
+
+
+def chat_messages(messages: list[AnthropicMessage], first: int = 0) -> list[api.Message]:
+    """Anthropic messages as ours. A tool_result names its call by id; we name the tool, found from that id. A
+    system message between turns is folded into the next user turn as a `<system-reminder>`, as Anthropic's own
+    fallback for templates that take a system prompt only at the start (most local models' templates)."""
     tool_names: dict[str, str] = {}
     out: list[api.Message] = []
-    for i, message in enumerate(messages):
+    reminders: list[str] = []
+    for i, message in enumerate(messages, start=first):
+        if message.role == "system":
+            reminders.append(_system_message_text(message, f"messages.{i}"))
+            continue
         blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
         if message.role == "assistant":
             out.append(_assistant(blocks, f"messages.{i}.content", tool_names))
         else:
-            out.extend(_user(blocks, f"messages.{i}.content", tool_names))
+            out.extend(_user(blocks, f"messages.{i}.content", tool_names, reminders))
+            reminders = []
+    if reminders:  # nothing after them: they stand as a user turn of their own
+        out.append(api.Message(role="user", content=_reminder_text(reminders)))
     return out
+
+
+def _system_message_text(message: AnthropicMessage, where: str) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(_text_block(block, f"{where}.content.{j}") for j, block in enumerate(message.content))
+
+
+def _reminder_text(reminders: list[str]) -> str:
+    return "".join(f"<system-reminder>\n{text}\n</system-reminder>\n" for text in reminders if text)
 
 
 def _assistant(blocks: list[dict[str, Any]], where: str, tool_names: dict[str, str]) -> api.Message:
@@ -248,9 +277,13 @@ def _assistant(blocks: list[dict[str, Any]], where: str, tool_names: dict[str, s
     )
 
 
-def _user(blocks: list[dict[str, Any]], where: str, tool_names: dict[str, str]) -> list[api.Message]:
-    """Tool results first (they answer the previous turn's calls), then the user's own text."""
-    results, texts, images = [], [], []
+def _user(
+    blocks: list[dict[str, Any]], where: str, tool_names: dict[str, str], reminders: list[str]
+) -> list[api.Message]:
+    """Tool results first (they answer the previous turn's calls), then the user's own text, after the system
+    reminders that came before the turn."""
+    results: list[api.Message] = []
+    texts, images = [_reminder_text(reminders)] if reminders else [], []
     for j, block in enumerate(blocks):
         kind = block.get("type")
         if kind == "text":
