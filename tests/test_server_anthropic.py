@@ -186,6 +186,17 @@ def test_count_tokens(claude, base_url):
     assert with_tools.input_tokens >= counted.input_tokens
 
 
+def test_count_tokens_refuses_a_stream_that_is_not_a_boolean(base_url):
+    body = {"model": MODEL, "messages": PARIS}
+    for stream in (None, "x"):
+        refused = httpx.post(base_url + "/v1/messages/count_tokens", json=body | {"stream": stream}, timeout=60)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["message"].startswith("stream: "), refused.text
+    counted = httpx.post(base_url + "/v1/messages/count_tokens", json=body | {"stream": True}, timeout=60)
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0, counted.text
+    assert "stream" in counted.headers["x-localllm-ignored"]
+
+
 def test_stop_sequence_and_max_tokens(claude):
     stopped = claude.messages.create(
         model=MODEL, max_tokens=40, messages=PARIS, extra_body=GREEDY, stop_sequences=["."]

@@ -73,6 +73,7 @@ class CountTokensRequest(RequestBody):
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
     output_format: dict[str, Any] | None = None
+    stream: bool = Field(False, description="clients that reuse a messages body send it; a count never streams")
 
 
 # ---------------------------------------------------------------------------------------------------------- request
@@ -105,7 +106,7 @@ def chat_request(body: MessagesRequest | CountTokensRequest) -> api.ChatRequest:
         tools=tools,
         tool_choice=tool_choice(body.tool_choice),
         think=think(body.thinking),
-        stream=getattr(body, "stream", False),
+        stream=body.stream if isinstance(body, MessagesRequest) else False,
         format=output_format(body.output_config, body.output_format),
         options={name: value for name, value in options.items() if value is not None},
     )
@@ -137,6 +138,8 @@ def ignored(body: MessagesRequest | CountTokensRequest) -> list[str]:
         notes.append("thinking.budget_tokens (max_tokens bounds the whole answer, thinking included)")
     if isinstance(body, MessagesRequest) and body.metadata:
         notes.append("metadata (no effect on a local model)")
+    if isinstance(body, CountTokensRequest) and body.stream:
+        notes.append("stream (a token count is one answer)")
     return notes
 
 
