@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import typer
 from rich.table import Table
@@ -18,6 +18,15 @@ if TYPE_CHECKING:
     from ..api import LoadOptions
     from ..models.plan import MemoryPlan
     from ..models.store import ResolvedModel
+
+
+class ModelPlan(NamedTuple):
+    """One model's row of `localllm plan`: its name, the weights it shares with others, its memory and placement."""
+
+    name: str
+    identity: tuple  # models with equal weights_identity share one copy of the weights
+    memory: MemoryPlan
+    placement: Placement | None
 
 
 def _mib(n: int) -> str:
@@ -55,30 +64,32 @@ def plan(
         if v is not None
     }
     plans = [plan for model in models for plan in _plan_with_draft(model, overrides)]
-    total = total_with_shared_weights([(identity, mem) for _, identity, mem, _ in plans])
-    available = plans[0][2].available
+    total = total_with_shared_weights([(p.identity, p.memory) for p in plans])
+    available = plans[0].memory.available
     cache_ram, cache_disk = ram_limit(), disk_limit()
     if as_json:
         rows = [
             {
-                "model": name,
-                **{k: v for k, v in mem.__dict__.items() if not isinstance(v, tuple)},
-                "total": mem.total,
-                "fits": mem.fits,
+                "model": p.name,
+                **{k: v for k, v in p.memory.__dict__.items() if not isinstance(v, tuple)},
+                "total": p.memory.total,
+                "fits": p.memory.fits,
                 "cache_ram_limit": cache_ram,
                 "cache_disk_limit": cache_disk,
-                "placement": _placement_json(placement),
+                "placement": _placement_json(p.placement),
             }
-            for name, _, mem, placement in plans
+            for p in plans
         ]
         console.print_json(json.dumps(rows[0] if len(rows) == 1 else {"models": rows, "total": total}))
     else:
         seen: set = set()
-        for name, identity, mem, placement in plans:
-            console.print(_table(name, mem, shared=identity in seen, cache_ram=cache_ram, cache_disk=cache_disk))
-            if placement is not None:
-                console.print(_placement_table(placement))
-            seen.add(identity)
+        for p in plans:
+            console.print(
+                _table(p.name, p.memory, shared=p.identity in seen, cache_ram=cache_ram, cache_disk=cache_disk)
+            )
+            if p.placement is not None:
+                console.print(_placement_table(p.placement))
+            seen.add(p.identity)
         if len(plans) > 1:
             verdict = (
                 ""
@@ -87,34 +98,33 @@ def plan(
             )
             console.print(f"[bold]all {len(plans)} models: {_mib(total)}[/] (shared weights counted once){verdict}")
     if available is not None and total > available:  # a script can test the exit code; unknown memory is no failure
-        names = ", ".join(name for name, _, _, _ in plans)
+        names = ", ".join(p.name for p in plans)
         raise LocalLLMError(
             f"{names} does not fit: it needs {_mib(total)} and {_mib(available)} is available",
             hint="lower --num-ctx or --num-parallel, or use --kv-type q8_0",
         )
 
 
-def _plan_with_draft(model: str, overrides: dict) -> list:
+def _plan_with_draft(model: str, overrides: dict) -> list[ModelPlan]:
     """The model's plan, and its draft model's where it speculates with one: loaded beside it with a KV cache for
     each of its slots, at the same context and threads."""
     from ..models.options import resolve_options
     from ..models.store import Store
 
-    store = Store()
+    store = Store()  # the plan reads the weights' metadata and the resolved options before anything loads
     resolved = store.resolve(model)
     load, _ = resolve_options(resolved, overrides)
     plans = [_plan_one(model, resolved, load)]
     if load.draft:
-        shape = {"num_ctx": plans[0][2].num_ctx, "num_parallel": plans[0][2].num_parallel}
+        shape = {"num_ctx": plans[0].memory.num_ctx, "num_parallel": plans[0].memory.num_parallel}
         draft = store.resolve(load.draft)
-        name, identity, mem, _ = _plan_one(load.draft, draft, resolve_options(draft, {**overrides, **shape})[0])
-        plans.append((f"{name} (draft model of {plans[0][0]})", identity, mem, None))
+        drafted = _plan_one(load.draft, draft, resolve_options(draft, {**overrides, **shape})[0])
+        plans.append(drafted._replace(name=f"{drafted.name} (draft model of {plans[0].name})", placement=None))
     return plans
 
 
-def _plan_one(model: str, resolved: ResolvedModel, load: LoadOptions):
+def _plan_one(model: str, resolved: ResolvedModel, load: LoadOptions) -> ModelPlan:
     """The plan of `model` (as the user named it), resolved to `resolved` with the load options `load`."""
-    from ..engine.scaleout import placement as place
     from ..errors import InvalidInput
     from ..models.options import effective_load
     from ..models.plan import plan_memory, weights_identity
@@ -125,7 +135,17 @@ def _plan_one(model: str, resolved: ResolvedModel, load: LoadOptions):
     adapters: int = sum([inspect_lora(Path(adapter.path)).tensor_bytes for adapter in resolved.adapters], 0)
     projector = inspect_gguf(resolved.projector).tensor_bytes if resolved.projector is not None else 0
     mem = plan_memory(inspect_gguf(resolved.weights), effective_load(load), adapters=adapters, projector=projector)
-    return resolved.name, weights_identity(resolved.weights, effective_load(load)), mem, place(resolved, load)
+    identity = weights_identity(resolved.weights, effective_load(load))
+    return ModelPlan(resolved.name, identity, mem, _placement(resolved, load))
+
+
+def _placement(model: ResolvedModel, load: LoadOptions) -> Placement | None:
+    """What the loader would do now with these options: the backend's own function, the devices' free memory now."""
+    from ..backends import choose_backend, get_backend
+    from ..models.options import effective_load
+
+    load = effective_load(load)
+    return get_backend(choose_backend(load.backend, model.weights)).placement(model.weights, load)
 
 
 def _table(name: str, mem: MemoryPlan, *, shared: bool, cache_ram: int, cache_disk: int) -> Table:

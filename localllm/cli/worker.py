@@ -45,7 +45,7 @@ def worker(
 
     On the other machine: LOCALLLM_RPC=this-host:PORT."""
     from .. import config
-    from ..engine.scaleout import require_rpc, serve_worker
+    from ..backends import require_rpc, serve_rpc_worker
     from ..machine import physical_cores
 
     require_rpc()
@@ -63,7 +63,7 @@ def worker(
         f"localllm worker on {host}:{port} (Ctrl+C stops it); on the other machine: LOCALLLM_RPC={host}:{port}",
         highlight=False,
     )
-    serve_worker(
+    serve_rpc_worker(
         host,
         port,
         threads=threads or config.NUM_THREAD.get() or physical_cores(),
