@@ -26,7 +26,7 @@ def bench(
     from ..errors import InvalidInput
     from ..models.store import Store
 
-    resolved = Store().resolve(model)
+    resolved = Store().resolve(model)  # the weights file itself: the raw llama.cpp loop maps it too
     if resolved.format != "gguf":
         raise InvalidInput(f"{model} is an {resolved.format} model; the benchmark compares against llama.cpp (GGUF)")
 

@@ -1,5 +1,6 @@
-"""Model commands: pull, list, show, rm, cp, create, verify, prune. Each parses its arguments, calls the store / pull /
-create functions and renders the result; errors are raised as errors.* and mapped to exit codes in cli/app.py."""
+"""Model commands: pull, list, show, rm, cp, create, verify, prune. Each parses its arguments, asks the in-process
+Client (as `run` and the TUI do) or, where the command needs what only the store offers, the store, and renders the
+result; errors are raised as errors.* and mapped to exit codes in cli/app.py."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ def _store():
     return Store()
 
 
+def _client():
+    from .chat import open_client
+
+    return open_client(in_process=True)
+
+
 # ---------------------------------------------------------------------------------------------------------- pull
 
 
@@ -39,6 +46,7 @@ def pull(
     https://registry.ollama.ai; the namespace is library, the tag latest)."""
     from ..models.pull import pull_model
 
+    # The store's own pull: the Client's pull carries no --insecure (the server would not honour it).
     render_pull(pull_model(model, _store(), insecure=insecure))
 
 
@@ -63,7 +71,8 @@ def list_models(
 
         print_others(as_json)
         return
-    rows = _store().list()
+    with _client() as client:
+        rows = client.list_models().models
     if as_json:
         typer.echo(api.ListResponse(models=rows).model_dump_json(indent=2))
         return
@@ -85,7 +94,7 @@ def _list_catalog(as_json: bool) -> None:
 
     from ..models.catalog import CATALOG
 
-    store = _store()
+    store = _store()  # whether each catalog name is in the store: a lookup by name the Client has no call for
     rows = [
         {
             "name": entry.name,
@@ -127,9 +136,8 @@ def show(
     """Describe a model: facts, template, system, parameters.
 
     Architecture, size, quantization, context and format; --modelfile prints a Modelfile that `create -f` accepts."""
-    from ..models.info import show_model
-
-    info = show_model(_store(), model)
+    with _client() as client:
+        info = client.show(model)
     if as_json:
         typer.echo(info.model_dump_json(indent=2))
         return
@@ -154,7 +162,7 @@ def show(
 @app.command()
 def rm(models: list[str] = typer.Argument(..., help="stored model names")):
     """Remove models (blobs no other model uses are deleted)."""
-    store = _store()
+    store = _store()  # the store's delete removes even a broken manifest, which the Client's (resolving first) refuses
     for name in models:  # every name is checked before anything is removed
         _check_stored(store, name)
     for name in models:
@@ -174,7 +182,7 @@ def cp(source: str = typer.Argument(..., help="stored model"), destination: str 
     """Copy a model under a new name; no bytes are copied.
 
     A model already under that name is replaced, and what it held is freed when nothing else uses it."""
-    replaced = _store().copy(source, destination)
+    replaced = _store().copy(source, destination)  # the store says what the copy replaced; the Client's copy does not
     line = f"copied '{parse_ref(source).display}' to '{parse_ref(destination).display}'"
     if replaced is not None:
         line += f" (replaced the previous '{replaced.name}' {replaced.digest.removeprefix('sha256-')[:12]}"
@@ -231,6 +239,7 @@ def create(
         "imatrix": str(imatrix.resolve()) if imatrix else None,
     }
     request = request.model_copy(update={**update, **({"from_": from_} if from_ else {})})
+    # The store's own create: the Modelfile's relative paths resolve against its folder, which the Client cannot pass.
     render_pull(create_model(request, _store(), base_dir=base))
 
 
@@ -249,7 +258,7 @@ def verify(
     Each corrupt or missing blob is named; --repair downloads corrupt catalog and Hugging Face blobs again."""
     from ..models.repair import repair_blobs
 
-    store = _store()
+    store = _store()  # verify, repair and prune work on this store's blobs, not through a Client
     problems = store.verify(model)
     _print_lines(problems)
     if repair:

@@ -15,6 +15,7 @@ from .render import human_size, render_pull
 
 
 def _store():
+    """The store itself: importing writes references to other tools' files, which no Client call can carry."""
     from ..models.store import Store
 
     return Store()
