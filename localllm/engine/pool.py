@@ -147,9 +147,7 @@ class ModelPool:
         # The entry keeps the options asked for (a request that asks the same again reuses it); the context gets
         # the check's findings for what was left open.
         context_load = checked.applied_to(load)
-        loaded = backend.load(
-            model.weights, context_load, adapters=effective_adapters(model, load), projector=model.projector
-        )
+        loaded = backend.load(model.weights, context_load, adapters=adapters, projector=model.projector)
         seconds = time.perf_counter() - t0
         try:
             factory = self._speculation_factory
