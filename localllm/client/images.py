@@ -13,9 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .. import api
-from ..media import PromptImage, is_placeholder
 from ..errors import InvalidInput
-from ..media import ImagePixels, check_image_count, decode_base64_image
+from ..media import ImagePixels, PromptImage, check_image_count, decode_base64_image, is_placeholder
 
 Tokenize = Callable[[str, bool], list[int]]  # (text, first piece) -> tokens
 ImageTokens = Callable[[ImagePixels], list[int]]

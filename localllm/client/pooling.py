@@ -1,0 +1,111 @@
+"""Pooled outputs, not generations: embeddings (/api/embed, /v1/embeddings) and reranking (/rerank). Their inputs
+are checked and tokenized here, scored by the engine, and shaped into the api's responses."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from .. import api
+from ..engine.runner import ModelEngine
+from ..errors import ContextOverflow, InvalidInput
+from .prompts import checked_tokens
+
+
+def embed_vectors(
+    engine: ModelEngine, request: api.EmbedRequest, tokenize: Callable[[str], list[int]]
+) -> tuple[list[list[float]], list[list[int]]]:
+    """The request's vectors and the token lists they were pooled from."""
+    tokenized = _embed_inputs(engine, request, tokenize)
+    vectors = engine.embed(tokenized) if tokenized else []
+    if request.dimensions is not None:
+        vectors = [_shorten(vector, request.dimensions) for vector in vectors]
+    return vectors, tokenized
+
+
+def _embed_inputs(
+    engine: ModelEngine, request: api.EmbedRequest, tokenize: Callable[[str], list[int]]
+) -> list[list[int]]:
+    """The inputs as token lists. Ollama: "" or [] embeds nothing (the model is loaded: clients preload so)."""
+    if request.input_tokens is not None:
+        return [
+            _fit_embed(engine, checked_tokens(tokens, engine.meta.n_vocab, f"input {i}"), request.truncate)
+            for i, tokens in enumerate(request.input_tokens)
+        ]
+    texts = [request.input] if isinstance(request.input, str) else list(request.input)
+    if texts == [""]:
+        return []
+    for i, text in enumerate(texts):
+        if not text:
+            raise InvalidInput(f"input {i} is an empty string", hint="embed non-empty texts")
+    return [_fit_embed(engine, tokenize(text), request.truncate) for text in texts]
+
+
+def _fit_embed(engine: ModelEngine, tokens: list[int], truncate: bool) -> list[int]:
+    if not tokens:
+        raise InvalidInput("an input is empty", hint="embed at least one token")
+    limit = engine.n_ctx
+    if len(tokens) > limit:
+        if not truncate:
+            raise ContextOverflow(prompt_tokens=len(tokens), num_ctx=limit)
+        tokens = tokens[:limit]
+    return tokens
+
+
+def _shorten(vector: list[float], dimensions: int) -> list[float]:
+    """The first `dimensions` values, scaled back to unit length (Ollama's and OpenAI's `dimensions`)."""
+    if dimensions > len(vector):
+        raise InvalidInput(
+            f"dimensions {dimensions} is more than the model's {len(vector)}", hint=f"ask for at most {len(vector)}"
+        )
+    head = vector[:dimensions]
+    norm = math.sqrt(sum(v * v for v in head))
+    return [v / norm for v in head] if norm > 0 else head
+
+
+def check_rerank_texts(request: api.RerankRequest) -> None:
+    """Refuse what llama.cpp would score as nothing: an empty query, no documents, an empty document."""
+    if not request.query:
+        raise InvalidInput("query is empty", hint="send the text the documents are ranked against")
+    if not request.documents:
+        raise InvalidInput("documents is empty", hint="send at least one document to rank")
+    for i, document in enumerate(request.documents):
+        if not document:
+            raise InvalidInput(f"document {i} is an empty string", hint="rank non-empty texts")
+
+
+def rerank_pairs(engine: ModelEngine, request: api.RerankRequest) -> list[list[int]]:
+    """Each document's pair with the query as the reranker reads it, each within the context (as llama-server
+    refuses a longer pair rather than cut it)."""
+    if not engine.meta.reranker:
+        raise InvalidInput(
+            f"model {request.model!r} does not rerank: it has no classifier head (rank pooling)",
+            hint="rerank with a cross-encoder GGUF (e.g. bge-reranker-v2-m3); /v1/embeddings embeds texts",
+        )
+    limit = engine.n_ctx
+    pairs = []
+    for i, document in enumerate(request.documents):
+        tokens = engine.pair_tokens(request.query, document)
+        if len(tokens) > limit:
+            raise InvalidInput(
+                f"document {i} with the query is {len(tokens)} tokens but the context holds {limit}",
+                hint="shorten the document or the query, or raise num_ctx up to the model's trained context",
+            )
+        pairs.append(tokens)
+    return pairs
+
+
+def rerank_response(request: api.RerankRequest, pairs: list[list[int]], scores: list[float]) -> api.RerankResponse:
+    """The documents best first (top_n of them), and the tokens the pairs took."""
+    ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: request.top_n]
+    used = sum(map(len, pairs))
+    return api.RerankResponse(
+        model=request.model,
+        usage=api.RerankUsage(prompt_tokens=used, total_tokens=used),
+        results=[_rerank_result(request, i, scores[i]) for i in ranked],
+    )
+
+
+def _rerank_result(request: api.RerankRequest, index: int, score: float) -> api.RerankResult:
+    document = api.RerankDocument(text=request.documents[index]) if request.return_documents else None
+    return api.RerankResult(index=index, relevance_score=score, document=document)

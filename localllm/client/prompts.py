@@ -1,0 +1,168 @@
+"""Prompt assembly: a request becomes the text the model's chat template renders, then its tokens. Plain functions
+over the model's facts and its tokenizer (PromptModel), as Ollama's server/prompt.go builds `chatPrompt` over a
+tokenize callable: nothing here loads, queues or decodes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .. import api
+from ..chat.fim import FimInput, FimTokens, fim_prompt
+from ..chat.templates import render_chat
+from ..chat.thinking import Think
+from ..errors import InvalidInput
+from ..media import PromptImage
+from ..models.store import ResolvedModel
+from .images import ImageTokens, MarkedImages, mark_messages, tokenize_marked
+
+
+class Tokenize(Protocol):
+    def __call__(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class PromptModel:
+    """What prompt assembly reads of a loaded model."""
+
+    template: str | None  # the chat template; None: the plain transcript (a base model)
+    bos: str  # the BOS token's text, "" when the model has none
+    eos: str
+    tokenize: Tokenize
+    image_tokens: ImageTokens
+
+
+def chat_template(model: ResolvedModel, loaded_template: str | None, override: str | None = None) -> str | None:
+    """The chat template a prompt is rendered with (the request's, the Modelfile's, the weights'); None means the
+    plain transcript (a base model)."""
+    return override or model.template or loaded_template
+
+
+def messages_with_system(model: ResolvedModel, system: str | None, messages: list[api.Message]) -> list[api.Message]:
+    """Modelfile MESSAGEs first, then the system prompt (the request's, else the Modelfile's) unless the conversation
+    brings its own."""
+    out = list(model.messages) + list(messages)
+    system_text = system if system is not None else model.system
+    if system_text and not any(m.role == "system" for m in out):
+        out.insert(0, api.Message(role="system", content=system_text))
+    return out
+
+
+def render(
+    prompt: PromptModel,
+    messages: list[api.Message],
+    *,
+    tools: list | None = None,
+    extra: dict[str, Any] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+) -> str:
+    return render_chat(
+        prompt.template,
+        [m.model_dump(exclude_none=True) for m in messages],
+        tools=tools,
+        bos_token=prompt.bos,
+        eos_token=prompt.eos,
+        extra=extra,
+        cancelled=cancelled,
+    )
+
+
+def tokenize_prompt(prompt: PromptModel, text: str) -> list[int]:
+    # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
+    add_special = not (prompt.bos and text.startswith(prompt.bos))
+    return prompt.tokenize(text, add_special=add_special, parse_special=True)
+
+
+def tokenize_with_images(
+    prompt: PromptModel, text: str, marks: MarkedImages | None
+) -> tuple[list[int], tuple[PromptImage, ...]]:
+    """The prompt's tokens and its images (their marks replaced by each image's piece)."""
+    if marks is None:
+        return tokenize_prompt(prompt, text), ()
+
+    def tokenize(piece: str, first: bool) -> list[int]:
+        return tokenize_prompt(prompt, piece) if first else prompt.tokenize(piece, add_special=False)
+
+    return tokenize_marked(text, marks, tokenize, prompt.image_tokens)
+
+
+def chat_text(
+    prompt: PromptModel,
+    model: ResolvedModel,
+    messages: list[api.Message],
+    tools: list[api.Tool] | None,
+    think: Think,
+    cancelled: Callable[[], bool] | None = None,
+) -> tuple[str, MarkedImages | None]:
+    """A chat's prompt text (the Modelfile's messages and system first) with its images' marks."""
+    with_system = messages_with_system(model, None, messages)
+    marked, marks = mark_messages(with_system, added=len(with_system) - len(messages))
+    text = render(
+        prompt,
+        marked,
+        tools=[t.model_dump() for t in tools] if tools else None,
+        extra=think.template_variables(),
+        cancelled=cancelled,
+    )
+    return text, marks
+
+
+def generate_text(
+    prompt: PromptModel,
+    model: ResolvedModel,
+    request: api.GenerateRequest,
+    think: Think,
+    cancelled: Callable[[], bool] | None = None,
+) -> str:
+    """A generate request's text: its prompt as one user turn in the template, or as it is when raw."""
+    if request.raw:
+        return request.prompt
+    messages = messages_with_system(model, request.system, [api.Message(role="user", content=request.prompt)])
+    return render(prompt, messages, extra=think.template_variables(), cancelled=cancelled)
+
+
+def wants_fim(request: api.GenerateRequest, model_fills: bool) -> bool:
+    """A suffix (or /infill's other fields) asks for fill in the middle; an empty suffix only of a model that can,
+    as Ollama then answers the plain prompt."""
+    if request.suffix or request.input_extra or request.middle:
+        return True
+    return request.suffix is not None and model_fills
+
+
+def infill_tokens(
+    fim: FimTokens, request: api.GenerateRequest, tokenize: Tokenize, *, n_ctx: int, num_predict: int, bos: int | None
+) -> list[int]:
+    """Fill in the middle (chat/fim.py): the prompt is the code around the cursor between the model's FIM tokens,
+    not a chat turn; the room left for the answer is kept free of it."""
+    text = FimInput(
+        prefix=request.prompt,
+        suffix=request.suffix or "",
+        middle=request.middle or "",
+        extra=[(f.filename, f.text) for f in request.input_extra or []],
+    )
+    reserve = num_predict if 0 < num_predict < n_ctx // 2 else n_ctx // 4
+    return fim_prompt(
+        fim,
+        text,
+        lambda piece: tokenize(piece, add_special=False, parse_special=False),
+        budget=n_ctx - reserve,
+        bos=bos,
+    )
+
+
+def checked_tokens(tokens: list[int], n_vocab: int, what: str) -> list[int]:
+    """Token ids from the client, checked against the vocabulary before they reach native code."""
+    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise InvalidInput(f"{what} holds token id {bad}, outside the model's vocabulary of {n_vocab}")
+    return list(tokens)
+
+
+def require_vision(vision: bool, name: str, n_images: int) -> None:
+    """Refuse images for a model without a vision projector, before decoding any (Ollama's wording)."""
+    if n_images and not vision:
+        raise InvalidInput(
+            "this model is missing data required for image input",
+            hint=f"{name} has no vision projector; use a model whose `localllm show` lists vision",
+        )
