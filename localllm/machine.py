@@ -55,13 +55,12 @@ def _sysctl_int(name: str) -> int:
 def keep_openmp_barriers_spinning() -> None:
     """Set GNU OpenMP's waits before llama.cpp loads it (it reads them once), unless the user set them.
 
-    llama.cpp's CPU threads meet at an OpenMP barrier after every operation of a step. libgomp spins there for about
-    3 ms before sleeping, but only while it manages no more threads than the machine has CPUs; past that (a second
-    thread that ever ran llama.cpp: another loaded model, a benchmark's raw loop) it spins 100 times and then sleeps in
-    the kernel at every barrier, and two threads decode slower than one (docs/benchmark-notes.md has the figures).
-    `active` raises that throttled spin to 1000, enough to cross a barrier awake; GOMP_SPINCOUNT keeps the 3 ms an
-    idle thread spins before it sleeps, as without the policy. LLVM's OpenMP reads the policy differently (its threads
-    would spin forever), so only a llama.cpp linked to libgomp gets it."""
+    llama.cpp's CPU threads meet at an OpenMP barrier after every operation of a step. libgomp spins there a while
+    before sleeping, but only while it manages no more threads than the machine has CPUs; past that (another loaded
+    model, a benchmark's raw loop) it spins 100 times and then sleeps at every barrier, and two threads decode slower
+    than one (docs/benchmark-notes.md, "OpenMP barriers"). `active` raises that spin to 1000, enough to cross a
+    barrier awake; GOMP_SPINCOUNT keeps an idle thread's spin as long as without the policy. LLVM's OpenMP reads the
+    policy differently (its threads would spin forever), so only a llama.cpp linked to libgomp gets it."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ or not _llama_cpp_uses_libgomp():
         return
     os.environ["OMP_WAIT_POLICY"] = "active"

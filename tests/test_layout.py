@@ -5,6 +5,10 @@ is also run on a planted violation, to show it can fail."""
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -297,3 +301,64 @@ def test_the_surfaces_ask_the_engine_not_its_model():
 def test_the_engine_reach_check_can_fail():
     assert _reaches_into_the_engine("meta = loaded.engine.model.meta\n")
     assert not _reaches_into_the_engine("meta = loaded.engine.meta\n")
+
+
+# ---------------------------------------------------------------------------------------------------------- figures
+
+# A measurement in a docstring or comment: milliseconds, ratios, decimal seconds, rates, a slowdown in percent, a
+# date, a CPU's name. Quoted text is left out: "500ms" there is the syntax a function reads, not a figure.
+FIGURE = re.compile(
+    r"\d+(\.\d+)?\s?(ms|µs|us)\b|\d+(\.\d+)?x\b|×|\d+\.\d+\s?s\b|\d+\s?(tok|tokens)/s\b|\d+%\s(slower|faster)\b"
+    r"|\b20\d\d-\d\d-\d\d\b|\b(EPYC|Xeon|Ryzen|Threadripper|Graviton|Neoverse)\b"
+)
+QUOTED = re.compile(r"\"[^\"\n]*\"|`[^`\n]*`")
+
+
+def _prose(source: str) -> Iterator[tuple[int, str]]:
+    """(line, text) of every docstring and comment in `source`."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc is not None:
+                yield node.body[0].lineno, doc
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+
+
+def _figures(sources: dict[str, str]) -> list[str]:
+    """`module:line: figure` for each measurement in a docstring or comment (the story is docs/benchmark-notes.md's)."""
+    return [
+        f"{name}:{line}: {match.group(0)}"
+        for name, source in sources.items()
+        for line, text in _prose(source)
+        for match in FIGURE.finditer(QUOTED.sub("", text))
+    ]
+
+
+def test_no_figures_in_docstrings_or_comments():
+    assert _figures({name: path.read_text() for name, path in _modules().items()}) == []
+
+
+def test_the_figure_check_can_fail():
+    planted = '''"""Steps took 11 ms (2026-12-04)."""
+
+def f():
+    """1.20x as long as alone, on the EPYC; a decode step 0.05 s."""
+    return "500ms"  # 30 ms beside 10 ms ones, 19% slower, 40 tok/s
+
+
+def g(keep_alive="5m"):
+    """A Go duration such as "300ms"; `1.5x` is quoted, as is "300 ms"; 4 x n_embd flops; 5% of the memory."""
+'''
+    assert _figures({"localllm.planted": planted}) == [
+        "localllm.planted:1: 11 ms",
+        "localllm.planted:1: 2026-12-04",
+        "localllm.planted:4: 1.20x",
+        "localllm.planted:4: EPYC",
+        "localllm.planted:4: 0.05 s",
+        "localllm.planted:5: 30 ms",
+        "localllm.planted:5: 10 ms",
+        "localllm.planted:5: 19% slower",
+        "localllm.planted:5: 40 tok/s",
+    ]

@@ -107,7 +107,7 @@ def _check_folder(path: Path) -> None:
 
 
 def _prefer_float32_on_cpu(model) -> None:
-    # MLX's CPU kernels are 5-25x slower with fp16/bf16 (including quantization scales) than with f32; on Apple
+    # MLX's CPU kernels are several times slower with fp16/bf16 (quantization scales too) than with f32; on Apple
     # GPUs half precision is the fast path, so only the CPU build is changed.
     if mx.default_device().type == mx.cpu:
         model.set_dtype(mx.float32)

@@ -202,8 +202,8 @@ def raw_process() -> Iterator[Executor]:
     """A process of its own for raw loops that are compared with an engine in this one. GNU OpenMP gives every
     thread that runs llama.cpp a team of its own, and once a process's teams hold more threads than it has CPUs, it
     cuts the spin at every barrier to a thousand turns for good: a raw loop run here would leave our engine's
-    two-thread steps sleeping at barriers (on a 2-core EPYC: 60-80 ms steps among 10 ms ones, 0.4-0.8x the rate it
-    has alone). The server's process runs one team per loaded model, as this child does."""
+    two-thread steps sleeping at barriers (docs/benchmark-notes.md, "Raw loops in a process of their own"). The
+    server's process runs one team per loaded model, as this child does."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 

@@ -126,9 +126,8 @@ def create_bench_model(
     """Store `path` in `home` as model `name` (with `projector`, and Modelfile `parameters`), as a pull leaves it.
 
     The weights' blob is a hard link to `path` where the file system allows, named to create_model by digest (no
-    copy is written): the server maps the very file llama-server maps. A fresh copy's pages in the page cache made
-    each request's first decode 1-3 ms slower than a steady one, where the original's cost 0.3-0.7 ms more
-    (docs/benchmark-notes.md, 2026-12-04, fourth session)."""
+    copy is written): the server maps the very file llama-server maps, not a fresh copy whose pages slow each
+    request's first decode (docs/benchmark-notes.md, "The served model's weights")."""
     from ..api import CreateRequest
     from ..models.create import create_model
     from ..models.store import Store

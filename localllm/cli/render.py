@@ -103,7 +103,7 @@ def human_until(moment: datetime | None, *, busy: bool) -> str:
 
 
 def human_duration(nanoseconds: int) -> str:
-    """Go's time.Duration style, as Ollama's --verbose prints it: 1.169s, 266.036ms, 950µs."""
+    """Go's time.Duration style, as Ollama's --verbose prints it: "1.169s", "266.036ms", "950µs"."""
     seconds = nanoseconds / 1e9
     if seconds >= 1:
         return f"{seconds:.3f}s"

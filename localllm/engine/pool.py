@@ -32,7 +32,7 @@ from .threads import ThreadTuner
 SpeculationFactory = Callable[[ResolvedModel, api.LoadOptions, LoadedModel], Speculation]
 
 log = logging.getLogger(__name__)
-WORKER_CHECK_BEATS = 10  # reaper beats (0.5 s) between checks for RPC workers that are back
+WORKER_CHECK_BEATS = 10  # reaper beats (half a second each) between checks for RPC workers that are back
 
 
 @dataclass(eq=False)

@@ -239,11 +239,9 @@ class Scheduler:
 
     def _save_ahead(self, step: Step) -> None:
         """Once nothing runs, save one idle cache of a shared pool that the next request to start would give up
-        (_assign_waiting): it stays in its slot, and that request's step trims it with no copy to wait for. After
-        sixteen clients, the three or four saves took 4-8 ms of the next request's first token
-        (docs/benchmark-notes.md, 2026-12-04, fourth session). The most recently used cache is left alone: it is
-        the likeliest to be continued in place, where a save would copy a long conversation for nothing. One a
-        step, so that a request arriving meanwhile waits for one copy at most."""
+        (_assign_waiting): it stays in its slot, and that request's step trims it with no copy to wait for
+        (docs/benchmark-notes.md, "Saves ahead"). The most recently used cache is left alone: it is the likeliest
+        to be continued in place. One a step, so that a request arriving meanwhile waits for one copy at most."""
         slot = self._next_to_save_ahead()
         if slot is not None:
             self._save_before_loss(step, slot, keeps=0)

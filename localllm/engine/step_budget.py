@@ -1,17 +1,11 @@
 """The step budget: how many prefill tokens a step may carry beside its decode rows, sized by time, not tokens.
 
 A prefill chunk sized in tokens (num_batch) takes seconds on a slow CPU, and every decoding stream waits for it. As
-stall-free schedulers do (Sarathi-Serve, vLLM's chunked prefill), a step that has decode rows gets them all first,
-then as many prefill tokens as fit a time budget; a step with no decode rows (a lone prefill) takes the whole
-num_batch, so its prompt is read as fast as before.
-
-The budget comes from the engine's own step timings: StepCosts fits seconds = base + per_token x tokens to the latest
-steps of each size (plain data; the engine thread feeds it). A mixed step carries the fewest prefill tokens at which,
-by that line, the prompt's tokens cost at most PREFILL_SLOWDOWN more each than in a lone prefill's full chunks (the
-whole step, decode rows included, charged to the prompt): the long prompt's first token comes nearly as soon as
-alone, and a decoder waits one such step, a fraction of the prompt, however long the prompt is. The bound is tight
-(2%) because what the line leaves out (the engine's own work between steps, depth) costs the prompt more: at 5%
-by the line, smollm2's prompt beside decoders took 1.20x as long as alone (docs/benchmark-notes.md, 2026-12-04)."""
+stall-free schedulers do (Sarathi-Serve, vLLM's chunked prefill), a step with decode rows gets them all first, then as
+many prefill tokens as fit a time budget; a lone prefill takes the whole num_batch. StepCosts fits seconds = base +
+per_token x tokens to the engine's latest steps; a mixed step carries the fewest prefill tokens at which, by that line,
+the prompt's tokens cost at most PREFILL_SLOWDOWN more each than alone (the whole step charged to the prompt). The
+bound is tight because what the line leaves out costs the prompt more (docs/benchmark-notes.md, "The step budget")."""
 
 from __future__ import annotations
 
@@ -80,12 +74,10 @@ class StepCosts:
     each); None until they span sizes SPREAD apart. By size, so that the few long steps a prompt brings are still
     known after hundreds of decode-only steps, and each size follows the machine's latest speed.
 
-    Steps that carry a prefill chunk have a line of their own once they span sizes, and the fit is whichever of the
-    two lines has the larger base: each reads too small a base in one regime, and too small a base sizes chunks that
-    each pay the step's fixed cost again. Decode-only steps run llama.cpp's matrix-vector path and lie well under the
-    chunks' line (qwen2.5-coder:1.5b on 2 cores: three decode rows 0.05 s, where chunks cost 0.14 s + 11 ms a token;
-    60-token chunks made the prompt 19% slower). Where attention dominates (smollm2, flash attention off) later
-    chunks cost more a token with depth, and the chunks' own line reads no base at all (40% slower)."""
+    Steps that carry a prefill chunk have a line of their own, and the fit is whichever line has the larger base:
+    decode-only steps (llama.cpp's matrix-vector path) lie well under the chunks' line, and where attention dominates
+    the chunks' own line reads no base at all; too small a base sizes chunks that each pay the step's fixed cost
+    again (docs/benchmark-notes.md, "The step budget")."""
 
     def __init__(self, per_size: int = PER_SIZE):
         self._all = _Window(per_size)

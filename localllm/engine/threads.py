@@ -1,12 +1,11 @@
 """How many CPU threads each decode uses, chosen while the model runs instead of fixed at load.
 
-llama.cpp's speed against its thread count depends on the machine and on what else runs there: on an idle machine
-every physical core helps, but once another process takes a core, threads that wait for it stall every step, and
-fewer threads run faster (docs/benchmark-notes.md, "figures kept out of the code"). So the engine measures: per kind of
-step (decode-only, or carrying a prefill chunk), it tries each count from 1 to the physical cores in turn (the one in
-use first), keeps the fastest, tries them again now and then, and at once when decode steps slow down (prefill steps
-follow the decode steps' verdict: their cost depends on the prompt's depth more than on the machine). Pure bookkeeping
-on (threads, rows, seconds): the engine thread times each decode and sets the count (backends' `set_threads`)."""
+llama.cpp's speed against its thread count depends on the machine and on what else runs there: once another process
+takes a core, threads that wait for it stall every step, and fewer threads run faster (docs/benchmark-notes.md). So
+the engine measures: per kind of step (decode-only, or carrying a prefill chunk), it tries each count from 1 to the
+physical cores in turn (the one in use first), keeps the fastest, and tries them again now and then, and at once when
+decode steps slow down (prefill follows their verdict: its cost depends on the prompt's depth more than on the
+machine). Pure bookkeeping on (threads, rows, seconds): the engine thread times each decode and sets the count."""
 
 from __future__ import annotations
 
@@ -160,8 +159,7 @@ class ThreadTuner:
             tuning.baselines, tuning.recent, tuning.recent_steps = {}, deque(), deque()
             return
         # After a slowdown the settled count's latest steps are its samples, and only the other counts run: a step
-        # more at the slowed count is what a user waits for (a two-thread step stalled 280 ms beside 15 ms ones on
-        # the EPYC once a core was taken).
+        # more at the slowed count is what a user waits for.
         # The count in use runs first: a trial that finds it again switches nothing, and a first trial may end after
         # its first round (_clear_early) with the default never having left it.
         ordered = sorted(tuning.candidates, key=lambda t: t != tuning.best)
@@ -178,8 +176,7 @@ class ThreadTuner:
         settled count's slowdown began it, or when a first trial finds the default (every core) ahead by FAR (a first
         trial's two rounds guard against a passing load making fewer threads look faster; ending early on the default
         keeps what the engine would run untuned, and after a slowdown the load has changed). A prefill chunk at a count
-        that loses by that much costs seconds: on the EPYC, qwen2.5-coder:1.5b's first 1,400-token prompt ran two of its
-        three chunks at one thread."""
+        that loses by that much costs seconds."""
         winner = _standing_apart(tuning.samples)
         if winner is None:
             return False
@@ -225,33 +222,30 @@ TRIAL_SHAPES: dict[str, TrialShape] = {
     # count against more threads; a decode is short, so that start is a large share of it.
     "decode": TrialShape(warm_up=1, measured=2, watched=True),
     # A prefill chunk is long beside that start, and rare (one per turn of a chat): every one of them counts. Its
-    # steps are not watched: a chunk deeper in a prompt costs more a row (qwen2.5-coder:1.5b's chunks beside
-    # decoders slowed 1.4x over one prompt), so they would start trials that each run seconds of prefill at the
-    # wrong count. A slowdown seen in decode steps, which follow the machine alone, starts theirs.
+    # steps are not watched: a chunk deeper in a prompt costs more a row, so they would start trials that each run
+    # seconds of prefill at the wrong count. A slowdown seen in decode steps, which follow the machine alone, starts
+    # theirs.
     "batch": TrialShape(warm_up=0, measured=1, watched=False),
 }
-# How far ahead the default must stand to end a first trial after one round: one thread of two ran prefill chunks
-# 1.8-1.9x slower on the idle EPYC, and 1.42x in a server whose first chunk met a slow moment; decode steps at one
-# thread ran at most 1.2x slower, so their first trials keep two rounds (docs/benchmark-notes.md).
+# How far ahead the default must stand to end a first trial after one round: between what one thread of two loses
+# on prefill chunks and on decode steps, so decode trials keep two rounds (docs/benchmark-notes.md, "FAR").
 FAR = 1.3
 BASELINE_STEPS = 3  # steps of a batch shape that set the settled count's baseline for it
 
 
 def _typical(values: Iterable[float]) -> float:
     """The mean of `values` less the single slowest one (of three or more). A lone step that met a passing hiccup (a
-    garbage collection of the process, 30 ms beside 10 ms steps on the EPYC; a page fault; a virtual machine's host)
-    must not start a trial, while a load that slows a share of the steps still weighs in full. A trial's means keep
-    every step: a hiccup there costs one re-check, and a trimmed mean would favour more threads under a load that
-    slices them."""
+    garbage collection of the process, a page fault, a virtual machine's host) must not start a trial, while a load
+    that slows a share of the steps still weighs in full. A trial's means keep every step: a hiccup there costs one
+    re-check, and a trimmed mean would favour more threads under a load that slices them."""
     ordered = sorted(values)
     return statistics.fmean(ordered[:-1] if len(ordered) >= 3 else ordered)
 
 
 def _confirmed(tuning: _Tuning) -> bool:
     """A re-check may end at any measured step once every count has run and the settled count stands apart: each
-    further step at a losing count is what the re-check costs, and under load one costs many (a two-thread step
-    beside a busy core stalled 126 ms among 11 ms one-thread steps on the EPYC). Leaving the settled count still
-    waits for whole rounds."""
+    further step at a losing count is what the re-check costs, and under load one costs many. Leaving the settled
+    count still waits for whole rounds."""
     tried = all(tuning.samples.get(t) for t in tuning.trying)
     return tuning.settles > 0 and tried and _standing_apart(tuning.samples) == tuning.best
 

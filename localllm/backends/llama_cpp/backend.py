@@ -575,7 +575,7 @@ class LlamaCppModel:
         ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
         if not ptr:
             raise LocalLLMError(f"no logits for batch row {row}")
-        # A cached array type over the address: numpy's as_array builds a new ctypes type each call (5x slower).
+        # A cached array type over the address: numpy's as_array builds a new ctypes type each call.
         values = cast(Any, self._logits_row.from_address(ctypes.addressof(ptr.contents)))  # a ctypes array: a buffer
         return np.frombuffer(values, dtype=np.float32)
 

@@ -67,9 +67,8 @@ class StepCost:
 
     def baseline(self, rows: int) -> float:
         """Seconds of a step of exactly `rows` rows: their own mean once enough such steps ran, else the fit. The
-        fit is weighted to be right where drafts take a step (wide batches), and a step's cost bends below that: on a
-        CPU a 1.5B model's one-row step ran 34 ms where the fit said 44, and drafts that lost 28% looked like gains
-        (docs/benchmark-notes.md, "a real draft pair on a CPU")."""
+        fit is weighted to be right where drafts take a step (wide batches), and a step's cost bends below that, where
+        a fit read too high makes losing drafts look like gains (docs/benchmark-notes.md, "a real draft pair")."""
         steps, total = self._baseline.get(rows, (0.0, 0.0))
         if steps >= self.BASELINE_STEPS:
             return total / steps
