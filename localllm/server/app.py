@@ -1,8 +1,8 @@
 """The REST server: `create_app(client)` builds the FastAPI app that serves Ollama's API and OpenAI's on one port.
 
-Handlers only go through the Client interface (client.py); nothing here imports an engine or a backend. Middleware,
-outermost first: the access log and request metrics, CORS for configured origins only, the guard (Host, key, body
-size)."""
+Handlers only go through the Client interface (client/protocol.py); nothing here imports an engine or a backend.
+Middleware, outermost first: the access log and request metrics, CORS for configured origins only, the guard (Host,
+key, body size)."""
 
 from __future__ import annotations
 
