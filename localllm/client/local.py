@@ -122,14 +122,22 @@ class LocalClient:
                     )
                     yield index, generate_chunk(request.model, chunk, answer, waited, context)
 
+    @staticmethod
     def _prepare_generate(
-        self, loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest, ready: float, token: CancelToken
+        loaded: Loaded,
+        model: ResolvedModel,
+        request: api.GenerateRequest,
+        sampling: api.SamplingOptions,
+        ready: float,
+        token: CancelToken,
     ) -> tuple[GenerationParams, Answer]:
         if prompts.wants_fim(request, loaded.engine.meta.fim is not None):
-            return self._prepare_infill(loaded, model, request, ready)
-        sampling = _bound_sampling(loaded, _generate_sampling(loaded, model, request))
-        think = parse_think(request.think)
+            return _prepare_infill(loaded, request, _bound_sampling(loaded, sampling), ready)
         prompt = _prompt_model(loaded, model, request.template)
+        if not request.raw and prompt.template is None:
+            sampling = transcript_sampling(sampling)  # a base model's transcript: its turn stops and a cap
+        sampling = _bound_sampling(loaded, sampling)
+        think = parse_think(request.think)
         check_thinking(request.model, prompt.template, think)
         prompts.require_vision(loaded.engine.meta.vision, loaded.model.name, len(request.images or []))
         text, marks = mark_prompt(request.prompt, request.images)
@@ -147,33 +155,6 @@ class LocalClient:
             started=ready,
             keep_prefix=sampling.keep_prefix,
             images=images,
-        )
-        return params, answer
-
-    @staticmethod
-    def _prepare_infill(
-        loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest, ready: float
-    ) -> tuple[GenerationParams, Answer]:
-        meta = loaded.engine.meta
-        fim = require_fim(request.model, meta.fim)
-        sampling = _bound_sampling(loaded, resolve_options(model, request.options)[1])
-        tokens = prompts.infill_tokens(
-            fim,
-            request,
-            loaded.engine.tokenize,
-            n_ctx=loaded.engine.n_ctx,
-            num_predict=sampling.num_predict,
-            bos=meta.bos_token if meta.add_bos else None,
-        )
-        answer = Answer.start(loaded.engine.token_bytes, None, "", Think(), sampling.stop)
-        params = GenerationParams(
-            tokens,
-            sampling,
-            grammar_for_format(request.format),
-            request.truncate,
-            _logprobs_wanted(request),
-            started=ready,
-            keep_prefix=sampling.keep_prefix,
         )
         return params, answer
 
@@ -210,10 +191,15 @@ class LocalClient:
                 for chunk in chunks:
                     yield index, chunk
 
+    @staticmethod
     def _prepare_chat(
-        self, loaded: Loaded, model: ResolvedModel, request: api.ChatRequest, ready: float, token: CancelToken
+        loaded: Loaded,
+        model: ResolvedModel,
+        request: api.ChatRequest,
+        sampling: api.SamplingOptions,
+        ready: float,
+        token: CancelToken,
     ) -> tuple[GenerationParams, list[api.Tool] | None, Answer]:
-        _, sampling = resolve_options(model, request.options)
         grammar = grammar_for_format(request.format) or tool_choice_grammar(request.tools, request.tool_choice)
         tools = request.tools if request.tool_choice != "none" else None
         if _prompt_model(loaded, model).template is None:
@@ -248,15 +234,15 @@ class LocalClient:
     def _admitted(
         self, requests: list[Any], token: CancelToken, prepare: Callable[..., tuple[Any, ...]]
     ) -> Iterator[tuple[list[Any], list[Stream], float]]:
-        """Load the requests' one model, prepare each (`prepare(loaded, model, request, ready, token)` returns its
-        GenerationParams first) and submit them all in one step; yields (prepared, streams, seconds waited for the
-        model). A client that leaves while its requests wait in the queue frees their places (the token), and one
-        that leaves early cancels every answer still running."""
+        """Load the requests' one model, prepare each (`prepare(loaded, model, request, sampling, ready, token)`
+        returns its GenerationParams first) and submit them all in one step; yields (prepared, streams, seconds
+        waited for the model). A client that leaves while its requests wait in the queue frees their places (the
+        token), and one that leaves early cancels every answer still running."""
         started = time.perf_counter()
-        model, load, keep_alive = self._batch_model(requests)
-        with self.pool.acquire(model, load, keep_alive=keep_alive) as loaded:
+        model, load, samplings = self._batch_options(requests)
+        with self.pool.acquire(model, load, keep_alive=requests[0].keep_alive) as loaded:
             ready = time.perf_counter()
-            prepared = [prepare(loaded, model, request, ready, token) for request in requests]
+            prepared = [prepare(loaded, model, r, s, ready, token) for r, s in zip(requests, samplings)]
             streams = loaded.engine.submit_all([params for params, *_ in prepared])
             for stream in streams:
                 token.on_cancel(stream.cancel)
@@ -266,13 +252,17 @@ class LocalClient:
                 for stream in streams:
                     stream.cancel()
 
-    def _batch_model(self, requests: list[Any]) -> tuple[ResolvedModel, api.LoadOptions, float | None]:
+    def _batch_options(self, requests: list[Any]) -> tuple[ResolvedModel, api.LoadOptions, list[api.SamplingOptions]]:
+        """The batch's one model and the options it loads with, and each request's sampling: every request's
+        options resolved once, here, the sampling half handed on to its prepare step."""
         names = {request.model for request in requests}
         if len(names) != 1:
             raise InvalidInput(f"a batch of requests must name one model, not {sorted(names)}")
         model = self.store.resolve(requests[0].model)
-        load, _ = resolve_options(model, requests[0].options)
-        return model, load, requests[0].keep_alive
+        resolved = [resolve_options(model, request.options) for request in requests]
+        loads = [load for load, _ in resolved]
+        _check_one_load(loads)
+        return model, loads[0], [sampling for _, sampling in resolved]
 
     def _load_only(
         self, model: ResolvedModel, load: api.LoadOptions, keep_alive: float | None, name: str
@@ -361,12 +351,41 @@ def _chat_prompt(
     return tokens, answer, images
 
 
-def _generate_sampling(loaded: Loaded, model: ResolvedModel, request: api.GenerateRequest) -> api.SamplingOptions:
-    """A generate request's sampling: a base model's transcript gets its turn stops and a cap (transcript_sampling)."""
-    sampling = resolve_options(model, request.options)[1]
-    if not request.raw and prompts.chat_template(model, loaded.engine.meta.chat_template, request.template) is None:
-        sampling = transcript_sampling(sampling)
-    return sampling
+def _prepare_infill(
+    loaded: Loaded, request: api.GenerateRequest, sampling: api.SamplingOptions, ready: float
+) -> tuple[GenerationParams, Answer]:
+    meta = loaded.engine.meta
+    fim = require_fim(request.model, meta.fim)
+    tokens = prompts.infill_tokens(
+        fim,
+        request,
+        loaded.engine.tokenize,
+        n_ctx=loaded.engine.n_ctx,
+        num_predict=sampling.num_predict,
+        bos=meta.bos_token if meta.add_bos else None,
+    )
+    answer = Answer.start(loaded.engine.token_bytes, None, "", Think(), sampling.stop)
+    params = GenerationParams(
+        tokens,
+        sampling,
+        grammar_for_format(request.format),
+        request.truncate,
+        _logprobs_wanted(request),
+        started=ready,
+        keep_prefix=sampling.keep_prefix,
+    )
+    return params, answer
+
+
+def _check_one_load(loads: list[api.LoadOptions]) -> None:
+    """A batch is admitted on one load of its model: requests that would load it differently cannot share it."""
+    first = loads[0].model_dump()
+    differ = sorted({name for load in loads[1:] for name, value in load.model_dump().items() if value != first[name]})
+    if differ:
+        raise InvalidInput(
+            f"a batch of requests must load its model one way, but its requests differ in {', '.join(differ)}",
+            hint="give every request of the batch the same load options (num_ctx, num_gpu, ...)",
+        )
 
 
 def _bound_sampling(loaded: Loaded, sampling: api.SamplingOptions) -> api.SamplingOptions:
