@@ -578,10 +578,9 @@ def test_image_embeddings_equal_mtmds_own_pipeline(files, smollm2_path, tmp_path
     gives when it reads the same PNG itself (stb_image), computed in a child process."""
     import llama_cpp
 
-    from localllm.media import PromptImage
     from localllm.backends.llama_cpp.backend import init_backend
     from localllm.backends.llama_cpp.vision import Projector
-    from localllm.media import decode_image
+    from localllm.media import PromptImage, decode_image
 
     image = tmp_path / "image.png"
     image.write_bytes(png(9))
@@ -607,7 +606,7 @@ def test_image_embeddings_equal_mtmds_own_pipeline(files, smollm2_path, tmp_path
     try:
         pixels = decode_image(image.read_bytes())
         placeholders = tuple(t for t in projector.image_tokens(pixels) if t < 0)
-        projector.encode(PromptImage(pixels, placeholders))
+        projector.encode_image(PromptImage(pixels, placeholders))
         ours = projector.rows(list(placeholders))
     finally:
         projector.close()
