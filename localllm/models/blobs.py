@@ -7,8 +7,8 @@ Layout under the store's root (see store.py for the manifests beside them)::
     blobs/<stem>-partial.json                     what a resumed download must match (validator, size)
     corrupt/<digest>                              blobs `verify` found corrupt: a pull re-checks them before trusting
     refs/<digest>                                 a blob held by reference (`add_reference`): blobs/<digest> is then
-                                                  a symlink to another tool's file, and this JSON records the size
-                                                  and mtime at which its sha256 was checked
+                                                  a hard link to, or a symlink naming, another tool's file, and this
+                                                  JSON records the size and mtime at which its sha256 was checked
     locks/writers.lock                            shared by every pull and create in progress; `prune` takes it whole
     locks/<stem>.lock                             one per blob: one writer, and no collection while it is held
     tmp/<random>/                                 scratch folders for work whose result becomes a blob
@@ -16,8 +16,9 @@ Layout under the store's root (see store.py for the manifests beside them)::
 A blob is renamed into place only after its sha256 checks, so a blob file is always whole. Removing one is the
 store's business (under its store lock, when no manifest names it); `remove_unheld` refuses blobs a writer holds.
 Files of other tools (Ollama's, LM Studio's, the Hugging Face cache) become blobs without a copy: a hard link when on
-the same file system, else a symlink whose target is re-hashed when its size or mtime moves. Either way only our own
-name is ever removed, never the other tool's file."""
+the same file system, else a symlink; either is re-hashed when its size or mtime moves (the other tool may write the
+file in place). Either way only our own name is ever removed, never the other tool's file. A blob `verify` marked
+corrupt is never served (`check_served`) until a pull or `verify --repair` replaces it."""
 
 from __future__ import annotations
 
@@ -30,11 +31,12 @@ from collections.abc import Generator, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 from typing import BinaryIO
 
 from ..errors import DiskFull, IntegrityError, InvalidInput
 from .diskspace import check_free_space, disk_full_as_error
-from .files import CHUNK, atomic_write, children, hash_stream, remove, sync
+from .files import CHUNK, atomic_write, children, confined_file, hash_stream, remove, sync
 from .locks import file_lock, try_file_lock
 from .names import parse_digest
 
@@ -168,33 +170,45 @@ class Blobs:
         if not self.has_trusted(digest):
             atomic_write(self.path(digest), data)
             self.mark_corrupt(digest, False)
+            self.forget_reference(digest)
         return digest
 
     def add_reference(
-        self, path: Path, digest: str | None = None, *, link: bool = True, pins: ExitStack | None = None
+        self,
+        path: Path,
+        digest: str | None = None,
+        *,
+        link: bool = True,
+        pins: ExitStack | None = None,
+        within: Path | None = None,
     ) -> Generator[int, None, str]:
         """Make another tool's file a blob without copying it, and return its digest; yields the bytes hashed so far.
 
         A hard link when `link` and the file is on this file system (its bytes are hashed through the link), else
-        a symlink plus a record of the file's size and mtime (check_reference re-hashes it when they change). Bytes
-        already stored intact are kept as they are. The file itself is only read. The blob's lock is entered on
-        `pins` (held until the caller's manifest names it), else held only while the blob is placed.
+        a symlink; either way a record of the file's size and mtime (check_reference re-hashes it when they change).
+        Bytes already stored intact are kept as they are. The file itself is only read. The blob's lock is entered
+        on `pins` (held until the caller's manifest names it), else held only while the blob is placed.
 
+        Args:
+            within: the other tool's folder: `path`, its links resolved, must be a regular file inside it.
         Raises:
-            InvalidInput: there is no file at `path`.
+            InvalidInput: there is no regular file at `path`, or it leads outside `within`.
             IntegrityError: the bytes do not hash to `digest`, or the file changed while it was read (nothing kept).
         """
-        source = Path(path).expanduser().resolve()
-        if not source.is_file():
-            raise InvalidInput(f"no file at {source}")
+        source = confined_file(path, within)
+        expected = source.stat()
         if digest is not None and pins is not None:
             pins.enter_context(file_lock(self.lock_path(parse_digest(digest))))
-        if digest is not None and self.has_trusted(digest, source.stat().st_size):
+        if digest is not None and self.has_trusted(digest, expected.st_size):
             return parse_digest(digest)  # stored intact already (pulled, or imported before)
         self.dir.mkdir(parents=True, exist_ok=True)
         temp = self.dir / f".tmp-{uuid.uuid4().hex}"
         try:
             linked = link and _hard_link(source, temp)
+            if linked and not _same_file(temp.lstat(), expected):
+                raise InvalidInput(  # swapped for a link (or another file) after it was checked
+                    f"{source} was replaced while it was imported", hint="import again once it stays put"
+                )
             if not linked:
                 temp.symlink_to(source)
             before = source.stat()
@@ -210,8 +224,7 @@ class Blobs:
             with ExitStack() as held:
                 (pins or held).enter_context(file_lock(self.lock_path(actual)))
                 if not self.has_trusted(actual):
-                    if not linked:
-                        self._record_reference(actual, Reference(source, after.st_size, after.st_mtime_ns))
+                    self._record_reference(actual, Reference(source, after.st_size, after.st_mtime_ns))
                     os.replace(temp, self.path(actual))
                     self.mark_corrupt(actual, False)
             return actual
@@ -273,7 +286,7 @@ class Blobs:
         """None when the blob re-hashes to its digest, else what is wrong with it. A blob held by reference that
         checks clean has its record brought up to date."""
         path = self.path(digest)
-        ref = self.reference(digest)
+        ref = self.reference(digest) or self._linked(digest)
         if not path.is_file():
             return f"blob {digest} is {ref.path}, which is gone" if ref else f"blob {digest} is missing"
         stat = path.stat()
@@ -288,33 +301,58 @@ class Blobs:
         return None
 
     def reference(self, digest: str) -> Reference | None:
-        """The other tool's file a blob is, or None for a blob of our own (a file, or a hard link)."""
+        """The other tool's file a symlinked blob names, or None for a blob that is a file here (our own bytes, or
+        a hard link to another tool's file: see `_linked`)."""
         path = self.path(digest)
         if not path.is_symlink():
             return None
-        try:
-            record = json.loads((self.refs_dir / path.name).read_text())
-            return Reference(Path(record["path"]), int(record["size"]), int(record["mtime_ns"]))
-        except (OSError, ValueError, KeyError, TypeError):  # no trustworthy record: re-hash before use
-            return Reference(Path(os.readlink(path)), None, None)
+        return self._read_record(digest) or Reference(Path(os.readlink(path)), None, None)  # no record: re-hash
 
-    def check_reference(self, digest: str) -> None:
-        """For a blob held by reference, make sure its file is still there with the same bytes: a file whose size
-        or mtime moved is re-hashed (other bytes are marked corrupt, as `verify` would).
+    def _linked(self, digest: str) -> Reference | None:
+        """The record of a blob hard-linked to another tool's file, which that tool may still write in place."""
+        return None if self.path(digest).is_symlink() else self._read_record(digest)
+
+    def _read_record(self, digest: str) -> Reference | None:
+        try:
+            record = json.loads((self.refs_dir / parse_digest(digest)).read_text())
+            return Reference(Path(record["path"]), int(record["size"]), int(record["mtime_ns"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def check_served(self, digest: str) -> None:
+        """Before a blob is loaded or its text served: it is not marked corrupt, and a blob held by reference
+        still has the bytes it was imported with (check_reference).
 
         Raises:
-            IntegrityError: the file is gone, or now holds other bytes.
+            IntegrityError: marked corrupt by `verify`, or another tool's file that is gone or changed.
+        """
+        self.check_reference(digest)
+        if self.marked_corrupt(digest):
+            raise IntegrityError(
+                f"blob {parse_digest(digest)} was found corrupt by `localllm verify`, so it is not used",
+                hint="run `localllm verify --repair` to fetch it again (an imported model: import it again), "
+                "or `localllm rm` the model",
+            )
+
+    def check_reference(self, digest: str) -> None:
+        """For a blob held by reference (a symlink, or a hard link to another tool's file), make sure its file is
+        still there with the same bytes: a file whose size or mtime moved is re-hashed (other bytes are marked
+        corrupt, as `verify` would).
+
+        Raises:
+            IntegrityError: the file is gone, is no longer a plain file at its path, or now holds other bytes.
         """
         ref = self.reference(digest)
-        if ref is None:
-            return
-        try:
-            stat = ref.path.stat()
-        except OSError:
-            raise IntegrityError(
-                f"blob {parse_digest(digest)} is the file {ref.path}, which is gone",
-                hint="the tool that owned it removed it: import the model again, or `localllm rm` it",
-            ) from None
+        if ref is not None:
+            stat = _referenced_stat(parse_digest(digest), ref)
+        else:
+            ref = self._linked(digest)
+            try:
+                stat = self.path(digest).stat()  # the same inode as the other tool's file
+            except OSError:
+                return  # missing: the caller says so
+            if ref is None:
+                return
         if (stat.st_size, stat.st_mtime_ns) == (ref.size, ref.mtime_ns):
             return
         problem = self.check(digest)
@@ -325,6 +363,10 @@ class Blobs:
     def _record_reference(self, digest: str, ref: Reference) -> None:
         record = {"path": str(ref.path), "size": ref.size, "mtime_ns": ref.mtime_ns}
         atomic_write(self.refs_dir / parse_digest(digest), json.dumps(record).encode())
+
+    def forget_reference(self, digest: str) -> None:
+        """The blob is now bytes of our own: no other tool's file to watch."""
+        (self.refs_dir / parse_digest(digest)).unlink(missing_ok=True)
 
     def marked_corrupt(self, digest: str) -> bool:
         return (self.corrupt_dir / parse_digest(digest)).exists()
@@ -351,7 +393,7 @@ class Blobs:
 
     def unneeded(self, named: set[str]) -> list[Path]:
         """What `prune` removes here: blobs, corrupt marks and reference records no manifest names (a reference's
-        link, never its file), records of blobs no longer held by reference, temp files, partial downloads."""
+        link, never its file), records of blobs no longer there, temp files, partial downloads."""
         found = [
             path
             for path in children(self.dir)
@@ -360,7 +402,7 @@ class Blobs:
         found += [
             path
             for path in children(self.refs_dir)
-            if not BLOB_NAME.match(path.name) or path.name not in named or self.reference(path.name) is None
+            if not BLOB_NAME.match(path.name) or path.name not in named or not os.path.lexists(self.path(path.name))
         ]
         return found + [path for path in children(self.corrupt_dir) if path.name not in named]
 
@@ -487,6 +529,7 @@ class PartialBlob:
         else:  # new, or replacing a corrupt copy in place (models that name it are whole again)
             os.replace(self.path, self.blobs.path(actual))
             self.blobs.mark_corrupt(actual, False)
+            self.blobs.forget_reference(actual)
         self.meta_path.unlink(missing_ok=True)
         self.done, self.digest = True, actual
         return actual
@@ -520,12 +563,39 @@ def is_leftover(name: str) -> bool:
 
 
 def _hard_link(source: Path, link: Path) -> bool:
-    """Whether `link` now names the same file as `source` (False across file systems, or where links are refused)."""
+    """Whether `link` now names the same file as `source` (False across file systems, or where links are refused).
+    A symlink put at `source` meanwhile is linked as itself, never followed (the caller compares the inode)."""
     try:
-        os.link(source, link)
+        os.link(source, link, follow_symlinks=False)
     except OSError:
         return False
     return True
+
+
+def _same_file(linked: os.stat_result, expected: os.stat_result) -> bool:
+    return S_ISREG(linked.st_mode) and (linked.st_dev, linked.st_ino) == (expected.st_dev, expected.st_ino)
+
+
+def _referenced_stat(digest: str, ref: Reference) -> os.stat_result:
+    """The stat of a symlinked blob's file, which must still be a plain file at the very path recorded (a link put
+    there since would lead the blob elsewhere).
+
+    Raises:
+        IntegrityError: the file is gone, or its path now leads through a link.
+    """
+    try:
+        found = ref.path.lstat()
+    except OSError:
+        raise IntegrityError(
+            f"blob {digest} is the file {ref.path}, which is gone",
+            hint="the tool that owned it removed it: import the model again, or `localllm rm` it",
+        ) from None
+    if not S_ISREG(found.st_mode) or ref.path.resolve() != ref.path:
+        raise IntegrityError(
+            f"blob {digest} is the file {ref.path}, which is now a link to {ref.path.resolve()}",
+            hint="import the model again, or `localllm rm` it",
+        )
+    return found
 
 
 def _hash_file(path: Path) -> Generator[int, None, str]:

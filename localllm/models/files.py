@@ -1,5 +1,5 @@
 """File operations the store's writes are built from: durable writes (temp file, fsync, rename), hashing in chunks,
-and removal that reports the bytes it freed."""
+removal that reports the bytes it freed, and another tool's files read only from inside that tool's folder."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from stat import S_ISREG
 from typing import BinaryIO
 
+from ..errors import InvalidInput
 from .diskspace import disk_full_as_error
 
 CHUNK = 1024 * 1024
@@ -34,6 +36,31 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.replace(temp, path)
     finally:
         temp.unlink(missing_ok=True)
+
+
+def confined_file(path: Path, within: Path | None) -> Path:
+    """`path` with every link resolved, which must be a regular file, inside `within` (links resolved too) when
+    given. Another tool's folder is read this way: a link in it that leads elsewhere (/etc/passwd, another user's
+    files) is refused rather than read, linked or served.
+
+    Raises:
+        InvalidInput: no regular file there, or it leads outside `within`.
+    """
+    resolved = Path(path).expanduser().resolve()
+    if within is not None:
+        folder = Path(within).expanduser().resolve()
+        if not resolved.is_relative_to(folder):
+            raise InvalidInput(
+                f"{path} leads to {resolved}, outside {folder}; only files inside that folder are imported",
+                hint="remove or replace that link in the other tool's folder (pulling the model there fetches it)",
+            )
+    try:
+        found = resolved.lstat()
+    except OSError:
+        raise InvalidInput(f"no file at {path}") from None
+    if not S_ISREG(found.st_mode):
+        raise InvalidInput(f"{path} is not a regular file", hint="only plain files are imported")
+    return resolved
 
 
 def sync(handle: BinaryIO) -> None:

@@ -10,7 +10,11 @@ An import references the other tool's file (Blobs.add_reference: a hard link on 
 symlink), so no weights are copied. An Ollama model keeps its name, template, system prompt, parameters, messages,
 license and adapters; a GGUF of LM Studio or the Hugging Face cache is named `<publisher>/<repo>:<file stem>` or
 `hf.co/<org>/<repo>:<file stem>`. A vision projector file (architecture `clip`) is no model and is not listed. Nothing
-under those folders is ever written, moved or removed: `rm` and `prune` remove only our names for the files."""
+under those folders is ever written, moved or removed: `rm` and `prune` remove only our names for the files.
+
+Every file is read through its resolved path, which must be a regular file inside the tool's own folder (Ollama's
+blobs folder, the LM Studio models folder, the cached repo): a link there that leads elsewhere is refused, never read,
+linked or served. An adapter must fit the model, as `create` checks it. A failed import leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 from collections.abc import Generator, Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -26,6 +31,8 @@ from typing import Literal
 
 from .. import api
 from ..errors import InvalidInput, InvalidName, LocalLLMError, ModelFormatError, ModelNotFound
+from .adapters import check_adapter_fits
+from .files import confined_file
 from .names import parse_ref
 from .registry import MAX_MANIFEST_BYTES, Layer, model_fields, parse_manifest
 from .store import Store
@@ -36,6 +43,7 @@ Tool = Literal["ollama", "lmstudio", "hf"]
 TOOLS: tuple[Tool, ...] = ("ollama", "lmstudio", "hf")
 TOOL_NAMES = {"ollama": "Ollama", "lmstudio": "LM Studio", "hf": "the Hugging Face cache"}
 OLLAMA_HOST = "registry.ollama.ai"  # the host Ollama files its library's manifests under
+_NO_FOLLOW = 0 if sys.platform == "win32" else os.O_NOFOLLOW
 
 Progress = Iterator[api.PullProgress]
 
@@ -51,6 +59,7 @@ class OtherModel:
     size: int
     layers: tuple[Layer, ...] = field(default=(), repr=False)  # an Ollama model's layers
     blobs: Path | None = None  # Ollama's blobs folder
+    within: Path | None = None  # the tool's folder that every file of the model must resolve inside
 
 
 # ------------------------------------------------------------------------------------------------------- where
@@ -140,6 +149,7 @@ def _ollama_model(root: Path, path: Path, name: str) -> OtherModel:
         size=sum(layer.size for layer in layers),
         layers=tuple(layers),
         blobs=root / "blobs",
+        within=root / "blobs",
     )
 
 
@@ -147,7 +157,7 @@ def _lmstudio_models() -> Iterator[OtherModel]:
     for root in lmstudio_dirs():
         for path in sorted(root.glob("*/*/*.gguf")) if root.is_dir() else []:
             publisher, repo = path.parent.parent.name, path.parent.name
-            model = _gguf_model("lmstudio", path, lambda tag, p=publisher, r=repo: f"{p}/{r}:{tag}")
+            model = _gguf_model("lmstudio", path, lambda tag, p=publisher, r=repo: f"{p}/{r}:{tag}", root)
             if model is not None:
                 yield model
 
@@ -164,7 +174,7 @@ def _hf_models() -> Iterator[OtherModel]:
             if (repo_dir.name, path.name) in seen:  # the same file in an older revision
                 continue
             seen.add((repo_dir.name, path.name))
-            model = _gguf_model("hf", path, lambda tag, o=org, r=repo: f"hf.co/{o}/{r}:{tag}")
+            model = _gguf_model("hf", path, lambda tag, o=org, r=repo: f"hf.co/{o}/{r}:{tag}", repo_dir)
             if model is not None:
                 yield model
 
@@ -179,7 +189,7 @@ def _snapshot_ggufs(repo_dir: Path) -> list[Path]:
     return [path for folder in snapshots for path in sorted(folder.glob("*.gguf"))]
 
 
-def _gguf_model(tool: Tool, path: Path, name_for) -> OtherModel | None:
+def _gguf_model(tool: Tool, path: Path, name_for, within: Path) -> OtherModel | None:
     """A model of one loose GGUF file (every part, for the first part of a split one); None for what is not a model
     on its own: a vision projector, a later part of a split, a file we cannot read."""
     from ..quant.gguf import inspect_gguf, split_parts, split_position
@@ -194,7 +204,8 @@ def _gguf_model(tool: Tool, path: Path, name_for) -> OtherModel | None:
     except (LocalLLMError, OSError) as exc:
         log.warning("skipping %s: %s", path, exc)
         return None
-    return OtherModel(tool, parse_ref(name).display, str(path), parts, sum(p.stat().st_size for p in parts))
+    size = sum(p.stat().st_size for p in parts)
+    return OtherModel(tool, parse_ref(name).display, str(path), parts, size, within=within)
 
 
 def _file_tag(filename: str) -> str:
@@ -222,8 +233,10 @@ def import_model(model: OtherModel, store: Store, *, link: bool = True) -> Progr
         link: False records the path instead of hard-linking on the same file system (the other tool's `rm` then
             frees the space, and this model reports the file gone).
     Raises:
-        InvalidInput: another model (not this import) already has the name.
+        InvalidInput: another model (not this import) already has the name, a file leads outside the tool's folder,
+            or an adapter is for another architecture.
         IntegrityError: a file's bytes do not match the digest its tool recorded, or it changed while read.
+        ModelFormatError: an adapter does not fit the model (as `create` refuses it).
     """
     if store.exists(model.name) and not imported_from(store, model):
         raise InvalidInput(
@@ -231,16 +244,30 @@ def import_model(model: OtherModel, store: Store, *, link: bool = True) -> Progr
             hint=f"`localllm rm {model.name}` it first, or `localllm cp` it to another name",
         )
     yield api.PullProgress(status=f"importing {model.name} from {TOOL_NAMES[model.tool]}")
+    placed: list[str] = [layer.digest for layer in model.layers]
+    try:
+        yield from _import(model, store, link, placed)
+    except BaseException:
+        store.discard_unnamed(placed)  # what this import placed, unless a manifest names it meanwhile
+        raise
+    yield api.PullProgress(status="success")
+
+
+def _import(model: OtherModel, store: Store, link: bool, placed: list[str]) -> Progress:
+    """import_model's work; each blob it places is added to `placed`, for the caller to remove if it fails."""
     with store.blobs.writing(), ExitStack() as pins:  # safe from `prune` until the manifest names them
         expected = {layer.kind: layer.digest for layer in model.layers}
         weights: list[str] = []
         for path in model.weights:
-            weights.append((yield from _reference(store, path, expected.get("model"), link, pins)))
+            weights.append((yield from _reference(store, model, path, expected.get("model"), link, pins)))
+            placed.append(weights[-1])
         extras: dict[str, list[str]] = {"adapter": [], "projector": []}
         for layer in model.layers:
             if layer.kind in extras:
                 path = _ollama_blob(model, layer)
-                extras[layer.kind].append((yield from _reference(store, path, layer.digest, link, pins)))
+                extras[layer.kind].append((yield from _reference(store, model, path, layer.digest, link, pins)))
+        for digest in extras["adapter"]:
+            check_adapter_fits(store.blobs.path(digest), store.blobs.path(weights[0]), model.name, digest)
         fields = model_fields(list(model.layers), lambda layer: _read_small(model, layer), model.origin)
         yield api.PullProgress(status="writing manifest")
         store.write_model(
@@ -251,15 +278,14 @@ def import_model(model: OtherModel, store: Store, *, link: bool = True) -> Progr
             source={"import": model.origin, "tool": model.tool},
             **fields,
         )
-    yield api.PullProgress(status="success")
 
 
 def _reference(
-    store: Store, path: Path, digest: str | None, link: bool, pins: ExitStack
+    store: Store, model: OtherModel, path: Path, digest: str | None, link: bool, pins: ExitStack
 ) -> Generator[api.PullProgress, None, str]:
-    """Blobs.add_reference, its hashing shown as progress; returns the digest."""
-    total = path.stat().st_size if path.is_file() else None
-    hashing = store.blobs.add_reference(path, digest, link=link, pins=pins)
+    """Blobs.add_reference of a file inside the tool's folder, its hashing shown as progress; returns the digest."""
+    total = confined_file(path, model.within).stat().st_size
+    hashing = store.blobs.add_reference(path, digest, link=link, pins=pins, within=model.within)
     while True:
         try:
             done = next(hashing)
@@ -277,11 +303,14 @@ def _ollama_blob(model: OtherModel, layer: Layer) -> Path:
 
 
 def _read_small(model: OtherModel, layer: Layer) -> bytes:
-    """A small layer's bytes (parse_manifest bounded its size), checked against its digest."""
-    path = _ollama_blob(model, layer)
-    if path.stat().st_size != layer.size:
-        raise ModelFormatError(f"Ollama's {model.name}: {path} is not the {layer.size} bytes its manifest says")
-    data = path.read_bytes()
+    """A small layer's bytes (parse_manifest bounded its size), from inside Ollama's blobs folder, checked against
+    its digest."""
+    path = confined_file(_ollama_blob(model, layer), model.within)
+    fd = os.open(path, os.O_RDONLY | _NO_FOLLOW)  # a link put there since it was resolved is not followed
+    with os.fdopen(fd, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size != layer.size:
+            raise ModelFormatError(f"Ollama's {model.name}: {path} is not the {layer.size} bytes its manifest says")
+        data = handle.read(layer.size + 1)
     if f"sha256-{hashlib.sha256(data).hexdigest()}" != layer.digest:
         raise ModelFormatError(f"Ollama's {model.name}: {path} does not match its digest")
     return data

@@ -275,6 +275,13 @@ class Store:
             shutil.rmtree(self._split_folder(parts), ignore_errors=True)
         return freed
 
+    def discard_unnamed(self, digests: Sequence[str]) -> int:
+        """Remove those of `digests` that no manifest names and no writer holds (what a failed pull or import
+        placed); return the bytes freed."""
+        with self.lock():
+            named = self._named()[0]
+            return sum(self.blobs.remove_unheld(digest) for digest in set(digests) - named)
+
     def _named(self) -> tuple[set[str], set[str]]:
         """(every blob digest some manifest names, every manifest digest)."""
         manifests = list(self._all_manifests())
@@ -497,7 +504,7 @@ class Store:
     def _existing_blob(self, manifest: _Manifest, digest: str) -> Path:
         path = self.blobs.path(digest)
         try:
-            self.blobs.check_reference(digest)  # another tool's file: still there, still the same bytes
+            self.blobs.check_served(digest)  # not found corrupt; another tool's file: still the same bytes
         except IntegrityError as exc:
             raise IntegrityError(f"model {manifest.ref.display!r}: {exc.message}", hint=exc.hint) from None
         if not path.is_file():
@@ -511,10 +518,10 @@ class Store:
         return self._weight_parts(manifest)[0]
 
     def _weight_parts(self, manifest: _Manifest) -> builtins.list[Path]:
+        for layer in manifest.layers_of(MEDIA_MLX if manifest.format == "mlx" else MEDIA_GGUF):
+            self._existing_blob(manifest, layer["digest"])
         if manifest.format == "mlx":
             return [self._materialise_mlx(manifest)]
-        for layer in manifest.layers_of(MEDIA_GGUF):
-            self._existing_blob(manifest, layer["digest"])
         return self._gguf_parts(manifest.ref.display, manifest.layers_of(MEDIA_GGUF))
 
     def _gguf_parts(self, label: str, layers: builtins.list[dict[str, Any]]) -> builtins.list[Path]:

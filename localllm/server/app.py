@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__, config
 from ..client.protocol import Client
-from . import infill_routes, ollama_routes, prompt_cache_routes, rerank_routes
+from . import infill_routes, ollama_routes, prompt_cache_routes, rerank_routes, web_routes
 from .anthropic import routes as anthropic_routes
 from .metrics import CONTENT_TYPE, AccessLog, ServerMetrics
 from .openai import responses_routes as openai_responses
@@ -28,12 +28,6 @@ from .security import GuardMiddleware, GuardSettings
 from .state import ServerState, State
 
 service = APIRouter()
-
-
-@service.get("/")
-@service.head("/")
-async def root() -> PlainTextResponse:
-    return PlainTextResponse("localllm is running")
 
 
 @service.get("/health")
@@ -89,6 +83,7 @@ def create_app(client: Client | None = None, *, bound_host: str | None = None) -
     state = ServerState(client=served, metrics=ServerMetrics(served))
     app.state.localllm = state
     install_error_handlers(app)
+    app.include_router(web_routes.router)  # `/`: the page for a browser, plain text for the rest
     app.include_router(service)
     app.include_router(ollama_routes.router)
     app.include_router(openai_routes.router)
