@@ -33,6 +33,9 @@ from .responses import error_response
 
 # Routes a load balancer or a "is it up?" probe may call without the key.
 OPEN_PATHS = frozenset({"/", "/health"})
+# The web page's own files (server/web_routes.py): the page loads without the key, then asks for it; every API call
+# it makes needs the key as any client's does.
+OPEN_PREFIX = "/ui/"
 # Uploads of model files (Ollama's POST /api/blobs/:digest) are weights, gigabytes: the JSON body limit does not
 # apply; the bytes go to disk and must hash to the digest in the path.
 UNLIMITED_BODY_PREFIX = "/api/blobs/"
@@ -182,7 +185,8 @@ class GuardMiddleware:
     def _needs_key(self, scope: Scope) -> bool:
         if not self.settings.api_key or scope["method"] == "OPTIONS":  # CORS preflights never carry credentials
             return False
-        return not (scope["path"] in OPEN_PATHS and scope["method"] in ("GET", "HEAD"))
+        is_open = scope["path"] in OPEN_PATHS or scope["path"].startswith(OPEN_PREFIX)
+        return not (is_open and scope["method"] in ("GET", "HEAD"))
 
     def _too_large(self, size: str) -> PayloadTooLarge:
         return PayloadTooLarge(
