@@ -240,6 +240,13 @@ REGISTRY = Setting(
     parse_registry,
     lambda: "https://registry.ollama.ai",
 )
+PULL_TIMEOUT = Setting(
+    "LOCALLLM_PULL_TIMEOUT",
+    "seconds a registry manifest may take to arrive whole; a download that brings under 1 MiB in that long is "
+    "stopped (resumable), so a server that drips bytes never holds a pull forever (30, 2m)",
+    lambda raw: _positive_duration(raw),
+    lambda: 120.0,
+)
 MAX_BODY = Setting(
     "LOCALLLM_MAX_BODY", "largest request body in bytes (413 above it)", parse_positive_int, lambda: 32 * 1024 * 1024
 )
@@ -321,6 +328,7 @@ ALL: tuple[Setting, ...] = (
     API_KEY,
     OFFLINE,
     REGISTRY,
+    PULL_TIMEOUT,
     MAX_BODY,
     RPC,
     RPC_TIMEOUT,
@@ -338,6 +346,13 @@ def _bounded_int(raw: str, low: int, high: int) -> int:
     if not low <= value <= high:
         raise ValueError(f"expected a whole number from {low} to {high}")
     return value
+
+
+def _positive_duration(raw: str) -> float:
+    seconds = parse_duration(raw)
+    if not 0 < seconds < math.inf:
+        raise ValueError('expected a duration above zero, such as 30, "2m" or 0.5')
+    return seconds
 
 
 def _one_of(raw: str, choices: tuple[str, ...]) -> str:

@@ -8,7 +8,9 @@ a file tree the way the Hugging Face hub does for the calls huggingface_hub and 
 Behaviours a test can switch on: drop the connection after some bytes (`drop_after`, for the first N responses),
 serve other bytes than the sha256 the model info announces (`corrupt`), trickle the bytes (`delay`), hold every
 download after some bytes until the test opens a gate (`gate`, `gate_after`), send no ETag (`validators`), ignore
-If-Range like an old server (`if_range`), or send no Content-Length (`send_length`)."""
+If-Range like an old server (`if_range`), send no Content-Length (`send_length`), or follow a file with `overrun`
+more bytes than it has, without a Content-Length (a body that runs past the size a manifest declared; `sent` counts
+the bytes the server got out before the client hung up)."""
 
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ class Hub:
     validators: bool = True
     if_range: bool = True
     send_length: bool = True
+    overrun: int = 0
+    sent: int = 0
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -148,6 +152,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"})
                 return
             headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+        if self.hub.overrun and send_body:
+            self._send_overrun(data[start:], headers)
+            return
         self._send_stream(206 if match else 200, data[start:], headers, send_body, droppable=True)
 
     def _send_stream(
@@ -182,6 +189,25 @@ class _Handler(BaseHTTPRequestHandler):
             sent += len(piece)
             if self.hub.delay:
                 time.sleep(self.hub.delay)
+
+    def _send_overrun(self, body: bytes, headers: dict[str, str]) -> None:
+        """`body` and then `overrun` zero bytes, made as they are sent, until the client hangs up."""
+        self.send_response(200)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Connection", "close")
+        self.close_connection = True
+        self.end_headers()
+        left = self.hub.overrun
+        piece = body
+        while piece:
+            try:
+                self.wfile.write(piece)
+            except (BrokenPipeError, ConnectionResetError):
+                return
+            self.hub.sent += len(piece)
+            piece = bytes(min(self.hub.chunk, left))
+            left -= len(piece)
 
     def _take_drop(self) -> int | None:
         with self.hub.lock:

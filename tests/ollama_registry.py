@@ -5,6 +5,7 @@ Ollama's on-disk store written as Ollama writes it.
     GET /v2/<namespace>/<name>/blobs/<digest>    307 to the "CDN": a second loopback server (hfserver's Hub) that
                                                  serves /files/<hex>, with Range, ETag and dropped connections
 
+A manifest can be dripped one byte every `drip` seconds (until `stop_drip` is set), as a stalled server would.
 `publish` puts a model in both; `write_ollama_store` lays out `manifests/<host>/<ns>/<name>/<tag>` and
 `blobs/sha256-<hex>` under a folder, as OLLAMA_MODELS holds them."""
 
@@ -57,6 +58,8 @@ class Registry:
     cdn_url: str = ""
     manifests: dict[tuple[str, str], bytes] = field(default_factory=dict)
     requests: list[tuple[str, str | None]] = field(default_factory=list)
+    drip: float = 0.0
+    stop_drip: threading.Event = field(default_factory=threading.Event)
 
     def publish(self, repo: str, tag: str, layers: Layers, *, served: dict[str, bytes] | None = None) -> None:
         """Serve a model: its manifest here, its layers on the CDN (`served` replaces a kind's bytes there)."""
@@ -81,12 +84,30 @@ class _Handler(BaseHTTPRequestHandler):
         blob = re.match(r"^/v2/([^/]+/[^/]+)/blobs/sha256:([0-9a-f]{64})$", self.path)
         if manifest and (manifest.group(1), manifest.group(2)) in self.registry.manifests:
             body = self.registry.manifests[(manifest.group(1), manifest.group(2))]
+            if self.registry.drip:
+                self._drip(body)
+                return
             self._send(200, body, {"Content-Type": MANIFEST_MEDIA})
         elif blob and blob.group(2) in self.registry.cdn.files:
             self._send(307, b"", {"Location": f"{self.registry.cdn_url}/files/{blob.group(2)}"})
         else:
             code = "MANIFEST_UNKNOWN" if manifest else "BLOB_UNKNOWN"
             self._send(404, json.dumps({"errors": [{"code": code, "message": "not found"}]}).encode(), {})
+
+    def _drip(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", MANIFEST_MEDIA)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        for index in range(len(body)):
+            if self.registry.stop_drip.wait(self.registry.drip):
+                break
+            try:
+                self.wfile.write(body[index : index + 1])
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up
+                break
+        self.close_connection = True
 
     def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
         self.send_response(status)

@@ -488,7 +488,20 @@ class PartialBlob:
         self.meta_path.unlink(missing_ok=True)
 
     def write(self, data: bytes) -> None:
+        """Append `data`. Bytes past the declared size are never written: a source that sends more is refused at
+        once (not after writing all it sends), and what it sent is discarded.
+
+        Raises:
+            IntegrityError: `data` would run past the declared size.
+        """
         assert self._file is not None, "the blob is already stored"
+        if self.size is not None and self.completed + len(data) > self.size:
+            self.discard()
+            raise IntegrityError(
+                f"pulling {self.label}: the source sent more than the {self.size} bytes declared for it; "
+                "reading stopped there and the download was discarded",
+                hint="pull again; if it keeps failing the source is serving other bytes",
+            )
         with disk_full_as_error(
             f"pulling {self.label}", self.path.parent, self._still_needed(), written=self.completed
         ):

@@ -12,9 +12,10 @@ Sources, chosen from the name by `make_source`:
 - any other name, `[host/][namespace/]name[:tag]`: its manifest and layers in an Ollama-style registry (registry.py).
 
 Bytes always land in the store's `-partial` file first and are renamed into place only after the sha256 checks, so a
-killed pull resumes where it stopped. A pull holds its blob's lock (Store.pin) from the check that the blob is there
-until its manifest is written: a second pull of the same file waits, then finds the blob and downloads nothing. With
-LOCALLLM_OFFLINE nothing here touches the network."""
+killed pull resumes where it stopped; no source is read past the size it declared, and a download slower than
+LOCALLLM_PULL_TIMEOUT allows (pace.py) stops, resumable. A pull holds its blob's lock (Store.pin) from the check that
+the blob is there until its manifest is written: a second pull of the same file waits, then finds the blob and
+downloads nothing. With LOCALLLM_OFFLINE nothing here touches the network."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from .catalog import CatalogEntry, HFFile, Mirror, SplitZipMember, WheelMember, 
 from .diskspace import size_text
 from .files import CHUNK
 from .names import ModelRef, parse_ref
+from .pace import RateFloor
 from .registry import RegistrySource
 from .store import ResolvedModel, Store
 from .zipstream import MemberReader
@@ -671,9 +673,15 @@ def _download_rest(client, url: str, partial: PartialBlob, headers: dict[str, st
         _accept_response(response, partial, url)
         expected_end = _expected_end(response, partial)
         reported = partial.completed
+        floor = RateFloor(partial.completed, partial.size)
         # Blocks as they arrive (not buffered to a size), so a dropped connection loses nothing already received.
         for block in response.iter_bytes():
             partial.write(block)
+            if floor.too_slow(partial.completed):
+                raise NetworkError(
+                    f"{url} sent under {size_text(floor.needed)} in {floor.seconds:g} s; the download stopped",
+                    hint=f"{_kept_hint(partial)}; on a slow link raise LOCALLLM_PULL_TIMEOUT",
+                )
             if partial.completed - reported >= CHUNK:
                 reported = partial.completed
                 yield _bytes_progress(partial)

@@ -12,7 +12,8 @@ place only after its sha256 matches the digest the manifest names. Ollama's laye
 template: chat/go_templates.py renders those), `system`, `params` (JSON: checked like a Modelfile's PARAMETERs),
 `messages`, `license`, `adapter` (a LoRA) and `projector` (a vision projector: the model then reads images). Any
 other media type is refused, naming it. Plain http is used only for a loopback registry or when the pull says
-`insecure`, as Ollama does."""
+`insecure`, as Ollama does. The manifest must arrive whole within LOCALLLM_PULL_TIMEOUT (pace.py); a layer is never
+read past the size the manifest declares for it, and an adapter layer must fit the model as `create` checks it."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ from pydantic import ValidationError
 
 from .. import api, config
 from ..errors import InvalidInput, InvalidName, ModelFormatError, ModelNotFound, NetworkError
+from .adapters import check_adapter_fits
 from .blobs import PartialBlob
 from .catalog import did_you_mean
 from .names import ModelRef, parse_digest
+from .pace import Deadline
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -245,10 +248,19 @@ class RegistrySource:
         origin = f"{self.origin} at {base}"
         layers = parse_manifest(self._manifest(base, nowhere), origin)
         yield api.PullProgress(status="pulling manifest")
+        try:
+            yield from self._store_layers(store, base, layers, origin)
+        except (ModelFormatError, InvalidInput):  # a refused model: its layers, though whole, are of no use
+            store.discard_unnamed([layer.digest for layer in layers])
+            raise
+        yield api.PullProgress(status="success")
+
+    def _store_layers(self, store: Store, base: str, layers: list[Layer], origin: str) -> Progress:
         with ExitStack() as pins:  # every layer is safe from `rm` and `prune` until the manifest names it
             for layer in layers:
                 pins.enter_context(store.blobs.pin(layer.digest))
                 yield from self._fetch_layer(store, base, layer)
+            self._check_adapters(store, layers)
             fields = model_fields(layers, lambda layer: store.blobs.path(layer.digest).read_bytes(), origin)
             yield api.PullProgress(status="writing manifest")
             store.write_model(
@@ -259,7 +271,12 @@ class RegistrySource:
                 source={"registry": base, "name": self.origin},
                 **fields,
             )
-        yield api.PullProgress(status="success")
+
+    def _check_adapters(self, store: Store, layers: list[Layer]) -> None:
+        weights = store.blobs.path(next(layer.digest for layer in layers if layer.kind == "model"))
+        for layer in layers:
+            if layer.kind == "adapter":
+                check_adapter_fits(store.blobs.path(layer.digest), weights, self.stored_name, layer.digest)
 
     def _hint(self, otherwise: str) -> str:
         # A typo of a known name is the likelier story than a model the registry lacks.
@@ -270,9 +287,11 @@ class RegistrySource:
         import httpx
 
         url = f"{base}/v2/{self.ref.repository}/manifests/{self.ref.tag}"
+        deadline = Deadline()
+        wait = min(60.0, deadline.seconds)
         try:
             with (
-                httpx.Client(follow_redirects=True, timeout=httpx.Timeout(60.0, connect=30.0)) as client,
+                httpx.Client(follow_redirects=True, timeout=httpx.Timeout(wait, connect=min(30.0, wait))) as client,
                 client.stream("GET", url, headers={"Accept": MANIFEST_ACCEPT}) as response,
             ):
                 if response.status_code == 404:
@@ -287,7 +306,7 @@ class RegistrySource:
                     )
                 if response.status_code != 200:
                     raise NetworkError(f"the registry {base} answered HTTP {response.status_code} for {self.origin}")
-                return _bounded_body(response, f"the manifest of {self.origin}")
+                return _bounded_body(response, f"the manifest of {self.origin}", deadline)
         except httpx.TransportError as exc:
             raise NetworkError(
                 f"{nowhere}, and the registry {base} cannot be reached: {exc}",
@@ -307,10 +326,16 @@ class RegistrySource:
             partial.commit(f"the {layer.kind} layer of {self.origin}")
 
 
-def _bounded_body(response, what: str) -> bytes:
+def _bounded_body(response, what: str, deadline: Deadline) -> bytes:
+    """The body, refused past MAX_MANIFEST_BYTES or once the deadline passes (a server dripping bytes)."""
     body = bytearray()
     for block in response.iter_bytes():
         body += block
         if len(body) > MAX_MANIFEST_BYTES:
             raise ModelFormatError(f"{what} is over {MAX_MANIFEST_BYTES} bytes")
+        if deadline.passed:
+            raise NetworkError(
+                f"{what} did not arrive within {deadline.seconds:g} s ({len(body)} bytes came); the pull stopped",
+                hint="try again later; on a slow link raise LOCALLLM_PULL_TIMEOUT",
+            )
     return bytes(body)
