@@ -362,3 +362,37 @@ def g(keep_alive="5m"):
         "localllm.planted:5: 19% slower",
         "localllm.planted:5: 40 tok/s",
     ]
+
+
+# ---------------------------------------------------------------------------------------------------------- streams
+
+
+def _close_probes(source: str) -> list[int]:
+    """Lines that ask an object whether it can be closed (`getattr(x, "close", ...)`, `hasattr(x, "close")`): the
+    Client's streams and the Client itself are typed (client/protocol.py), so nothing needs to ask."""
+    return sorted(
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "hasattr")
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and node.args[1].value == "close"
+    )
+
+
+def test_nothing_probes_for_close():
+    probing = [f"{name}:{line}" for name, path in _modules().items() for line in _close_probes(path.read_text())]
+    assert probing == []
+
+
+def test_the_close_probe_check_can_fail():
+    planted = (
+        'close = getattr(stream, "close", None)\n'
+        'getattr(chunks, "close", lambda: None)()\n'
+        'if hasattr(served, "close"):\n'
+        "    served.close()\n"
+        'name = getattr(tool, "name")\n'
+    )
+    assert _close_probes(planted) == [1, 2, 3]

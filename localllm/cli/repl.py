@@ -18,7 +18,7 @@ from typing import Protocol
 from rich.console import Console
 
 from .. import api
-from ..client.protocol import Client
+from ..client.protocol import Client, RequestStream
 from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
 from .app import console, err_console, print_error
@@ -261,7 +261,9 @@ def unquote(text: str) -> str:
 
 
 def stream_reply(
-    stream: Iterator[api.ChatChunk], on_text: Callable[[str], None], on_thinking: Callable[[str], None] | None = None
+    stream: RequestStream[api.ChatChunk],
+    on_text: Callable[[str], None],
+    on_thinking: Callable[[str], None] | None = None,
 ) -> api.ChatChunk | None:
     """Feed each piece of an answer to `on_text` (and of its thinking to `on_thinking`) and return its last chunk
     (which carries the timings).
@@ -277,9 +279,7 @@ def stream_reply(
                 return chunk
         return None
     finally:
-        close = getattr(stream, "close", None)
-        if close is not None:
-            close()
+        stream.close()
 
 
 def prepare_model(client: Client, load: api.ChatRequest, *, to: Console) -> None:

@@ -1,14 +1,14 @@
 """The Client over HTTP: the same methods and api types as LocalClient, spoken to a running `localllm serve` through
 the Ollama-native REST API (so it also works against Ollama itself).
 
-Streams are NDJSON read line by line; closing an iterator early closes the connection, which the server takes as
-a cancel. HTTP errors become the errors.* class of their status with the server's message; a refused connection is
-ServerUnreachable naming the address."""
+Streams are NDJSON read line by line; closing a stream early, or cancelling it from another thread, closes its
+response (the connection), which the server takes as a cancel. HTTP errors become the errors.* class of their status
+with the server's message; a refused connection is ServerUnreachable naming the address."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO, TypeVar
 
@@ -29,6 +29,8 @@ from ..errors import (
     ServerUnreachable,
     Unauthorized,
 )
+from .protocol import RequestStream
+from .streams import CancelToken, TokenStream
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -128,16 +130,26 @@ class HttpClient:
     def _post(self, path: str, body: dict, kind: type[M]) -> M:
         return kind.model_validate(self._call("POST", path, body).json())
 
-    def _stream(self, path: str, body: dict, kind: type[M]) -> Iterator[M]:
-        """POST and yield one `kind` per NDJSON line; an {"error": ...} line raises. Closing the generator early
-        closes the connection (the server cancels the request)."""
+    def _streamed(self, path: str, body: dict, kind: type[M]) -> RequestStream[M]:
+        return TokenStream(lambda token: self._stream(path, body, kind, token))
+
+    def _stream(self, path: str, body: dict, kind: type[M], token: CancelToken) -> Generator[M, None, None]:
+        """POST and yield one `kind` per NDJSON line; an {"error": ...} line raises. Closing the generator early,
+        or cancelling the token, closes the response (the server cancels the request); the stream then ends."""
+        if token.cancelled:
+            return
         with self._reaching_server(), self._http.stream("POST", path, json=body) as response:
+            token.on_cancel(response.close)
             if response.status_code >= 400:
                 response.read()
                 raise error_for(response)
-            for line in response.iter_lines():
-                if line.strip():
-                    yield _parse_line(line, kind)
+            try:
+                for line in response.iter_lines():
+                    if line.strip():
+                        yield _parse_line(line, kind)
+            except (httpx.HTTPError, httpx.StreamError):
+                if not token.cancelled:  # a read cut short by our own cancel is the end, not an error
+                    raise
 
     # ----------------------------------------------------------------------------------------------- models
 
@@ -166,11 +178,11 @@ class HttpClient:
         if response.status_code >= 400:
             raise error_for(response)
 
-    def pull(self, model: str) -> Iterator[api.PullProgress]:
-        return self._stream("/api/pull", {"model": model, "stream": True}, api.PullProgress)
+    def pull(self, model: str) -> RequestStream[api.PullProgress]:
+        return self._streamed("/api/pull", {"model": model, "stream": True}, api.PullProgress)
 
-    def create(self, request: api.CreateRequest) -> Iterator[api.PullProgress]:
-        return self._stream("/api/create", _body(request), api.PullProgress)
+    def create(self, request: api.CreateRequest) -> RequestStream[api.PullProgress]:
+        return self._streamed("/api/create", _body(request), api.PullProgress)
 
     def copy(self, source: str, destination: str) -> None:
         self._call("POST", "/api/copy", {"source": source, "destination": destination})
@@ -187,11 +199,11 @@ class HttpClient:
 
     # ----------------------------------------------------------------------------------------------- inference
 
-    def generate(self, request: api.GenerateRequest) -> Iterator[api.GenerateChunk]:
-        return self._stream("/api/generate", _body(request), api.GenerateChunk)
+    def generate(self, request: api.GenerateRequest) -> RequestStream[api.GenerateChunk]:
+        return self._streamed("/api/generate", _body(request), api.GenerateChunk)
 
-    def chat(self, request: api.ChatRequest) -> Iterator[api.ChatChunk]:
-        return self._stream("/api/chat", _body(request), api.ChatChunk)
+    def chat(self, request: api.ChatRequest) -> RequestStream[api.ChatChunk]:
+        return self._streamed("/api/chat", _body(request), api.ChatChunk)
 
     def embed(self, request: api.EmbedRequest) -> api.EmbedResponse:
         return self._post("/api/embed", _body(request), api.EmbedResponse)
@@ -200,14 +212,24 @@ class HttpClient:
         # llama-server's path, whose errors are Ollama's plain strings (under /v1 they are OpenAI's objects).
         return self._post("/rerank", _body(request), api.RerankResponse)
 
-    def generate_batch(self, requests: list[api.GenerateRequest]) -> Iterator[tuple[int, api.GenerateChunk]]:
-        # Ollama's API has no batch: the requests run one after the other.
-        for index, request in enumerate(requests):
-            yield from ((index, chunk) for chunk in self.generate(request))
+    def generate_batch(self, requests: list[api.GenerateRequest]) -> RequestStream[tuple[int, api.GenerateChunk]]:
+        bodies = [_body(request) for request in requests]
+        return TokenStream(lambda token: self._one_by_one("/api/generate", bodies, api.GenerateChunk, token))
 
-    def chat_batch(self, requests: list[api.ChatRequest]) -> Iterator[tuple[int, api.ChatChunk]]:
-        for index, request in enumerate(requests):
-            yield from ((index, chunk) for chunk in self.chat(request))
+    def chat_batch(self, requests: list[api.ChatRequest]) -> RequestStream[tuple[int, api.ChatChunk]]:
+        bodies = [_body(request) for request in requests]
+        return TokenStream(lambda token: self._one_by_one("/api/chat", bodies, api.ChatChunk, token))
+
+    def _one_by_one(
+        self, path: str, bodies: list[dict], kind: type[M], token: CancelToken
+    ) -> Generator[tuple[int, M], None, None]:
+        # Ollama's API has no batch: the requests run one after the other, each chunk tagged with its index.
+        for index, body in enumerate(bodies):
+            chunks = self._stream(path, body, kind, token)
+            try:
+                yield from ((index, chunk) for chunk in chunks)
+            finally:
+                chunks.close()
 
     def save_prompt_cache(self, request: api.ChatRequest) -> bytes:
         body = request.model_dump(mode="json", exclude_none=True, by_alias=True)

@@ -9,7 +9,7 @@ submission here, and its engine chunks become api chunks in answer.py. Embedding
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, BinaryIO
@@ -32,8 +32,9 @@ from ..models.store import ResolvedModel, Store
 from . import pooling, prompts
 from .answer import Answer, chat_chunk, chat_with_tools, generate_chunk
 from .images import mark_prompt
+from .protocol import RequestStream
 from .ps import process_row
-from .streams import CancelToken, RequestStream
+from .streams import CancelToken, TokenStream, until_cancelled
 
 
 class LocalClient:
@@ -58,11 +59,11 @@ class LocalClient:
     def add_blob(self, digest: str, source: BinaryIO) -> None:
         self.store.blobs.add_upload(digest, source)
 
-    def pull(self, model: str) -> Iterator[api.PullProgress]:
-        return pull_model(model, self.store)
+    def pull(self, model: str) -> RequestStream[api.PullProgress]:
+        return TokenStream(lambda token: until_cancelled(pull_model(model, self.store), token))
 
-    def create(self, request: api.CreateRequest) -> Iterator[api.PullProgress]:
-        return create_model(request, self.store)
+    def create(self, request: api.CreateRequest) -> RequestStream[api.PullProgress]:
+        return TokenStream(lambda token: until_cancelled(create_model(request, self.store), token))
 
     def copy(self, source: str, destination: str) -> None:
         self.store.copy(source, destination)
@@ -87,10 +88,10 @@ class LocalClient:
 
     # ----------------------------------------------------------------------------------------------- generate
 
-    def generate(self, request: api.GenerateRequest) -> Iterator[api.GenerateChunk]:
-        return RequestStream(lambda token: self._generate(request, token))
+    def generate(self, request: api.GenerateRequest) -> RequestStream[api.GenerateChunk]:
+        return TokenStream(lambda token: self._generate(request, token))
 
-    def _generate(self, request: api.GenerateRequest, token: CancelToken) -> Iterator[api.GenerateChunk]:
+    def _generate(self, request: api.GenerateRequest, token: CancelToken) -> Generator[api.GenerateChunk, None, None]:
         if not (request.prompt or request.context or request.suffix or request.input_extra or request.middle):
             # Ollama: an empty prompt loads the model (or unloads it with keep_alive 0) and answers done.
             model = self.store.resolve(request.model)
@@ -99,15 +100,15 @@ class LocalClient:
             return
         yield from (chunk for _, chunk in self._generate_batch([request], token))
 
-    def generate_batch(self, requests: list[api.GenerateRequest]) -> Iterator[tuple[int, api.GenerateChunk]]:
+    def generate_batch(self, requests: list[api.GenerateRequest]) -> RequestStream[tuple[int, api.GenerateChunk]]:
         """Several generations with one model, admitted together (all or none): OpenAI's `n` and prompt lists.
         Answers come one request after the other, each chunk tagged with its request's index; requests with the
         same prompt prefill it once."""
-        return RequestStream(lambda token: self._generate_batch(requests, token))
+        return TokenStream(lambda token: self._generate_batch(requests, token))
 
     def _generate_batch(
         self, requests: list[api.GenerateRequest], token: CancelToken
-    ) -> Iterator[tuple[int, api.GenerateChunk]]:
+    ) -> Generator[tuple[int, api.GenerateChunk], None, None]:
         with self._admitted(requests, token, self._prepare_generate) as (prepared, streams, waited):
             for index, (request, (params, answer), stream) in enumerate(zip(requests, prepared, streams)):
                 generated: list[int] = []
@@ -160,10 +161,10 @@ class LocalClient:
 
     # ----------------------------------------------------------------------------------------------- chat
 
-    def chat(self, request: api.ChatRequest) -> Iterator[api.ChatChunk]:
-        return RequestStream(lambda token: self._chat(request, token))
+    def chat(self, request: api.ChatRequest) -> RequestStream[api.ChatChunk]:
+        return TokenStream(lambda token: self._chat(request, token))
 
-    def _chat(self, request: api.ChatRequest, token: CancelToken) -> Iterator[api.ChatChunk]:
+    def _chat(self, request: api.ChatRequest, token: CancelToken) -> Generator[api.ChatChunk, None, None]:
         if not request.messages:
             model = self.store.resolve(request.model)
             load, _ = resolve_options(model, request.options)
@@ -174,11 +175,13 @@ class LocalClient:
             return
         yield from (chunk for _, chunk in self._chat_batch([request], token))
 
-    def chat_batch(self, requests: list[api.ChatRequest]) -> Iterator[tuple[int, api.ChatChunk]]:
+    def chat_batch(self, requests: list[api.ChatRequest]) -> RequestStream[tuple[int, api.ChatChunk]]:
         """As generate_batch, for chats (OpenAI's `n`)."""
-        return RequestStream(lambda token: self._chat_batch(requests, token))
+        return TokenStream(lambda token: self._chat_batch(requests, token))
 
-    def _chat_batch(self, requests: list[api.ChatRequest], token: CancelToken) -> Iterator[tuple[int, api.ChatChunk]]:
+    def _chat_batch(
+        self, requests: list[api.ChatRequest], token: CancelToken
+    ) -> Generator[tuple[int, api.ChatChunk], None, None]:
         for request in requests:
             if not request.messages:
                 raise InvalidInput("messages is empty", hint="send at least one message")

@@ -1,14 +1,14 @@
 """One Client interface for every surface: `LocalClient` runs in-process on the model pool and store, `HttpClient`
 talks to a running `localllm serve`. Same methods, same api types, so the CLI, TUI and REST server never care which.
 
-Streaming methods return iterators; closing an iterator early (generator close) cancels the request. An iterator that
-is also `Cancellable` can be cancelled from another thread while it waits (the server does that when a client leaves
-while its request is queued, since closing a generator that is running elsewhere is not allowed)."""
+Streaming methods return a RequestStream: iterate it on one thread; `close()` it there when done early (it cancels the
+request), or `cancel()` it from any other thread while it waits (the server does that when a client leaves while its
+request is queued, since closing a generator that is running elsewhere is not allowed)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import BinaryIO, Protocol, TypeVar
 
 from ..api import (
     ChatChunk,
@@ -26,12 +26,21 @@ from ..api import (
     ShowResponse,
 )
 
+T_co = TypeVar("T_co", covariant=True)
 
-@runtime_checkable
-class Cancellable(Protocol):
+
+class RequestStream(Iterator[T_co], Protocol[T_co]):
+    """A request's chunks, as every streaming Client method returns them."""
+
+    def __next__(self) -> T_co: ...
+
+    def close(self) -> None:
+        """Done with it, on the thread that iterates: a request still running is cancelled and its resources (the
+        slot, the connection) are given back. Safe to call twice and after the end."""
+
     def cancel(self) -> None:
         """Stop the request from any thread: a queued one leaves the queue at once, a running one frees its slot,
-        a template render stops; the iterator then ends."""
+        a template render stops; the iterator then ends. A pull or create stops at its next chunk."""
 
 
 class Client(Protocol):
@@ -48,9 +57,9 @@ class Client(Protocol):
     def add_blob(self, digest: str, source: BinaryIO) -> None:
         """Store uploaded bytes under `digest`, refusing bytes with another sha256 (POST /api/blobs/:digest)."""
 
-    def pull(self, model: str) -> Iterator[PullProgress]: ...
+    def pull(self, model: str) -> RequestStream[PullProgress]: ...
 
-    def create(self, request: CreateRequest) -> Iterator[PullProgress]: ...
+    def create(self, request: CreateRequest) -> RequestStream[PullProgress]: ...
 
     def copy(self, source: str, destination: str) -> None: ...
 
@@ -61,15 +70,15 @@ class Client(Protocol):
     def stop(self, model: str) -> None:
         """Unload a model now (Ollama: keep_alive 0)."""
 
-    def generate(self, request: GenerateRequest) -> Iterator[GenerateChunk]: ...
+    def generate(self, request: GenerateRequest) -> RequestStream[GenerateChunk]: ...
 
-    def chat(self, request: ChatRequest) -> Iterator[ChatChunk]: ...
+    def chat(self, request: ChatRequest) -> RequestStream[ChatChunk]: ...
 
-    def generate_batch(self, requests: list[GenerateRequest]) -> Iterator[tuple[int, GenerateChunk]]:
+    def generate_batch(self, requests: list[GenerateRequest]) -> RequestStream[tuple[int, GenerateChunk]]:
         """Several generations of one model admitted together (OpenAI's n, prompt lists); each chunk is tagged with
         its request's index."""
 
-    def chat_batch(self, requests: list[ChatRequest]) -> Iterator[tuple[int, ChatChunk]]:
+    def chat_batch(self, requests: list[ChatRequest]) -> RequestStream[tuple[int, ChatChunk]]:
         """As generate_batch, for chats."""
 
     def count_tokens(self, request: ChatRequest) -> int:
@@ -87,3 +96,6 @@ class Client(Protocol):
     def load_prompt_cache(self, request: ChatRequest, data: bytes) -> int:
         """Pin a state from save_prompt_cache in the prefix cache of `request`'s model (loaded with its options);
         the number of tokens the state holds."""
+
+    def close(self) -> None:
+        """Give back what the client holds: LocalClient unloads its models, HttpClient closes its connections."""

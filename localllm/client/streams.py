@@ -1,12 +1,14 @@
-"""A request's chunks as the Client hands them out: iterated on one thread, cancelled from any other.
+"""A request's chunks as the Client hands them out (client/protocol.RequestStream): iterated on one thread, cancelled
+from any other.
 
 The request runs as a generator that takes a CancelToken; cancelling sets the token, whose hooks (the engine
-request's cancel, a render's check) stop the work wherever it waits, so the generator then ends."""
+request's cancel, a render's check, an HTTP response's close) stop the work wherever it waits, so the generator then
+ends."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -34,23 +36,31 @@ class CancelToken:
         hook()
 
 
-class RequestStream(Generic[T]):
-    """A request's chunks (client/protocol.Cancellable): iterate it on one thread, cancel it from any other."""
+class TokenStream(Generic[T]):
+    """A RequestStream (client/protocol.py) over a generator that takes the stream's CancelToken: iterate it on one
+    thread, close it there, cancel it from any other."""
 
-    def __init__(self, run: Callable[[CancelToken], Iterator[T]]):
+    def __init__(self, run: Callable[[CancelToken], Generator[T, None, None]]):
         self._token = CancelToken()
         self._chunks = run(self._token)
 
-    def __iter__(self) -> RequestStream[T]:
+    def __iter__(self) -> TokenStream[T]:
         return self
 
     def __next__(self) -> T:
         return next(self._chunks)
 
     def close(self) -> None:
-        close = getattr(self._chunks, "close", None)
-        if close is not None:
-            close()
+        self._chunks.close()
 
     def cancel(self) -> None:
         self._token.cancel()
+
+
+def until_cancelled(chunks: Iterator[T], token: CancelToken) -> Generator[T, None, None]:
+    """`chunks` until the token is set, for work that cannot stop midway (a pull, a create): a cancel ends them at
+    their next chunk. Closing this generator lets go of `chunks`, which closes them (their clean-up runs then)."""
+    for chunk in chunks:
+        if token.cancelled:
+            return
+        yield chunk

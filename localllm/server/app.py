@@ -75,9 +75,8 @@ def create_app(client: Client | None = None, *, bound_host: str | None = None) -
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        close = getattr(served, "close", None)
-        if owned and close is not None:
-            close()
+        if owned:
+            served.close()
 
     app = FastAPI(title="localllm", version=__version__, lifespan=lifespan)
     state = ServerState(client=served, metrics=ServerMetrics(served))

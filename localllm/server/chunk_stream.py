@@ -1,14 +1,13 @@
 """The bridge from the client's blocking chunk iterators to the event loop.
 
-`Client.generate` / `Client.chat` return plain iterators that block while the engine works. Each stream gets one pump
-thread that runs its iterator and hands every chunk to the event loop; a hop through a worker thread per chunk cost
-the loop about twice the CPU. The first chunk is awaited before any response starts: an error that comes before
-output (unknown model, context overflow, full queue) raises from `ChunkStream.open` and becomes a real HTTP status.
-Closing the stream makes the pump close the client's iterator at its next chunk, which cancels the request in the
-engine and frees its slot. A request still queued has no next chunk to wait for, so closing also cancels a Cancellable
-iterator directly, and a client that leaves before the first chunk is noticed while it waits. At most BUFFERED chunks
-wait for a slow reader; then the pump waits too (and so does the request's output in the engine, bounded by its
-context).
+`Client.generate` / `Client.chat` return RequestStreams (client/protocol.py) that block while the engine works. Each
+stream gets one pump thread that runs its iterator and hands every chunk to the event loop; a hop through a worker
+thread per chunk cost the loop about twice the CPU. The first chunk is awaited before any response starts: an error that
+comes before output (unknown model, context overflow, full queue) raises from `ChunkStream.open` and becomes a real HTTP
+status. Closing the stream makes the pump close the client's iterator at its next chunk, which cancels the request in
+the engine and frees its slot. A request still queued has no next chunk to wait for, so closing also cancels the stream
+directly, and a client that leaves before the first chunk is noticed while it waits. At most BUFFERED chunks wait for a
+slow reader; then the pump waits too (and so does the request's output in the engine, bounded by its context).
 
 Why a pump thread, not a callback from the engine thread: the client's iterator does the per-request work between the
 engine and the wire (detokenized text, stop strings, tool-call parsing, thinking split), and that work must not run on
@@ -20,13 +19,13 @@ import asyncio
 import logging
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import anyio
 from anyio.lowlevel import RunVar
 
-from ..client.protocol import Cancellable
+from ..client.protocol import RequestStream
 from ..errors import Cancelled
 
 if sys.version_info < (3, 11):  # anyio raises the backport's group there
@@ -59,41 +58,38 @@ class _Failed:
         self.exc = exc
 
 
-def _cancel(iterator: Any) -> None:
-    if isinstance(iterator, Cancellable):
-        iterator.cancel()
-
-
 def _pump(
-    make: Callable[[], Iterator[Any]], deliver: Callable[[Any], bool], stop: threading.Event, started: list
+    make: Callable[[], RequestStream[Any]],
+    deliver: Callable[[Any], bool],
+    stop: threading.Event,
+    started: list[RequestStream[Any]],
 ) -> None:
     """The stream's thread: build the iterator, hand over each chunk, end with _END or _Failed. The iterator is
     closed here, before the last item, because a generator cannot be closed from another thread while it waits, and
     because its clean-up (the request's cancel, the model's release) must be over when the response ends."""
     end: Any = _END
-    iterator: Iterator[Any] | None = None
+    iterator: RequestStream[Any] | None = None
     try:
         iterator = make()
         started.append(iterator)
         if stop.is_set():  # closed while the request was being made
-            _cancel(iterator)
+            iterator.cancel()
         for chunk in iterator:
             if stop.is_set() or not deliver(chunk):
                 break
     except BaseException as exc:
         end = _Failed(exc)
     finally:
-        close = getattr(iterator, "close", None)
-        if close is not None:
+        if iterator is not None:
             try:
-                close()
+                iterator.close()
             except Exception:  # noqa: BLE001 - nobody is left to tell but the log
                 log.exception("closing a chunk stream failed")
         deliver(end)
 
 
 class ChunkStream(Generic[T]):
-    """A client iterator driven from async code. Iterate it once; `aclose()` is idempotent and always safe."""
+    """A client's RequestStream driven from async code. Iterate it once; `aclose()` is idempotent and always safe."""
 
     def __init__(self, observe: Callable[[T], None] | None):
         self._chunks: asyncio.Queue = asyncio.Queue()
@@ -101,12 +97,12 @@ class ChunkStream(Generic[T]):
         self._stop = threading.Event()
         self._observe = observe
         self._first: Any = _END
-        self._started: list = []  # the client's iterator, once the pump has made it
+        self._started: list[RequestStream[Any]] = []  # the client's stream, once the pump has made it
 
     @classmethod
     async def open(
         cls,
-        make: Callable[[], Iterator[T]],
+        make: Callable[[], RequestStream[T]],
         *,
         observe: Callable[[T], None] | None = None,
         disconnected: Callable[[], Awaitable[bool]] | None = None,
@@ -180,11 +176,11 @@ class ChunkStream(Generic[T]):
             await self.aclose()
 
     async def aclose(self) -> None:
-        """Tell the pump to stop: it closes the iterator when its next chunk comes (at the engine's next step); a
-        Cancellable iterator is cancelled now, so a queued request leaves the queue at once."""
+        """Tell the pump to stop: it closes the stream when its next chunk comes (at the engine's next step); the
+        stream is cancelled now too, so a queued request leaves the queue at once."""
         self._stop.set()
         for iterator in self._started:
-            _cancel(iterator)
+            iterator.cancel()
 
     async def collect(self, *, disconnected: Callable[[], Awaitable[bool]] | None = None) -> list[T] | None:
         """All chunks, for a non-streamed answer. With `disconnected` (Request.is_disconnected), a client that

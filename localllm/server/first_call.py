@@ -1,18 +1,16 @@
 """At most one tool call per answer, for a request that turned parallel tool calls off (OpenAI's
 `parallel_tool_calls: false`, Anthropic's `disable_parallel_tool_use`): the model's first call is kept, as if it had
-stopped there. A wrapper over the client's chunk iterator that stays Cancellable, so the server can still cancel a
-queued request through it."""
+stopped there. A wrapper over the client's RequestStream that is one itself, so the server can still cancel a queued
+request through it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from .. import api
-from ..client.protocol import Cancellable
+from ..client.protocol import RequestStream
 
 
 class FirstCallOnly:
-    def __init__(self, chunks: Iterator[api.ChatChunk]):
+    def __init__(self, chunks: RequestStream[api.ChatChunk]):
         self._chunks = chunks
 
     def __iter__(self) -> FirstCallOnly:
@@ -28,14 +26,11 @@ class FirstCallOnly:
         return chunk.model_copy(update={"message": message, "tool_call_deltas": kept})
 
     def cancel(self) -> None:
-        if isinstance(self._chunks, Cancellable):
-            self._chunks.cancel()
+        self._chunks.cancel()
 
     def close(self) -> None:
-        close = getattr(self._chunks, "close", None)  # a generator's; a plain iterator has none
-        if close is not None:
-            close()
+        self._chunks.close()
 
 
-def one_call_at_most(chunks: Iterator[api.ChatChunk], parallel: bool) -> Iterator[api.ChatChunk]:
+def one_call_at_most(chunks: RequestStream[api.ChatChunk], parallel: bool) -> RequestStream[api.ChatChunk]:
     return chunks if parallel else FirstCallOnly(chunks)

@@ -122,7 +122,7 @@ class ChatScreen(Screen):
         except LocalLLMError as exc:
             error = exc
         finally:
-            getattr(chunks, "close", lambda: None)()
+            chunks.close()
             self.app.call_from_thread(_awaited(markdown.stop))
             if reply.thinking is not None:
                 self.app.call_from_thread(reply.thinking.finish)
