@@ -14,7 +14,7 @@ import openai
 import pytest
 from server_harness import served
 
-from localllm.backends.llama_cpp import backend
+from localllm.backends.llama_cpp import embedding
 from localllm.backends.llama_cpp.embedding import pack, pack_limit
 
 MODEL = "nomic-embed-text"
@@ -73,8 +73,10 @@ def test_a_query_about_cats_is_closest_to_the_cat_document_on_every_route(api, o
 @pytest.mark.models
 def test_batched_inputs_decode_together(api, monkeypatch):
     decodes = []
-    real = backend.embed_group
-    monkeypatch.setattr(backend, "embed_group", lambda ctx, group, n: decodes.append(len(group)) or real(ctx, group, n))
+    real = embedding.embed_group
+    monkeypatch.setattr(
+        embedding, "embed_group", lambda ctx, group, n: decodes.append(len(group)) or real(ctx, group, n)
+    )
     texts = [f"search_document: note number {i} about the weather" for i in range(10)]
     together = api.embed(model=MODEL, input=texts).embeddings
     assert decodes == [10]  # ten short texts fit one decode

@@ -392,13 +392,13 @@ def test_grammar_is_refused_clearly(tiny):
 
 
 def test_embeddings_are_normalised_and_deterministic(tiny):
-    one, other = tiny.embed([tiny.tokenize("The capital of France"), tiny.tokenize("def add(a, b):")])
+    one, other = tiny.embedder.embed([tiny.tokenize("The capital of France"), tiny.tokenize("def add(a, b):")])
     assert len(one) == tiny.meta.n_embd
     assert abs(float(np.linalg.norm(one)) - 1.0) < 1e-5
-    assert one == tiny.embed([tiny.tokenize("The capital of France")])[0]
+    assert one == tiny.embedder.embed([tiny.tokenize("The capital of France")])[0]
     assert one != other
     with pytest.raises(InvalidInput):
-        tiny.embed([[]])
+        tiny.embedder.embed([[]])
 
 
 # ------------------------------------------------------------------------------------------------------- real model

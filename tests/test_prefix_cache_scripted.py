@@ -46,6 +46,9 @@ class ToyModel:
     )
     n_batch = 512
     kv_pad = 1
+    weights = "toy"
+    placement = None
+    vision = embedder = reranker = mtp = grammars = threads = None  # the toy's one optional part is its states
 
     def __init__(self, n_seq: int, *, shape: CacheShape | None = None):
         self.n_seq, self.n_ctx = n_seq, 1024
@@ -53,13 +56,16 @@ class ToyModel:
         self.cells: list[list[int]] = [[] for _ in range(n_seq)]  # each sequence's cached tokens, position order
         self.rows: list[np.ndarray] = []
         self.shape = shape or CacheShape(fingerprint="toy")
-        self.fail_restore = False
+        self.states = ToyStates(self.cells)
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return [1 + ord(c) % (N_VOCAB - 1) for c in text]
 
     def token_bytes(self, token: int) -> bytes:
         return bytes([97 + token % 26])
+
+    def token_text(self, token: int) -> str:
+        return self.token_bytes(token).decode()
 
     def is_eog(self, token: int) -> bool:
         return token == 0
@@ -102,6 +108,17 @@ class ToyModel:
     def cache_shape(self) -> CacheShape:
         return self.shape
 
+    def close(self) -> None:
+        pass
+
+
+class ToyStates:
+    """The toy's SequenceStates part: a sequence's cells, pickled."""
+
+    def __init__(self, cells: list[list[int]]):
+        self.cells = cells
+        self.fail_restore = False
+
     def save_seq(self, seq: int) -> bytes | None:
         return pickle.dumps(self.cells[seq]) + bytes(1000)  # padded: a state has a size to budget
 
@@ -110,18 +127,6 @@ class ToyModel:
             self.cells[seq] = []
             raise LocalLLMError("the toy refuses this state")
         self.cells[seq] = pickle.loads(data)
-
-    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
-        raise NotImplementedError
-
-    def mtp_head(self) -> None:
-        return None
-
-    def grammar_probe(self, grammar: str) -> None:
-        return None
-
-    def close(self) -> None:
-        pass
 
 
 def _engine(model: ToyModel, *, ram: int = 10**7) -> ModelEngine:
@@ -166,7 +171,7 @@ def test_a_failed_restore_answers_from_a_full_prefill():
         x = _prompt(1)
         x_answer, _ = _ask(engine, x)
         _ask(engine, _prompt(2))
-        model.fail_restore = True
+        model.states.fail_restore = True
         again = x + x_answer + [9, 9]
         answer, timings = _ask(engine, again)
     finally:
@@ -176,7 +181,7 @@ def test_a_failed_restore_answers_from_a_full_prefill():
 
 def test_a_ram_budget_too_small_for_two_states_still_answers_exactly():
     model = ToyModel(n_seq=1)
-    size = len(model.save_seq(0)) + 4 * 130  # about one saved conversation
+    size = len(model.states.save_seq(0)) + 4 * 130  # about one saved conversation
     engine = _engine(model, ram=size + 600)
     try:
         prompts = [_prompt(seed) for seed in range(4)]

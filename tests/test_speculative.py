@@ -130,7 +130,7 @@ def _margin_under_grammar(engine: ModelEngine, prompt, prefix: list[int], plain:
     from localllm.backends.base import Batch
 
     model = LlamaCppBackend().load(engine.model.path, LoadOptions(num_ctx=512, num_parallel=1))
-    probe = model.grammar_probe(grammar_for_format(prompt[1]))
+    probe = model.grammars.probe(grammar_for_format(prompt[1]))
     try:
         assert probe.allowed(prefix, [plain]) == 1 and probe.allowed(prefix, [spec]) == 1, (
             f"token {spec} or {plain} breaks the grammar after {prefix}: a grammar bug, not a near-tie"
@@ -261,7 +261,7 @@ def test_unavailable_spec_type_is_a_clear_error(smollm2_engines):
 def test_grammar_probe_cuts_drafts_at_the_first_forbidden_token(smollm2_path):
     model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_ctx=64, num_parallel=1))
     try:
-        probe = model.grammar_probe('root ::= [0-9]+ "x"')
+        probe = model.grammars.probe('root ::= [0-9]+ "x"')
         digits = model.tokenize("12", add_special=False) + model.tokenize("34", add_special=False)
         letters = model.tokenize("ab", add_special=False)
         assert probe.allowed([], digits + letters + digits) == len(digits)

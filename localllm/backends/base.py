@@ -1,8 +1,14 @@
-"""The small Protocol every backend implements. The engine thread is the only caller, so implementations need no locks.
+"""The core Protocol every backend implements, and its optional parts. The engine thread is the only caller, so
+implementations need no locks.
 
 A loaded model holds one native context with `n_seq` sequences (one per slot), each able to hold `n_ctx` tokens.
 Rows of a Batch are addressed by their index: `decode(batch)` computes outputs for rows marked `logits`, and
-`Sampler.sample(row)` / `logits(row)` read the output of that row of the last decode."""
+`Sampler.sample(row)` / `logits(row)` read the output of that row of the last decode.
+
+`LoadedModel` is the core every load has: text, decode, sampling and the sequence cache. What only some loads can do
+hangs off it as optional parts, each a small Protocol or None (`vision`, `embedder`, `reranker`, `states`, `mtp`,
+`grammars`, `threads`): a caller asks `model.vision is None` instead of catching a stub's error, and a new capability
+is a new part, not a method every backend must stub."""
 
 from __future__ import annotations
 
@@ -168,7 +174,75 @@ class GrammarProbe(Protocol):
     def close(self) -> None: ...
 
 
+class Vision(Protocol):
+    """Images in prompts, through a vision projector loaded beside the weights."""
+
+    def image_tokens(self, image: ImagePixels) -> list[int]:
+        """The prompt piece that stands for `image`: the text tokens the projector wraps it in and one placeholder
+        per embedding position (a PromptImage's); tokenizing only, so any thread may ask. Raises InvalidInput for an
+        image the projector cannot take."""
+
+    def encode_image(self, image: PromptImage) -> None:
+        """Compute the embeddings of `image` (engine thread, before a decode whose rows hold its placeholders); a
+        batch row whose token is a placeholder then decodes that embedding. Cheap when they are still at hand."""
+
+
+class Embedder(Protocol):
+    """Pooled text embeddings (an embedding model's, or a generative model's mean-pooled hidden states)."""
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """A pooled, normalised embedding of each input (token lists of 1 to n_ctx tokens), decoded together where
+        the backend can."""
+
+
+class Reranker(Protocol):
+    """A cross-encoder's relevance scores for query/document pairs (meta.reranker: rank pooling, a classifier head)."""
+
+    def pair_tokens(self, query: str, document: str) -> list[int]:
+        """The sequence the model scores for one query/document pair, its special tokens laid out as the model's
+        family expects (tokenizing only: any thread may ask)."""
+
+    def rerank(self, pairs: Sequence[Sequence[int]]) -> list[float]:
+        """The relevance score of each pair from pair_tokens (1 to n_ctx tokens each), higher for a better match,
+        decoded together where the backend can."""
+
+
+class SequenceStates(Protocol):
+    """A sequence's cache saved as bytes and loaded back (the prefix cache's RAM and disk tiers, prompt-cache files)."""
+
+    def save_seq(self, seq: int) -> bytes | None:
+        """Sequence `seq`'s whole cached state as bytes; None where the backend could not read it (the engine then
+        re-prefills instead of restoring)."""
+
+    def restore_seq(self, seq: int, data: bytes, n_tokens: int) -> None:
+        """Replace sequence `seq`'s cache with a state from save_seq that holds positions up to `n_tokens`; raises
+        LocalLLMError when it does not load or holds other positions (the sequence is then left empty)."""
+
+
+class MtpLayers(Protocol):
+    """The weights' multi-token-prediction layers, which draft for speculative decoding."""
+
+    def open_head(self) -> MtpHead:
+        """The layers in a context of their own; raises LocalLLMError where the backend cannot run them."""
+
+
+class GrammarChecks(Protocol):
+    """Grammar probes that check drafts against a request's grammar (backends whose samplers take grammars)."""
+
+    def probe(self, grammar: str) -> GrammarProbe: ...
+
+
+class ThreadControl(Protocol):
+    """The CPU threads a backend decodes with, set by the engine's thread tuner (engine/threads.py)."""
+
+    def set(self, n: int) -> None:
+        """CPU threads for the next decodes."""
+
+
 class LoadedModel(Protocol):
+    """One load's core: tokens, decode, sampling and the sequences' cache. The optional parts below are None where
+    this load (its backend, weights or projector) lacks the capability."""
+
     meta: ModelMeta
     n_seq: int
     n_ctx: int
@@ -176,20 +250,38 @@ class LoadedModel(Protocol):
     kv_pad: int  # the backend attends over its cache in spans of this many cells (1: exactly)
     # KV cells the sequences share (at least n_ctx); n_seq x n_ctx where each sequence has cells of its own.
     kv_cells: int
-    adjustable_threads: bool  # set_threads takes effect (the engine then tunes the count as it runs)
     weights: Hashable  # equal for loads that share one copy of the weights in memory
     placement: Placement | None  # where its layers went (CPU, GPUs, RPC workers); None where not placed
 
+    @property
+    def vision(self) -> Vision | None:
+        """Set where the load has a vision projector (meta.vision)."""
+
+    @property
+    def embedder(self) -> Embedder | None:
+        """Set where the model embeds texts (every model but a reranker on llama.cpp; some architectures on MLX)."""
+
+    @property
+    def reranker(self) -> Reranker | None:
+        """Set for a cross-encoder (meta.reranker)."""
+
+    @property
+    def states(self) -> SequenceStates | None:
+        """Set where sequence states can be saved (without it, an evicted prefix is prefilled again)."""
+
+    @property
+    def mtp(self) -> MtpLayers | None:
+        """Set where the weights carry MTP layers and the backend runs them."""
+
+    @property
+    def grammars(self) -> GrammarChecks | None:
+        """Set where the backend samples with grammars."""
+
+    @property
+    def threads(self) -> ThreadControl | None:
+        """Set where the engine may change the decode threads (None: the backend schedules its own)."""
+
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
-
-    def image_tokens(self, image: ImagePixels) -> list[int]:
-        """The prompt piece that stands for `image`: the text tokens the projector wraps it in and one placeholder
-        per embedding position (a PromptImage's); tokenizing only, so any thread may ask. Raises InvalidInput for a
-        model loaded without a vision projector, or an image its projector cannot take."""
-
-    def encode_image(self, image: PromptImage) -> None:
-        """Compute the embeddings of `image` (engine thread, before a decode whose rows hold its placeholders); a
-        batch row whose token is a placeholder then decodes that embedding. Cheap when they are still at hand."""
 
     def token_bytes(self, token: int) -> bytes:
         """The raw bytes of one token (may be part of a UTF-8 character)."""
@@ -217,35 +309,6 @@ class LoadedModel(Protocol):
 
     def cache_shape(self) -> CacheShape:
         """How this model's sequence states may be cut, saved and restored (engine/prefix_cache.py)."""
-
-    def save_seq(self, seq: int) -> bytes | None:
-        """Sequence `seq`'s whole cached state as bytes, or None where the backend cannot save one (the engine then
-        re-prefills instead of restoring)."""
-
-    def restore_seq(self, seq: int, data: bytes, n_tokens: int) -> None:
-        """Replace sequence `seq`'s cache with a state from save_seq that holds positions up to `n_tokens`; raises
-        LocalLLMError when it does not load or holds other positions (the sequence is then left empty)."""
-
-    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
-        """A pooled, normalised embedding of each input (token lists of 1 to n_ctx tokens), decoded together where
-        the backend can."""
-
-    def pair_tokens(self, query: str, document: str) -> list[int]:
-        """The sequence a reranker (meta.reranker) scores for one query/document pair, its special tokens laid out
-        as the model's family expects; raises InvalidInput for a model that does not rerank."""
-
-    def rerank(self, pairs: Sequence[Sequence[int]]) -> list[float]:
-        """The relevance score of each pair from pair_tokens (1 to n_ctx tokens each), higher for a better match,
-        decoded together where the backend can; raises InvalidInput for a model that does not rerank."""
-
-    def set_threads(self, n: int) -> None:
-        """CPU threads for the next decodes (a no-op where the backend schedules its own)."""
-
-    def mtp_head(self) -> MtpHead | None:
-        """The weights' MTP head in a context of its own, or None where the weights or the backend have none."""
-
-    def grammar_probe(self, grammar: str) -> GrammarProbe | None:
-        """A probe of `grammar` for checking drafts, or None where the backend samples without grammars."""
 
     def close(self) -> None: ...
 

@@ -26,8 +26,18 @@ from ..api import LoadOptions, LoraAdapter, SamplingOptions
 from ..errors import InvalidInput, LocalLLMError, ModelFormatError
 from ..models.options import context_size
 from ..models.plan import Placement
-from ..media import ImagePixels, PromptImage
-from .base import Batch, CacheShape, LoadCheck, ModelMeta
+from .base import (
+    Batch,
+    CacheShape,
+    GrammarChecks,
+    LoadCheck,
+    ModelMeta,
+    MtpLayers,
+    Reranker,
+    SequenceStates,
+    ThreadControl,
+    Vision,
+)
 
 log = logging.getLogger(__name__)
 
@@ -202,12 +212,22 @@ def _make_piece_decoder(backend) -> Callable[[str], bytes]:
 
 
 class MlxModel:
-    """A loaded MLX model: weights, tokenizer and one KV cache per sequence."""
+    """A loaded MLX model: weights, tokenizer and one KV cache per sequence. Its one optional part is an embedder,
+    for architectures whose inner model gives hidden states."""
 
     n_batch = 512  # prefill chunk: the scheduler's token budget per step
     kv_pad = 1  # attention spans the cache exactly (no padded grid as in llama.cpp)
-    adjustable_threads = False  # MLX schedules its own threads: the engine's thread tuner leaves it alone
     placement: Placement | None = None  # MLX runs the whole model on its one device
+    # What MLX does not do here. No projectors (load refuses them). mlx-lm loads language models only, so there is no
+    # cross-encoder's classifier head. No sequence states yet: an evicted prefix is prefilled again. No MTP layers:
+    # spec_type auto falls back to a draft model or n-gram. Sampling takes no grammars. MLX schedules its own
+    # threads: the engine's thread tuner leaves it alone.
+    vision: Vision | None = None
+    reranker: Reranker | None = None
+    states: SequenceStates | None = None
+    mtp: MtpLayers | None = None
+    grammars: GrammarChecks | None = None
+    threads: ThreadControl | None = None
 
     def __init__(self, path: Path, model, tokenizer, config: dict, *, n_seq: int, n_ctx: int):
         self.path = path
@@ -226,6 +246,8 @@ class MlxModel:
         self._special = {i for i, tok in self._backend_tok.get_added_tokens_decoder().items() if tok.special}
         self._piece_bytes = _make_piece_decoder(self._backend_tok)
         self._bytes_cache: dict[int, bytes] = {}
+        inner = getattr(model, "model", None)  # the trunk without the output head (mlx-lm's model classes)
+        self.embedder = MlxEmbedder(inner, n_ctx) if callable(inner) else None
 
     def _new_cache(self) -> list[KVCache]:
         # Plain caches for every layer, sliding-window ones included: the model still masks to its window, and a
@@ -367,61 +389,32 @@ class MlxModel:
         self._caches[dst] = fresh
         mx.eval(self._cache_state(dst))
 
-    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
-        return [self._embed_one(tokens) for tokens in inputs]
-
-    def _embed_one(self, tokens: Sequence[int]) -> list[float]:
-        inner = getattr(self._model, "model", None)
-        if inner is None or not callable(inner):
-            raise InvalidInput(f"embeddings are not supported on MLX for {self.meta.architecture} models")
-        if not 0 < len(tokens) <= self.n_ctx:
-            raise InvalidInput(f"input is {len(tokens)} tokens; embeddings take 1 to {self.n_ctx}")
-        hidden = inner(mx.array([list(tokens)]))[0].astype(mx.float32)  # [n_tokens, n_embd], final norm applied
-        pooled = hidden.mean(axis=0)
-        norm = mx.maximum(mx.linalg.norm(pooled), 1e-12)
-        return np.array(pooled / norm, dtype=np.float64).tolist()
-
-    def image_tokens(self, image: ImagePixels) -> list[int]:
-        raise InvalidInput("this model is missing data required for image input")  # Ollama's wording
-
-    def encode_image(self, image: PromptImage) -> None:
-        raise InvalidInput("this model is missing data required for image input")
-
-    def pair_tokens(self, query: str, document: str) -> list[int]:
-        raise self._no_rerank()
-
-    def rerank(self, pairs: Sequence[Sequence[int]]) -> list[float]:
-        raise self._no_rerank()
-
-    def _no_rerank(self) -> InvalidInput:
-        # mlx-lm loads language models only: a cross-encoder's classifier head has no MLX counterpart here.
-        return InvalidInput(
-            f"reranking is not supported on MLX ({self.meta.architecture} models)",
-            hint="rerank with a cross-encoder GGUF (rank pooling) on the llama.cpp backend",
-        )
-
-    def set_threads(self, n: int) -> None:
-        pass
-
     def cache_shape(self) -> CacheShape:
         return CacheShape()  # every layer keeps a full cache here (see _new_cache): any cut is exact
-
-    def save_seq(self, seq: int) -> None:
-        return None  # no sequence states on MLX yet: an evicted prefix is prefilled again
-
-    def restore_seq(self, seq: int, data: bytes, n_tokens: int) -> None:
-        raise LocalLLMError("the MLX backend cannot restore a saved sequence state")
-
-    def mtp_head(self) -> None:
-        return None  # MLX runs no MTP layers: spec_type auto falls back to a draft model or n-gram
-
-    def grammar_probe(self, grammar: str) -> None:
-        return None  # MLX samples without grammars
 
     def close(self) -> None:
         self._caches = []
         self._outputs = {}
         self._model = None
+        self.embedder = None
+
+
+class MlxEmbedder:
+    """The Embedder part: the trunk's final hidden states (final norm applied), mean-pooled and normalised."""
+
+    def __init__(self, trunk: Callable[[mx.array], mx.array], n_ctx: int):
+        self._trunk, self._n_ctx = trunk, n_ctx
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        return [self._embed_one(tokens) for tokens in inputs]
+
+    def _embed_one(self, tokens: Sequence[int]) -> list[float]:
+        if not 0 < len(tokens) <= self._n_ctx:
+            raise InvalidInput(f"input is {len(tokens)} tokens; embeddings take 1 to {self._n_ctx}")
+        hidden = self._trunk(mx.array([list(tokens)]))[0].astype(mx.float32)  # [n_tokens, n_embd]
+        pooled = hidden.mean(axis=0)
+        norm = mx.maximum(mx.linalg.norm(pooled), 1e-12)
+        return np.array(pooled / norm, dtype=np.float64).tolist()
 
 
 # ------------------------------------------------------------------------------------------------------- sampling

@@ -56,17 +56,18 @@ class CacheKeeper:
 
     def _save(self, save: Save) -> None:
         assert self.cache is not None
-        data = self.model.save_seq(save.seq)
+        states = self.model.states
+        data = states.save_seq(save.seq) if states is not None else None
         if data is not None:
             self.cache.put(save.tokens, data, pinned=save.pinned)
 
     def _restore(self, restore: Restore, data: bytes, tier: str, read_seconds: float) -> None:
         """Load a saved prefix into the request's slot; on any failure the request prefills its whole prompt."""
-        cache, entry = self.cache, restore.entry
-        assert cache is not None
+        cache, entry, states = self.cache, restore.entry, self.model.states
+        assert cache is not None and states is not None  # an entry exists only where states were saved
         started = time.perf_counter()
         try:
-            self.model.restore_seq(restore.seq, data, entry.n_tokens)
+            states.restore_seq(restore.seq, data, entry.n_tokens)
         except LocalLLMError as exc:
             log.warning("prefix cache: dropping an entry of %d tokens: %s", entry.n_tokens, exc)
             cache.drop(entry)
@@ -118,7 +119,8 @@ class CacheKeeper:
         if max(in_slot, in_entry) == 0:
             raise InvalidInput("nothing of this conversation is in the prompt cache", hint="send a message first")
         if in_slot >= in_entry:
-            data = self.model.save_seq(slot.seq)
+            states = self.model.states
+            data = states.save_seq(slot.seq) if states is not None else None
             if data is None:
                 raise InvalidInput("this backend cannot save sequence states")
             held = as_tokens(slot.cached)

@@ -156,7 +156,7 @@ class ModelPool:
         except BaseException:  # e.g. a draft model with another vocabulary: the error goes to the request
             loaded.close()
             raise
-        tuner = ThreadTuner(physical_cores()) if load.num_thread is None and loaded.adjustable_threads else None
+        tuner = ThreadTuner(physical_cores()) if load.num_thread is None and loaded.threads is not None else None
         engine = ModelEngine(
             loaded,
             max_queue=config.MAX_QUEUE.get(),

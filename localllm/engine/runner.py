@@ -21,10 +21,10 @@ import numpy as np
 from .. import config
 from ..api import SamplingOptions, Timings
 from ..backends.base import LoadedModel, ModelMeta
-from ..media import PromptImage, is_placeholder
 from ..errors import Cancelled, ContextOverflow, InvalidInput, LocalLLMError, QueueFull, WorkerLost
-from ..media import ImagePixels
+from ..media import ImagePixels, PromptImage, is_placeholder
 from .cache_keeper import CacheKeeper
+from .parts import embedder_of, reranker_of, vision_of
 from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler, Step
 from .speculative.speculation import Speculation
@@ -69,7 +69,7 @@ class GenerationParams:
     logprobs: int | None = None  # None: none; n: the chosen token's and the n most likely alternatives
     started: float | None = None  # perf_counter when the request began (prompt_eval counts from here); None: now
     keep_prefix: bool = False  # pin the prompt and answer in the prefix cache when the request ends
-    images: tuple[PromptImage, ...] = ()  # images whose placeholders the prompt holds (LoadedModel.image_tokens)
+    images: tuple[PromptImage, ...] = ()  # images whose placeholders the prompt holds (Vision.image_tokens)
 
 
 ACCEPTANCE_POSITIONS = 64  # draft positions counted one by one; later ones count in the last
@@ -281,10 +281,10 @@ class ModelEngine:
         return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def image_tokens(self, image: ImagePixels) -> list[int]:
-        """The prompt piece for one image (tokenizing only: any thread may ask); see LoadedModel.image_tokens."""
+        """The prompt piece for one image (tokenizing only: any thread may ask); see Vision.image_tokens."""
         if self._closed:
             raise Cancelled("the model was unloaded")
-        return self.model.image_tokens(image)
+        return vision_of(self.model).image_tokens(image)
 
     def submit(self, params: GenerationParams) -> Stream:
         """Queue a generation; raises ContextOverflow or QueueFull at once, never later."""
@@ -340,7 +340,7 @@ class ModelEngine:
         """The sequence a reranker scores for one query/document pair (tokenizing only: any thread may ask)."""
         if self._closed:
             raise Cancelled("the model was unloaded")
-        return self.model.pair_tokens(query, document)
+        return reranker_of(self.model).pair_tokens(query, document)
 
     def rerank(self, pairs: Sequence[Sequence[int]]) -> list[float]:
         """The relevance score of each pair from pair_tokens, decoded on the engine thread between steps."""
@@ -443,9 +443,9 @@ class ModelEngine:
                     for request, params in admitted:
                         self._admit(request, params)
                 case _Embed(inputs, future):
-                    self._embed(inputs, future)
+                    self._answer(future, self._embed, inputs)
                 case _Rerank(pairs, future):
-                    self._answer(future, self.model.rerank, pairs)
+                    self._answer(future, self._rerank, pairs)
                 case _Export(tokens, future):
                     self._answer(future, self._keeper.export, tokens)
                 case _Import(blob, future):
@@ -470,11 +470,11 @@ class ModelEngine:
             log.exception("could not start a request")
             self._close_request(request, LocalLLMError(f"could not start the request: {exc}"))
 
-    def _embed(self, inputs: list[list[int]], future: Future[list[list[float]]]) -> None:
-        try:
-            future.set_result(self.model.embed(inputs))
-        except BaseException as exc:
-            future.set_exception(exc)
+    def _embed(self, inputs: list[list[int]]) -> list[list[float]]:
+        return embedder_of(self.model).embed(inputs)
+
+    def _rerank(self, pairs: list[list[int]]) -> list[float]:
+        return reranker_of(self.model).rerank(pairs)
 
     @staticmethod
     def _answer(future: Future, work, *args) -> None:
@@ -493,10 +493,11 @@ class ModelEngine:
         wanted = {t for t in step.batch.tokens if is_placeholder(t)}
         if not wanted:
             return
+        vision = vision_of(self.model)
         for req in self._scheduler.in_batch(step):
             for image in req.images:
                 if wanted.intersection(image.placeholders):
-                    self.model.encode_image(image)
+                    vision.encode_image(image)
 
     def _propose_drafts(self) -> None:
         """Ask each generating request's drafter for this step's draft tokens (speculative decoding)."""
@@ -604,8 +605,9 @@ class ModelEngine:
             self._machine_changed.clear()
             self.threads.retry()
         threads = self.threads.choose(kind)
-        if threads != self._threads_now:
-            self.model.set_threads(threads)
+        control = self.model.threads
+        if threads != self._threads_now and control is not None:
+            control.set(threads)
             self._threads_now = threads
         if kind == "decode":
             self.stats.threads = threads

@@ -29,15 +29,15 @@ from ...api import LoadOptions, LoraAdapter, SamplingOptions
 from ...chat.fim import FimTokens
 from ...errors import InvalidInput, LocalLLMError, ModelFormatError, WorkerLost
 from ...machine import physical_cores
-from ...media import ImagePixels
+from ...media import is_placeholder
 from ...models.options import context_size
 from ...models.plan import Placement, kv_cells
-from ...media import PromptImage, is_placeholder
-from ..base import Batch, CacheShape, GrammarProbe, ModelMeta, MtpHead
-from .embedding import MAX_SEQS, embed_group, pack, pack_limit, pooling_for
-from .rerank import PairLayout, pair_layout, pair_tokens, score_group
+from ..base import Batch, CacheShape, ModelMeta
+from .embedding import MAX_SEQS, LlamaEmbedder, pooling_for
+from .rerank import LlamaReranker, pair_layout
 from .rpc import PlacedModel, RpcGuard, place_model
-from .speculative import LlamaGrammarProbe, LlamaMtpHead
+from .speculative import LlamaGrammarChecks, LlamaMtpLayers
+from .states import LlamaSequenceStates
 from .vision import Projector, decode_rows
 
 log = logging.getLogger(__name__)
@@ -407,13 +407,24 @@ def _pooling_type(model) -> int | None:
     return int(value) if value is not None and value.lstrip("-").isdigit() else None
 
 
+class LlamaThreads:
+    """The ThreadControl part of every llama.cpp load: the context's thread counts for the next decodes."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+
+    def set(self, n: int) -> None:
+        llama_cpp.llama_set_n_threads(self._ctx, n, n)
+
+
 class LlamaCppModel:
-    """A loaded GGUF: weights, one context of `n_seq` sequences, and a reusable batch buffer."""
+    """A loaded GGUF: weights, one context of `n_seq` sequences, and a reusable batch buffer. Its parts: states,
+    grammar checks and thread control always; vision with a projector; an embedder, or a reranker for a
+    cross-encoder; MTP layers where the weights carry them."""
 
     # llama.cpp attends over a sequence's KV cells up to its highest used cell rounded up to 256 (llama_kv_cache::
     # get_n_kv, so that graphs can be reused); the scheduler ends prefill chunks on that grid.
     kv_pad = 256
-    adjustable_threads = True
 
     def __init__(
         self,
@@ -444,7 +455,7 @@ class LlamaCppModel:
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self._mem = llama_cpp.llama_get_memory(ctx)
         self.meta = replace(_read_meta(model, path), vision=projector is not None)
-        self._projector = projector
+        self.vision = projector
         self._embd_batch = None  # a batch of embedding rows, made at the first image
         self.n_seq = n_seq
         # A unified pool lets any sequence reach all its cells; a slot's context stays the one asked for.
@@ -454,12 +465,17 @@ class LlamaCppModel:
         self.n_batch = llama_cpp.llama_n_batch(ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._embed_ctx = None  # the pooled context of an embedding model or a reranker (one or the other)
-        self._pairs: PairLayout | None = pair_layout(model, self._vocab) if self.meta.reranker else None
         self._piece_cache: dict[int, bytes] = {}
         self._eog: list[int] | None = None
         self._logits_row = ctypes.c_float * self.meta.n_vocab
         # A set, not a call per generated token: each ctypes call gives up the GIL, which the server's threads want.
         self._eog_set = frozenset(self.eog_tokens())
+        self.states = LlamaSequenceStates(ctx, self._mem)
+        self.grammars = LlamaGrammarChecks(model)
+        self.threads = LlamaThreads(ctx)
+        self.mtp = self._mtp_layers() if self.meta.has_mtp else None
+        self.embedder = None if self.meta.reranker else self._embedder()
+        self.reranker = self._reranker() if self.meta.reranker else None
 
     # ----------------------------------------------------------------------------------------------- text
 
@@ -473,20 +489,6 @@ class LlamaCppModel:
             buf = (llama_cpp.llama_token * capacity)()
             n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
         return list(buf[:n])
-
-    def image_tokens(self, image: ImagePixels) -> list[int]:
-        if self._projector is None:
-            # Ollama's wording (model/model.go ErrNoVisionModel), which clients match on.
-            raise InvalidInput(
-                "this model is missing data required for image input",
-                hint="use a model with a vision projector (`localllm show` lists vision among its capabilities)",
-            )
-        return self._projector.image_tokens(image)
-
-    def encode_image(self, image: PromptImage) -> None:
-        if self._projector is None:
-            raise InvalidInput("this model is missing data required for image input")
-        self._projector.encode(image)
 
     def token_bytes(self, token: int) -> bytes:
         piece = self._piece_cache.get(token)
@@ -546,13 +548,13 @@ class LlamaCppModel:
             )
 
     def _decode_images(self, batch: Batch, start: int) -> None:
-        if self._projector is None:
+        if self.vision is None:
             raise LocalLLMError("a batch holds image placeholders, but the model has no vision projector")
         if any(batch.logits[start:]) or not all(map(is_placeholder, batch.tokens[start:])):
             raise LocalLLMError("image rows must trail the batch and want no logits")
         if self._embd_batch is None:
             self._embd_batch = llama_cpp.llama_batch_init(self.n_batch, self.meta.n_embd, 1)
-        rows = self._projector.rows(batch.tokens[start:])
+        rows = self.vision.rows(batch.tokens[start:])
         status = decode_rows(self._ctx, self._embd_batch, rows, batch.positions[start:], batch.seqs[start:])
         if status != 0:
             raise LocalLLMError(f"llama_decode failed with status {status} on {len(rows)} image rows")
@@ -613,41 +615,11 @@ class LlamaCppModel:
             window=max(0, llama_cpp.llama_model_n_swa(self._model)), recurrent=recurrent, fingerprint=fingerprint
         )
 
-    def save_seq(self, seq: int) -> bytes | None:
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq)
-        return ctypes.string_at(buf, n) if n else None
+    # ----------------------------------------------------------------------------------------------- parts
 
-    def restore_seq(self, seq: int, data: bytes, n_tokens: int) -> None:
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq) == 0:
-            self.remove(seq, 0)
-            raise LocalLLMError(f"llama.cpp could not load a saved state of {len(data):,} bytes into slot {seq}")
-        # A state whose cells end elsewhere than its token list says would make the next decode fail (positions
-        # must follow on): refuse it here, while the request can still prefill instead.
-        last = llama_cpp.llama_memory_seq_pos_max(self._mem, seq)
-        if last != n_tokens - 1:
-            self.remove(seq, 0)
-            raise LocalLLMError(f"a saved state for {n_tokens:,} tokens holds positions up to {last} in slot {seq}")
-
-    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
-        if self._guard is not None:  # its context and decode may reach a worker
-            return self._guard.call(self._embed, inputs)
-        return self._embed(inputs)
-
-    def _embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
-        for i, tokens in enumerate(inputs):
-            if not 0 < len(tokens) <= self.n_ctx:
-                raise InvalidInput(f"input {i} is {len(tokens)} tokens; the embedding context holds 1 to {self.n_ctx}")
-        ctx = self._embedding_context()
-        vectors: list[list[float]] = []
-        for run in pack(inputs, pack_limit(self.n_ctx, self.meta.n_embd)):
-            vectors += embed_group(ctx, [inputs[i] for i in run], self.meta.n_embd)
-        return vectors
-
-    def _embedding_context(self):
-        return self._pooled_context(pooling_for(self.meta.pooling), self.options)
+    def _native(self, work: Callable[..., Any], *args: Any) -> Any:
+        """`work(*args)`, through the RPC guard where layers sit on workers (a pooled context's decode reaches them)."""
+        return self._guard.call(work, *args) if self._guard is not None else work(*args)
 
     def _pooled_context(self, pooling: int, options: LoadOptions):
         # A second context over the same weights: pooled output needs embeddings mode, which would slow the
@@ -658,39 +630,42 @@ class LlamaCppModel:
             self._adapters.set_on(self._embed_ctx)
         return self._embed_ctx
 
-    def pair_tokens(self, query: str, document: str) -> list[int]:
-        def tokenize(text: str, add_special: bool, parse_special: bool) -> list[int]:
-            return self.tokenize(text, add_special=add_special, parse_special=parse_special)
+    def _embedder(self) -> LlamaEmbedder:
+        pooling = pooling_for(self.meta.pooling)
+        return LlamaEmbedder(
+            lambda: self._pooled_context(pooling, self.options),
+            n_ctx=self.n_ctx,
+            n_embd=self.meta.n_embd,
+            call=self._native,
+        )
 
-        return pair_tokens(self._pair_layout(), tokenize, query, document)
-
-    def rerank(self, pairs: Sequence[Sequence[int]]) -> list[float]:
-        if self._guard is not None:  # its context and decode may reach a worker
-            return self._guard.call(self._rerank, pairs)
-        return self._rerank(pairs)
-
-    def _rerank(self, pairs: Sequence[Sequence[int]]) -> list[float]:
-        self._pair_layout()
-        for i, tokens in enumerate(pairs):
-            if not 0 < len(tokens) <= self.n_ctx:
-                raise InvalidInput(f"pair {i} is {len(tokens)} tokens; the reranking context holds 1 to {self.n_ctx}")
+    def _reranker(self) -> LlamaReranker:
         # Flash attention off, whatever the flash trial chose for generation: its F16 rounding moves a pair's score
         # by ~1e-3 with the length of the batch it shares, so a document would score by its neighbours.
         no_flash = self.options.model_copy(update={"flash_attn": False})
-        ctx = self._pooled_context(llama_cpp.LLAMA_POOLING_TYPE_RANK, no_flash)
-        n_cls_out = max(1, llama_cpp.llama_model_n_cls_out(self._model))
-        scores: list[float] = []
-        for run in pack(pairs, pack_limit(self.n_ctx, self.meta.n_embd)):
-            scores += score_group(ctx, [pairs[i] for i in run], n_cls_out)
-        return scores
 
-    def _pair_layout(self) -> PairLayout:
-        if self._pairs is None:
-            raise InvalidInput(
-                f"{self.path.name} does not rerank: it has no classifier head (rank pooling)",
-                hint="rerank with a cross-encoder GGUF such as bge-reranker-v2-m3",
-            )
-        return self._pairs
+        def tokenize(text: str, add_special: bool, parse_special: bool) -> list[int]:
+            return self.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+        return LlamaReranker(
+            pair_layout(self._model, self._vocab),
+            tokenize,
+            lambda: self._pooled_context(llama_cpp.LLAMA_POOLING_TYPE_RANK, no_flash),
+            n_ctx=self.n_ctx,
+            n_embd=self.meta.n_embd,
+            n_cls_out=max(1, llama_cpp.llama_model_n_cls_out(self._model)),
+            call=self._native,
+        )
+
+    def _mtp_layers(self) -> LlamaMtpLayers:
+        return LlamaMtpLayers(
+            self._model,
+            self._ctx,
+            partial(_context_params, self.options, n_seq=self.n_seq, n_ctx=self.n_ctx),
+            n_seq=self.n_seq,
+            n_ctx=self.n_ctx,
+            n_vocab=self.meta.n_vocab,
+        )
 
     def close(self) -> None:
         if self._ctx is None:
@@ -698,8 +673,8 @@ class LlamaCppModel:
         llama_cpp.llama_batch_free(self._batch)
         if self._embd_batch is not None:
             llama_cpp.llama_batch_free(self._embd_batch)
-        if self._projector is not None:
-            self._projector.close()  # before the weights it reads
+        if self.vision is not None:
+            self.vision.close()  # before the weights it reads
         try:
             if self._guard is not None:
                 self._guard.call(self._free_native)
@@ -717,20 +692,6 @@ class LlamaCppModel:
         llama_cpp.llama_free(self._ctx)
         _free_adapters(self._adapters)
         self._release_weights()
-
-    def set_threads(self, n: int) -> None:
-        llama_cpp.llama_set_n_threads(self._ctx, n, n)
-
-    def mtp_head(self) -> MtpHead | None:
-        if not self.meta.has_mtp:
-            return None
-        params = _context_params(self.options, n_seq=self.n_seq, n_ctx=self.n_ctx)
-        return LlamaMtpHead(
-            self._model, self._ctx, params, n_seq=self.n_seq, n_ctx=self.n_ctx, n_vocab=self.meta.n_vocab
-        )
-
-    def grammar_probe(self, grammar: str) -> GrammarProbe | None:
-        return LlamaGrammarProbe(self._model, grammar)
 
 
 class LlamaCppSampler:

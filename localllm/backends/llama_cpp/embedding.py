@@ -5,7 +5,8 @@ model, which has none), and scaled to unit length, as Ollama returns them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -15,17 +16,39 @@ from ...errors import InvalidInput, LocalLLMError
 MAX_SEQS = 64  # inputs one decode packs at most (llama.cpp allows up to 256 sequences in a context)
 
 
-def pooling_for(gguf_pooling: int | None) -> int:
-    """The pooling a context is created with: the model's own, or mean pooling for a model that names none.
+# Runs a native call: directly, or through the RPC guard of a load with layers on workers (which gives up when a
+# worker is lost).
+NativeCall = Callable[..., Any]
 
-    Raises:
-        InvalidInput: the model is a reranker (rank pooling scores pairs; it does not embed texts).
-    """
+
+def pooling_for(gguf_pooling: int | None) -> int:
+    """The pooling a context is created with: the model's own, or mean pooling for a model that names none (a
+    reranker's rank pooling scores pairs instead: it has no Embedder)."""
     if gguf_pooling is None or gguf_pooling == llama_cpp.LLAMA_POOLING_TYPE_NONE:
         return llama_cpp.LLAMA_POOLING_TYPE_MEAN
-    if gguf_pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK:
-        raise InvalidInput("this model is a reranker: it scores query/document pairs and does not embed texts")
     return gguf_pooling
+
+
+class LlamaEmbedder:
+    """The Embedder part of a llama.cpp load that is not a reranker: inputs packed into decodes of the pooled
+    context beside the generation context (`context` makes it at first use)."""
+
+    def __init__(self, context: Callable[[], Any], *, n_ctx: int, n_embd: int, call: NativeCall):
+        self._context, self._call = context, call
+        self._n_ctx, self._n_embd = n_ctx, n_embd
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        return self._call(self._embed, inputs)
+
+    def _embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        for i, tokens in enumerate(inputs):
+            if not 0 < len(tokens) <= self._n_ctx:
+                raise InvalidInput(f"input {i} is {len(tokens)} tokens; the embedding context holds 1 to {self._n_ctx}")
+        ctx = self._context()
+        vectors: list[list[float]] = []
+        for run in pack(inputs, pack_limit(self._n_ctx, self._n_embd)):
+            vectors += embed_group(ctx, [inputs[i] for i in run], self._n_embd)
+        return vectors
 
 
 def pack_limit(n_ctx: int, n_embd: int) -> int:

@@ -148,7 +148,7 @@ def _affordable(models: dict[bool, LlamaCppModel], tokens: list[int]) -> tuple[i
     first = models[True]
     for threads in dict.fromkeys((first.options.num_thread or physical_cores(), 1)):
         for model in models.values():
-            model.set_threads(threads)
+            model.threads.set(threads)
         if _timed(first, tokens[:1], 0) > ONE_TOKEN_LIMIT:  # a big model: even the sizing chunk would cost seconds
             continue
         for model in models.values():  # the first batch of a size sets up more than its steps cost later

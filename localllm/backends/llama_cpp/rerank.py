@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import llama_cpp
 
-from .embedding import decode_group, pooled_output
+from ...errors import InvalidInput
+from .embedding import NativeCall, decode_group, pack, pack_limit, pooled_output
 
 Tokenize = Callable[[str, bool, bool], list[int]]  # (text, add_special, parse_special) -> token ids
 
@@ -69,3 +71,38 @@ def score_group(ctx, group: Sequence[Sequence[int]], n_cls_out: int) -> list[flo
     reports it (a raw logit: no sigmoid)."""
     decode_group(ctx, group, "rerank")
     return [float(pooled_output(ctx, seq, n_cls_out)[0]) for seq in range(len(group))]
+
+
+class LlamaReranker:
+    """The Reranker part of a cross-encoder load: pairs packed into decodes of a rank-pooled context beside the
+    generation context (`context` makes it at first use)."""
+
+    def __init__(
+        self,
+        layout: PairLayout,
+        tokenize: Tokenize,
+        context: Callable[[], Any],
+        *,
+        n_ctx: int,
+        n_embd: int,
+        n_cls_out: int,
+        call: NativeCall,
+    ):
+        self._layout, self._tokenize, self._context, self._call = layout, tokenize, context, call
+        self._n_ctx, self._n_embd, self._n_cls_out = n_ctx, n_embd, n_cls_out
+
+    def pair_tokens(self, query: str, document: str) -> list[int]:
+        return pair_tokens(self._layout, self._tokenize, query, document)
+
+    def rerank(self, pairs: Sequence[Sequence[int]]) -> list[float]:
+        return self._call(self._rerank, pairs)
+
+    def _rerank(self, pairs: Sequence[Sequence[int]]) -> list[float]:
+        for i, tokens in enumerate(pairs):
+            if not 0 < len(tokens) <= self._n_ctx:
+                raise InvalidInput(f"pair {i} is {len(tokens)} tokens; the reranking context holds 1 to {self._n_ctx}")
+        ctx = self._context()
+        scores: list[float] = []
+        for run in pack(pairs, pack_limit(self._n_ctx, self._n_embd)):
+            scores += score_group(ctx, [pairs[i] for i in run], self._n_cls_out)
+        return scores

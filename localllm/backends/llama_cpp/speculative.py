@@ -12,7 +12,8 @@ from __future__ import annotations
 import ctypes
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -198,3 +199,28 @@ class LlamaGrammarProbe:
         if self._grammar is not None:
             llama_cpp.llama_sampler_free(self._grammar)
             self._grammar = None
+
+
+class LlamaMtpLayers:
+    """The MtpLayers part of a load whose weights carry nextn layers: each open_head is a new MTP context."""
+
+    def __init__(self, model, ctx_tgt, params: Callable[[], Any], *, n_seq: int, n_ctx: int, n_vocab: int):
+        """`params`: makes context params like the target's (open_head changes its copy)."""
+        self._model, self._ctx_tgt, self._params = model, ctx_tgt, params
+        self._n_seq, self._n_ctx, self._n_vocab = n_seq, n_ctx, n_vocab
+
+    def open_head(self) -> LlamaMtpHead:
+        return LlamaMtpHead(
+            self._model, self._ctx_tgt, self._params(), n_seq=self._n_seq, n_ctx=self._n_ctx, n_vocab=self._n_vocab
+        )
+
+
+class LlamaGrammarChecks:
+    """The GrammarChecks part of every llama.cpp load: probes over the target's vocabulary."""
+
+    def __init__(self, model):
+        """`model`: the target's llama_model."""
+        self._model = model
+
+    def probe(self, grammar: str) -> LlamaGrammarProbe:
+        return LlamaGrammarProbe(self._model, grammar)

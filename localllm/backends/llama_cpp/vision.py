@@ -22,8 +22,7 @@ import numpy as np
 from llama_cpp import mtmd_cpp
 
 from ...errors import InvalidInput, LocalLLMError, ModelFormatError
-from ...media import ImagePixels
-from ...media import PromptImage
+from ...media import ImagePixels, PromptImage
 
 MTMD_INPUT_CHUNK_TYPE_IMAGE = 1
 KEPT_IMAGES = 32  # encoded images kept at hand: a step needs at most one run per slot
@@ -42,7 +41,8 @@ def placeholders(key: bytes, n: int) -> tuple[int, ...]:
 
 
 class Projector:
-    """mtmd's context over one loaded text model, and the embeddings of the images encoded last."""
+    """The Vision part of a load with a projector: mtmd's context over the text model, and the embeddings of the images
+    encoded last."""
 
     def __init__(self, path: Path, model, *, n_threads: int, n_embd: int):
         params = mtmd_cpp.mtmd_context_params_default()
@@ -81,7 +81,7 @@ class Projector:
                     piece += self._placeholders(image, len(piece), self._image_size(chunk))
         return piece
 
-    def encode(self, image: PromptImage) -> None:
+    def encode_image(self, image: PromptImage) -> None:
         """Encode the image on the engine thread, unless its embeddings are still at hand."""
         digest = image.pixels.digest
         if digest in self._images:

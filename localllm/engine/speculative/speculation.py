@@ -93,7 +93,8 @@ class Speculation:
                 hint=_MISSING_HINT[kind] + f"; it offers {', '.join(sorted(self._builders))}",
             )
         drafter = builder(self._window(opts.spec_max_draft, self.cost, floor=opts.spec_min_draft))
-        probe = self.target.grammar_probe(grammar) if grammar else None
+        grammars = self.target.grammars
+        probe = grammars.probe(grammar) if grammar and grammars is not None else None
         return drafter if probe is None else GrammarCheckedDrafter(drafter, probe, n_prompt=n_prompt)
 
     def may_draft(self, busy_slots: int) -> bool:
@@ -143,8 +144,10 @@ def load_speculation(store: Store, model: ResolvedModel, load: LoadOptions, load
 
 def open_mtp_head(loaded: LoadedModel) -> MtpHead | None:
     """The model's MTP head when its weights carry one and the backend runs it, else None."""
+    if loaded.mtp is None:
+        return None
     try:
-        return loaded.mtp_head()
+        return loaded.mtp.open_head()
     except LocalLLMError as exc:  # e.g. nextn layers this llama.cpp cannot run as a head: speculate without them
         log.warning("MTP head unavailable: %s", exc)
         return None
