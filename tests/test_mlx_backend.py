@@ -391,6 +391,11 @@ def test_grammar_is_refused_clearly(tiny):
 # ------------------------------------------------------------------------------------------------------- embeddings
 
 
+def test_a_loaded_model_offers_an_embedder_and_no_other_part(tiny):
+    assert (tiny.vision, tiny.reranker, tiny.states, tiny.mtp, tiny.grammars, tiny.threads) == (None,) * 6
+    assert tiny.embedder is not None
+
+
 def test_embeddings_are_normalised_and_deterministic(tiny):
     one, other = tiny.embedder.embed([tiny.tokenize("The capital of France"), tiny.tokenize("def add(a, b):")])
     assert len(one) == tiny.meta.n_embd
