@@ -18,5 +18,10 @@ else
   # machine into a cache outside the tree (about 7 minutes on 2 cores), found there by every later run.
   LLAMA_SERVER=$(bash scripts/build_llama_server.sh)
   export LLAMA_SERVER LLAMA_MTMD_CLI="${LLAMA_SERVER%/*}/llama-mtmd-cli"
+  # Debian's chromium, which tests/test_web_ui.py drives through Playwright (Playwright's own browser downloads are
+  # not reachable here): installed once per machine.
+  if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  fi
 fi
 exec .venv/bin/python -m pytest "$@"

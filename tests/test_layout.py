@@ -164,6 +164,25 @@ def test_models_quant_and_chat_import_nothing_above_them():
     assert _crossings(_graph(), LOWER, ABOVE_LOWER) == {}
 
 
+# The browser page's static files, served by server/web_routes.py: no Python lives there, so nothing imports from it
+# and the page reaches the product through the public API alone.
+WEB = PACKAGE / "web"
+
+
+def _python_under(folder: Path) -> list[str]:
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*.py"))
+
+
+def test_web_holds_no_python():
+    assert _python_under(WEB) == []
+
+
+def test_the_web_check_can_fail(tmp_path):
+    (tmp_path / "vendor").mkdir()
+    (tmp_path / "vendor" / "helper.py").write_text("")
+    assert _python_under(tmp_path) == ["vendor/helper.py"]
+
+
 def test_each_layer_rule_can_fail():
     planted = {
         "localllm.server.app": {"localllm.backends.mlx"},
