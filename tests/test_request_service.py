@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 import pytest
 from server_harness import env, local_client, served
 
@@ -104,3 +105,8 @@ def test_a_closed_http_client_refuses_to_send(base_url):
     with pytest.raises(RuntimeError, match="closed"):
         http.version()
 
+
+def test_a_bad_infill_keep_alive_is_a_400_naming_it(base_url):
+    body = {"model": MODEL, "input_prefix": "def f(", "input_suffix": ")", "keep_alive": "soon"}
+    reply = httpx.post(base_url + "/infill", json=body, timeout=60)
+    assert reply.status_code == 400 and "keep_alive" in reply.json()["error"]

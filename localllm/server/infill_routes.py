@@ -48,7 +48,7 @@ class InfillRequest(BaseModel):
     frequency_penalty: float | None = Field(None, allow_inf_nan=False)
     ignore_eos: bool = False
     response_fields: list[str] | None = Field(None, max_length=64)
-    keep_alive: str | int | float | None = None
+    keep_alive: api.Duration | None = None  # parsed here as every request's is, so a bad one is a 400
 
     def generate_request(self) -> api.GenerateRequest:
         options = {
