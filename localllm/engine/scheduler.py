@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from ..backends.base import Batch, Sampler
-from ..media import PromptImage, is_placeholder
 from ..errors import QueueFull
+from ..media import PromptImage, is_placeholder
 from .prefix_cache import SAVE_MIN_TOKENS, Entry, Match, PrefixCache
 from .slots import Slot, SlotChoice, SlotState, SlotTable
 from .speculative.drafters import Drafter
