@@ -31,7 +31,7 @@ import os
 import shutil
 import struct
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -216,8 +216,9 @@ class PrefixCache:
 
     # ----------------------------------------------------------------------------------------------- index
 
-    def lookup(self, prompt: Sequence[int]) -> Match | None:
-        """The saved prefix that lets `prompt` skip the most tokens (RAM before disk on ties); None if none does."""
+    def lookup(self, prompt: Sequence[int], *, fits: Callable[[int, Match], bool] | None = None) -> Match | None:
+        """The saved prefix that lets `prompt` skip the most tokens (RAM before disk on ties); None if none does.
+        `fits(len(prompt), match)`: whether the caller could ever restore it (an entry it could not is passed by)."""
         if not self.entries or len(prompt) < 2:
             return None
         wanted = as_tokens(prompt)
@@ -229,8 +230,11 @@ class PrefixCache:
             # Keep the prompt's last token to decode: its output is the first generated token.
             shared = min(shared, len(prompt) - 1)
             reuse = shared if shared >= (entry.n_tokens if self.shape.recurrent else entry.floor) else 0
-            if reuse and (best is None or (reuse, entry.tier == "ram") > (best.reuse, best.tier == "ram")):
-                best = Match(entry, reuse)
+            if not reuse or (best is not None and (reuse, entry.tier == "ram") <= (best.reuse, best.tier == "ram")):
+                continue
+            match = Match(entry, reuse)
+            if fits is None or fits(len(prompt), match):
+                best = match
         return best
 
     def holds(self, tokens: Sequence[int]) -> bool:

@@ -136,6 +136,12 @@ def _text_start(prompt: list[int], start: int) -> int:
     return next((i for i in range(start, len(prompt)) if not is_placeholder(prompt[i])), len(prompt))
 
 
+def restore_cells(prompt_len: int, saved: Match) -> int:
+    """Cells a request takes that restores `saved`: a restore loads the whole saved state before cutting it to what
+    the prompt shares, and the prompt's rest and its first token follow."""
+    return prompt_len - saved.reuse + 1 + saved.entry.n_tokens - saved.reuse
+
+
 def _prefilling(request: Request | None) -> bool:
     """Whether `request` still has prompt to prefill (waiting for a slot, or in its prefill)."""
     if request is None or request.finished:
@@ -347,7 +353,17 @@ class Scheduler:
             reuse = min(choice.reuse, len(req.prompt) - 1)
             saved = None if req.deterministic else self._saved_prefix(req.prompt, beats=reuse)
             if not self._pool_fits(step, req, choice, reuse, saved):
-                return taken  # it waits for cells: requests ahead of it end, or idle caches go
+                if self.table.busy():
+                    return taken  # it waits for cells: requests ahead of it end, or idle caches go
+                # Nothing runs that could free cells: waiting would be forever. Its own slot alone always fits.
+                choice, saved = self._plain_choice(choice, req), None
+                reuse = choice.reuse
+                if not self._pool_fits(step, req, choice, reuse, saved):  # a prompt under n_ctx always fits
+                    log.warning("request %d does not fit the empty KV pool of %s cells", req.id, self.kv_cells)
+                    self.waiting.popleft()
+                    req.done_reason = "length"
+                    step.finished.append(req)
+                    continue
             self.waiting.popleft()
             own = reuse if saved is None and choice.copy_from is None else 0
             self._save_before_loss(step, slot, keeps=own)
@@ -369,6 +385,11 @@ class Scheduler:
             taken += 1
         return taken
 
+    def _plain_choice(self, choice: SlotChoice[Request[Any]], req: Request[Any]) -> SlotChoice[Request[Any]]:
+        """`choice`'s slot with only what its own cache shares with the prompt: no copy from another slot."""
+        prompt = [] if req.deterministic else req.prompt
+        return SlotChoice(slot=choice.slot, reuse=min(self.table.usable(choice.slot, prompt), len(req.prompt) - 1))
+
     def _pool_fits(
         self, step: Step, req: Request[Any], choice: SlotChoice[Request[Any]], reuse: int, saved: Match | None
     ) -> bool:
@@ -377,21 +398,30 @@ class Scheduler:
         if self.kv_cells is None:
             return True
         kept = saved.reuse if saved is not None else reuse
-        # A restore loads the whole saved state before cutting it to what the prompt shares.
-        need = len(req.prompt) - kept + 1 + (saved.entry.n_tokens - kept if saved is not None else 0)
+        need = restore_cells(len(req.prompt), saved) if saved is not None else len(req.prompt) - kept + 1
         slot = choice.slot
         spare = len(slot.cached) - kept - self._reserved()  # the slot's own cache beyond what it keeps is freed
         if self.cells_free() + spare >= need:
             return True
-        free = self._give_up_idle(step, need - spare, keep=(slot, choice.copy_from))
+        donor = choice.copy_from if saved is None else None  # a restore copies nothing: its donor may go
+        free = self._give_up_idle(step, need - spare, keep=(slot, donor))
         return free + spare >= need
 
     def _saved_prefix(self, prompt: list[int], *, beats: int) -> Match | None:
         """A saved prefix worth restoring: one that skips more tokens than the best slot, at a price that pays."""
         if self.cache is None:
             return None
-        match = self.cache.lookup(prompt)
+        match = self.cache.lookup(prompt, fits=self._restorable)
         return match if match is not None and self.cache.price.pays(match, match.reuse - beats) else None
+
+    def _restorable(self, prompt_len: int, match: Match) -> bool:
+        """Whether restoring `match` for a prompt of `prompt_len` tokens could ever fit: the state in a slot's
+        context, and with the prompt's rest in the pool once every other cache is gone (a state saved by a load
+        with a longer context, or a long one beside a long prompt, never does; waiting for it would be forever)."""
+        if match.entry.n_tokens > self.n_ctx:
+            return False
+        # _pool_fits with every other cache gone: the pool less what the prompt keeps of the state
+        return self.kv_cells is None or restore_cells(prompt_len, match) + match.reuse <= self.kv_cells
 
     def _save_before_loss(self, step: Step, slot: Slot[Request[Any]], *, keeps: int) -> None:
         """Save the slot's state when it is about to lose SAVE_MIN_TOKENS or more that no saved entry holds."""
