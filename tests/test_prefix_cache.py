@@ -125,10 +125,10 @@ def test_ram_entries_spill_to_disk_when_evicted_and_on_flush(tmp_path):
 def test_a_corrupt_disk_file_is_dropped_never_loaded(tmp_path):
     PrefixCache(FULL, ram_limit=0, disk=_disk(tmp_path)).put(_prefix(1, 100), _state(100))
     (path,) = (tmp_path / "prefix").rglob("*.kv")
+    cache = PrefixCache(FULL, ram_limit=0, disk=_disk(tmp_path))  # changed after the scan (which checks it too)
     raw = bytearray(path.read_bytes())
     raw[-10] ^= 0xFF
     path.write_bytes(bytes(raw))
-    cache = PrefixCache(FULL, ram_limit=0, disk=_disk(tmp_path))
     match = cache.lookup(_prefix(1, 100) + [5])
     with pytest.raises(CacheFileError, match="corrupt"):
         cache.load(match.entry)

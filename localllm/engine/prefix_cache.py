@@ -15,8 +15,9 @@ Pinned entries (a request's keep_prefix) are never evicted while they hold at mo
 
 A disk file is a small header (model digest, the load's CacheShape.fingerprint: slots, context, KV types, llama.cpp
 build), the tokens and the state, authenticated by a keyed MAC (localllm/signing.py) over header, tokens and state;
-it is written to a temporary name and renamed, and checked before it is loaded. A file that is corrupt, was not made
-by this machine's server, or belongs to another model or load is deleted, never loaded. Prompt-cache files (a
+it is written to a temporary name and renamed, and checked when the tier is scanned and again before it is loaded.
+A file that is corrupt, was not made by this machine's server, or belongs to another model or load is deleted, never
+loaded. Prompt-cache files (a
 conversation's state handed to a client and back) are the same bytes: a state the server did not make, or one
 changed since, is refused, so nothing another party computed ever reaches the slots. An imported state is also kept
 to the conversation that loaded it (`Entry.scoped`) until a request has continued from it: only then does it serve
@@ -52,6 +53,7 @@ MAGIC = b"LLMKV02\n"  # 01 carried an unkeyed checksum: such files are refused a
 _HEADER_LEN = struct.Struct("<I")
 _MAX_HEADER = 1 << 16
 MAC_PURPOSE = "prefix-cache state"
+_READ_CHUNK = 1 << 20
 UNFINISHED_AGE = 3600.0  # seconds after which a temporary file is a write that never finished, whoever made it
 
 
@@ -407,8 +409,8 @@ class DiskTier:
         return cls(root / digest / key, limit=limit, digest=digest, fingerprint=fingerprint)
 
     def scan(self) -> list[Entry]:
-        """Index the files already here (their headers only); a file that fails its header is deleted, and the
-        scan goes on."""
+        """Index the files already here; a file that fails its header or its MAC is deleted, and the scan goes
+        on. Each file is read whole once, here, so a tampered one never waits in the folder to be read."""
         if not self.folder.is_dir():
             return []
         sweep_unfinished(self.folder)
@@ -468,9 +470,13 @@ class DiskTier:
             except CacheFileError as exc:
                 raise CacheFileError(f"{path.name}: {exc}") from None
             handle.seek(offset)
-            tokens = np.frombuffer(handle.read(4 * header["n_tokens"]), dtype="<i4").astype(np.int32)
-        if tokens.shape[0] != header["n_tokens"]:
-            raise CacheFileError(f"{path.name}: truncated")
+            raw_tokens = handle.read(4 * header["n_tokens"])
+            content = _content_hash(raw_tokens)
+            while chunk := handle.read(_READ_CHUNK):  # the state, hashed as it is read: a tampered file goes now
+                content.update(chunk)
+        if not _mac_matches(header, content.digest()):
+            raise CacheFileError(f"{path.name}: corrupt, or not made by this server (its MAC does not match)")
+        tokens = np.frombuffer(raw_tokens, dtype="<i4").astype(np.int32)
         return Entry(
             tokens=tokens,
             floor=int(header["floor"]),
@@ -545,9 +551,9 @@ def decode_state(raw: bytes, digest: str, fingerprint: str) -> SavedState:
     check_lengths(header, len(raw) - offset)
     end = offset + 4 * header["n_tokens"]
     tokens, data = raw[offset:end], raw[end:]
-    fields = {k: v for k, v in header.items() if k != "mac"}
-    mac = header.get("mac")
-    if not isinstance(mac, str) or not signing.verify(MAC_PURPOSE, _signed(fields, tokens, data), _unhex(mac)):
+    content = _content_hash(tokens)
+    content.update(data)
+    if not _mac_matches(header, content.digest()):
         raise CacheFileError("corrupt, or not made by this server (its MAC does not match)")
     return SavedState(np.frombuffer(tokens, dtype="<i4").astype(np.int32), int(header["floor"]), data)
 
@@ -589,16 +595,26 @@ def check_lengths(header: dict, body: int) -> None:
         )
 
 
-def _signed(fields: dict, tokens: bytes, data: bytes) -> bytes:
-    """What the MAC covers: the header's fields (canonical JSON) and a 256-bit hash of tokens and state, so a
-    state of hundreds of MB is hashed where it lies rather than copied into one buffer."""
-    content = hashlib.blake2b(tokens, digest_size=32)
-    content.update(data)
-    return json.dumps(fields, sort_keys=True).encode() + b"\0" + content.digest()
+def _content_hash(tokens: bytes):  # a hashlib object (its type is private)
+    return hashlib.blake2b(tokens, digest_size=32)
+
+
+def _signed(fields: dict, content: bytes) -> bytes:
+    """What the MAC covers: the header's fields (canonical JSON) and a 256-bit hash of tokens and state (`content`),
+    so a state of hundreds of MB is hashed where it lies rather than copied into one buffer."""
+    return json.dumps(fields, sort_keys=True).encode() + b"\0" + content
 
 
 def _mac(fields: dict, tokens: bytes, data: bytes) -> str:
-    return signing.sign(MAC_PURPOSE, _signed(fields, tokens, data)).hex()
+    content = _content_hash(tokens)
+    content.update(data)
+    return signing.sign(MAC_PURPOSE, _signed(fields, content.digest())).hex()
+
+
+def _mac_matches(header: dict, content: bytes) -> bool:
+    fields = {k: v for k, v in header.items() if k != "mac"}
+    mac = header.get("mac")
+    return isinstance(mac, str) and signing.verify(MAC_PURPOSE, _signed(fields, content), _unhex(mac))
 
 
 def _unhex(text: str) -> bytes:
