@@ -194,6 +194,14 @@ def bandwidth_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     )
 
 
+def web_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """The web page's first load and its Send to first token painted, against the API's own first token
+    (scripts/bench_web.py; needs chromium and playwright, as the browser tests do)."""
+    import bench_web
+
+    return bench_web.web_figures(path, threads=args.threads)
+
+
 SECTIONS: dict[str, tuple[str, Section]] = {
     "engine": ("Engine against raw llama.cpp", engine_section),
     "rest": ("REST path against raw llama.cpp", rest_section),
@@ -211,6 +219,7 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "rerank": ("Reranking against llama-server", rerank_section),
     "vision": ("Vision: first token with an image against llama-server", vision_section),
     "bandwidth": ("Decode against memory bandwidth (informational)", bandwidth_section),
+    "web": ("Web page: first load and first token painted", web_section),
 }
 
 
