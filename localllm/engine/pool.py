@@ -21,7 +21,7 @@ from ..backends import choose_backend, get_backend, load_check_memory, workers_b
 from ..backends.base import LoadedModel
 from ..errors import ModelFormatError, ModelNotFound, QueueFull
 from ..machine import physical_cores
-from ..models.options import check_memory, effective_adapters, load_options, model_facts
+from ..models.options import check_memory, effective_adapters, load_options, model_facts, serves
 from ..models.store import ResolvedModel, Store
 from .prefix_cache import make_prefix_cache, sweep_unfinished
 from .runner import ModelEngine
@@ -115,7 +115,7 @@ class ModelPool:
     @staticmethod
     def _needs_reload(entry: Loaded, load: api.LoadOptions) -> bool:
         # A closed engine failed (say, its RPC worker went away): load again rather than queue to nobody.
-        return entry.options != load or entry.engine.closed
+        return not serves(entry.options, load) or entry.engine.closed
 
     def _unload_when_idle(self, entry: Loaded, *, reason: str) -> None:
         if entry.users > 0:

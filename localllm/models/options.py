@@ -82,6 +82,21 @@ def load_options(model: ResolvedModel, load: LoadOptions) -> LoadOptions:
     return bound_load(effective_load(load), load.model_fields_set, model_facts(model.weights, model.format))
 
 
+def serves(loaded: LoadOptions, wanted: LoadOptions) -> bool:
+    """Whether a model loaded with `loaded` serves a request whose options are `wanted` (both as load_options made
+    them): the same options, or the same but for a smaller num_ctx. Clients such as aider ask a different num_ctx on
+    every request; reloading for less context only costs time (Ollama reloads; the larger context is kept here)."""
+    if wanted == loaded:
+        return True
+    if wanted.num_ctx is None or loaded.num_ctx is None or wanted.num_ctx > loaded.num_ctx:
+        return False
+    # bound_load clamps num_batch to the context, so a smaller context may carry a smaller batch for the same ask.
+    cells = wanted.num_ctx * (wanted.num_parallel or 1)
+    if wanted.num_batch != min(loaded.num_batch, cells):
+        return False
+    return wanted.model_copy(update={"num_ctx": loaded.num_ctx, "num_batch": loaded.num_batch}) == loaded
+
+
 def context_size(load: LoadOptions) -> tuple[int, int]:
     """(slots, tokens per slot) of options whose defaults are filled (effective_load): what a backend sizes its
     context by."""
