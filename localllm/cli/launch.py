@@ -1,120 +1,132 @@
-"""`localllm launch claude|codex|opencode [--model M] [-- ARGS...]`, as `ollama launch` does: find the server for
-this home (or start it in the background, as `run` does), make sure the model is there (pulled if missing), point the
-coding agent at it through the variables and flags each documents, and exec it with ARGS.
+"""`localllm launch AGENT [--model M] [--context N] [--config | --restore] [-- ARGS...]`, as `ollama launch` does:
+find the server for this home (or start it in the background, as `run` does), make sure the model is there (pulled if
+missing), load it with a context window that fits the agent, point the agent at it and exec it with ARGS.
 
-- Claude Code speaks Anthropic's Messages API: ANTHROPIC_BASE_URL (no /v1), the key as ANTHROPIC_AUTH_TOKEN (sent as
-  a bearer token; ANTHROPIC_API_KEY emptied so a real key is not sent instead), the model as ANTHROPIC_MODEL, every
-  model alias (opus, sonnet, haiku, subagents) set to the same model, and `--model`.
-- Codex speaks the Responses API: a `localllm` provider given with `-c` (base_url, wire_api "responses", its key read
-  from OPENAI_API_KEY), OPENAI_BASE_URL for the tools that read it, and `-m`.
-- opencode takes a provider in its inline config (OPENCODE_CONFIG_CONTENT): an OpenAI-compatible one on /v1 whose
-  only model is the one chosen, made the default.
+The context is the model's trained context, at most LAUNCH_CONTEXT, halved until the memory plan (`localllm plan`)
+fits the memory available; it is shown before launch with the plan. The model is loaded with it and kept loaded
+(requests that ask a smaller context, as the agents' do by default, are served by it: engine/pool.py), and each
+agent is told that window, so it compacts its history before the server would refuse it as overflowing.
 
-The key is LOCALLLM_API_KEY when the server requires one, else a placeholder (the agents insist on one)."""
+What each agent is told, and where, is in agents.py; the files written, and how `--restore` puts them back, in
+agent_files.py. The key is LOCALLLM_API_KEY when the server requires one, else a placeholder (agents insist on one)."""
 
 from __future__ import annotations
 
-import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
-from .. import config
+from .. import api, config
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound
+from .agent_files import restore, write
+from .agents import AGENTS, BY_HAND, Agent, Setup
 from .app import app, err_console
 
+if TYPE_CHECKING:
+    from ..models.options import ModelFacts
+    from ..models.plan import MemoryPlan
+
 PLACEHOLDER_KEY = "localllm"  # the agents refuse to start without a key; our server ignores it unless one is set
+# Ollama recommends at least 64K tokens for coding agents; more costs memory that few sessions fill.
+LAUNCH_CONTEXT = 65_536
+SMALLEST_CONTEXT = 2_048  # halving for memory stops here: the server's own check then says what does not fit
+GIB = 2**30
 
 
 class ToolNotInstalled(LocalLLMError):
     """The agent's command is not on PATH (exit 1, with how to install it)."""
 
 
-@dataclass(frozen=True)
-class Launch:
-    """What one agent needs: its command, and its environment and arguments for a server URL, key and model."""
-
-    command: str
-    title: str
-    install: str
-    env: Callable[[str, str, str], dict[str, str]]
-    args: Callable[[str, str], list[str]] = field(default=lambda url, model: [])
-
-
-def _claude_env(url: str, key: str, model: str) -> dict[str, str]:
-    aliases = ("ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL")
-    return {
-        "ANTHROPIC_BASE_URL": url,
-        "ANTHROPIC_AUTH_TOKEN": key,
-        "ANTHROPIC_API_KEY": "",
-        "ANTHROPIC_MODEL": model,
-        "CLAUDE_CODE_SUBAGENT_MODEL": model,
-        **dict.fromkeys(aliases, model),
-    }
-
-
-def _codex_env(url: str, key: str, model: str) -> dict[str, str]:
-    return {"OPENAI_BASE_URL": url + "/v1", "OPENAI_API_KEY": key}
-
-
-def _codex_args(url: str, model: str) -> list[str]:
-    provider = f'{{name = "localllm", base_url = {json.dumps(url + "/v1")}, env_key = "OPENAI_API_KEY", '
-    provider += 'wire_api = "responses"}'
-    return ["-c", 'model_provider="localllm"', "-c", f"model_providers.localllm={provider}", "-m", model]
-
-
-def _opencode_env(url: str, key: str, model: str) -> dict[str, str]:
-    provider = {
-        "npm": "@ai-sdk/openai-compatible",
-        "name": "localllm",
-        "options": {"baseURL": url + "/v1", "apiKey": key},
-        "models": {model: {"name": model, "tool_call": True}},
-    }
-    return {"OPENCODE_CONFIG_CONTENT": json.dumps({"provider": {"localllm": provider}, "model": f"localllm/{model}"})}
-
-
-TOOLS: dict[str, Launch] = {
-    "claude": Launch(
-        "claude", "Claude Code", "npm install -g @anthropic-ai/claude-code", _claude_env, lambda u, m: ["--model", m]
-    ),
-    "codex": Launch("codex", "Codex", "npm install -g @openai/codex", _codex_env, _codex_args),
-    "opencode": Launch("opencode", "opencode", "npm install -g opencode-ai", _opencode_env),
-}
-
-
-# ---------------------------------------------------------------------------------------------------------- command
-
-
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def launch(
     ctx: typer.Context,
-    tool: str = typer.Argument(..., help="the coding agent: " + ", ".join(TOOLS)),
+    tool: str = typer.Argument(..., help="the coding agent: " + ", ".join(AGENTS)),
     model: str | None = typer.Option(None, "--model", "-m", help="the model it uses (asked for when not given)"),
+    context: int | None = typer.Option(
+        None, "--context", min=16, help="context window in tokens (default: the most the model and memory allow)"
+    ),
+    config_only: bool = typer.Option(False, "--config", help="write the agent's config files without launching it"),
+    undo: bool = typer.Option(False, "--restore", help="put back the config files launch wrote for this agent"),
 ):
-    """Start a coding agent (claude, codex, opencode) on a local model.
+    """Start a coding agent (claude, codex, opencode, qwen, continue, aider) on a local model.
 
     Arguments after `--` go to the agent, e.g. `localllm launch claude --model qwen2.5-coder:1.5b -- -p "hi"`."""
-    target = TOOLS.get(tool)
-    if target is None:
-        raise InvalidInput(f"unknown agent {tool!r}", hint=f"use one of {', '.join(TOOLS)}")
-    executable = shutil.which(target.command)
+    agent = _agent(tool)
+    if undo:
+        _restore(agent)
+        return
+    executable = None if config_only else _executable(agent, tool)
+    url = _server_url()
+    chosen, shown = _choose_model(url, model)
+    window = choose_context(chosen, shown, context)
+    key = config.API_KEY.get()
+    setup = Setup(url=url, key=key or PLACEHOLDER_KEY, keyed=bool(key), model=chosen, context=window.context)
+    _show_window(agent, chosen, window)
+    if config_only:
+        _write_config(agent, setup)
+        return
+    assert executable is not None
+    _load(url, chosen, window.context)
+    write(agent.files(setup))
+    env = {**os.environ, **agent.env(setup)}
+    argv = [executable, *agent.args(setup), *ctx.args]
+    err_console.print(f"launching {agent.title} on {chosen} at {url}", style="dim", highlight=False, soft_wrap=True)
+    _exec(argv, env)
+
+
+def _agent(tool: str) -> Agent:
+    if tool in BY_HAND:
+        raise InvalidInput(f"launch cannot set up {tool}", hint=BY_HAND[tool].format(url=config.base_url()))
+    agent = AGENTS.get(tool)
+    if agent is None:
+        raise InvalidInput(f"unknown agent {tool!r}", hint=f"use one of {', '.join(AGENTS)}")
+    return agent
+
+
+def _executable(agent: Agent, tool: str) -> str:
+    executable = shutil.which(agent.command)
     if executable is None:
         raise ToolNotInstalled(
-            f"{target.title} is not installed: `{target.command}` is not on PATH",
-            hint=f"install it ({target.install}) and run `localllm launch {tool}` again",
+            f"{agent.title} is not installed: `{agent.command}` is not on PATH",
+            hint=f"install it ({agent.install}) and run `localllm launch {tool}` again",
         )
-    url = _server_url()
-    chosen = _choose_model(url, model)
-    key = config.API_KEY.get() or PLACEHOLDER_KEY
-    env = {**os.environ, **target.env(url, key, chosen)}
-    argv = [executable, *target.args(url, chosen), *ctx.args]
-    err_console.print(f"launching {target.title} on {chosen} at {url}", style="dim", highlight=False)
-    _exec(argv, env)
+    return executable
+
+
+def _restore(agent: Agent) -> None:
+    done = restore(agent.paths())
+    for line in done or [f"nothing to restore: launch wrote no config for {agent.title}"]:
+        err_console.print(line, highlight=False, soft_wrap=True)
+
+
+def _write_config(agent: Agent, setup: Setup) -> None:
+    for path in write(agent.files(setup) + agent.saved(setup)):
+        err_console.print(f"wrote {path}", highlight=False, soft_wrap=True)
+    start = [f"{name}={value}" for name, value in agent.start_env(setup).items()]
+    err_console.print(
+        f"start it with: {shlex.join([*start, agent.command, *agent.args(setup)])}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    err_console.print(
+        f"the server loads {setup.model} with LOCALLLM_CONTEXT_LENGTH tokens unless it is already loaded with more: "
+        f"`localllm launch {_name_of(agent)}` loads it with {setup.context:,}, or start the server with "
+        f"LOCALLLM_CONTEXT_LENGTH={setup.context}",
+        style="dim",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def _name_of(agent: Agent) -> str:
+    return next(name for name, known in AGENTS.items() if known is agent)
 
 
 def _server_url() -> str:
@@ -130,7 +142,7 @@ def _server_url() -> str:
     return url
 
 
-def _choose_model(url: str, model: str | None) -> str:
+def _choose_model(url: str, model: str | None) -> tuple[str, api.ShowResponse]:
     """The model named, pulled when missing; without a name, one picked from the local models (asked for)."""
     from ..client.http import HttpClient
     from .render import render_pull
@@ -147,7 +159,7 @@ def _choose_model(url: str, model: str | None) -> str:
         err_console.print(
             f"warning: {model} cannot call tools (its template shows none); the agent will only chat", style="yellow"
         )
-    return model
+    return model, shown
 
 
 def _ask_model(names: list[str]) -> str:
@@ -156,13 +168,135 @@ def _ask_model(names: list[str]) -> str:
     if not sys.stdin.isatty():
         raise InvalidInput("no model was named", hint=f"pass --model, e.g. --model {names[0]}")
     for number, name in enumerate(names, 1):
-        err_console.print(f"  {number}. {name}", highlight=False)
+        err_console.print(f"  {number}. {name}", highlight=False, soft_wrap=True)
     choice = typer.prompt("model", default="1", err=True)
     if choice.isdigit() and 1 <= int(choice) <= len(names):
         return names[int(choice) - 1]
     if choice in names:
         return choice
     raise InvalidInput(f"{choice!r} is not one of the models listed", hint="pass --model")
+
+
+# ---------------------------------------------------------------------------------------------------------- context
+
+
+@dataclass(frozen=True)
+class Window:
+    """The context launch loads the model with, what bounded it, and the memory plan for it (None: no GGUF here)."""
+
+    context: int
+    trained: int | None
+    bound: str
+    plan: MemoryPlan | None
+
+
+def choose_context(model: str, shown: api.ShowResponse, asked: int | None) -> Window:
+    """`asked` when given (checked against the trained context and memory); else the trained context, at most
+    LAUNCH_CONTEXT, halved until the memory plan fits what is available."""
+    facts = _facts(shown)
+    trained = facts.context_length or _trained_context(shown.model_info)
+    if asked is not None:
+        return _asked_window(model, asked, trained, facts)
+    size = min(trained or LAUNCH_CONTEXT, LAUNCH_CONTEXT)
+    bound = "its trained context" if trained and trained <= LAUNCH_CONTEXT else "launch's default"
+    plan = _plan(facts, size)
+    while plan is not None and plan.fits is False and size > SMALLEST_CONTEXT:
+        size, bound = max(SMALLEST_CONTEXT, size // 2), "the memory available"
+        plan = _plan(facts, size)
+    return Window(size, trained, bound, plan)
+
+
+def _asked_window(model: str, asked: int, trained: int | None, facts: ModelFacts) -> Window:
+    if trained and asked > trained:
+        raise InvalidInput(
+            f"--context {asked} is over {trained}, the context {model} was trained on",
+            hint=f"use --context {trained} or less",
+        )
+    plan = _plan(facts, asked)
+    if plan is not None and plan.fits is False and plan.available is not None:
+        raise InvalidInput(
+            f"{model} with --context {asked} needs {plan.total / GIB:.1f} GiB but "
+            f"{plan.available / GIB:.1f} GiB of memory is available",
+            hint=f"lower --context, or leave it out to take what fits; `localllm plan {model} --num-ctx {asked}`",
+        )
+    return Window(asked, trained, "--context", plan)
+
+
+def _facts(shown: api.ShowResponse) -> ModelFacts:
+    """The weights' header, when the server's file is a GGUF this machine can read (the same home: _server_url)."""
+    from ..models.options import ModelFacts, model_facts
+
+    if not shown.path or not Path(shown.path).is_file():
+        return ModelFacts()
+    try:
+        return model_facts(Path(shown.path), "gguf")
+    except (LocalLLMError, OSError, ValueError):
+        return ModelFacts()
+
+
+def _trained_context(model_info: dict) -> int | None:
+    value = model_info.get(f"{model_info.get('general.architecture')}.context_length")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _plan(facts: ModelFacts, size: int) -> MemoryPlan | None:
+    from ..errors import ModelFormatError
+    from ..models.options import effective_load
+    from ..models.plan import plan_memory
+
+    if facts.info is None:
+        return None
+    try:
+        return plan_memory(facts.info, effective_load(api.LoadOptions(num_ctx=size)))
+    except ModelFormatError:
+        return None
+
+
+def _show_window(agent: Agent, model: str, window: Window) -> None:
+    trained = f"trained for {window.trained:,}" if window.trained else "trained context unknown"
+    err_console.print(
+        f"{model}: context {window.context:,} tokens (bounded by {window.bound}; {trained})", highlight=False
+    )
+    plan = window.plan
+    if plan is None:
+        err_console.print(
+            "memory: no plan (the weights' GGUF metadata cannot be read here)", highlight=False, soft_wrap=True
+        )
+    else:
+        available = "unknown" if plan.available is None else f"{plan.available / GIB:.1f} GiB"
+        err_console.print(
+            f"memory: {plan.total / GIB:.1f} GiB (weights {plan.weights / GIB:.1f}, "
+            f"KV cache {plan.kv_total / GIB:.1f}, compute {plan.compute / GIB:.1f}) of {available} available; "
+            f"`localllm plan {model} --num-ctx {window.context}` shows it",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if window.context < agent.least:
+        err_console.print(
+            f"warning: {agent.title}'s first request takes about {agent.least:,} tokens and {model} holds "
+            f"{window.context:,}: the server will refuse it as overflowing; pick a model trained for more "
+            "(e.g. qwen2.5-coder:1.5b)",
+            style="yellow",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def _load(url: str, model: str, size: int) -> None:
+    """Load the model with `size` tokens of context and keep it loaded: the agents' requests, which ask no context
+    (or a smaller one), are served by it."""
+    from ..client.http import HttpClient
+
+    err_console.print(
+        f"loading {model} with {size:,} tokens of context (kept loaded until `localllm stop {model}`)",
+        style="dim",
+        highlight=False,
+        soft_wrap=True,
+    )
+    request = api.GenerateRequest(model=model, options={"num_ctx": size}, keep_alive=-1)
+    with HttpClient(url) as client:
+        for _ in client.generate(request):
+            pass
 
 
 def _exec(argv: list[str], env: dict[str, str]) -> None:
