@@ -10,7 +10,7 @@ from localllm.api import LoadOptions, SamplingOptions
 from localllm.backends.llama_cpp.backend import LlamaCppBackend
 from localllm.bench.raw import RawLoop
 from localllm.engine.runner import GenerationParams, ModelEngine
-from localllm.errors import ContextOverflow, QueueFull
+from localllm.errors import ContextOverflow, InvalidInput, QueueFull
 from localllm.models.plan import kv_cells
 
 pytestmark = pytest.mark.models
@@ -233,9 +233,12 @@ def test_full_queue_is_rejected_at_once(smollm2_path):
     try:
         prompt = engine.tokenize(PROMPTS[0])
         slow = SamplingOptions(temperature=0, num_predict=100, spec_type="none")
-        with pytest.raises(QueueFull):  # a batch that does not fit is refused whole: nothing of it is queued
+        with pytest.raises(InvalidInput, match="more than this model can ever hold"):  # never: a 400, not a 503
             engine.submit_all([GenerationParams(prompt, slow)] * 3)
-        held = engine.submit_all([GenerationParams(prompt, slow)] * 2)  # one running, one queued
+        held = [engine.submit(GenerationParams(prompt, slow))]  # one running
+        with pytest.raises(QueueFull):  # a batch that does not fit now is refused whole: nothing of it is queued
+            engine.submit_all([GenerationParams(prompt, slow)] * 2)
+        held.append(engine.submit(GenerationParams(prompt, slow)))  # one queued
         with pytest.raises(QueueFull):
             engine.submit(GenerationParams(prompt, slow))
         for s in held:

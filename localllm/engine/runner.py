@@ -292,13 +292,21 @@ class ModelEngine:
 
     def submit_all(self, batch: Sequence[GenerationParams]) -> list[Stream]:
         """Queue several generations that start in the same step (a client's batch of prompts): all of them or,
-        with ContextOverflow or QueueFull raised at once, none."""
+        with ContextOverflow or QueueFull raised at once, none. A batch larger than the slots and the queue together
+        is InvalidInput: it could never start."""
         if self._closed:
             raise Cancelled("the model is being unloaded")
         if self.model.meta.embedding_only:
             raise InvalidInput(
                 "this model does not support generate: it is an embedding model",
                 hint="embed with /api/embed or /v1/embeddings; chat and generate need a language model",
+            )
+        if len(batch) > self.n_slots + self.max_queue:  # it could never be admitted: a 503 would repeat forever
+            raise InvalidInput(
+                f"a batch of {len(batch)} generations (n) is more than this model can ever hold: "
+                f"{self.n_slots} slots and a queue of {self.max_queue}, {self.n_slots + self.max_queue} at once",
+                hint=f"ask for at most {self.n_slots + self.max_queue}, or raise LOCALLLM_MAX_QUEUE / "
+                "LOCALLLM_NUM_PARALLEL",
             )
         fitted = [self._fit_prompt(params) for params in batch]
         with self._lock:
