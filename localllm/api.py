@@ -663,7 +663,12 @@ class ProcessModel(_Model):
     draft_count: int = 0
     draft_accepted: int = 0
     draft: DraftProcess | None = None
-    status: str | None = None  # "removed": its model was deleted; it unloads when its running requests end
+    # "removed": its model was deleted; "draining": a waiting request needs it gone (another model, or other load
+    # options). Either way it takes no new requests and unloads when its running requests end.
+    status: str | None = None
+    load_waiting: int = Field(
+        0, description="requests for this model waiting in the pool's queue, for a reload with their load options"
+    )
     kv_cells: int = Field(0, description="KV cache tokens the slots share (the pool; LOCALLLM_KV_POOL)")
     kv_used: int = Field(0, description="KV cache tokens the slots' caches hold now, of kv_cells")
     cache_ram_bytes: int = Field(0, description="prefix cache: saved prompt prefixes held in host RAM")
@@ -696,6 +701,9 @@ class PromptCacheSession(_Model):
 
 class ProcessResponse(_Model):
     models: list[ProcessModel]
+    load_queue: int = Field(
+        0, description="requests waiting for a model to load, reload or make room (at most LOCALLLM_LOAD_TIMEOUT)"
+    )
 
 
 # The Ollama release whose API /api/version claims: clients gate features on it (`codex --oss` wants 0.13.4 or

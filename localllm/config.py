@@ -171,7 +171,17 @@ NUM_PARALLEL = Setting(
     "LOCALLLM_NUM_PARALLEL", "slots per loaded model: requests decoded at once", parse_positive_int, _default_parallel
 )
 MAX_QUEUE = Setting(
-    "LOCALLLM_MAX_QUEUE", "requests waiting for a slot before new ones get 503", parse_positive_int, lambda: 64
+    "LOCALLLM_MAX_QUEUE",
+    "requests waiting for a slot, and requests waiting for a model to load, before new ones get 503",
+    parse_positive_int,
+    lambda: 64,
+)
+LOAD_TIMEOUT = Setting(
+    "LOCALLLM_LOAD_TIMEOUT",
+    "how long a request waits for its model to load, or for busy models to finish before one reloads with other "
+    "load options or unloads to make room (300, 5m); past it a 503 says what it waited for",
+    lambda raw: _positive_duration(raw),
+    lambda: 300.0,
 )
 KEEP_ALIVE = Setting(
     "LOCALLLM_KEEP_ALIVE",
@@ -314,6 +324,7 @@ ALL: tuple[Setting, ...] = (
     HOST,
     NUM_PARALLEL,
     MAX_QUEUE,
+    LOAD_TIMEOUT,
     KEEP_ALIVE,
     MAX_LOADED_MODELS,
     CONTEXT_LENGTH,

@@ -77,7 +77,8 @@ class LocalClient:
             self.pool.retire(resolved.digest)
 
     def ps(self) -> api.ProcessResponse:
-        return api.ProcessResponse(models=[process_row(e, self.pool.sharing_weights(e)) for e in self.pool.entries()])
+        rows = [process_row(e, self.pool.sharing_weights(e)) for e in self.pool.entries()]
+        return api.ProcessResponse(models=rows, load_queue=self.pool.waiting())
 
     def stop(self, model: str) -> None:
         resolved = self.store.resolve(model)

@@ -33,6 +33,11 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         gauges = {
             "queue_depth": GaugeMetricFamily("localllm_queue_depth", "requests waiting for a slot", labels=["model"]),
+            "load_waiting": GaugeMetricFamily(
+                "localllm_load_waiting",
+                "requests for the model waiting for it to reload with their load options",
+                labels=["model"],
+            ),
             "slots_busy": GaugeMetricFamily("localllm_slots_busy", "slots decoding a request", labels=["model"]),
             "slots_total": GaugeMetricFamily("localllm_slots_total", "slots of the loaded model", labels=["model"]),
             "threads": GaugeMetricFamily(
@@ -41,13 +46,25 @@ class _EngineCollector(Collector):
                 labels=["model"],
             ),
         }
-        rows = self._client.ps().models
+        ps = self._client.ps()
+        rows = ps.models
         for row in rows:
             for name, family in gauges.items():
                 family.add_metric([row.name], getattr(row, name))
+        draining = GaugeMetricFamily(
+            "localllm_model_draining",
+            "1 while the model finishes its requests to unload for a waiting request (another model or load options)",
+            labels=["model"],
+        )
+        for row in rows:
+            draining.add_metric([row.name], row.status == "draining")
         loaded = GaugeMetricFamily("localllm_models_loaded", "models loaded now")
         loaded.add_metric([], len(rows))
-        return [*gauges.values(), loaded, *_prefix_cache_families(rows)]
+        load_queue = GaugeMetricFamily(
+            "localllm_load_queue_depth", "requests waiting for a model to load, reload or make room"
+        )
+        load_queue.add_metric([], ps.load_queue)
+        return [*gauges.values(), draining, loaded, load_queue, *_prefix_cache_families(rows)]
 
 
 def _prefix_cache_families(rows: list[api.ProcessModel]) -> list[GaugeMetricFamily | CounterMetricFamily]:
