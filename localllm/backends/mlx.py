@@ -277,7 +277,9 @@ class MlxModel:
         return piece
 
     def token_text(self, token: int) -> str:
-        return self.token_bytes(token).decode("utf-8", "replace")  # special tokens decode to their own text
+        if token in self._special:  # its own spelling, though it streams as nothing (token_bytes)
+            return self._backend_tok.id_to_token(token) or ""
+        return self.token_bytes(token).decode("utf-8", "replace")
 
     def _token_bytes(self, token: int) -> bytes:
         if token in self._special:
