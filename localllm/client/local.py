@@ -144,10 +144,10 @@ class LocalClient:
         prompts.require_vision(loaded.engine.meta.vision, loaded.model.name, len(request.images or []))
         text, marks = mark_prompt(request.prompt, request.images)
         marked = request.model_copy(update={"prompt": text})
-        text = prompts.generate_text(prompt, model, marked, think, lambda: token.cancelled)
-        answer = Answer.start(loaded.engine.token_bytes, prompt.template, text, think, sampling.stop)
+        rendered = prompts.generate_text(prompt, model, marked, think, lambda: token.cancelled)
+        answer = Answer.start(loaded.engine.token_bytes, prompt.template, rendered.shown, think, sampling.stop)
         context = prompts.checked_tokens(request.context or [], loaded.engine.meta.n_vocab, "context")
-        tokens, images = prompts.tokenize_with_images(prompt, text, marks) if text else ([], ())
+        tokens, images = prompts.tokenize_with_images(prompt, rendered, marks) if rendered.text else ([], ())
         params = GenerationParams(
             context + tokens,
             sampling,
@@ -285,7 +285,7 @@ class LocalClient:
         with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
             t_loaded = time.perf_counter()
             prompt = _prompt_model(loaded, model)
-            vectors, tokenized = pooling.embed_vectors(loaded.engine, request, partial(prompts.tokenize_prompt, prompt))
+            vectors, tokenized = pooling.embed_vectors(loaded.engine, request, partial(prompts.tokenize_text, prompt))
         return api.EmbedResponse(
             model=request.model,
             embeddings=vectors,
@@ -310,8 +310,8 @@ class LocalClient:
         load, _ = resolve_options(model, request.options)
         with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
             prompt = _prompt_model(loaded, model)
-            text = prompts.render(prompt, prompts.messages_with_system(model, None, request.messages))
-            return loaded.engine.export_prefix(prompts.tokenize_prompt(prompt, text))
+            rendered = prompts.render(prompt, prompts.messages_with_system(model, None, request.messages))
+            return loaded.engine.export_prefix(prompts.tokenize_prompt(prompt, rendered.text, rendered.typed))
 
     def load_prompt_cache(self, request: api.ChatRequest, data: bytes) -> int:
         model = self.store.resolve(request.model)
@@ -329,6 +329,7 @@ def _prompt_model(loaded: Loaded, model: ResolvedModel, template: str | None = N
         bos=_token_text(loaded, meta.bos_token),
         eos=_token_text(loaded, meta.eos_token),
         tokenize=engine.tokenize,
+        token_text=engine.token_text,
         image_tokens=engine.image_tokens,
     )
 
@@ -349,9 +350,11 @@ def _chat_prompt(
         loaded.engine.meta.vision, loaded.model.name, sum(len(m.images or []) for m in request.messages)
     )
     cancelled = (lambda: token.cancelled) if token is not None else None
-    text, marks = prompts.chat_text(prompt, model, request.messages, tools, think, cancelled)
-    tokens, images = prompts.tokenize_with_images(prompt, text, marks)
-    answer = Answer.start(loaded.engine.token_bytes, prompt.template, text, think, stops, prompt_tokens=len(tokens))
+    rendered, marks = prompts.chat_text(prompt, model, request.messages, tools, think, cancelled)
+    tokens, images = prompts.tokenize_with_images(prompt, rendered, marks)
+    answer = Answer.start(
+        loaded.engine.token_bytes, prompt.template, rendered.shown, think, stops, prompt_tokens=len(tokens)
+    )
     return tokens, answer, images
 
 

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from .. import api
 from ..chat.fim import FimInput, FimTokens, fim_prompt
+from ..chat.special_tokens import TypedSpecials, find_typed, hide_typed, strings_in, tokenize_rendered
 from ..chat.templates import render_chat
 from ..chat.thinking import Think
 from ..errors import InvalidInput
@@ -30,7 +31,22 @@ class PromptModel:
     bos: str  # the BOS token's text, "" when the model has none
     eos: str
     tokenize: Tokenize
+    token_text: Callable[[int], str]  # a token's own text, control tokens included
     image_tokens: ImageTokens
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A prompt rendered by the chat template; `typed`: the control tokens its request's text spells, behind marks
+    in `text` (chat/special_tokens.py), None when it spells none."""
+
+    text: str
+    typed: TypedSpecials | None = None
+
+    @property
+    def shown(self) -> str:
+        """The text as the model reads it: typed spellings back in place."""
+        return self.typed.show(self.text) if self.typed else self.text
 
 
 def chat_template(model: ResolvedModel, loaded_template: str | None, override: str | None = None) -> str | None:
@@ -56,35 +72,56 @@ def render(
     tools: list | None = None,
     extra: dict[str, Any] | None = None,
     cancelled: Callable[[], bool] | None = None,
-) -> str:
-    return render_chat(
+) -> Rendered:
+    """The conversation in the model's template. Messages and tools are the request's text, never markup: the
+    control tokens they spell are hidden from the template and tokenized as text (only the template's own markup
+    is parsed, as llama.cpp's parse_special per piece)."""
+    data = [m.model_dump(exclude_none=True) for m in messages]
+    typed = find_typed(strings_in([data, tools]), _tokenizer(prompt), prompt.token_text)
+    text = render_chat(
         prompt.template,
-        [m.model_dump(exclude_none=True) for m in messages],
-        tools=tools,
+        hide_typed(data, typed),
+        tools=hide_typed(tools, typed),
         bos_token=prompt.bos,
         eos_token=prompt.eos,
         extra=extra,
         cancelled=cancelled,
     )
+    return Rendered(text, typed)
 
 
-def tokenize_prompt(prompt: PromptModel, text: str) -> list[int]:
+def _tokenizer(prompt: PromptModel) -> Callable[[str, bool, bool], list[int]]:
+    return lambda text, add_special, parse_special: prompt.tokenize(
+        text, add_special=add_special, parse_special=parse_special
+    )
+
+
+def tokenize_prompt(
+    prompt: PromptModel, text: str, typed: TypedSpecials | None = None, *, first: bool = True
+) -> list[int]:
+    """A rendered prompt's tokens (`first`: it starts the prompt, so it gets the BOS): the template's markup parsed
+    for control tokens, the typed spellings as text."""
     # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
-    add_special = not (prompt.bos and text.startswith(prompt.bos))
-    return prompt.tokenize(text, add_special=add_special, parse_special=True)
+    add_special = first and not (prompt.bos and text.startswith(prompt.bos))
+    return tokenize_rendered(text, typed, _tokenizer(prompt), prompt.token_text, add_special=add_special)
+
+
+def tokenize_text(prompt: PromptModel, text: str) -> list[int]:
+    """A user's text on its own (an input to embed): the model's BOS/EOS added, every spelling in it text."""
+    return prompt.tokenize(text, add_special=True, parse_special=False)
 
 
 def tokenize_with_images(
-    prompt: PromptModel, text: str, marks: MarkedImages | None
+    prompt: PromptModel, rendered: Rendered, marks: MarkedImages | None
 ) -> tuple[list[int], tuple[PromptImage, ...]]:
     """The prompt's tokens and its images (their marks replaced by each image's piece)."""
     if marks is None:
-        return tokenize_prompt(prompt, text), ()
+        return tokenize_prompt(prompt, rendered.text, rendered.typed), ()
 
     def tokenize(piece: str, first: bool) -> list[int]:
-        return tokenize_prompt(prompt, piece) if first else prompt.tokenize(piece, add_special=False)
+        return tokenize_prompt(prompt, piece, rendered.typed, first=first)
 
-    return tokenize_marked(text, marks, tokenize, prompt.image_tokens)
+    return tokenize_marked(rendered.text, marks, tokenize, prompt.image_tokens)
 
 
 def chat_text(
@@ -94,18 +131,18 @@ def chat_text(
     tools: list[api.Tool] | None,
     think: Think,
     cancelled: Callable[[], bool] | None = None,
-) -> tuple[str, MarkedImages | None]:
+) -> tuple[Rendered, MarkedImages | None]:
     """A chat's prompt text (the Modelfile's messages and system first) with its images' marks."""
     with_system = messages_with_system(model, None, messages)
     marked, marks = mark_messages(with_system, added=len(with_system) - len(messages))
-    text = render(
+    rendered = render(
         prompt,
         marked,
         tools=[t.model_dump() for t in tools] if tools else None,
         extra=think.template_variables(),
         cancelled=cancelled,
     )
-    return text, marks
+    return rendered, marks
 
 
 def generate_text(
@@ -114,10 +151,11 @@ def generate_text(
     request: api.GenerateRequest,
     think: Think,
     cancelled: Callable[[], bool] | None = None,
-) -> str:
-    """A generate request's text: its prompt as one user turn in the template, or as it is when raw."""
+) -> Rendered:
+    """A generate request's text: its prompt as one user turn in the template, or as it is when raw (the user's
+    whole prompt, its special tokens parsed, as Ollama's raw mode and llama-server's /completion take it)."""
     if request.raw:
-        return request.prompt
+        return Rendered(request.prompt)
     messages = messages_with_system(model, request.system, [api.Message(role="user", content=request.prompt)])
     return render(prompt, messages, extra=think.template_variables(), cancelled=cancelled)
 
