@@ -650,6 +650,7 @@ class LlamaCppModel:
         return LlamaReranker(
             pair_layout(self._model, self._vocab),
             tokenize,
+            self.token_text,
             lambda: self._pooled_context(llama_cpp.LLAMA_POOLING_TYPE_RANK, no_flash),
             n_ctx=self.n_ctx,
             n_embd=self.meta.n_embd,

@@ -12,6 +12,7 @@ from typing import Any
 
 import llama_cpp
 
+from ...chat.special_tokens import Spell, find_typed, tokenize_rendered
 from ...errors import InvalidInput
 from .embedding import NativeCall, decode_group, pack, pack_limit, pooled_output
 
@@ -46,13 +47,17 @@ def pair_layout(model, vocab) -> PairLayout:
     )
 
 
-def pair_tokens(layout: PairLayout, tokenize: Tokenize, query: str, document: str) -> list[int]:
+def pair_tokens(layout: PairLayout, tokenize: Tokenize, spell: Spell, query: str, document: str) -> list[int]:
     """The sequence a cross-encoder scores for (query, document). The texts' own special-token spellings stay text;
-    a template's are parsed, as llama-server does."""
+    a template's are parsed (llama-server parses both)."""
     if layout.template is not None:
-        # Replaced one after the other, as llama-server does, so the scores stay comparable for any input.
+        # Replaced one after the other, as llama-server does, so the scores stay comparable for any input; a text that
+        # spells a control token has it hidden first (chat/special_tokens.py), and only such a text is cut apart.
+        typed = find_typed([query, document], tokenize, spell)
+        if typed is not None:
+            query, document = typed.hide(query), typed.hide(document)
         prompt = layout.template.replace("{query}", query).replace("{document}", document)
-        return tokenize(prompt, False, True)
+        return tokenize_rendered(prompt, typed, tokenize, spell, add_special=False)
 
     def marks(*tokens: int | None) -> list[int]:
         return [t for t in tokens if t is not None]
@@ -81,6 +86,7 @@ class LlamaReranker:
         self,
         layout: PairLayout,
         tokenize: Tokenize,
+        spell: Spell,
         context: Callable[[], Any],
         *,
         n_ctx: int,
@@ -88,11 +94,11 @@ class LlamaReranker:
         n_cls_out: int,
         call: NativeCall,
     ):
-        self._layout, self._tokenize, self._context, self._call = layout, tokenize, context, call
+        self._layout, self._tokenize, self._spell, self._context, self._call = layout, tokenize, spell, context, call
         self._n_ctx, self._n_embd, self._n_cls_out = n_ctx, n_embd, n_cls_out
 
     def pair_tokens(self, query: str, document: str) -> list[int]:
-        return pair_tokens(self._layout, self._tokenize, query, document)
+        return pair_tokens(self._layout, self._tokenize, self._spell, query, document)
 
     def rerank(self, pairs: Sequence[Sequence[int]]) -> list[float]:
         return self._call(self._rerank, pairs)
