@@ -1,4 +1,5 @@
-"""Prompts with images: each image is decoded (media.py: bounded first), marked in its message's text, and the
+"""Prompts with images: each image is decoded (media.py: bounded first, each image and the request's images together,
+from their headers before the first is decoded), marked in its message's text, and the
 rendered prompt is tokenized piece by piece around the marks, each mark becoming the model's own piece for that
 image (its wrapper tokens and placeholders: LoadedModel.image_tokens).
 
@@ -14,7 +15,16 @@ from dataclasses import dataclass
 
 from .. import api
 from ..errors import InvalidInput
-from ..media import ImagePixels, PromptImage, check_image_count, decode_base64_image, is_placeholder
+from ..media import (
+    ImagePixels,
+    PromptImage,
+    check_image_count,
+    check_request_pixels,
+    decode_image,
+    image_bytes,
+    image_pixels,
+    is_placeholder,
+)
 
 Tokenize = Callable[[str, bool], list[int]]  # (text, first piece) -> tokens
 ImageTokens = Callable[[ImagePixels], list[int]]
@@ -41,14 +51,21 @@ def mark_messages(messages: Sequence[api.Message], *, added: int = 0) -> tuple[l
     check_image_count(sum(len(m.images or []) for m in messages))
     if not any(m.images for m in messages):
         return list(messages), None
+    files = [
+        (image_bytes(text, what=what), what)
+        for n, message in enumerate(messages)
+        for i, text in enumerate(message.images or [])
+        for what in [f"image {i + 1} of message {n + 1 - added}"]
+    ]
+    check_request_pixels(sum(image_pixels(data, what=what) for data, what in files))
+    pixels = [decode_image(data, what=what) for data, what in files]  # one at a time, once all are in budget
     nonce = secrets.token_hex(8)
-    pixels: list[ImagePixels] = []
-    marked = []
-    for n, message in enumerate(messages):
+    marked, index = [], 0
+    for message in messages:
         marks = ""
-        for i, data in enumerate(message.images or []):
-            pixels.append(decode_base64_image(data, what=f"image {i + 1} of message {n + 1 - added}"))
-            marks += f"<__image_{nonce}_{len(pixels) - 1}__>"
+        for _ in message.images or []:
+            marks += f"<__image_{nonce}_{index}__>"
+            index += 1
         marked.append(message.model_copy(update={"content": marks + message.content, "images": None}))
     return marked, MarkedImages(tuple(pixels), nonce)
 
