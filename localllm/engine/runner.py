@@ -325,7 +325,7 @@ class ModelEngine:
         self, params: GenerationParams, prompt: list[int], truncated: int
     ) -> tuple[_Job, GenerationParams]:
         opts = params.sampling
-        max_tokens = opts.num_predict if opts.num_predict > 0 else math.inf
+        max_tokens = opts.num_predict if opts.num_predict >= 0 else math.inf  # -1, -2: until the context is full
         sink = _Output(
             queue.SimpleQueue(),
             TextStream(self.model.token_bytes, opts.stop),
@@ -711,9 +711,13 @@ class ModelEngine:
 
     def _emit_tokens(self, req: Request, tokens: list[int]) -> None:
         out: _Output = req.sink
-        text, shown = [], []
+        text: list[str] = []
+        shown: list[int] = []
         reason = None
         for tok in tokens:
+            if len(req.generated) - len(tokens) + len(shown) >= req.max_tokens:  # num_predict 0: the prompt only
+                reason = "length"
+                break
             if self.model.is_eog(tok):
                 reason = "stop"
                 break

@@ -34,7 +34,7 @@ class _Sampling(_Wire):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1)  # OpenAI's minimum: 0 is a 400, never "no limit"
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -61,7 +61,7 @@ class ChatMessage(_Wire):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=1)
     response_format: dict[str, Any] | None = None
     tools: list[api.Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -79,7 +79,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)  # OpenAI's documented default for completions
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's documented default for completions
     suffix: str | None = None
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
