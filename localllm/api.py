@@ -699,6 +699,69 @@ class PromptCacheSession(_Model):
     format: Format = None
 
 
+class PlanRequest(_Model):
+    """POST /api/plan: the memory a load of `model` with these load options would take, before anything loads."""
+
+    model: str
+    options: dict[str, Any] | None = Field(None, description="load options (num_ctx, num_parallel, kv_type, ...)")
+
+
+class PlanDevice(_Model):
+    """One device's share of a planned load, in bytes, against its free memory now."""
+
+    device: str
+    description: str = ""
+    kind: str
+    layers: int
+    weights: int
+    kv: int
+    compute: int
+    total: int
+    free: int
+    usable: int  # free memory less the loader's margin
+    fits: bool
+
+
+class PlanPlacement(_Model):
+    n_gpu_layers: int
+    fits: bool
+    devices: list[PlanDevice]
+
+
+class PlanModel(_Model):
+    """One model's planned memory (the model's, or its draft model's row), in bytes."""
+
+    model: str
+    weights: int
+    adapters: int
+    projector: int
+    kv_per_token: int
+    kv_per_slot: int
+    kv_total: int
+    kv_cells: int
+    compute: int
+    num_ctx: int
+    num_parallel: int
+    kv_type: str
+    available: int | None
+    input_weights: int = 0
+    output_weights: int = 0
+    output_tied: bool = False
+    total: int
+    fits: bool | None
+    shares_weights: bool = False  # its weights are a model's above it: counted once in the response's total
+    cache_ram_limit: int
+    cache_disk_limit: int
+    placement: PlanPlacement | None = None
+
+
+class PlanResponse(_Model):
+    models: list[PlanModel]
+    total: int  # all rows together, shared weights counted once
+    available: int | None  # memory the OS reports as available now, where it can tell
+    fits: bool | None
+
+
 class ProcessResponse(_Model):
     models: list[ProcessModel]
     load_queue: int = Field(

@@ -149,3 +149,22 @@ def wait_until_idle(http: HttpClient, limit: float = 30.0) -> None:
     while any(m.slots_busy or m.queue_depth for m in http.ps().models):
         assert time.monotonic() < deadline, "the slot was never freed"
         time.sleep(0.05)
+
+
+def test_the_memory_plan_over_the_api_equals_the_local_one(served, http):
+    _, local = served
+    asked = api.PlanRequest(model="smollm2:135m", options={"num_ctx": 2048, "num_parallel": 2})
+    remote = http.plan(asked)
+    # the same plan, less what follows the machine's free memory from one moment to the next
+    moving = {"available", "fits", "cache_ram_limit", "cache_disk_limit", "placement"}
+    assert [m.model_dump(exclude=moving) for m in remote.models] == [
+        m.model_dump(exclude=moving) for m in local.plan(asked).models
+    ]
+    (row,) = remote.models
+    assert (row.num_ctx, row.num_parallel) == (2048, 2)
+    assert row.total == row.weights + row.adapters + row.projector + row.kv_total + row.compute
+    assert remote.total == row.total and row.placement is not None and row.placement.devices[0].kind == "cpu"
+    with pytest.raises(InvalidInput, match="num_ctx"):
+        http.plan(api.PlanRequest(model="smollm2:135m", options={"num_ctx": "many"}))
+    with pytest.raises(ModelNotFound):
+        http.plan(api.PlanRequest(model="nothing-here:1b"))

@@ -121,7 +121,6 @@ ENGINE_MAY_IMPORT = frozenset({"localllm.backends", "localllm.backends.base"})
 NO_BACKEND = ("localllm.client", *SURFACES)
 SURFACE_MAY_IMPORT = {
     "localllm.cli.worker": frozenset({"localllm.backends"}),
-    "localllm.cli.plan": frozenset({"localllm.backends"}),
 }
 
 
@@ -148,7 +147,7 @@ def test_the_backend_allow_list_can_fail():
         "localllm.client.local": {"localllm.backends.base", "localllm.engine.pool"},
     }
     assert _backend_crossings(planted, NO_BACKEND) == {
-        "localllm.cli.plan": ["localllm.backends.llama_cpp.backend"],
+        "localllm.cli.plan": ["localllm.backends", "localllm.backends.llama_cpp.backend"],
         "localllm.cli.worker": ["localllm.backends.llama_cpp.rpc"],
         "localllm.cli.models": ["localllm.backends"],
         "localllm.tui.app": ["localllm.backends.mlx"],

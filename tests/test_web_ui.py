@@ -219,7 +219,7 @@ def keyed_url(models_home, tmp_path_factory) -> Iterator[str]:
         yield url
 
 
-def test_with_a_key_the_page_asks_once_then_pulls_and_deletes(browser, keyed_url):
+def test_with_a_key_the_page_asks_once_then_pulls_plans_and_deletes(browser, keyed_url):
     context = browser.new_context()
     page = context.new_page()
     page.set_default_timeout(WAIT_MS)
@@ -242,9 +242,44 @@ def test_with_a_key_the_page_asks_once_then_pulls_and_deletes(browser, keyed_url
     assert page.evaluate("document.getElementById('pull-progress').value") == 1
     row = page.locator(f"#stored tr[data-model='{SMALL}']")
     row.wait_for()
-    row.locator("button").click()
+
+    page.fill("#plan-ctx", "512")  # the memory plan, before anything loads
+    row.locator("button", has_text="Plan").click()
+    planned = page.locator(f"#plan-result .plan-row[data-model='{SMALL}']")
+    planned.wait_for()
+    assert "× 512 tokens" in planned.inner_text()
+    assert "available: fits" in page.locator("#plan-result .plan-verdict").inner_text()
+    page.fill("#plan-ctx", "1000000")
+    page.fill("#plan-slots", "64")
+    row.locator("button", has_text="Plan").click()
+    page.wait_for_selector("#plan-result .plan-verdict:has-text('does not fit')")
+    assert httpx.get(keyed_url + "/api/ps", headers={"Authorization": f"Bearer {KEY}"}).json()["models"] == []
+
+    row.locator("button", has_text="Delete").click()
     row.locator("button.confirm").click()
     row.wait_for(state="detached")
     tags = httpx.get(keyed_url + "/api/tags", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert SMALL not in [m["name"] for m in tags["models"]]
     context.close()
+
+
+def test_the_page_says_when_the_server_listens_beyond_this_machine(browser, models_home, tmp_path_factory, web_url):
+    from server_harness import serve_in_thread
+
+    from localllm.server.app import create_app
+
+    # bound_host is what the app was told it listens on; the test server itself stays on loopback
+    client = local_client(private_home(models_home, tmp_path_factory.mktemp("web-network")))
+    try:
+        with serve_in_thread(create_app(client, bound_host="0.0.0.0")) as network_url:
+            assert httpx.get(network_url + "/health").json()["network"] is True
+            page = open_page(browser.new_context(), network_url)
+            reach = page.locator("#reach")
+            assert reach.is_visible() and "with no API key" in reach.inner_text()
+            page.context.close()
+    finally:
+        client.close()
+    assert httpx.get(web_url + "/health").json()["network"] is False
+    page = open_page(browser.new_context(), web_url)
+    assert page.locator("#reach").is_hidden()
+    page.context.close()

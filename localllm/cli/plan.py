@@ -4,29 +4,16 @@ loads."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
 
 from ..errors import LocalLLMError
-from ..models.plan import Placement
 from .app import app, console
 
 if TYPE_CHECKING:
-    from ..api import LoadOptions
-    from ..models.plan import MemoryPlan
-    from ..models.store import ResolvedModel
-
-
-class ModelPlan(NamedTuple):
-    """One model's row of `localllm plan`: its name, the weights it shares with others, its memory and placement."""
-
-    name: str
-    identity: tuple  # models with equal weights_identity share one copy of the weights
-    memory: MemoryPlan
-    placement: Placement | None
+    from ..models.plan import MemoryPlan, Placement
 
 
 def _mib(n: int) -> str:
@@ -49,8 +36,8 @@ def plan(
 
     Weights, adapters, KV cache per slot and compute buffer for these options, and the layers each device takes;
     models over the same weights count them once. Exits 1 when it does not fit."""
-    from ..engine.prefix_cache import disk_limit, ram_limit
-    from ..models.plan import total_with_shared_weights
+    from ..engine.planning import plan_response, plan_with_draft
+    from ..models.store import Store
 
     overrides = {
         k: v
@@ -63,33 +50,21 @@ def plan(
         }.items()
         if v is not None
     }
-    plans = [plan for model in models for plan in _plan_with_draft(model, overrides)]
-    total = total_with_shared_weights([(p.identity, p.memory) for p in plans])
-    available = plans[0].memory.available
-    cache_ram, cache_disk = ram_limit(), disk_limit()
+    store = Store()  # the plan reads the weights' metadata and the resolved options before anything loads
+    plans = [plan for model in models for plan in plan_with_draft(store, model, overrides)]
+    response = plan_response(plans)
+    total, available = response.total, response.available
     if as_json:
-        rows = [
-            {
-                "model": p.name,
-                **{k: v for k, v in p.memory.__dict__.items() if not isinstance(v, tuple)},
-                "total": p.memory.total,
-                "fits": p.memory.fits,
-                "cache_ram_limit": cache_ram,
-                "cache_disk_limit": cache_disk,
-                "placement": _placement_json(p.placement),
-            }
-            for p in plans
-        ]
+        rows = [row.model_dump() for row in response.models]
         console.print_json(json.dumps(rows[0] if len(rows) == 1 else {"models": rows, "total": total}))
     else:
-        seen: set = set()
-        for p in plans:
+        for p, row in zip(plans, response.models, strict=True):
+            cache_ram, cache_disk = row.cache_ram_limit, row.cache_disk_limit
             console.print(
-                _table(p.name, p.memory, shared=p.identity in seen, cache_ram=cache_ram, cache_disk=cache_disk)
+                _table(p.name, p.memory, shared=row.shares_weights, cache_ram=cache_ram, cache_disk=cache_disk)
             )
             if p.placement is not None:
                 console.print(_placement_table(p.placement))
-            seen.add(p.identity)
         if len(plans) > 1:
             verdict = (
                 ""
@@ -103,49 +78,6 @@ def plan(
             f"{names} does not fit: it needs {_mib(total)} and {_mib(available)} is available",
             hint="lower --num-ctx or --num-parallel, or use --kv-type q8_0",
         )
-
-
-def _plan_with_draft(model: str, overrides: dict) -> list[ModelPlan]:
-    """The model's plan, and its draft model's where it speculates with one: loaded beside it with a KV cache for
-    each of its slots, at the same context and threads."""
-    from ..models.options import resolve_options
-    from ..models.store import Store
-
-    store = Store()  # the plan reads the weights' metadata and the resolved options before anything loads
-    resolved = store.resolve(model)
-    load, _ = resolve_options(resolved, overrides)
-    plans = [_plan_one(model, resolved, load)]
-    if load.draft:
-        shape = {"num_ctx": plans[0].memory.num_ctx, "num_parallel": plans[0].memory.num_parallel}
-        draft = store.resolve(load.draft)
-        drafted = _plan_one(load.draft, draft, resolve_options(draft, {**overrides, **shape})[0])
-        plans.append(drafted._replace(name=f"{drafted.name} (draft model of {plans[0].name})", placement=None))
-    return plans
-
-
-def _plan_one(model: str, resolved: ResolvedModel, load: LoadOptions) -> ModelPlan:
-    """The plan of `model` (as the user named it), resolved to `resolved` with the load options `load`."""
-    from ..errors import InvalidInput
-    from ..models.options import effective_load
-    from ..models.plan import plan_memory, weights_identity
-    from ..quant.gguf import inspect_gguf, inspect_lora
-
-    if resolved.format != "gguf":
-        raise InvalidInput(f"{model} is an {resolved.format} model; the memory plan reads GGUF metadata")
-    adapters: int = sum([inspect_lora(Path(adapter.path)).tensor_bytes for adapter in resolved.adapters], 0)
-    projector = inspect_gguf(resolved.projector).tensor_bytes if resolved.projector is not None else 0
-    mem = plan_memory(inspect_gguf(resolved.weights), effective_load(load), adapters=adapters, projector=projector)
-    identity = weights_identity(resolved.weights, effective_load(load))
-    return ModelPlan(resolved.name, identity, mem, _placement(resolved, load))
-
-
-def _placement(model: ResolvedModel, load: LoadOptions) -> Placement | None:
-    """What the loader would do now with these options: the backend's own function, the devices' free memory now."""
-    from ..backends import choose_backend, get_backend
-    from ..models.options import effective_load
-
-    load = effective_load(load)
-    return get_backend(choose_backend(load.backend, model.weights)).placement(model.weights, load)
 
 
 def _table(name: str, mem: MemoryPlan, *, shared: bool, cache_ram: int, cache_disk: int) -> Table:
@@ -171,31 +103,6 @@ def _table(name: str, mem: MemoryPlan, *, shared: bool, cache_ram: int, cache_di
         verdict = "fits" if mem.fits else "[red]does not fit[/]"
         table.add_row("available now", f"{_mib(mem.available)} ({verdict})")
     return table
-
-
-def _placement_json(placement: Placement | None) -> dict | None:
-    if placement is None:
-        return None
-    return {
-        "n_gpu_layers": placement.n_gpu_layers,
-        "fits": placement.fits,
-        "devices": [
-            {
-                "device": s.device.name,
-                "description": s.device.description,
-                "kind": s.device.kind,
-                "layers": s.layers,
-                "weights": s.weights,
-                "kv": s.kv,
-                "compute": s.compute,
-                "total": s.total,
-                "free": s.device.free,
-                "usable": s.device.usable,
-                "fits": s.fits,
-            }
-            for s in placement.shares
-        ],
-    }
 
 
 def _placement_table(placement: Placement) -> Table:

@@ -193,6 +193,9 @@ class HttpClient:
     def ps(self) -> api.ProcessResponse:
         return self._get("/api/ps", api.ProcessResponse)
 
+    def plan(self, request: api.PlanRequest) -> api.PlanResponse:
+        return self._post("/api/plan", request.model_dump(exclude_none=True), api.PlanResponse)
+
     def stop(self, model: str) -> None:
         # Ollama's way to unload: nothing to generate and keep_alive 0.
         self._call("POST", "/api/generate", {"model": model, "keep_alive": 0, "stream": False})

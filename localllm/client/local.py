@@ -19,6 +19,7 @@ from ..chat.fim import require_fim
 from ..chat.structured import grammar_for_format, tool_choice_grammar
 from ..chat.templates import transcript_sampling
 from ..chat.thinking import Think, check_thinking, parse_think
+from ..engine.planning import plan_response, plan_with_draft
 from ..engine.pool import Loaded, ModelPool
 from ..engine.runner import GenerationParams, Stream
 from ..engine.speculative.speculation import load_speculation
@@ -83,6 +84,9 @@ class LocalClient:
     def stop(self, model: str) -> None:
         resolved = self.store.resolve(model)
         self.pool.unload(resolved.digest)
+
+    def plan(self, request: api.PlanRequest) -> api.PlanResponse:
+        return plan_response(plan_with_draft(self.store, request.model, request.options))
 
     def close(self) -> None:
         self.pool.close()

@@ -19,6 +19,8 @@ from ..api import (
     GenerateChunk,
     GenerateRequest,
     ListResponse,
+    PlanRequest,
+    PlanResponse,
     ProcessResponse,
     PullProgress,
     RerankRequest,
@@ -69,6 +71,10 @@ class Client(Protocol):
 
     def stop(self, model: str) -> None:
         """Unload a model now (Ollama: keep_alive 0)."""
+
+    def plan(self, request: PlanRequest) -> PlanResponse:
+        """The memory a load of the model (and its draft model) with these options would take, and where its layers
+        would go, by the devices' free memory now; nothing loads."""
 
     def generate(self, request: GenerateRequest) -> RequestStream[GenerateChunk]: ...
 

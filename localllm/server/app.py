@@ -24,16 +24,25 @@ from .metrics import CONTENT_TYPE, AccessLog, ServerMetrics
 from .openai import responses_routes as openai_responses
 from .openai import routes as openai_routes
 from .responses import install_error_handlers
-from .security import GuardMiddleware, GuardSettings
+from .security import GuardMiddleware, GuardSettings, is_loopback_host
 from .state import ServerState, State
 
 service = APIRouter()
 
 
 @service.get("/health")
-async def health() -> JSONResponse:
-    # `home` and `pid` let `localllm run` and `serve --status` tell which server this is (see cli/background.py).
-    return JSONResponse({"status": "ok", "version": __version__, "home": config.home_id(), "pid": os.getpid()})
+async def health(state: State) -> JSONResponse:
+    # `home` and `pid` let `localllm run` and `serve --status` tell which server this is (see cli/background.py);
+    # `network` lets the web page say that other machines can reach it.
+    return JSONResponse(
+        {
+            "status": "ok",
+            "version": __version__,
+            "home": config.home_id(),
+            "pid": os.getpid(),
+            "network": state.network,
+        }
+    )
 
 
 @service.get("/metrics")
@@ -79,7 +88,8 @@ def create_app(client: Client | None = None, *, bound_host: str | None = None) -
             served.close()
 
     app = FastAPI(title="localllm", version=__version__, lifespan=lifespan)
-    state = ServerState(client=served, metrics=ServerMetrics(served))
+    host = bound_host if bound_host is not None else config.HOST.get()[0]
+    state = ServerState(client=served, metrics=ServerMetrics(served), network=not is_loopback_host(host))
     app.state.localllm = state
     install_error_handlers(app)
     app.include_router(web_routes.router)  # `/`: the page for a browser, plain text for the rest

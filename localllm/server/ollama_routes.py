@@ -50,6 +50,12 @@ def ps(state: State) -> JSONResponse:
     return json_of(state.client.ps())
 
 
+@router.post("/api/plan")
+def plan(body: api.PlanRequest, state: State) -> JSONResponse:
+    """A localllm extension: `localllm plan` over the API (the web page shows it before a load)."""
+    return json_of(state.client.plan(body))
+
+
 @router.post("/api/show")
 def show(body: api.ShowRequest, state: State) -> JSONResponse:
     return json_of(state.client.show(body.model, verbose=body.verbose))

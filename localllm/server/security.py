@@ -115,6 +115,17 @@ def origin_allowed(origin: str | None, settings: GuardSettings) -> bool:
         return False
 
 
+def is_loopback_host(host: str) -> bool:
+    """A listening address only this machine reaches: localhost or a loopback IP (a name or 0.0.0.0 is not)."""
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def body_type_allowed(content_type: str | None) -> bool:
     if not content_type:
         return True

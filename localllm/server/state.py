@@ -15,6 +15,7 @@ from .metrics import ServerMetrics
 class ServerState:
     client: Client
     metrics: ServerMetrics
+    network: bool = False  # bound beyond loopback: other machines may reach it (/health says so to the page)
 
 
 def get_state(request: Request) -> ServerState:

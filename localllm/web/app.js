@@ -1,6 +1,6 @@
 // The page's entry: views (#chat, #models), the keyboard, and what the page says about how it is reached.
 
-import { keyRequired } from "./api.js";
+import { getJson, keyRequired } from "./api.js";
 import * as chat from "./chat.js";
 import { initConversations, refreshList } from "./conversations.js";
 import { startEngineFigures } from "./engine.js";
@@ -18,14 +18,17 @@ function showView() {
   if (view === "models") refreshModels().catch((error) => ($("pull-status").textContent = error.message));
 }
 
-// A page opened by another machine's address is served to the network: say so, and whether a key guards it.
-function showReach() {
+// A server other machines can reach (the page opened by another machine's address, or /health saying it listens
+// beyond loopback): say so, and whether a key guards it.
+async function showReach() {
   const reach = $("reach");
-  if (LOOPBACK.test(location.hostname)) return;
+  const health = await getJson("/health").catch(() => ({}));
+  if (LOOPBACK.test(location.hostname) && !health.network) return;
+  const where = LOOPBACK.test(location.hostname) ? "beyond this machine" : `at ${location.host}`;
   reach.hidden = false;
   reach.textContent = keyRequired()
-    ? `reachable from other machines at ${location.host}, guarded by an API key`
-    : `reachable from other machines at ${location.host} with no API key: set LOCALLLM_API_KEY`;
+    ? `reachable from other machines ${where}, guarded by an API key`
+    : `reachable from other machines ${where} with no API key: set LOCALLLM_API_KEY`;
   reach.classList.toggle("warn", !keyRequired());
 }
 
@@ -66,7 +69,7 @@ async function start() {
   else chat.startConversation();
   await refreshList();
   showView();
-  showReach();
+  await showReach();
   startEngineFigures();
   document.body.dataset.ready = "true";
 }

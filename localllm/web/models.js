@@ -73,7 +73,50 @@ function storedRow(m) {
   const row = el("tr");
   row.dataset.model = m.name;
   const details = [m.details.family, m.details.parameter_size, m.details.quantization_level].filter(Boolean);
-  return cells(row, [m.name, details.join(" · "), formatBytes(m.size), button("Delete", remove.bind(null, m.name))]);
+  const actions = el("span", "actions");
+  actions.append(button("Plan", plan.bind(null, m.name)), button("Delete", remove.bind(null, m.name)));
+  return cells(row, [m.name, details.join(" · "), formatBytes(m.size), actions]);
+}
+
+// The memory plan (POST /api/plan, what `localllm plan` prints): will it fit, and where, before a load.
+async function plan(name) {
+  const options = {};
+  const ctx = Number.parseInt($("plan-ctx").value, 10);
+  const slots = Number.parseInt($("plan-slots").value, 10);
+  if (ctx > 0) options.num_ctx = ctx;
+  if (slots > 0) options.num_parallel = slots;
+  const result = $("plan-result");
+  result.textContent = `planning ${name}…`;
+  try {
+    const answer = await (await call("/api/plan", { method: "POST", body: { model: name, options } })).json();
+    result.replaceChildren(...answer.models.map(planLine), planVerdict(answer));
+  } catch (error) {
+    result.textContent = `plan failed: ${error.message}`;
+  }
+}
+
+function planLine(m) {
+  const parts = [`weights ${formatBytes(m.weights)}`, `KV ${formatBytes(m.kv_total)} (${m.kv_type})`];
+  if (m.adapters) parts.push(`adapters ${formatBytes(m.adapters)}`);
+  if (m.projector) parts.push(`vision ${formatBytes(m.projector)}`);
+  parts.push(`compute ${formatBytes(m.compute)}`);
+  const where = m.placement?.devices.filter((d) => d.layers).map((d) => `${d.device} ${d.layers} layers`) ?? [];
+  const line = el("div", "plan-row");
+  line.dataset.model = m.model;
+  line.textContent =
+    `${m.model}: ${m.num_parallel} slots × ${m.num_ctx} tokens → ${formatBytes(m.total)} ` +
+    `(${parts.join(", ")})${where.length ? ` · ${where.join(", ")}` : ""}`;
+  return line;
+}
+
+function planVerdict(answer) {
+  const verdict = el("div", answer.fits === false ? "plan-verdict error" : "plan-verdict");
+  verdict.textContent =
+    answer.available === null
+      ? `needs ${formatBytes(answer.total)} (the memory available is unknown here)`
+      : `needs ${formatBytes(answer.total)} of ${formatBytes(answer.available)} available: ` +
+        (answer.fits ? "fits" : "does not fit — lower the context or the slots");
+  return verdict;
 }
 
 function catalogRow(entry, stored) {
