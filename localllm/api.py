@@ -372,8 +372,13 @@ class GenerateRequest(_InferenceRequest):
     context: list[int] | None = None
 
 
+# Messages one conversation may hold: far more turns than a context holds, few enough that a request is refused before
+# many seconds go into parsing and templating it (Ollama sets none; a chat template spends about a line per message).
+MAX_MESSAGES = 10_000
+
+
 class ChatRequest(_InferenceRequest):
-    messages: list[Message] = Field(default_factory=list)
+    messages: list[Message] = Field(default_factory=list)  # MAX_MESSAGES at most (client/prompts.py checks)
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = Field(None, description="auto, none, required or a function")
 
@@ -399,6 +404,7 @@ class EmbedResponse(_Model):
 
 
 MAX_RERANK_DOCUMENTS = 1024  # documents one rerank request scores (Cohere's limit is 1000; each is one sequence)
+MAX_EMBED_INPUTS = 2048  # inputs one embedding request holds (OpenAI's limit)
 
 
 class RerankRequest(_Model):

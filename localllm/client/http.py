@@ -8,7 +8,7 @@ with the server's message; a refused connection is ServerUnreachable naming the 
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO, TypeVar
 
@@ -208,7 +208,8 @@ class HttpClient:
     def chat(self, request: api.ChatRequest) -> RequestStream[api.ChatChunk]:
         return self._streamed("/api/chat", _body(request), api.ChatChunk)
 
-    def embed(self, request: api.EmbedRequest) -> api.EmbedResponse:
+    def embed(self, request: api.EmbedRequest, cancelled: Callable[[], bool] = lambda: False) -> api.EmbedResponse:
+        # The server stops the work when this connection closes; nothing here polls `cancelled` midway.
         return self._post("/api/embed", _body(request), api.EmbedResponse)
 
     def rerank(self, request: api.RerankRequest) -> api.RerankResponse:

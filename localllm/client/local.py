@@ -97,7 +97,8 @@ class LocalClient:
         return TokenStream(lambda token: self._generate(request, token))
 
     def _generate(self, request: api.GenerateRequest, token: CancelToken) -> Generator[api.GenerateChunk, None, None]:
-        if not (request.prompt or request.context or request.suffix or request.input_extra or request.middle):
+        infill = request.middle is not None  # /infill's: even an empty one is answered (or refused) as infill
+        if not (request.prompt or request.context or request.suffix or request.input_extra or infill):
             # Ollama: an empty prompt loads the model (or unloads it with keep_alive 0) and answers done.
             model = self.store.resolve(request.model)
             load, _ = resolve_options(model, request.options)
@@ -137,6 +138,7 @@ class LocalClient:
         ready: float,
         token: CancelToken,
     ) -> tuple[GenerationParams, Answer]:
+        prompts.check_text_size(prompts.generate_chars(request), loaded.engine.n_ctx, "the prompt")
         if prompts.wants_fim(request, loaded.engine.meta.fim is not None):
             return _prepare_infill(loaded, request, _bound_sampling(loaded, sampling), ready)
         prompt = _prompt_model(loaded, model, request.template)
@@ -190,6 +192,7 @@ class LocalClient:
         for request in requests:
             if not request.messages:
                 raise InvalidInput("messages is empty", hint="send at least one message")
+            prompts.check_message_count(request.messages)
         with self._admitted(requests, token, self._prepare_chat) as (prepared, streams, waited):
             for index, (request, (_, tools, answer), stream) in enumerate(zip(requests, prepared, streams)):
                 if tools:
@@ -282,14 +285,16 @@ class LocalClient:
 
     # ----------------------------------------------------------------------------------------------- pooling
 
-    def embed(self, request: api.EmbedRequest) -> api.EmbedResponse:
+    def embed(self, request: api.EmbedRequest, cancelled: Callable[[], bool] = lambda: False) -> api.EmbedResponse:
+        pooling.check_embed_inputs(request)
         model = self.store.resolve(request.model)
         load, _ = resolve_options(model, request.options)
         t0 = time.perf_counter()
         with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
             t_loaded = time.perf_counter()
             prompt = _prompt_model(loaded, model)
-            vectors, tokenized = pooling.embed_vectors(loaded.engine, request, partial(prompts.tokenize_text, prompt))
+            tokenize = partial(prompts.tokenize_text, prompt)
+            vectors, tokenized = pooling.embed_vectors(loaded.engine, request, tokenize, cancelled)
         return api.EmbedResponse(
             model=request.model,
             embeddings=vectors,
@@ -314,6 +319,8 @@ class LocalClient:
         load, _ = resolve_options(model, request.options)
         with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
             prompt = _prompt_model(loaded, model)
+            prompts.check_message_count(request.messages)
+            prompts.check_text_size(prompts.message_chars(request.messages), loaded.engine.n_ctx, "the conversation")
             rendered = prompts.render(prompt, prompts.messages_with_system(model, None, request.messages))
             return loaded.engine.export_prefix(prompts.tokenize_prompt(prompt, rendered.text, rendered.typed))
 
@@ -347,6 +354,8 @@ def _chat_prompt(
     token: CancelToken | None = None,
 ) -> tuple[list[int], Answer, tuple[PromptImage, ...]]:
     """A chat's prompt tokens, its images, and the answer that reads its output."""
+    prompts.check_message_count(request.messages)
+    prompts.check_text_size(prompts.message_chars(request.messages), loaded.engine.n_ctx, "the conversation")
     prompt = _prompt_model(loaded, model)
     think = parse_think(request.think)
     check_thinking(request.model, prompt.template, think)

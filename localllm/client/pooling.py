@@ -1,5 +1,7 @@
 """Pooled outputs, not generations: embeddings (/api/embed, /v1/embeddings) and reranking (/rerank). Their inputs
-are checked and tokenized here, scored by the engine, and shaped into the api's responses."""
+are checked and tokenized here, scored by the engine, and shaped into the api's responses. Every input is bounded
+before it is tokenized: its count (as OpenAI caps embedding inputs and rerank caps documents) and its size (what the
+context could ever hold, prompts.check_text_size)."""
 
 from __future__ import annotations
 
@@ -9,15 +11,28 @@ from collections.abc import Callable
 from .. import api
 from ..engine.runner import ModelEngine
 from ..errors import ContextOverflow, InvalidInput
-from .prompts import checked_tokens
+from .prompts import check_text_size, checked_tokens
+
+
+def check_embed_inputs(request: api.EmbedRequest) -> None:
+    """Refuse more inputs than one request may embed, before the model is loaded for them."""
+    count = len(request.input_tokens) if request.input_tokens is not None else len(request.input)
+    if not isinstance(request.input, str) and count > api.MAX_EMBED_INPUTS:
+        raise InvalidInput(
+            f"the request holds {count:,} inputs; the limit is {api.MAX_EMBED_INPUTS:,} per request",
+            hint="send the inputs in several requests",
+        )
 
 
 def embed_vectors(
-    engine: ModelEngine, request: api.EmbedRequest, tokenize: Callable[[str], list[int]]
+    engine: ModelEngine,
+    request: api.EmbedRequest,
+    tokenize: Callable[[str], list[int]],
+    cancelled: Callable[[], bool] = lambda: False,
 ) -> tuple[list[list[float]], list[list[int]]]:
-    """The request's vectors and the token lists they were pooled from."""
+    """The request's vectors and the token lists they were pooled from; Cancelled once `cancelled()` turns true."""
     tokenized = _embed_inputs(engine, request, tokenize)
-    vectors = engine.embed(tokenized) if tokenized else []
+    vectors = engine.embed(tokenized, cancelled) if tokenized else []
     if request.dimensions is not None:
         vectors = [_shorten(vector, request.dimensions) for vector in vectors]
     return vectors, tokenized
@@ -38,6 +53,7 @@ def _embed_inputs(
     for i, text in enumerate(texts):
         if not text:
             raise InvalidInput(f"input {i} is an empty string", hint="embed non-empty texts")
+        check_text_size(len(text), engine.n_ctx, f"input {i}")
     return [_fit_embed(engine, tokenize(text), request.truncate) for text in texts]
 
 
@@ -85,6 +101,7 @@ def rerank_pairs(engine: ModelEngine, request: api.RerankRequest) -> list[list[i
     limit = engine.n_ctx
     pairs = []
     for i, document in enumerate(request.documents):
+        check_text_size(len(request.query) + len(document), limit, f"document {i} with the query")
         tokens = engine.pair_tokens(request.query, document)
         if len(tokens) > limit:
             raise InvalidInput(

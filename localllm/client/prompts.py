@@ -10,10 +10,11 @@ from typing import Any, Protocol
 
 from .. import api
 from ..chat.fim import FimInput, FimTokens, fim_prompt
+from ..chat.sandbox import MAX_OUTPUT_CHARS
 from ..chat.special_tokens import TypedSpecials, find_typed, hide_typed, strings_in, tokenize_rendered
 from ..chat.templates import render_chat
 from ..chat.thinking import Think
-from ..errors import InvalidInput
+from ..errors import InvalidInput, PayloadTooLarge
 from ..media import PromptImage
 from ..models.store import ResolvedModel
 from .images import ImageTokens, MarkedImages, mark_messages, tokenize_marked
@@ -163,7 +164,7 @@ def generate_text(
 def wants_fim(request: api.GenerateRequest, model_fills: bool) -> bool:
     """A suffix (or /infill's other fields) asks for fill in the middle; an empty suffix only of a model that can,
     as Ollama then answers the plain prompt."""
-    if request.suffix or request.input_extra or request.middle:
+    if request.suffix or request.input_extra or request.middle is not None:  # /infill always sets middle
         return True
     return request.suffix is not None and model_fills
 
@@ -187,6 +188,50 @@ def infill_tokens(
         budget=n_ctx - reserve,
         bos=bos,
     )
+
+
+# Characters of text one context token stands for, at most, in the early bound below: far above what any tokenizer
+# packs into a token on average (English is about 4), so only text that could never fit is refused by it.
+PROMPT_CHARS_PER_TOKEN = 64
+
+
+def prompt_chars_bound(n_ctx: int) -> int:
+    """The most characters a request's text may hold for a context of `n_ctx` tokens (never over what a chat
+    template may render)."""
+    return min(n_ctx * PROMPT_CHARS_PER_TOKEN, MAX_OUTPUT_CHARS)
+
+
+def check_text_size(chars: int, n_ctx: int, what: str) -> None:
+    """Refuse text far larger than the context could ever hold, before it is templated, decoded or tokenized: a
+    20 MB prompt would otherwise take gigabytes on its way to the overflow error. Truncation and fill-in-the-middle
+    cut a prompt to the context, so the bound is generous, not the context itself."""
+    bound = prompt_chars_bound(n_ctx)
+    if chars > bound:
+        raise PayloadTooLarge(
+            f"{what} is {chars:,} characters, more than a context of {n_ctx:,} tokens could ever hold: the limit is "
+            f"{bound:,} ({PROMPT_CHARS_PER_TOKEN} characters per token)",
+            hint="send less text, or load the model with a larger num_ctx",
+        )
+
+
+def check_message_count(messages: list[api.Message]) -> None:
+    """Refuse a conversation of more than api.MAX_MESSAGES messages before it is templated."""
+    if len(messages) > api.MAX_MESSAGES:
+        raise InvalidInput(
+            f"the conversation holds {len(messages):,} messages; the limit is {api.MAX_MESSAGES:,} per request",
+            hint="send the latest messages only, or summarise the earlier ones",
+        )
+
+
+def generate_chars(request: api.GenerateRequest) -> int:
+    """The characters of a generate (or fill-in-the-middle) request's own text."""
+    pieces = (request.prompt, request.system, request.suffix, request.middle)
+    return sum(len(p or "") for p in pieces) + sum(len(f.text) for f in request.input_extra or [])
+
+
+def message_chars(messages: list[api.Message]) -> int:
+    """The characters of a conversation's text (contents and thinking)."""
+    return sum(len(m.content) + len(m.thinking or "") for m in messages)
 
 
 def checked_tokens(tokens: list[int], n_vocab: int, what: str) -> list[int]:

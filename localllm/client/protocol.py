@@ -7,7 +7,7 @@ request is queued, since closing a generator that is running elsewhere is not al
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import BinaryIO, Protocol, TypeVar
 
 from ..api import (
@@ -90,7 +90,8 @@ class Client(Protocol):
     def count_tokens(self, request: ChatRequest) -> int:
         """The prompt tokens `request` would take, the model's template applied (Anthropic's count_tokens)."""
 
-    def embed(self, request: EmbedRequest) -> EmbedResponse: ...
+    def embed(self, request: EmbedRequest, cancelled: Callable[[], bool] = ...) -> EmbedResponse:
+        """The inputs' vectors; the work stops (Cancelled) once `cancelled()` turns true, as when the client left."""
 
     def rerank(self, request: RerankRequest) -> RerankResponse:
         """Each document's relevance to the query, best first (a reranker: a GGUF with rank pooling)."""

@@ -11,7 +11,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,6 +24,7 @@ from ..backends.base import LoadedModel, ModelMeta
 from ..errors import Cancelled, ContextOverflow, InvalidInput, LocalLLMError, QueueFull, WorkerLost
 from ..media import ImagePixels, PromptImage, is_placeholder
 from .cache_keeper import CacheKeeper
+from .embed_queue import EmbedJob, EmbedQueue
 from .parts import embedder_of, reranker_of, vision_of
 from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler, Step
@@ -89,6 +90,8 @@ class EngineStats:
     draft_steps: int = 0  # verification steps that carried drafts: accepted_tokens / draft_steps is the mean run
     decode_seconds: float = 0.0
     threads: int = 0  # CPU threads of the last decode-only step (0: the backend chooses)
+    embedded_inputs: int = 0  # inputs embedded since the load
+    embeds_dropped: int = 0  # embedding requests dropped unfinished because their client left
     # The prefix cache, by tier ("slot", "ram", "disk"): requests that reused a prefix and the tokens they skipped.
     prefix_hits: dict[str, int] = field(default_factory=lambda: {"slot": 0, "ram": 0, "disk": 0})
     prefix_tokens: dict[str, int] = field(default_factory=lambda: {"slot": 0, "ram": 0, "disk": 0})
@@ -156,8 +159,7 @@ class _Submit:
 
 @dataclass(frozen=True)
 class _Embed:
-    inputs: list[list[int]]
-    future: Future[list[list[float]]]
+    job: EmbedJob
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,7 @@ class ModelEngine:
         self._lock = threading.Lock()
         self._closed = False
         self._keeper = CacheKeeper(model, self.prefix_cache, self._scheduler)
+        self._embeds = EmbedQueue(model.n_ctx)  # served a batch per turn between steps (embed_queue.py)
         self.stats = EngineStats(slots_total=model.n_seq, threads=pinned_threads, kv_cells=model.kv_cells)
         self._publish_cache_figures()
         self._thread = threading.Thread(target=self._run, name="localllm-engine", daemon=True)
@@ -339,9 +342,13 @@ class ModelEngine:
         request.deterministic = opts.deterministic or self._all_deterministic
         return request, params
 
-    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+    def embed(
+        self, inputs: Sequence[Sequence[int]], cancelled: Callable[[], bool] = lambda: False
+    ) -> list[list[float]]:
+        """The inputs' vectors, embedded a batch at a time between other work; raises Cancelled, its work
+        dropped, once `cancelled()` turns true (the client left)."""
         future: Future[list[list[float]]] = Future()
-        self._inbox.put(_Embed(list(map(list, inputs)), future))
+        self._inbox.put(_Embed(EmbedJob(list(map(list, inputs)), future, cancelled)))
         return future.result()
 
     def pair_tokens(self, query: str, document: str) -> list[int]:
@@ -414,7 +421,9 @@ class ModelEngine:
     def _run(self) -> None:
         lost = False
         try:
-            while self._serve_inbox(block=self._scheduler.idle):
+            while self._serve_inbox(block=self._scheduler.idle and not self._embeds):
+                if self._embeds:
+                    self._embeds.turn(self._embed)
                 self._propose_drafts()
                 step = self._scheduler.schedule()
                 self._report(step.finished)
@@ -450,8 +459,8 @@ class ModelEngine:
                 case _Submit(admitted):
                     for request, params in admitted:
                         self._admit(request, params)
-                case _Embed(inputs, future):
-                    self._answer(future, self._embed, inputs)
+                case _Embed(job):
+                    self._embeds.add(job)
                 case _Rerank(pairs, future):
                     self._answer(future, self._rerank, pairs)
                 case _Export(tokens, future):
@@ -808,6 +817,7 @@ class ModelEngine:
     def _fail_all(self, exc: LocalLLMError) -> None:
         pending = list(self._scheduler.waiting) + self._scheduler.running
         self._scheduler.waiting.clear()
+        self._embeds.fail_all(exc)
         for req in pending:
             self._scheduler.finish(req, "error")
             self._close_request(req, exc)
@@ -820,7 +830,9 @@ class ModelEngine:
                 case _Submit(admitted):
                     for request, _ in admitted:
                         self._close_request(request, exc)
-                case _Embed(_, future) | _Rerank(_, future) | _Export(_, future) | _Import(_, future):
+                case _Embed(job):
+                    job.future.set_exception(exc)
+                case _Rerank(_, future) | _Export(_, future) | _Import(_, future):
                     future.set_exception(exc)
 
     def snapshot(self) -> EngineStats:
@@ -828,6 +840,7 @@ class ModelEngine:
         s.slots_busy = len(self._scheduler.table.busy())
         s.queue_depth = len(self._scheduler.waiting)
         s.kv_used = min(self._scheduler.cells_held(), s.kv_cells)
+        s.embedded_inputs, s.embeds_dropped = self._embeds.embedded, self._embeds.dropped
         return s
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .. import api, config
 from .chunk_stream import ChunkStream
+from .offloop import json_body
 from .responses import StreamResponse, client_gone, error_payload, merge_generate
 from .state import State
 
@@ -78,7 +79,7 @@ class InfillRequest(BaseModel):
 
 
 @router.post("/infill")
-async def infill(body: InfillRequest, state: State, http: Request) -> Response:
+async def infill(body: Annotated[InfillRequest, json_body(InfillRequest)], state: State, http: Request) -> Response:
     request = body.generate_request()
     chunks = await ChunkStream.open(
         lambda: state.client.generate(request), observe=state.metrics.observe_chunk, disconnected=http.is_disconnected

@@ -6,7 +6,8 @@ overflow a 400 and a full queue a 503 rather than an error inside a 200 stream."
 from __future__ import annotations
 
 import tempfile
-from typing import Any
+from functools import partial
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -16,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from .. import api
 from ..models.info import require_tools
 from .chunk_stream import ChunkStream
+from .offloop import json_body, until_gone
 from .responses import client_gone, merge_chat, merge_generate, ndjson_response
 from .state import State
 
@@ -125,7 +127,9 @@ async def check_tools(state: State, model: str, tools: bool) -> None:
 
 
 @router.post("/api/generate")
-async def generate(body: api.GenerateRequest, state: State, http: Request) -> Response:
+async def generate(
+    body: Annotated[api.GenerateRequest, json_body(api.GenerateRequest)], state: State, http: Request
+) -> Response:
     body.options = api.request_options(body.options)
     if not body.prompt and not body.context and asks_unload(body.keep_alive):
         return await unload(body.model, state)
@@ -139,7 +143,7 @@ async def generate(body: api.GenerateRequest, state: State, http: Request) -> Re
 
 
 @router.post("/api/chat")
-async def chat(body: api.ChatRequest, state: State, http: Request) -> Response:
+async def chat(body: Annotated[api.ChatRequest, json_body(api.ChatRequest)], state: State, http: Request) -> Response:
     body.options = api.request_options(body.options)
     if not body.messages and asks_unload(body.keep_alive):
         return await unload(body.model, state, chat=True)
@@ -154,7 +158,7 @@ async def chat(body: api.ChatRequest, state: State, http: Request) -> Response:
 
 
 @router.post("/api/count_tokens")
-def count_tokens(body: api.ChatRequest, state: State) -> JSONResponse:
+def count_tokens(body: Annotated[api.ChatRequest, json_body(api.ChatRequest)], state: State) -> JSONResponse:
     """The prompt tokens a chat request would take (a localllm extension; HttpClient.count_tokens calls it)."""
     return JSONResponse({"input_tokens": state.client.count_tokens(body)})
 
@@ -167,9 +171,11 @@ async def unload(model: str, state: State, *, chat: bool = False) -> JSONRespons
 
 
 @router.post("/api/embed")
-def embed(body: api.EmbedRequest, state: State) -> JSONResponse:
+async def embed(
+    body: Annotated[api.EmbedRequest, json_body(api.EmbedRequest)], state: State, http: Request
+) -> Response:
     body.options = api.request_options(body.options)
-    response = state.client.embed(body)
+    response = await until_gone(partial(state.client.embed, body), http.is_disconnected)
     state.metrics.observe_embed(response)
     return json_of(response)
 
@@ -184,10 +190,10 @@ class LegacyEmbeddingsRequest(BaseModel):
 
 
 @router.post("/api/embeddings")
-def embeddings(body: LegacyEmbeddingsRequest, state: State) -> JSONResponse:
+async def embeddings(body: LegacyEmbeddingsRequest, state: State, http: Request) -> JSONResponse:
     request = api.EmbedRequest(
         model=body.model, input=body.prompt, options=api.request_options(body.options), keep_alive=body.keep_alive
     )
-    response = state.client.embed(request)
+    response = await until_gone(partial(state.client.embed, request), http.is_disconnected)
     state.metrics.observe_embed(response)
     return JSONResponse({"embedding": response.embeddings[0] if response.embeddings else []})

@@ -4,10 +4,13 @@ top_n, with `document.text` when return_documents asks for it. The model must be
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from .. import api
+from .offloop import json_body
 from .state import State
 
 router = APIRouter()
@@ -15,7 +18,7 @@ router = APIRouter()
 
 @router.post("/v1/rerank")
 @router.post("/rerank")
-def rerank(body: api.RerankRequest, state: State) -> JSONResponse:
+def rerank(body: Annotated[api.RerankRequest, json_body(api.RerankRequest)], state: State) -> JSONResponse:
     body.options = api.request_options(body.options)
     response = state.client.rerank(body)
     return JSONResponse(response.model_dump(mode="json", exclude_none=True))

@@ -44,7 +44,7 @@ class AnthropicTool(_Wire):
 
 class MessagesRequest(RequestBody):
     model: str
-    messages: list[AnthropicMessage] = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1, max_length=api.MAX_MESSAGES)
     max_tokens: int = Field(ge=1)
     system: str | list[dict[str, Any]] | None = None
     temperature: float | None = Field(None, ge=0, le=1)
@@ -66,7 +66,7 @@ class CountTokensRequest(RequestBody):
     """count_tokens takes the same body less max_tokens and the sampling fields."""
 
     model: str
-    messages: list[AnthropicMessage] = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1, max_length=api.MAX_MESSAGES)
     system: str | list[dict[str, Any]] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None

@@ -11,6 +11,7 @@ field accepted without effect. Ollama's routes keep the 400, which their clients
 from __future__ import annotations
 
 import logging
+from typing import Annotated
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -20,6 +21,7 @@ from ... import api
 from ..chunk_stream import ChunkStream
 from ..first_call import one_call_at_most
 from ..ignored import with_notes
+from ..offloop import json_body
 from ..responses import StreamResponse, client_gone, merge_chat
 from ..state import State
 from . import render
@@ -31,8 +33,10 @@ router = APIRouter(prefix="/v1/messages")
 
 
 @router.post("")
-async def messages(body: MessagesRequest, state: State, http: Request) -> Response:
-    request = chat_request(body)
+async def messages(
+    body: Annotated[MessagesRequest, json_body(MessagesRequest)], state: State, http: Request
+) -> Response:
+    request = await run_in_threadpool(chat_request, body)  # thousands of messages: off the event loop
     notes = ignored(body) + await thinking_notes(state, request)
     parallel = parallel_tools(body.tool_choice)
     chunks = await ChunkStream.open(
@@ -52,8 +56,10 @@ async def messages(body: MessagesRequest, state: State, http: Request) -> Respon
 
 
 @router.post("/count_tokens")
-async def count_tokens(body: CountTokensRequest, state: State) -> JSONResponse:
-    request = chat_request(body)
+async def count_tokens(
+    body: Annotated[CountTokensRequest, json_body(CountTokensRequest)], state: State
+) -> JSONResponse:
+    request = await run_in_threadpool(chat_request, body)
     notes = ignored(body) + await thinking_notes(state, request)
     count = await run_in_threadpool(state.client.count_tokens, request)
     return with_notes(JSONResponse({"input_tokens": count}), notes)

@@ -60,7 +60,7 @@ class ChatMessage(_Wire):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=api.MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     response_format: dict[str, Any] | None = None
     tools: list[api.Tool] | None = None

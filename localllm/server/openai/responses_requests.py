@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -44,7 +44,7 @@ class ResponseTool(_Wire):
 
 class ResponsesRequest(RequestBody):
     model: str
-    input: str | list[dict[str, Any]] = Field(min_length=1)
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=api.MAX_MESSAGES)] = Field(min_length=1)
     instructions: str | None = None
     tools: list[ResponseTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None

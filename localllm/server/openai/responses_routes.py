@@ -8,7 +8,7 @@ A turn whose input ends with a `compaction_trigger` compacts instead of answerin
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -18,6 +18,7 @@ from ... import api
 from ..chunk_stream import ChunkStream
 from ..first_call import one_call_at_most
 from ..ignored import with_notes
+from ..offloop import json_body
 from ..responses import StreamResponse, client_gone, merge_chat
 from ..state import State
 from . import compaction, response_store
@@ -43,11 +44,13 @@ async def stored_history(previous_response_id: str | None) -> list[api.Message]:
 
 
 @router.post("")
-async def create_response(body: ResponsesRequest, state: State, http: Request) -> Response:
+async def create_response(
+    body: Annotated[ResponsesRequest, json_body(ResponsesRequest)], state: State, http: Request
+) -> Response:
     history = await stored_history(body.previous_response_id)
     if compaction_triggered(body.input):
         return with_notes(await compaction_turn(body, history, state), ignored(body))
-    request = chat_request(body, history)
+    request = await run_in_threadpool(chat_request, body, history)  # a long history: off the event loop
     chunks = await ChunkStream.open(
         lambda: one_call_at_most(state.client.chat(request), body.parallel_tool_calls),
         observe=state.metrics.observe_chunk,

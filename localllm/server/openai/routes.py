@@ -4,13 +4,16 @@ render the answer (render.py). Streams are server-sent events ending in `data: [
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from ...errors import ModelNotFound
 from ..chunk_stream import ChunkStream
+from ..offloop import json_body, until_gone
 from ..responses import client_gone, merge_chat, merge_generate, sse_response
 from ..state import State
 from . import render
@@ -40,8 +43,10 @@ def by_choice(items: list[tuple[int, Any]], merge: Callable[[list[Any]], Any]) -
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, state: State, http: Request) -> Response:
-    requests = chat_requests(body)
+async def chat_completions(
+    body: Annotated[ChatCompletionRequest, json_body(ChatCompletionRequest)], state: State, http: Request
+) -> Response:
+    requests = await run_in_threadpool(chat_requests, body)  # thousands of messages: off the event loop
     chunks = await ChunkStream.open(
         lambda: state.client.chat_batch(requests), observe=_observe(state), disconnected=http.is_disconnected
     )
@@ -56,8 +61,10 @@ async def chat_completions(body: ChatCompletionRequest, state: State, http: Requ
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, state: State, http: Request) -> Response:
-    requests, echoes = completion_requests(body)
+async def completions(
+    body: Annotated[CompletionRequest, json_body(CompletionRequest)], state: State, http: Request
+) -> Response:
+    requests, echoes = await run_in_threadpool(completion_requests, body)
     chunks = await ChunkStream.open(
         lambda: state.client.generate_batch(requests), observe=_observe(state), disconnected=http.is_disconnected
     )
@@ -72,8 +79,10 @@ async def completions(body: CompletionRequest, state: State, http: Request) -> R
 
 
 @router.post("/embeddings")
-def embeddings(body: EmbeddingRequest, state: State) -> JSONResponse:
-    response = state.client.embed(embed_request(body))
+async def embeddings(
+    body: Annotated[EmbeddingRequest, json_body(EmbeddingRequest)], state: State, http: Request
+) -> JSONResponse:
+    response = await until_gone(partial(state.client.embed, embed_request(body)), http.is_disconnected)
     state.metrics.observe_embed(response)
     return JSONResponse(render.embeddings(response, body.encoding_format))
 
