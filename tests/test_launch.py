@@ -283,5 +283,12 @@ def test_a_smaller_context_is_served_by_the_loaded_model(launch_url):
     assert _loaded_context(launch_url, MODEL) == 2048
     generate(1024)
     assert _loaded_context(launch_url, MODEL) == 2048  # kept: a reload would show 1024
+    # served by the larger load, a request still runs in its own context: refused, or cut, as at its own size
+    long = {"model": MODEL, "prompt": "word " * 400, "stream": False, "options": {"num_ctx": 256, "num_predict": 4}}
+    refused = httpx.post(launch_url + "/api/generate", json=long, timeout=120)
+    assert refused.status_code == 400 and "the context holds 256" in refused.json()["error"], refused.text
+    cut = httpx.post(launch_url + "/api/generate", json={**long, "truncate": True}, timeout=120)
+    assert cut.status_code == 200 and cut.json()["prompt_eval_count"] < 256, cut.text
+    assert _loaded_context(launch_url, MODEL) == 2048
     generate(4096)
     assert _loaded_context(launch_url, MODEL) == 4096  # a larger one reloads

@@ -27,7 +27,7 @@ from ..errors import InvalidInput
 from ..media import PromptImage
 from ..models.create import create_model
 from ..models.info import show_model
-from ..models.options import bound_sampling, resolve_options
+from ..models.options import bound_sampling, request_context, resolve_options
 from ..models.pull import pull_model
 from ..models.store import ResolvedModel, Store
 from . import pooling, prompts
@@ -137,14 +137,15 @@ class LocalClient:
         sampling: api.SamplingOptions,
         ready: float,
         token: CancelToken,
+        n_ctx: int,
     ) -> tuple[GenerationParams, Answer]:
-        prompts.check_text_size(prompts.generate_chars(request), loaded.engine.n_ctx, "the prompt")
+        prompts.check_text_size(prompts.generate_chars(request), n_ctx, "the prompt")
         if prompts.wants_fim(request, loaded.engine.meta.fim is not None):
-            return _prepare_infill(loaded, request, _bound_sampling(loaded, sampling), ready)
+            return _prepare_infill(loaded, request, _bound_sampling(loaded, sampling, n_ctx), ready, n_ctx)
         prompt = _prompt_model(loaded, model, request.template)
         if not request.raw and prompt.template is None:
             sampling = transcript_sampling(sampling)  # a base model's transcript: its turn stops and a cap
-        sampling = _bound_sampling(loaded, sampling)
+        sampling = _bound_sampling(loaded, sampling, n_ctx)
         think = parse_think(request.think)
         check_thinking(request.model, prompt.template, think)
         prompts.require_vision(loaded.engine.meta.vision, loaded.model.name, len(request.images or []))
@@ -163,6 +164,7 @@ class LocalClient:
             started=ready,
             keep_prefix=sampling.keep_prefix,
             images=images,
+            n_ctx=n_ctx,
         )
         return params, answer
 
@@ -210,12 +212,13 @@ class LocalClient:
         sampling: api.SamplingOptions,
         ready: float,
         token: CancelToken,
+        n_ctx: int,
     ) -> tuple[GenerationParams, list[api.Tool] | None, Answer]:
         grammar = grammar_for_format(request.format) or tool_choice_grammar(request.tools, request.tool_choice)
         tools = request.tools if request.tool_choice != "none" else None
         if _prompt_model(loaded, model).template is None:
             sampling = transcript_sampling(sampling)
-        sampling = _bound_sampling(loaded, sampling)
+        sampling = _bound_sampling(loaded, sampling, n_ctx)
         tokens, answer, images = _chat_prompt(loaded, model, request, tools, sampling.stop, token)
         params = GenerationParams(
             tokens,
@@ -226,6 +229,7 @@ class LocalClient:
             started=ready,
             keep_prefix=sampling.keep_prefix,
             images=images,
+            n_ctx=n_ctx,
         )
         return params, tools, answer
 
@@ -245,15 +249,16 @@ class LocalClient:
     def _admitted(
         self, requests: list[Any], token: CancelToken, prepare: Callable[..., tuple[Any, ...]]
     ) -> Iterator[tuple[list[Any], list[Stream], float]]:
-        """Load the requests' one model, prepare each (`prepare(loaded, model, request, sampling, ready, token)`
-        returns its GenerationParams first) and submit them all in one step; yields (prepared, streams, seconds
-        waited for the model). A client that leaves while its requests wait in the queue frees their places (the
-        token), and one that leaves early cancels every answer still running."""
+        """Load the requests' one model, prepare each (`prepare(loaded, model, request, sampling, ready, token, n_ctx)`
+        returns its GenerationParams first; n_ctx is the requests' own context) and submit them all in one step; yields
+        (prepared, streams, seconds waited for the model). A client that leaves while its requests wait in the queue
+        frees their places (the token), and one that leaves early cancels every answer still running."""
         started = time.perf_counter()
         model, load, samplings = self._batch_options(requests)
         with self.pool.acquire(model, load, keep_alive=requests[0].keep_alive) as loaded:
             ready = time.perf_counter()
-            prepared = [prepare(loaded, model, r, s, ready, token) for r, s in zip(requests, samplings)]
+            n_ctx = request_context(loaded.engine.n_ctx, load)
+            prepared = [prepare(loaded, model, r, s, ready, token, n_ctx) for r, s in zip(requests, samplings)]
             streams = loaded.engine.submit_all([params for params, *_ in prepared])
             for stream in streams:
                 token.on_cancel(stream.cancel)
@@ -294,7 +299,8 @@ class LocalClient:
             t_loaded = time.perf_counter()
             prompt = _prompt_model(loaded, model)
             tokenize = partial(prompts.tokenize_text, prompt)
-            vectors, tokenized = pooling.embed_vectors(loaded.engine, request, tokenize, cancelled)
+            n_ctx = request_context(loaded.engine.n_ctx, load)
+            vectors, tokenized = pooling.embed_vectors(loaded.engine, request, tokenize, cancelled, n_ctx)
         return api.EmbedResponse(
             model=request.model,
             embeddings=vectors,
@@ -308,7 +314,7 @@ class LocalClient:
         model = self.store.resolve(request.model)
         load, _ = resolve_options(model, request.options)
         with self.pool.acquire(model, load, keep_alive=request.keep_alive) as loaded:
-            pairs = pooling.rerank_pairs(loaded.engine, request)
+            pairs = pooling.rerank_pairs(loaded.engine, request, request_context(loaded.engine.n_ctx, load))
             scores = loaded.engine.rerank(pairs)
         return pooling.rerank_response(request, pairs, scores)
 
@@ -372,7 +378,7 @@ def _chat_prompt(
 
 
 def _prepare_infill(
-    loaded: Loaded, request: api.GenerateRequest, sampling: api.SamplingOptions, ready: float
+    loaded: Loaded, request: api.GenerateRequest, sampling: api.SamplingOptions, ready: float, n_ctx: int
 ) -> tuple[GenerationParams, Answer]:
     meta = loaded.engine.meta
     fim = require_fim(request.model, meta.fim)
@@ -380,7 +386,7 @@ def _prepare_infill(
         fim,
         request,
         loaded.engine.tokenize,
-        n_ctx=loaded.engine.n_ctx,
+        n_ctx=n_ctx,
         num_predict=sampling.num_predict,
         bos=meta.bos_token if meta.add_bos else None,
     )
@@ -393,6 +399,7 @@ def _prepare_infill(
         _logprobs_wanted(request),
         started=ready,
         keep_prefix=sampling.keep_prefix,
+        n_ctx=n_ctx,
     )
     return params, answer
 
@@ -408,8 +415,8 @@ def _check_one_load(loads: list[api.LoadOptions]) -> None:
         )
 
 
-def _bound_sampling(loaded: Loaded, sampling: api.SamplingOptions) -> api.SamplingOptions:
-    return bound_sampling(sampling, n_ctx=loaded.engine.n_ctx, n_vocab=loaded.engine.meta.n_vocab)
+def _bound_sampling(loaded: Loaded, sampling: api.SamplingOptions, n_ctx: int) -> api.SamplingOptions:
+    return bound_sampling(sampling, n_ctx=n_ctx, n_vocab=loaded.engine.meta.n_vocab)
 
 
 def _logprobs_wanted(request: api.GenerateRequest | api.ChatRequest) -> int | None:

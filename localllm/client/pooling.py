@@ -29,9 +29,11 @@ def embed_vectors(
     request: api.EmbedRequest,
     tokenize: Callable[[str], list[int]],
     cancelled: Callable[[], bool] = lambda: False,
+    n_ctx: int | None = None,
 ) -> tuple[list[list[float]], list[list[int]]]:
-    """The request's vectors and the token lists they were pooled from; Cancelled once `cancelled()` turns true."""
-    tokenized = _embed_inputs(engine, request, tokenize)
+    """The request's vectors and the token lists they were pooled from, each within `n_ctx` (the request's own
+    context; the engine's by default); Cancelled once `cancelled()` turns true."""
+    tokenized = _embed_inputs(engine, request, tokenize, n_ctx or engine.n_ctx)
     vectors = engine.embed(tokenized, cancelled) if tokenized else []
     if request.dimensions is not None:
         vectors = [_shorten(vector, request.dimensions) for vector in vectors]
@@ -39,12 +41,12 @@ def embed_vectors(
 
 
 def _embed_inputs(
-    engine: ModelEngine, request: api.EmbedRequest, tokenize: Callable[[str], list[int]]
+    engine: ModelEngine, request: api.EmbedRequest, tokenize: Callable[[str], list[int]], n_ctx: int
 ) -> list[list[int]]:
     """The inputs as token lists. Ollama: "" or [] embeds nothing (the model is loaded: clients preload so)."""
     if request.input_tokens is not None:
         return [
-            _fit_embed(engine, checked_tokens(tokens, engine.meta.n_vocab, f"input {i}"), request.truncate)
+            _fit_embed(checked_tokens(tokens, engine.meta.n_vocab, f"input {i}"), request.truncate, n_ctx)
             for i, tokens in enumerate(request.input_tokens)
         ]
     texts = [request.input] if isinstance(request.input, str) else list(request.input)
@@ -53,14 +55,13 @@ def _embed_inputs(
     for i, text in enumerate(texts):
         if not text:
             raise InvalidInput(f"input {i} is an empty string", hint="embed non-empty texts")
-        check_text_size(len(text), engine.n_ctx, f"input {i}")
-    return [_fit_embed(engine, tokenize(text), request.truncate) for text in texts]
+        check_text_size(len(text), n_ctx, f"input {i}")
+    return [_fit_embed(tokenize(text), request.truncate, n_ctx) for text in texts]
 
 
-def _fit_embed(engine: ModelEngine, tokens: list[int], truncate: bool) -> list[int]:
+def _fit_embed(tokens: list[int], truncate: bool, limit: int) -> list[int]:
     if not tokens:
         raise InvalidInput("an input is empty", hint="embed at least one token")
-    limit = engine.n_ctx
     if len(tokens) > limit:
         if not truncate:
             raise ContextOverflow(prompt_tokens=len(tokens), num_ctx=limit)
@@ -90,15 +91,15 @@ def check_rerank_texts(request: api.RerankRequest) -> None:
             raise InvalidInput(f"document {i} is an empty string", hint="rank non-empty texts")
 
 
-def rerank_pairs(engine: ModelEngine, request: api.RerankRequest) -> list[list[int]]:
-    """Each document's pair with the query as the reranker reads it, each within the context (as llama-server
-    refuses a longer pair rather than cut it)."""
+def rerank_pairs(engine: ModelEngine, request: api.RerankRequest, n_ctx: int | None = None) -> list[list[int]]:
+    """Each document's pair with the query as the reranker reads it, each within the request's context (`n_ctx`;
+    the engine's by default), as llama-server refuses a longer pair rather than cut it."""
     if not engine.meta.reranker:
         raise InvalidInput(
             f"model {request.model!r} does not rerank: it has no classifier head (rank pooling)",
             hint="rerank with a cross-encoder GGUF (e.g. bge-reranker-v2-m3); /v1/embeddings embeds texts",
         )
-    limit = engine.n_ctx
+    limit = n_ctx or engine.n_ctx
     pairs = []
     for i, document in enumerate(request.documents):
         check_text_size(len(request.query) + len(document), limit, f"document {i} with the query")

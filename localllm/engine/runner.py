@@ -71,6 +71,7 @@ class GenerationParams:
     started: float | None = None  # perf_counter when the request began (prompt_eval counts from here); None: now
     keep_prefix: bool = False  # pin the prompt and answer in the prefix cache when the request ends
     images: tuple[PromptImage, ...] = ()  # images whose placeholders the prompt holds (Vision.image_tokens)
+    n_ctx: int | None = None  # the request's own context, where it asked for less than the loaded model holds
 
 
 ACCEPTANCE_POSITIONS = 64  # draft positions counted one by one; later ones count in the last
@@ -329,6 +330,8 @@ class ModelEngine:
     ) -> tuple[_Job, GenerationParams]:
         opts = params.sampling
         max_tokens = opts.num_predict if opts.num_predict >= 0 else math.inf  # -1, -2: until the context is full
+        if params.n_ctx is not None:  # a smaller context asked of a larger load ends where its own would
+            max_tokens = min(max_tokens, max(0, params.n_ctx - len(prompt)))
         sink = _Output(
             queue.SimpleQueue(),
             TextStream(self.model.token_bytes, opts.stop),
@@ -399,7 +402,7 @@ class ModelEngine:
         self._thread.join()
 
     def _fit_prompt(self, params: GenerationParams) -> tuple[list[int], int]:
-        prompt, n_ctx = list(params.prompt), self.n_ctx
+        prompt, n_ctx = list(params.prompt), min(self.n_ctx, params.n_ctx or self.n_ctx)
         if not prompt:
             raise InvalidInput(
                 "the prompt is empty after templating", hint="the template rendered nothing: check it, or send a prompt"

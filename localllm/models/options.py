@@ -97,6 +97,12 @@ def serves(loaded: LoadOptions, wanted: LoadOptions) -> bool:
     return wanted.model_copy(update={"num_ctx": loaded.num_ctx, "num_batch": loaded.num_batch}) == loaded
 
 
+def request_context(loaded_ctx: int, asked: LoadOptions) -> int:
+    """The context a request runs in: its own num_ctx where it asked for less than the loaded model holds (`serves`
+    lets the larger load serve it), so that its prompt and answer are bounded, cut or refused as at its own size."""
+    return min(loaded_ctx, asked.num_ctx) if asked.num_ctx else loaded_ctx
+
+
 def context_size(load: LoadOptions) -> tuple[int, int]:
     """(slots, tokens per slot) of options whose defaults are filled (effective_load): what a backend sizes its
     context by."""
