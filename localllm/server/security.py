@@ -107,16 +107,12 @@ def origin_allowed(origin: str | None, settings: GuardSettings) -> bool:
         return True
     if parts.scheme not in ("http", "https"):
         return False  # "null" (sandboxed frames, file pages), extensions, anything unknown
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(host)
 
 
 def is_loopback_host(host: str) -> bool:
-    """A listening address only this machine reaches: localhost or a loopback IP (a name or 0.0.0.0 is not)."""
+    """A page's host or a listening address only this machine reaches: localhost or a loopback IP (a name or
+    0.0.0.0 is not)."""
     host = host.strip("[]").lower()
     if host == "localhost" or host.endswith(".localhost"):
         return True
