@@ -107,13 +107,27 @@ class EngineStats:
     accepted_at: list[int] = field(default_factory=lambda: [0] * ACCEPTANCE_POSITIONS)
 
 
+@dataclass(frozen=True)
+class Opening:
+    """The engine has taken a request: its prompt's tokens and those the prefix cache serves (None while the request
+    waits for a slot). It comes before the first chunk, so that a stream can open before the prefill ends."""
+
+    prompt_tokens: int
+    cached: int | None
+
+
 class Stream:
     """What submit() returns: iterate for chunks; cancel() (or closing the iterator) frees the slot next step."""
 
     def __init__(self, request: Request, outbox: queue.SimpleQueue):
         self._request = request
         self._outbox = outbox
+        self._opened: Callable[[Opening], None] | None = None
         self.done = False
+
+    def on_open(self, hook: Callable[[Opening], None]) -> None:
+        """Call `hook` with the request's Opening, on the thread that iterates, when the iteration reaches it."""
+        self._opened = hook
 
     def __iter__(self) -> Iterator[EngineChunk]:
         try:
@@ -122,6 +136,10 @@ class Stream:
                 if isinstance(item, BaseException):
                     self.done = True
                     raise item
+                if isinstance(item, Opening):
+                    if self._opened is not None:
+                        self._opened(item)
+                    continue
                 self.done = item.done
                 yield item
         finally:
@@ -253,6 +271,7 @@ class ModelEngine:
         self._lock = threading.Lock()
         self._closed = False
         self._keeper = CacheKeeper(model, self.prefix_cache, self._scheduler)
+        self._unopened: list[_Job] = []  # requests taken since the last schedule, told so after it (_open)
         self._embeds = EmbedQueue(model.n_ctx)  # served a batch per turn between steps (embed_queue.py)
         self.stats = EngineStats(slots_total=model.n_seq, threads=pinned_threads, kv_cells=model.kv_cells)
         self._publish_cache_figures()
@@ -429,6 +448,7 @@ class ModelEngine:
                     self._embeds.turn(self._embed)
                 self._propose_drafts()
                 step = self._scheduler.schedule()
+                self._open()
                 self._report(step.finished)
                 if step.batch.tokens or step.cache_ops:
                     self._run_step(step)
@@ -484,11 +504,21 @@ class ModelEngine:
                     params.sampling, grammar=params.grammar, n_prompt=len(request.prompt)
                 )
             self._scheduler.admit(request)
+            self._unopened.append(request)
         except LocalLLMError as exc:
             self._close_request(request, exc)
         except Exception as exc:  # a bug in building this request's sampler or drafter fails it, not the engine
             log.exception("could not start a request")
             self._close_request(request, LocalLLMError(f"could not start the request: {exc}"))
+
+    def _open(self) -> None:
+        """Tell each request taken since the last schedule that it is in: with its slot's cached tokens when the
+        schedule gave it one, without them when it waits for one."""
+        for request in self._unopened:
+            if not request.finished:
+                cached = request.n_cached if request.slot is not None else None
+                request.sink.outbox.put(Opening(len(request.prompt), cached))
+        self._unopened.clear()
 
     def _embed(self, inputs: list[list[int]]) -> list[list[float]]:
         return embedder_of(self.model).embed(inputs)
