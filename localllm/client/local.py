@@ -33,7 +33,7 @@ from ..models.store import ResolvedModel, Store
 from . import pooling, prompts
 from .answer import Answer, chat_chunk, chat_with_tools, generate_chunk
 from .images import mark_prompt
-from .protocol import RequestStream
+from .protocol import Admission, RequestStream
 from .ps import process_row
 from .streams import CancelToken, TokenStream, until_cancelled
 
@@ -252,7 +252,9 @@ class LocalClient:
         """Load the requests' one model, prepare each (`prepare(loaded, model, request, sampling, ready, token, n_ctx)`
         returns its GenerationParams first; n_ctx is the requests' own context) and submit them all in one step; yields
         (prepared, streams, seconds waited for the model). A client that leaves while its requests wait in the queue
-        frees their places (the token), and one that leaves early cancels every answer still running."""
+        frees their places (the token), and one that leaves early cancels every answer still running. The engine's
+        opening of the first request is the stream's admission (a server sends its headers then, not after the
+        prefill)."""
         started = time.perf_counter()
         model, load, samplings = self._batch_options(requests)
         with self.pool.acquire(model, load, keep_alive=requests[0].keep_alive) as loaded:
@@ -262,6 +264,7 @@ class LocalClient:
             streams = loaded.engine.submit_all([params for params, *_ in prepared])
             for stream in streams:
                 token.on_cancel(stream.cancel)
+            streams[0].on_open(lambda opening: token.admitted(Admission(opening.prompt_tokens, opening.cached)))
             try:
                 yield prepared, streams, ready - started
             finally:

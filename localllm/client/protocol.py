@@ -8,6 +8,7 @@ request is queued, since closing a generator that is running elsewhere is not al
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import BinaryIO, Protocol, TypeVar
 
 from ..api import (
@@ -31,6 +32,16 @@ from ..api import (
 T_co = TypeVar("T_co", covariant=True)
 
 
+@dataclass(frozen=True)
+class Admission:
+    """The model's engine has taken a request, so the errors of its input are behind it: its prompt's tokens, and
+    those the prefix cache serves (None while it waits for a slot). A server opens its stream here, before the
+    prefill, rather than at the first token."""
+
+    prompt_tokens: int
+    cached_tokens: int | None
+
+
 class RequestStream(Iterator[T_co], Protocol[T_co]):
     """A request's chunks, as every streaming Client method returns them."""
 
@@ -43,6 +54,10 @@ class RequestStream(Iterator[T_co], Protocol[T_co]):
     def cancel(self) -> None:
         """Stop the request from any thread: a queued one leaves the queue at once, a running one frees its slot,
         a template render stops; the iterator then ends. A pull or create stops at its next chunk."""
+
+    def on_admitted(self, hook: Callable[[Admission], None]) -> None:
+        """Call `hook` once, on the thread that iterates, when the engine has taken the request (before its first
+        chunk). Streams with no engine of ours behind them (a pull, a remote server's answer) never call it."""
 
 
 class Client(Protocol):

@@ -11,16 +11,29 @@ import threading
 from collections.abc import Callable, Generator, Iterator
 from typing import Generic, TypeVar
 
+from .protocol import Admission
+
 T = TypeVar("T")
 
 
 class CancelToken:
-    """Set from any thread; the hooks registered on it (the engine request's cancel) run once, when it is set."""
+    """Set from any thread; the hooks registered on it (the engine request's cancel) run once, when it is set. It
+    also carries the stream's admission hook (RequestStream.on_admitted) to the request's generator."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._hooks: list[Callable[[], None]] = []
+        self._admitted: Callable[[Admission], None] | None = None
         self.cancelled = False
+
+    def on_admitted(self, hook: Callable[[Admission], None]) -> None:
+        self._admitted = hook
+
+    def admitted(self, admission: Admission) -> None:
+        """The engine has taken the request: tell the stream's reader, the first time only."""
+        hook, self._admitted = self._admitted, None
+        if hook is not None:
+            hook(admission)
 
     def cancel(self) -> None:
         with self._lock:
@@ -55,6 +68,9 @@ class TokenStream(Generic[T]):
 
     def cancel(self) -> None:
         self._token.cancel()
+
+    def on_admitted(self, hook: Callable[[Admission], None]) -> None:
+        self._token.on_admitted(hook)
 
 
 def until_cancelled(chunks: Iterator[T], token: CancelToken) -> Generator[T, None, None]:

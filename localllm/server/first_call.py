@@ -5,8 +5,10 @@ request through it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .. import api
-from ..client.protocol import RequestStream
+from ..client.protocol import Admission, RequestStream
 
 
 class FirstCallOnly:
@@ -30,6 +32,9 @@ class FirstCallOnly:
 
     def close(self) -> None:
         self._chunks.close()
+
+    def on_admitted(self, hook: Callable[[Admission], None]) -> None:
+        self._chunks.on_admitted(hook)
 
 
 def one_call_at_most(chunks: RequestStream[api.ChatChunk], parallel: bool) -> RequestStream[api.ChatChunk]:
