@@ -2,12 +2,16 @@
 
 `Client.generate` / `Client.chat` return RequestStreams (client/protocol.py) that block while the engine works. Each
 stream gets one pump thread that runs its iterator and hands every chunk to the event loop; a hop through a worker
-thread per chunk cost the loop about twice the CPU. The first chunk is awaited before any response starts: an error that
-comes before output (unknown model, context overflow, full queue) raises from `ChunkStream.open` and becomes a real HTTP
-status. Closing the stream makes the pump close the client's iterator at its next chunk, which cancels the request in
-the engine and frees its slot. A request still queued has no next chunk to wait for, so closing also cancels the stream
-directly, and a client that leaves before the first chunk is noticed while it waits. At most BUFFERED chunks wait for a
-slow reader; then the pump waits too (and so does the request's output in the engine, bounded by its context).
+thread per chunk cost the loop about twice the CPU. `ChunkStream.open` waits for the request's admission (the engine
+has taken it) or, for streams that have none, its first chunk: an error that comes before (unknown model, bad options,
+context overflow, a template error, full queue) raises there and becomes a real HTTP status, and a streamed response
+starts at once, not after a prefill that takes minutes on a CPU. `paced` then sends a keep-alive whenever the stream
+has been silent for KEEP_ALIVE_SECONDS, since agents give up on a stream that says nothing for long (a prefill, text
+the tool-call parser holds back). Closing the stream makes the pump close the client's iterator at its next chunk,
+which cancels the request in the engine and frees its slot. A request still queued has no next chunk to wait for, so
+closing also cancels the stream directly, and a client that leaves before its admission is noticed while it waits. At
+most BUFFERED chunks wait for a slow reader; then the pump waits too (and so does the request's output in the engine,
+bounded by its context).
 
 Why a pump thread, not a callback from the engine thread: the client's iterator does the per-request work between the
 engine and the wire (detokenized text, stop strings, tool-call parsing, thinking split), and that work must not run on
@@ -25,7 +29,7 @@ from typing import Any, Generic, TypeVar
 import anyio
 from anyio.lowlevel import RunVar
 
-from ..client.protocol import RequestStream
+from ..client.protocol import Admission, RequestStream
 from ..errors import Cancelled
 
 if sys.version_info < (3, 11):  # anyio raises the backport's group there
@@ -35,7 +39,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _END = object()
+_NONE = object()  # no chunk read ahead
 BUFFERED = 256  # chunks a stream holds for a reader that falls behind
+KEEP_ALIVE_SECONDS = 10.0  # the longest a paced stream stays silent (well under the agents' idle limits)
 
 # A pump thread spends its life waiting for the engine's next chunk. The limiter bounds how many exist at once (one
 # limiter per event loop, as anyio keeps its own); a stream beyond it waits for one to end.
@@ -58,6 +64,13 @@ class _Failed:
         self.exc = exc
 
 
+class _Admitted:
+    """The engine has taken the request: the pump's first item, before any chunk."""
+
+    def __init__(self, admission: Admission):
+        self.admission = admission
+
+
 def _pump(
     make: Callable[[], RequestStream[Any]],
     deliver: Callable[[Any], bool],
@@ -67,11 +80,16 @@ def _pump(
     """The stream's thread: build the iterator, hand over each chunk, end with _END or _Failed. The iterator is
     closed here, before the last item, because a generator cannot be closed from another thread while it waits, and
     because its clean-up (the request's cancel, the model's release) must be over when the response ends."""
+
+    def admitted(admission: Admission) -> None:
+        deliver(_Admitted(admission))  # on a closed stream it goes nowhere, as a chunk would
+
     end: Any = _END
     iterator: RequestStream[Any] | None = None
     try:
         iterator = make()
         started.append(iterator)
+        iterator.on_admitted(admitted)
         if stop.is_set():  # closed while the request was being made
             iterator.cancel()
         for chunk in iterator:
@@ -96,8 +114,9 @@ class ChunkStream(Generic[T]):
         self._room = threading.Semaphore(BUFFERED)  # taken by the pump per chunk, given back as the reader takes it
         self._stop = threading.Event()
         self._observe = observe
-        self._first: Any = _END
+        self._first: Any = _NONE
         self._started: list[RequestStream[Any]] = []  # the client's stream, once the pump has made it
+        self.admission: Admission | None = None  # what the engine said when it took the request; None: no engine
 
     @classmethod
     async def open(
@@ -107,9 +126,9 @@ class ChunkStream(Generic[T]):
         observe: Callable[[T], None] | None = None,
         disconnected: Callable[[], Awaitable[bool]] | None = None,
     ) -> ChunkStream[T]:
-        """Start the request and wait for its first chunk; errors before any output raise here. With `disconnected`
-        (Request.is_disconnected), a client that leaves while it waits (queued, loading) cancels the request and
-        Cancelled is raised."""
+        """Start the request and wait for its admission (or, for a stream without one, its first chunk); errors
+        before it raise here. With `disconnected` (Request.is_disconnected), a client that leaves while it waits
+        (loading, templating) cancels the request and Cancelled is raised."""
         stream = cls(observe)
         limiter = _stream_threads()
         await limiter.acquire_on_behalf_of(stream)
@@ -131,10 +150,14 @@ class ChunkStream(Generic[T]):
             target=_pump, args=(make, deliver, stream._stop, stream._started), name="localllm-stream", daemon=True
         ).start()
         try:
-            stream._first = await stream._first_chunk(disconnected)
+            first = await stream._first_item(disconnected)
         except BaseException:
             await stream.aclose()
             raise
+        if isinstance(first, _Admitted):
+            stream.admission = first.admission
+        else:
+            stream._first = first
         return stream
 
     def _wait_for_room(self) -> bool:
@@ -144,7 +167,7 @@ class ChunkStream(Generic[T]):
                 return False
         return True
 
-    async def _first_chunk(self, disconnected: Callable[[], Awaitable[bool]] | None) -> Any:
+    async def _first_item(self, disconnected: Callable[[], Awaitable[bool]] | None) -> Any:
         if disconnected is None:
             return await self._next()
         first = asyncio.ensure_future(self._next())
@@ -157,22 +180,59 @@ class ChunkStream(Generic[T]):
             first.cancel()
 
     async def _next(self) -> Any:
+        """The pump's next item: a chunk, an _Admitted or _END; a failure raises."""
         item = await self._chunks.get()
-        if item is not _END and not isinstance(item, _Failed):
-            self._room.release()
         if isinstance(item, _Failed):
             raise item.exc
-        if item is not _END and self._observe is not None:
+        if item is _END:
+            return item
+        self._room.release()
+        if not isinstance(item, _Admitted) and self._observe is not None:
             self._observe(item)
+        return item
+
+    async def _take(self) -> Any:
+        """The next chunk (first the one open() read, if it read one), or _END."""
+        if self._first is not _NONE:
+            chunk, self._first = self._first, _NONE
+            return chunk
+        item = await self._next()
+        while isinstance(item, _Admitted):  # only the first item can be one: nothing new to say
+            item = await self._next()
         return item
 
     async def __aiter__(self) -> AsyncIterator[T]:
         try:
-            chunk, self._first = self._first, _END
-            while chunk is not _END:
+            while (chunk := await self._take()) is not _END:
                 yield chunk
-                chunk = await self._next()
         finally:
+            await self.aclose()
+
+    async def paced(self, render: Callable[[T], bytes], keep_alive: bytes) -> AsyncIterator[bytes]:
+        """`render(chunk)` for each chunk (b"" sends nothing), and `keep_alive` whenever nothing has been sent for
+        KEEP_ALIVE_SECONDS: while the prompt prefills, the request waits for a slot, or the tool-call parser holds
+        text back, the client still sees a live stream."""
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        pending: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                pending = pending or asyncio.ensure_future(self._take())
+                quiet = max(0.0, sent + KEEP_ALIVE_SECONDS - loop.time())
+                if not (await asyncio.wait({pending}, timeout=quiet))[0]:
+                    yield keep_alive
+                    sent = loop.time()
+                    continue
+                chunk, pending = pending.result(), None
+                if chunk is _END:
+                    return
+                data = render(chunk)
+                if data:
+                    yield data
+                    sent = loop.time()
+        finally:
+            if pending is not None:
+                pending.cancel()
             await self.aclose()
 
     async def aclose(self) -> None:

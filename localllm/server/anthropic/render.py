@@ -2,7 +2,8 @@
 (message_start, content blocks opened, filled by deltas and closed one at a time, message_delta, message_stop).
 
 Usage splits the prompt as Anthropic does: `input_tokens` are the ones evaluated, `cache_read_input_tokens` the
-ones our prefix cache reused. Pure functions and one small stateful stream renderer; no I/O."""
+ones our prefix cache reused. message_start goes out when the engine has taken the request, before the prefill, and
+`ping` events keep a silent stream alive. Pure functions and one small stateful stream renderer; no I/O."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import api
+from ...client.protocol import Admission
 from ...errors import LocalLLMError, QueueFull
 from ..chunk_stream import ChunkStream
 from ..responses import anthropic_error, error_payload
@@ -36,6 +38,18 @@ def usage(chunk: api.Timings) -> dict[str, Any]:
         "input_tokens": chunk.prompt_eval_count - chunk.prompt_cache_count,
         "output_tokens": chunk.eval_count,
         "cache_read_input_tokens": chunk.prompt_cache_count,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def admission_usage(admission: Admission) -> dict[str, Any]:
+    """message_start's usage: the split known when the engine took the request (none of the prompt counted as
+    cached while it waits for a slot; message_delta then has the whole usage)."""
+    cached = admission.cached_tokens or 0
+    return {
+        "input_tokens": admission.prompt_tokens - cached,
+        "output_tokens": 0,
+        "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
     }
 
@@ -97,10 +111,14 @@ class MessageEvents:
     _started: bool = False
     _streamed_calls: bool = False
 
+    def opening(self, admission: Admission | None) -> list[tuple[str, dict[str, Any]]]:
+        """message_start, once the engine has taken the request; without an admission the first chunk starts it."""
+        return [] if admission is None else self._start(admission_usage(admission))
+
     def events(self, chunk: api.ChatChunk) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
         if not self._started:
-            out += self._start(chunk)
+            out += self._start(usage(chunk))
         if chunk.message.thinking:
             out += self._delta("thinking", {"type": "thinking_delta", "thinking": chunk.message.thinking})
             self._thinking.append(chunk.message.thinking)
@@ -112,7 +130,7 @@ class MessageEvents:
             out += self._finish(chunk)
         return out
 
-    def _start(self, chunk: api.ChatChunk) -> list[tuple[str, dict[str, Any]]]:
+    def _start(self, counts: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         self._started = True
         start: dict[str, Any] = {
             "id": self.message_id,
@@ -122,7 +140,7 @@ class MessageEvents:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": usage(chunk),  # the same split as message_delta's: cache reads apart from input_tokens
+            "usage": counts,  # the same split as message_delta's: cache reads apart from input_tokens
         }
         return [("message_start", {"type": "message_start", "message": start}), ("ping", {"type": "ping"})]
 
@@ -201,12 +219,20 @@ def sse(name: str, data: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: ".encode() + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
+PING = sse("ping", {"type": "ping"})
+
+
 async def sse_events(stream: ChunkStream, renderer: MessageEvents) -> AsyncIterator[bytes]:
-    """The event stream; an error after the first event is Anthropic's `error` event."""
+    """The event stream, pinged while silent; an error after the first event is Anthropic's `error` event."""
+
+    def render(chunk: api.ChatChunk) -> bytes:
+        return b"".join(sse(name, data) for name, data in renderer.events(chunk))
+
     try:
-        async for chunk in stream:
-            for name, data in renderer.events(chunk):
-                yield sse(name, data)
+        for name, event in renderer.opening(stream.admission):
+            yield sse(name, event)
+        async for data in stream.paced(render, PING):
+            yield data
     except Exception as exc:  # noqa: BLE001 - the status line is gone; the error travels as an event
         status = exc.status_code if isinstance(exc, LocalLLMError) else 500
         status = 503 if isinstance(exc, QueueFull) else status

@@ -1,5 +1,7 @@
 """Our api chunks rendered as OpenAI objects: chat completions, text completions, their SSE chunks, embeddings and
-model lists. Pure functions and two small stateful stream renderers; no I/O."""
+model lists. A chat stream's first chunks (the role) go out when the engine has taken the request, before the
+prefill, and `: keep-alive` comments keep a silent stream alive. Pure functions and two small stateful stream
+renderers; no I/O."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import api
+from ...client.protocol import Admission
 from ..chunk_stream import ChunkStream
 from ..responses import error_payload, openai_code
 
@@ -153,16 +156,19 @@ class ChatEvents:
 
     envelope: Envelope
     include_usage: bool = False
+    n: int = 1  # choices
     started: set[int] = field(default_factory=set)
     streamed_calls: set[int] = field(default_factory=set)
     finals: list[api.ChatChunk] = field(default_factory=list)
 
+    def opening(self, admission: Admission | None) -> list[dict[str, Any]]:
+        """Each choice's role chunk, once the engine has taken the request; without an admission each choice's
+        first chunk brings its own."""
+        return [] if admission is None else [event for index in range(self.n) for event in self._begin(index)]
+
     def events(self, item: tuple[int, api.ChatChunk]) -> list[dict[str, Any]]:
         index, chunk = item
-        out = []
-        if index not in self.started:
-            self.started.add(index)
-            out.append(self._delta(index, {"role": "assistant", "content": ""}))
+        out = self._begin(index)
         if chunk.message.thinking:  # DeepSeek's field for the thinking, which OpenAI clients read
             out.append(self._delta(index, {"reasoning_content": chunk.message.thinking}))
         if chunk.message.content or chunk.logprobs:
@@ -184,6 +190,12 @@ class ChatEvents:
         if not self.include_usage or not self.finals:
             return []
         return [self.envelope.wrap("chat.completion.chunk", [], usage=usage(*self.finals, per_prompt=len(self.finals)))]
+
+    def _begin(self, index: int) -> list[dict[str, Any]]:
+        if index in self.started:
+            return []
+        self.started.add(index)
+        return [self._delta(index, {"role": "assistant", "content": ""})]
 
     def _delta(
         self,
@@ -250,6 +262,9 @@ class CompletionEvents:
     logprobs: dict[int, CompletionLogprobs] = field(default_factory=dict)
     finals: list[api.GenerateChunk] = field(default_factory=list)
 
+    def opening(self, admission: Admission | None) -> list[dict[str, Any]]:
+        return []  # a text completion has no role chunk: its first text is its first event
+
     def events(self, item: tuple[int, api.GenerateChunk]) -> list[dict[str, Any]]:
         index, chunk = item
         text = chunk.response
@@ -277,16 +292,25 @@ class CompletionEvents:
 # ---------------------------------------------------------------------------------------------------------- SSE
 
 
+KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it, proxies and idle timers see bytes
+
+
 def sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def sse_events(stream: ChunkStream, renderer: ChatEvents | CompletionEvents) -> AsyncIterator[bytes]:
-    """Server-sent events ending in `data: [DONE]`; an error after the first event is sent as an error event."""
+    """Server-sent events ending in `data: [DONE]`, kept alive while silent; an error after the first event is sent
+    as an error event."""
+
+    def render(item: Any) -> bytes:
+        return b"".join(sse(event) for event in renderer.events(item))
+
     try:
-        async for chunk in stream:
-            for event in renderer.events(chunk):
-                yield sse(event)
+        for event in renderer.opening(stream.admission):
+            yield sse(event)
+        async for data in stream.paced(render, KEEP_ALIVE):
+            yield data
         for event in renderer.closing():
             yield sse(event)
     except Exception as exc:  # noqa: BLE001 - the status line is gone; the error travels as an event

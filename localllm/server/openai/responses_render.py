@@ -6,7 +6,9 @@ function_call), and the stream of typed events in OpenAI's order:
               | response.function_call_arguments.delta, .done), response.output_item.done,
     response.completed (or response.incomplete when max_output_tokens cut the answer).
 
-Every event carries a sequence_number. Pure functions and one stateful stream renderer; no I/O."""
+Every event carries a sequence_number. response.created and response.in_progress go out when the engine has taken
+the request, before the prefill; `: keep-alive` comments keep a silent stream alive. Pure functions and one stateful
+stream renderer; no I/O."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import api
+from ...client.protocol import Admission
 from ..chunk_stream import ChunkStream
 from ..responses import error_payload
 from .responses_requests import ResponsesRequest
@@ -153,14 +156,13 @@ class ResponseEvents:
     _call: dict[str, Any] | None = None  # the function_call item now streaming
     _streamed_calls: bool = False
 
+    def opening(self, admission: Admission | None) -> list[dict[str, Any]]:
+        """response.created and .in_progress, once the engine has taken the request; without an admission the first
+        chunk brings them."""
+        return [] if admission is None else self._begin()
+
     def events(self, chunk: api.ChatChunk) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        if self._seq == 0:
-            in_progress = self.frame.response("in_progress", [])
-            out += [
-                self._event("response.created", response=in_progress),
-                self._event("response.in_progress", response=in_progress),
-            ]
+        out = self._begin()
         if chunk.message.thinking:
             out += self._delta("reasoning", chunk.message.thinking)
         if chunk.message.content:
@@ -170,6 +172,15 @@ class ResponseEvents:
         if chunk.done:
             out += self._finish(chunk)
         return out
+
+    def _begin(self) -> list[dict[str, Any]]:
+        if self._seq:
+            return []
+        in_progress = self.frame.response("in_progress", [])
+        return [
+            self._event("response.created", response=in_progress),
+            self._event("response.in_progress", response=in_progress),
+        ]
 
     def _call_delta(self, delta: api.ToolCallDelta) -> list[dict[str, Any]]:
         if delta.id is not None:
@@ -271,6 +282,9 @@ class ResponseEvents:
         return self._event("error", code="server_error", message=error_payload(exc)["error"], param=None)
 
 
+KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it, idle timers see bytes
+
+
 def sse(event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: ".encode() + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
@@ -278,11 +292,17 @@ def sse(event: dict[str, Any]) -> bytes:
 async def sse_events(
     stream: ChunkStream, renderer: ResponseEvents, on_done: Callable[[dict[str, Any], list[dict[str, Any]]], None]
 ) -> AsyncIterator[bytes]:
-    """The event stream; `on_done(response, items)` runs once the answer is whole (to store it)."""
+    """The event stream, kept alive while silent; `on_done(response, items)` runs once the answer is whole (to
+    store it)."""
+
+    def render(chunk: api.ChatChunk) -> bytes:
+        return b"".join(sse(event) for event in renderer.events(chunk))
+
     try:
-        async for chunk in stream:
-            for event in renderer.events(chunk):
-                yield sse(event)
+        for event in renderer.opening(stream.admission):
+            yield sse(event)
+        async for data in stream.paced(render, KEEP_ALIVE):
+            yield data
     except Exception as exc:  # noqa: BLE001 - the status line is gone; the error travels as an event
         yield sse(renderer.error(exc))
         return

@@ -52,7 +52,7 @@ async def chat_completions(
     )
     envelope = render.Envelope(model=body.model, prefix="chatcmpl")
     if body.stream:
-        events = render.ChatEvents(envelope, include_usage=body.include_usage)
+        events = render.ChatEvents(envelope, include_usage=body.include_usage, n=body.n)
         return sse_response(chunks, lambda s: render.sse_events(s, events))
     collected = await chunks.collect(disconnected=http.is_disconnected)
     if not collected:
