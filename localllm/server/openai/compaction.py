@@ -1,6 +1,7 @@
 """Codex's remote compaction: `POST /v1/responses/compact`, and a /v1/responses turn whose input ends with a
-`compaction_trigger` item. The model writes a summary of the conversation (bounded in tokens and in time); the answer
-keeps the conversation's user messages and replaces everything else by one `compaction` item, whose
+`compaction_trigger` item. The model writes a summary of the conversation (bounded in time, and in tokens by what it
+replaces); the answer keeps the conversation's user messages and replaces everything else by one `compaction` item,
+whose
 `encrypted_content` is the summary sealed with this machine's key (signing.py). Sealed, not encrypted: the summary
 never leaves the machine it was written on, but a client cannot forge or change it, so a later turn that sends the item
 back gets exactly the summary in place of the history it replaced (responses_requests.py expands it)."""
@@ -11,6 +12,8 @@ import base64
 import binascii
 import json
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -34,6 +37,7 @@ SUMMARY_PROMPT = (
     "decisions made, files, commands and values that matter, and what is left to do. Write only the summary."
 )
 SUMMARY_LEAD = "Summary of the conversation so far:\n"
+RECENT_LEAD = "(no shorter summary could be written; the latest part of the conversation, word for word)\n"
 
 
 # ---------------------------------------------------------------------------------------------------------- token
@@ -93,19 +97,82 @@ def summary_request(model: str, instructions: list[api.Message], conversation: l
     return api.ChatRequest(model=model, messages=messages, options={"num_predict": budget, "temperature": 0})
 
 
-def summary_budget(history_tokens: int) -> int:
+def summary_budget(replaced_tokens: int) -> int:
     """A summary is worth writing only when it is shorter than what it replaces."""
-    return max(MIN_SUMMARY_TOKENS, min(MAX_SUMMARY_TOKENS, history_tokens // 4))
+    return max(MIN_SUMMARY_TOKENS, min(MAX_SUMMARY_TOKENS, replaced_tokens // 4))
+
+
+@dataclass(frozen=True)
+class Compacted:
+    """What a compaction leaves: the user messages it keeps word for word, the summary in place of the rest, and the
+    summary pass's last chunk (its counts are the usage)."""
+
+    users: list[api.Message]
+    summary: str
+    final: api.ChatChunk
+
+    def conversation(self) -> list[api.Message]:
+        """What a stored compacted turn continues from: the user messages, then the summary."""
+        return [*self.users, summary_message(self.summary)]
+
+
+Count = Callable[[list[api.Message]], Awaitable[int]]
+
+
+async def compact(
+    state: State, model: str, instructions: list[api.Message], conversation: list[api.Message]
+) -> Compacted:
+    """`conversation` compacted, always to fewer tokens than it had (counted with the model's template): the
+    model's summary of all but the user messages, bounded by a quarter of what it replaces, or where the model
+    cannot write one that short, the latest part of the conversation word for word (_recent)."""
+    if not conversation:
+        raise InvalidInput("there is no conversation to compact", hint="send input or a previous_response_id")
+
+    async def count(messages: list[api.Message]) -> int:
+        request = api.ChatRequest(model=model, messages=[*instructions, *messages])
+        return await anyio.to_thread.run_sync(state.client.count_tokens, request) if request.messages else 0
+
+    original = await count(conversation)
+    users = [m for m in conversation if m.role == "user"]
+    budget = summary_budget(original - await count(users))
+    summary, final = await summarize(state, model, instructions, conversation, budget)
+    compacted = Compacted(users, summary, final)
+    if await count(compacted.conversation()) < original:
+        return compacted
+    return await _recent(count, original, conversation, compacted)
+
+
+async def _recent(count: Count, original: int, conversation: list[api.Message], failed: Compacted) -> Compacted:
+    """In place of a summary no shorter than the history: the latest part of what it would replace, word for word,
+    halved until the compacted conversation is shorter than `original`; then the oldest user messages go too."""
+    tail = transcript([m for m in conversation if m.role != "user"])
+    users = list(failed.users)
+    while True:
+        compacted = Compacted(users, RECENT_LEAD + tail if tail else "", failed.final)
+        if not (tail or users) or await count(compacted.conversation()) < original:
+            return compacted
+        if tail:
+            tail = tail[len(tail) // 2 :].lstrip()
+        else:
+            users = users[1:]
+
+
+def transcript(messages: list[api.Message]) -> str:
+    """Messages as plain text, a paragraph each, tool calls as their names and arguments."""
+    parts = []
+    for message in messages:
+        calls = [f"{c.function.name}({json.dumps(c.function.arguments)})" for c in message.tool_calls or []]
+        text = " ".join([message.content, *calls]).strip()
+        if text:
+            parts.append(f"{message.role}: {text}")
+    return "\n\n".join(parts)
 
 
 async def summarize(
-    state: State, model: str, instructions: list[api.Message], conversation: list[api.Message]
+    state: State, model: str, instructions: list[api.Message], conversation: list[api.Message], budget: int
 ) -> tuple[str, api.ChatChunk]:
-    """The model's summary of `conversation` and the chunk whose counts are the pass's usage."""
-    if not conversation:
-        raise InvalidInput("there is no conversation to compact", hint="send input or a previous_response_id")
-    history = api.ChatRequest(model=model, messages=conversation)
-    budget = summary_budget(await anyio.to_thread.run_sync(state.client.count_tokens, history))
+    """The model's summary of `conversation` in at most `budget` tokens, and the chunk whose counts are the pass's
+    usage."""
     request = summary_request(model, instructions, conversation, budget)
     chunks = await ChunkStream.open(lambda: state.client.chat(request), observe=state.metrics.observe_chunk)
     collected: list[api.ChatChunk] = []
@@ -157,12 +224,6 @@ def compacted_response(output: list[dict], usage: dict, new_id) -> dict:
         "output": output,
         "usage": usage,
     }
-
-
-def kept_conversation(conversation: list[api.Message], summary: str) -> list[api.Message]:
-    """What a stored compacted turn continues from: the user messages, then the summary."""
-    users = [m for m in conversation if m.role == "user"]
-    return [*users, summary_message(summary)]
 
 
 def trigger_events(in_progress: dict[str, Any], response: dict[str, Any], item: dict[str, Any]) -> list[dict[str, Any]]:

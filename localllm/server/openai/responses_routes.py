@@ -80,14 +80,14 @@ async def compaction_turn(body: ResponsesRequest, history: list[api.Message], st
     """A turn ending in compaction_trigger: its output is one compaction item; the stored conversation it leaves
     is the user messages and the summary, so previous_response_id continues from the compacted history."""
     said = conversation(body.input, history)
-    summary, final = await compaction.summarize(state, body.model, turn_instructions(body), said)
-    item = compaction.compaction_item(summary, render.new_id)
+    compacted = await compaction.compact(state, body.model, turn_instructions(body), said)
+    item = compaction.compaction_item(compacted.summary, render.new_id)
     frame = render.ResponseFrame(body)
-    response = frame.response("completed", [item], final.model_copy(update={"done_reason": "stop"}))
+    response = frame.response("completed", [item], compacted.final.model_copy(update={"done_reason": "stop"}))
     if body.store:
         kept = api.StoredResponse(
             response=response,
-            messages=compaction.kept_conversation(said, summary),
+            messages=compacted.conversation(),
             input_items=input_item_records(body.input),
         )
         await run_in_threadpool(response_store.save, kept)
@@ -106,9 +106,10 @@ async def compaction_turn(body: ResponsesRequest, history: list[api.Message], st
 async def compact(body: CompactRequest, state: State) -> JSONResponse:
     """Codex's remote compaction: the user messages, then one compaction item in place of the rest."""
     said = conversation(body.input, await stored_history(body.previous_response_id))
-    summary, final = await compaction.summarize(state, body.model, turn_instructions(body), said)
-    output = compaction.user_items(said, render.new_id) + [compaction.compaction_item(summary, render.new_id)]
-    answer = compaction.compacted_response(output, render.usage(final), render.new_id)
+    compacted = await compaction.compact(state, body.model, turn_instructions(body), said)
+    item = compaction.compaction_item(compacted.summary, render.new_id)
+    output = compaction.user_items(compacted.users, render.new_id) + [item]
+    answer = compaction.compacted_response(output, render.usage(compacted.final), render.new_id)
     return with_notes(JSONResponse(answer), ignored(body))
 
 
