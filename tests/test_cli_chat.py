@@ -276,7 +276,7 @@ def test_bad_input_to_run_is_one_line_and_exit_code_1(chat_home, args, message):
 def test_ps_and_stop_without_a_server(chat_home):
     env = _child_env(chat_home, LOCALLLM_HOST=f"127.0.0.1:{free_port()}")
     listed = localllm(env, "ps", "--json")
-    assert listed.returncode == 0 and json.loads(listed.stdout) == {"models": []}
+    assert listed.returncode == 0 and json.loads(listed.stdout) == {"models": [], "load_queue": 0}
     assert "no localllm server answers" in listed.stderr
     stopped = localllm(env, "stop", "smollm2:135m")
     assert stopped.returncode == 1 and "no localllm server answers" in stopped.stderr

@@ -55,7 +55,7 @@ def launch(
     config_only: bool = typer.Option(False, "--config", help="write the agent's config files without launching it"),
     undo: bool = typer.Option(False, "--restore", help="put back the config files launch wrote for this agent"),
 ):
-    """Start a coding agent (claude, codex, opencode, qwen, continue, aider) on a local model.
+    """Start a coding agent (claude, codex, opencode, aider...) locally.
 
     Arguments after `--` go to the agent, e.g. `localllm launch claude --model qwen2.5-coder:1.5b -- -p "hi"`."""
     agent = _agent(tool)
