@@ -247,3 +247,50 @@ def test_responses_stream_a_function_call_item(coder_url):
 def _anthropic_tool() -> dict:
     function = WEATHER["function"]
     return {"name": function["name"], "description": function["description"], "input_schema": function["parameters"]}
+
+
+# ------------------------------------------------------------------------------------------------- streamed = whole
+
+
+def _openai_calls(calls) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls or []]
+
+
+@pytest.mark.models
+def test_a_streamed_call_equals_the_whole_one_on_every_route(coder_url):
+    """The clients' own stream helpers add the pieces up to the non-streamed calls, on all four routes."""
+    oai = openai.OpenAI(base_url=coder_url + "/v1", api_key="none", max_retries=0)
+    ask = dict(model=PINNED_CODER, messages=ASK, tools=[WEATHER], max_tokens=80)
+    whole = _openai_calls(oai.chat.completions.create(**ask).choices[0].message.tool_calls)
+    assert len(whole) == 1
+    _assert_weather(*whole[0])
+    raw = list(oai.chat.completions.create(**ask, stream=True))
+    for chunk in raw:  # one entry per call in a chunk, as OpenAI sends: a second one would be a second call
+        indexes = [d.index for c in chunk.choices for d in c.delta.tool_calls or []]
+        assert len(indexes) == len(set(indexes))
+    with oai.chat.completions.stream(**ask) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert _openai_calls(final.message.tool_calls) == whole and final.finish_reason == "tool_calls"
+
+    tool = {"type": "function", **WEATHER["function"]}
+    asked = dict(model=PINNED_CODER, input=ASK[0]["content"], tools=[tool], max_output_tokens=80, store=False)
+    items = oai.responses.create(**asked).output
+    with oai.responses.stream(**asked) as stream:
+        streamed_items = stream.get_final_response().output
+    for output in (items, streamed_items):
+        assert [(i.name, json.loads(i.arguments)) for i in output if i.type == "function_call"] == whole
+
+    claude = anthropic.Anthropic(base_url=coder_url, api_key="none", max_retries=0)
+    said = dict(model=PINNED_CODER, max_tokens=80, messages=ASK, tools=[_anthropic_tool()])
+    with claude.messages.stream(**said) as stream:
+        streamed = stream.get_final_message()
+    for message in (claude.messages.create(**said), streamed):
+        assert [(b.name, b.input) for b in message.content if b.type == "tool_use"] == whole
+
+    client = ollama.Client(host=coder_url)
+    options = {"num_predict": 80}
+    ollama_whole = client.chat(model=PINNED_CODER, messages=ASK, tools=[WEATHER], options=options).message
+    chunks = client.chat(model=PINNED_CODER, messages=ASK, tools=[WEATHER], options=options, stream=True)
+    ollama_streamed = [c for chunk in chunks for c in chunk.message.tool_calls or []]
+    for calls in (ollama_whole.tool_calls, ollama_streamed):
+        assert [(c.function.name, dict(c.function.arguments)) for c in calls or []] == whole

@@ -69,17 +69,26 @@ def delta_calls(deltas: list[api.ToolCallDelta]) -> list[dict[str, Any]]:
     return [calls[i] for i in sorted(calls)]
 
 
-def stream_deltas(deltas: list[api.ToolCallDelta]) -> list[dict[str, Any]]:
-    """OpenAI's streamed tool call pieces: the first of a call has id, type and name, the rest argument text."""
-    out = []
+def stream_deltas(deltas: list[api.ToolCallDelta]) -> list[list[dict[str, Any]]]:
+    """OpenAI's streamed tool call pieces, as the `tool_calls` of consecutive chunks: a call's first entry has id,
+    type, name and empty arguments, the next ones its argument text. A chunk holds one entry per call, as OpenAI
+    sends: clients' stream helpers take a second entry with the same index in one chunk for another call."""
+    chunks: list[dict[int, dict[str, Any]]] = [{}]
     for delta in deltas:
-        item: dict[str, Any] = {"index": delta.index}
+        entry = chunks[-1].get(delta.index)
+        if delta.id is not None or (entry is not None and "id" in entry):
+            chunks.append({})  # a new call, or the first arguments of one just named: the next chunk
+            entry = None
         if delta.id is not None:
-            item.update(id=delta.id, type="function", function={"name": delta.name or "", "arguments": ""})
+            head = {"name": delta.name or "", "arguments": ""}
+            chunks[-1][delta.index] = {"index": delta.index, "id": delta.id, "type": "function", "function": head}
+            if delta.arguments:
+                chunks.append({delta.index: {"index": delta.index, "function": {"arguments": delta.arguments}}})
+        elif entry is None:
+            chunks[-1][delta.index] = {"index": delta.index, "function": {"arguments": delta.arguments}}
         else:
-            item["function"] = {"arguments": delta.arguments}
-        out.append(item)
-    return out
+            entry["function"]["arguments"] += delta.arguments
+    return [[chunk[i] for i in sorted(chunk)] for chunk in chunks if chunk]
 
 
 def whole_call_deltas(calls: list[api.ToolCall]) -> list[api.ToolCallDelta]:
@@ -178,8 +187,7 @@ class ChatEvents:
             self.streamed_calls.add(index)
         elif chunk.done and chunk.message.tool_calls and index not in self.streamed_calls:
             deltas = whole_call_deltas(chunk.message.tool_calls)
-        if deltas:
-            out.append(self._delta(index, {"tool_calls": stream_deltas(deltas)}))
+        out += [self._delta(index, {"tool_calls": entries}) for entries in stream_deltas(deltas)]
         if chunk.done:
             self.finals.append(chunk)
             calls = bool(chunk.message.tool_calls) or index in self.streamed_calls
