@@ -116,6 +116,26 @@ def test_arguments_stream_in_pieces_and_a_cut_off_call_keeps_its_partial_argumen
     assert parser.calls == []  # not a whole call
 
 
+@pytest.mark.parametrize(
+    ("answer", "content"),
+    [
+        ('```json\n{\n  "name": "get_wea', ""),
+        ('{"name": "get_weather", "argu', ""),
+        ('Sure. <tool_call>\n{"na', "Sure. "),
+        ('[{"type": "function", "func', ""),
+        ('{"answer": 4', '{"answer": 4'),  # JSON that is no call, cut: text as it was
+        ('{"name": "unknown_tool", "argu', '{"name": "unknown_tool", "argu'),
+    ],
+)
+def test_a_candidate_cut_off_by_max_tokens_is_no_call_and_no_text(answer, content):
+    parser = ToolCallParser(TOOLS)
+    parsed = parser.feed(answer)
+    parsed += parser.finish(cut=True)
+    assert (parsed.content, parser.calls) == (content, [])
+    uncut = ToolCallParser(TOOLS)
+    assert (uncut.feed(answer).content + uncut.finish().content).endswith(answer[len(content) :])  # ended: text
+
+
 def test_the_whole_answer_parser_is_the_streaming_one():
     assert parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', TOOLS)[1][0].function == (
         ToolCallFunction(name="add", arguments={"a": 1})
@@ -294,3 +314,57 @@ def test_a_streamed_call_equals_the_whole_one_on_every_route(coder_url):
     ollama_streamed = [c for chunk in chunks for c in chunk.message.tool_calls or []]
     for calls in (ollama_whole.tool_calls, ollama_streamed):
         assert [(c.function.name, dict(c.function.arguments)) for c in calls or []] == whole
+
+
+# ------------------------------------------------------------------------------------------------- cut off
+
+
+def _no_json_text(text: str | None) -> None:
+    assert not (text or "").strip(), f"a partial call leaked as text: {text!r}"
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("budget", [4, 9, 14])
+def test_a_call_cut_off_by_max_tokens_says_so_and_is_no_call_on_every_route(coder_url, budget):
+    """Cut before its head is whole, in its arguments, or near its end: the stop reason says the cut, and the whole
+    answer holds no call and no raw JSON text; a stream ends with the same reason."""
+    oai = openai.OpenAI(base_url=coder_url + "/v1", api_key="none", max_retries=0)
+    ask = dict(model=PINNED_CODER, messages=ASK, tools=[WEATHER], max_tokens=budget)
+    whole = oai.chat.completions.create(**ask).choices[0]
+    assert whole.finish_reason == "length" and not whole.message.tool_calls
+    _no_json_text(whole.message.content)
+    chunks = list(oai.chat.completions.create(**ask, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    _no_json_text("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+
+    claude = anthropic.Anthropic(base_url=coder_url, api_key="none", max_retries=0)
+    said = dict(model=PINNED_CODER, max_tokens=budget, messages=ASK, tools=[_anthropic_tool()])
+    message = claude.messages.create(**said)
+    assert message.stop_reason == "max_tokens" and [b.type for b in message.content] in ([], ["text"])
+    _no_json_text("".join(b.text for b in message.content if b.type == "text"))
+    with claude.messages.stream(**said) as stream:
+        events = list(stream)
+    stop = [e.delta.stop_reason for e in events if e.type == "message_delta"]
+    assert stop == ["max_tokens"]
+    _no_json_text(
+        "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
+    )
+
+    tool = {"type": "function", **WEATHER["function"]}
+    asked = dict(model=PINNED_CODER, input=ASK[0]["content"], tools=[tool], max_output_tokens=budget, store=False)
+    response = oai.responses.create(**asked)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert not [i for i in response.output if i.type == "function_call"]
+    _no_json_text(response.output_text)
+    events = list(oai.responses.create(**asked, stream=True))
+    assert events[-1].type == "response.incomplete"
+    _no_json_text("".join(e.delta for e in events if e.type == "response.output_text.delta"))
+
+    client = ollama.Client(host=coder_url)
+    options = {"num_predict": budget}
+    reply = client.chat(model=PINNED_CODER, messages=ASK, tools=[WEATHER], options=options)
+    assert reply.done_reason == "length" and not reply.message.tool_calls
+    _no_json_text(reply.message.content)
+    chunks = list(client.chat(model=PINNED_CODER, messages=ASK, tools=[WEATHER], options=options, stream=True))
+    assert chunks[-1].done_reason == "length" and not [c for ch in chunks for c in ch.message.tool_calls or []]
+    _no_json_text("".join(ch.message.content or "" for ch in chunks))

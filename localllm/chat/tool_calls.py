@@ -25,6 +25,8 @@ FENCE = "```"
 _FENCE_LANGS = ("", "json", "tool_call", "tool_code")
 # The head of a call whose arguments can stream: `{"name": "...", "arguments": ` (or "parameters"), then a `{`.
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)', re.S)
+_FIRST_KEY = re.compile(r'\{\s*"((?:[^"\\]|\\.)*)"', re.S)
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', re.S)
 _FENCE_HEAD = re.compile(r"```([A-Za-z_]*)(\s*)")
 _MAX_FENCE_LANG = 16
 
@@ -111,17 +113,30 @@ class ToolCallParser:
             pass
         return out
 
-    def finish(self) -> Parsed:
-        """The end of the answer: decide what was held back. JSON cut off before it showed itself a call is text;
-        a call cut off after its head streamed keeps its pieces."""
+    def finish(self, *, cut: bool = False) -> Parsed:
+        """The end of the answer: decide what was held back. A call cut off after its head streamed keeps its pieces
+        (and is not among `calls`). JSON that ended before it showed itself a call is text, unless the answer was
+        `cut` (by max_tokens) while it may still have been one: a partial call is neither a call nor text."""
         out = Parsed()
         while self._pending and self._step(out, final=True):
             pass
         call = self._call
         if self._state in ("value", "array") and not self._committed and (call is None or call.id is None):
-            self._say(out, self._held + self._pending)
+            if not (cut and self._may_be_call(call)):
+                self._say(out, self._held + self._pending)
         self._pending, self._held = "", ""
         return out
+
+    def _may_be_call(self, call: _Call | None) -> bool:
+        """Whether a candidate cut off before its head was whole could still have been a call: its first key (when
+        written) is one a call begins with, and its name (when written) an offered tool's."""
+        if self._closer == TAG_CLOSE or call is None:
+            return True
+        key = _FIRST_KEY.match(call.text)
+        if key is not None and key.group(1) not in ("name", "type", "function"):
+            return False
+        name = _NAME.search(call.text)
+        return name is None or name.group(1) in self._known
 
     def _step(self, out: Parsed, *, final: bool) -> bool:
         """Consume what can be decided now; False when the rest must wait for more text."""

@@ -166,7 +166,7 @@ def chat_with_tools(
         split = answer.feed(chunk)
         parsed = parser.feed(split.content)
         if chunk.done:
-            parsed += parser.finish()
+            parsed += parser.finish(cut=chunk.done_reason == "length")
         calls, shown = parser.calls[shown:], len(parser.calls)
         message = api.Message(
             role="assistant", content=parsed.content, thinking=split.thinking or None, tool_calls=calls or None

@@ -58,17 +58,6 @@ def tool_calls(calls: list[api.ToolCall]) -> list[dict[str, Any]]:
     ]
 
 
-def delta_calls(deltas: list[api.ToolCallDelta]) -> list[dict[str, Any]]:
-    """Streamed pieces of calls as one call each (a call cut off by max_tokens keeps its partial arguments)."""
-    calls: dict[int, dict[str, Any]] = {}
-    for delta in deltas:
-        call = calls.setdefault(delta.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
-        call["id"] = delta.id or call["id"]
-        call["function"]["name"] = delta.name or call["function"]["name"]
-        call["function"]["arguments"] += delta.arguments
-    return [calls[i] for i in sorted(calls)]
-
-
 def stream_deltas(deltas: list[api.ToolCallDelta]) -> list[list[dict[str, Any]]]:
     """OpenAI's streamed tool call pieces, as the `tool_calls` of consecutive chunks: a call's first entry has id,
     type, name and empty arguments, the next ones its argument text. A chunk holds one entry per call, as OpenAI
@@ -134,11 +123,7 @@ class Envelope:
 
 
 def chat_choice(index: int, merged: api.ChatChunk) -> dict[str, Any]:
-    calls = (
-        tool_calls(merged.message.tool_calls)
-        if merged.message.tool_calls
-        else delta_calls(merged.tool_call_deltas or [])
-    )
+    calls = tool_calls(merged.message.tool_calls or [])  # a call cut off by max_tokens is none: it says `length`
     message: dict[str, Any] = {"role": "assistant", "content": merged.message.content if not calls else None}
     if calls:
         message["tool_calls"] = calls
