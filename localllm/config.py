@@ -165,7 +165,10 @@ def parse_threads(raw: str) -> int | None:
 
 HOME = Setting("LOCALLLM_HOME", "where models and manifests live", lambda raw: Path(raw).expanduser(), _default_home)
 HOST = Setting(
-    "LOCALLLM_HOST", "address the server binds and clients call (host:port)", parse_host, lambda: ("127.0.0.1", 11435)
+    "LOCALLLM_HOST",
+    "address the server binds and clients call (host:port); beyond loopback only with LOCALLLM_API_KEY",
+    parse_host,
+    lambda: ("127.0.0.1", 11435),
 )
 NUM_PARALLEL = Setting(
     "LOCALLLM_NUM_PARALLEL", "slots per loaded model: requests decoded at once", parse_positive_int, _default_parallel

@@ -49,3 +49,15 @@ def test_serve_runs_and_logs_each_request(isolated_home):
         output, _ = proc.communicate(timeout=30)
     assert f"http://127.0.0.1:{port}" in output
     assert "GET /api/tags 200" in output
+
+
+def test_serve_beyond_loopback_needs_a_key(isolated_home):
+    """Refused before anything binds: no socket is opened on the network."""
+    env = {**os.environ, "LOCALLLM_HOST": f"0.0.0.0:{free_port()}", "LOCALLLM_HOME": str(isolated_home)}
+    env.pop("LOCALLLM_API_KEY", None)
+    refused = subprocess.run(
+        [sys.executable, "-m", "localllm", "serve"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 1
+    assert "LOCALLLM_HOST 0.0.0.0 lets other machines reach this server" in refused.stderr
+    assert "LOCALLLM_API_KEY" in refused.stderr

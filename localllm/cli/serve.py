@@ -122,6 +122,7 @@ def _serve() -> None:
     from ..server.app import create_app
 
     host, port = config.HOST.get()
+    _require_key_beyond_loopback(host)
     level = config.LOG_LEVEL.get()
     _configure_logging(level)
     sock = _listen(host, port)
@@ -134,6 +135,18 @@ def _serve() -> None:
         highlight=False,
     )
     server.run(sockets=[sock])
+
+
+def _require_key_beyond_loopback(host: str) -> None:
+    """A server other machines reach serves the models, the store and the web page to them: only with a key."""
+    from ..server.security import is_loopback_host
+
+    if not is_loopback_host(host) and not config.API_KEY.get():
+        raise LocalLLMError(
+            f"LOCALLLM_HOST {host} lets other machines reach this server, and no LOCALLLM_API_KEY is set",
+            hint="set LOCALLLM_API_KEY (clients send it as a bearer token), or bind 127.0.0.1 and reach it through"
+            " an SSH tunnel",
+        )
 
 
 def _url(host: str, port: int) -> str:
