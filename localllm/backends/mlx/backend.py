@@ -1,0 +1,115 @@
+"""Loading an MLX folder: checks of the folder and the model's cache kinds, then mlx_lm.load."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from ...api import LoadOptions, LoraAdapter
+from ...errors import InvalidInput, ModelFormatError
+from ...models.options import context_size
+from ..base import LoadCheck
+from .model import MlxModel
+
+log = logging.getLogger(__name__)
+
+
+class MlxBackend:
+    name = "mlx"
+
+    def check(
+        self, path: Path, options: LoadOptions, *, memory: Path, adapters: Sequence[LoraAdapter] = ()
+    ) -> LoadCheck:
+        return LoadCheck()  # mlx raises Python errors for bad weights: the load itself fails cleanly
+
+    def placement(self, path: Path, options: LoadOptions) -> None:
+        return None  # one device, unified memory: nothing to place
+
+    def load(
+        self,
+        path: Path,
+        options: LoadOptions,
+        *,
+        adapters: Sequence[LoraAdapter] = (),
+        projector: Path | None = None,
+    ) -> MlxModel:
+        import mlx_lm
+
+        n_seq, n_ctx = context_size(options)
+        if projector is not None:
+            raise InvalidInput(
+                "vision projectors are not supported on the MLX backend",
+                hint="run the model on llama.cpp (backend llama.cpp) with its GGUF weights",
+            )
+        if adapters:
+            raise InvalidInput(
+                "LoRA adapters are not supported on the MLX backend yet",
+                hint="run the model on llama.cpp (backend llama.cpp) with its GGUF weights",
+            )
+        path = Path(path)
+        _check_folder(path)
+        try:
+            # With return_config, mlx_lm.load returns the config too (its annotation says two values).
+            model, tokenizer, config = cast(Any, mlx_lm.load)(str(path), return_config=True)
+        except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError) as exc:
+            raise ModelFormatError(f"mlx-lm could not load the MLX folder {path}: {exc}") from None
+        _prefer_float32_on_cpu(model)
+        _check_cache_kinds(model, config)
+        if options.kv_type not in (None, "f16"):
+            log.warning(
+                "kv_type %s is not available on MLX; the KV cache keeps the model's float type", options.kv_type
+            )
+        return MlxModel(path, model, tokenizer, config, n_seq=n_seq, n_ctx=n_ctx)
+
+
+def _check_folder(path: Path) -> None:
+    if path.is_file():
+        raise ModelFormatError(
+            f"{path} is a file; the MLX backend runs MLX model folders",
+            hint="make an MLX copy with `localllm create NAME --from MODEL --format mlx`, "
+            "or load it with backend llama.cpp",
+        )
+    if not path.is_dir():
+        raise ModelFormatError(
+            f"MLX model folder {path} does not exist",
+            hint="an MLX model is a folder with config.json and *.safetensors",
+        )
+    missing = [
+        name
+        for name, ok in (
+            ("config.json", (path / "config.json").is_file()),
+            ("*.safetensors", any(path.glob("*.safetensors"))),
+        )
+        if not ok
+    ]
+    if missing:
+        raise ModelFormatError(f"MLX model folder {path} has no {' or '.join(missing)}")
+
+
+def _prefer_float32_on_cpu(model) -> None:
+    # MLX's CPU kernels are several times slower with fp16/bf16 (quantization scales too) than with f32; on Apple
+    # GPUs half precision is the fast path, so only the CPU build is changed.
+    if mx.default_device().type == mx.cpu:
+        model.set_dtype(mx.float32)
+        # Evaluate the casts now: a lazy array belongs to this thread's stream, and the engine thread that decodes
+        # later cannot evaluate it ("There is no Stream(cpu, 0) in current thread").
+        mx.eval(model.parameters())
+
+
+def _check_cache_kinds(model, config: dict) -> None:
+    # Trimming and prefix copies need caches that keep every position. Sliding-window layers are given full caches
+    # (see MlxModel._new_cache); recurrent-state layers (Mamba-style) cannot be trimmed at all.
+    kinds = {type(c) for c in make_prompt_cache(model)}
+    if not kinds <= {KVCache, RotatingKVCache}:
+        names = ", ".join(sorted(k.__name__ for k in kinds))
+        raise ModelFormatError(
+            f"model type {config.get('model_type')!r} uses {names} caches, which the MLX backend "
+            "cannot trim or share yet",
+            hint="run a GGUF of this model on llama.cpp",
+        )
