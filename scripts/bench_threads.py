@@ -158,10 +158,7 @@ def _contended_figure(
 
 def _tuner_note(engine) -> str:
     tuner = engine.threads
-    return (
-        f"ours settled on {tuner.settled('decode')} thread(s), its last trial took "
-        f"{tuner.trial_steps('decode')} decode steps"
-    )
+    return f"ours ran at {tuner.settled('decode')} thread(s) at the end, after {tuner.policy.moves} move(s)"
 
 
 @contextmanager

@@ -1,5 +1,5 @@
-"""The thread tuner on plain data: synthetic step times of an idle machine, a contended one, and one whose load
-changes. No timing is measured here; the machine is a formula."""
+"""The thread tuner on plain data: recorded windows of what the OS said (CPU time, other processes' CPU, the run
+queue), and a formula machine behind the tuner's Probe. No timing is measured here."""
 
 from __future__ import annotations
 
@@ -8,246 +8,288 @@ from pathlib import Path
 
 import pytest
 
-from localllm.engine.threads import FAR, TRIAL_SHAPES, ThreadTuner
-from localllm.machine import _linux_cores, physical_cores
+from localllm import machine as machine_facts
+from localllm.engine.threads import (
+    PAUSE_SECONDS,
+    STEADY_WINDOWS,
+    WINDOW_SECONDS,
+    ThreadPolicy,
+    ThreadTuner,
+    Window,
+)
+from localllm.machine import _linux_cores, cgroup_cpu_budget, physical_cores
 
-ROUND = TRIAL_SHAPES["decode"].steps  # steps of one count in a round of a decode trial: a warm-up, then measured
-TRIAL = 3 * ROUND  # steps of one count in a whole trial of three rounds (two when the counts stand apart)
-
-
-def machine(cores: int, busy: int = 0):
-    """Seconds of a decode step: the work splits over the threads, but a thread without a free core of its own stalls
-    every step (llama.cpp's threads wait for each other), the collapse measured on two cores with one busy."""
-    free = cores - busy
-
-    def step(threads: int, rows: int) -> float:
-        seconds = 0.010 * (1 + 0.2 * rows) / threads
-        return seconds * (4.0 if threads > free else 1.0)
-
-    return step
+QUIET = 0.05  # cores' worth of CPU a quiet machine's daemons use
 
 
-def run(tuner: ThreadTuner, step, n: int, *, rows: int = 1, kind: str = "decode") -> list[int]:
-    """Drive the tuner for n steps; the thread counts it chose."""
+def at(threads: int, *, elsewhere: float | None = QUIET, share: float = 0.97) -> Window:
+    """A window of steps at `threads`, its threads getting `share` of their wall time on a CPU."""
+    return Window(threads, WINDOW_SECONDS, share * threads * WINDOW_SECONDS, elsewhere)
+
+
+def pause(*, elsewhere: float, runnable: int, seconds: float = 2.0, ours: float = 0.0) -> Window:
+    return Window(0, seconds, ours * seconds, elsewhere, runnable)
+
+
+def feed(policy: ThreadPolicy, windows: list[Window], *, fresh: bool = False) -> list[int]:
+    """The count after each window."""
+    return [policy.observe(w, fresh=fresh) for w in windows]
+
+
+# Recorded on two cores with `yes` holding one: beside two of our threads it gets about two thirds of a core, and our
+# threads about two thirds of their wall time each; beside one thread it has its core to itself.
+CONTENDED_AT_2 = at(2, elsewhere=0.68, share=0.66)
+CONTENDED_AT_1 = at(1, elsewhere=1.0, share=0.99)
+
+
+def test_the_first_choice_is_every_core_llama_cpp_would_use():
+    assert ThreadPolicy(4, cpus=8).count == 4
+    tuner = ThreadTuner(4, probe=FormulaMachine(cpus=4))
+    assert tuner.choose("batch") == 4 and tuner.choose("decode") == 4  # no trial at fewer threads first
+
+
+def test_a_noisy_window_does_not_move_it():
+    policy = ThreadPolicy(2)
+    # One window meets another program's burst; where the OS says nothing of others, one finds our threads short of
+    # CPU (a page fault storm): each alone.
+    assert feed(policy, [at(2), CONTENDED_AT_2, at(2), at(2, elsewhere=None, share=0.5), at(2)]) == [2] * 5
+    # A pause that held a burst (both cores busy on average) which has ended: nobody else is runnable now.
+    assert feed(policy, [pause(elsewhere=1.9, runnable=0)]) == [2]
+    assert policy.moves == 0
+
+
+def test_a_real_contention_moves_it_and_its_end_moves_it_back():
+    policy = ThreadPolicy(2)
+    assert feed(policy, [at(2), CONTENDED_AT_2, CONTENDED_AT_2]) == [2, 2, 1]
+    # At one thread the other process has its core: the OS says so every window, however fast our steps are.
+    assert feed(policy, [CONTENDED_AT_1] * 10) == [1] * 10
+    # It ends: one quiet window may be a lull, two are not.
+    assert feed(policy, [at(1), at(1), at(1)]) == [1, 2, 2]
+
+
+def test_threads_starved_of_cpu_move_it_where_the_os_says_nothing_of_others():
+    policy = ThreadPolicy(4)
+    assert feed(policy, [at(4, elsewhere=None, share=0.6)] * 2) == [4, 3]
+    assert feed(policy, [at(3, elsewhere=None, share=0.7)] * 2) == [3, 2]
+    # Nothing else can say the load ended: two windows unstarved try every core again (and a try taken back at
+    # once makes the next wait longer: test_a_move_up_taken_back_at_once_waits_longer_the_next_time).
+    assert feed(policy, [at(2, elsewhere=None)] * 2) == [2, 4]
+
+
+def test_a_move_up_taken_back_at_once_waits_longer_the_next_time():
+    # No account from the OS, and a load that starves two threads and never ends: only trying tells.
+    policy = ThreadPolicy(2)
+    counts = []
+    for _ in range(40):
+        window = at(2, elsewhere=None, share=0.6) if policy.count == 2 else at(1, elsewhere=None)
+        counts.append(policy.observe(window))
+    ups = sum(1 for a, b in zip(counts, counts[1:], strict=False) if b > a)
+    assert ups == 4  # up after 2, 4, 8 and 16 windows, each taken back after 2: not 10 ups, one every 4 windows
+    assert counts.count(1) > counts.count(2)
+
+
+def test_a_pause_meets_a_load_still_running_before_the_first_step():
+    policy = ThreadPolicy(2)
+    assert feed(policy, [pause(elsewhere=1.0, runnable=1)]) == [1]
+    # and a pause after it has ended returns at once: a prefill never waits at half the threads for two windows
+    assert feed(policy, [pause(elsewhere=0.4, runnable=0)]) == [2]
+    # this process's other engine held a core through the pause, and runs now
+    assert feed(policy, [pause(elsewhere=0.0, runnable=1, ours=1.0)]) == [1]
+
+
+def test_the_os_account_decides_over_starved_threads():
+    # Our threads short of CPU with no other process on our CPUs: this process's own work (a second model), which
+    # fewer threads here would not free.
+    policy = ThreadPolicy(2)
+    assert feed(policy, [at(2, elsewhere=0.0, share=0.5)] * 4) == [2] * 4
+
+
+def test_a_fresh_window_raises_the_count_alone_but_never_lowers_it():
+    policy = ThreadPolicy(2)
+    feed(policy, [CONTENDED_AT_2] * 2)
+    assert policy.observe(at(1), fresh=True) == 2
+    assert policy.observe(CONTENDED_AT_2, fresh=True) == 2
+
+
+class FormulaMachine:
+    """A Probe over a machine made of formulas: `others` cores' worth of work from other processes, this process's
+    threads and theirs sharing the CPUs alike once they are more than the CPUs (as Linux's scheduler shares them),
+    and a step at `threads` stalling 4x when one of them has no core of its own."""
+
+    def __init__(self, cpus: int = 2, others: float = 0.0):
+        self.n_cpus, self.others = cpus, others
+        self.t = self.cpu = self.busy_s = 0.0
+
+    def run_step(self, threads: int) -> float:
+        """Run one decode step at `threads`; its wall seconds."""
+        seconds = 0.010 / threads
+        demand = threads + self.others
+        if demand > self.n_cpus:
+            seconds *= 4.0
+        scale = min(1.0, self.n_cpus / demand)
+        self._advance(seconds, ours=threads * scale, theirs=self.others * scale)
+        return seconds
+
+    def idle(self, seconds: float) -> None:
+        self._advance(seconds, ours=0.0, theirs=min(self.others, self.n_cpus))
+
+    def _advance(self, seconds: float, *, ours: float, theirs: float) -> None:
+        self.t += seconds
+        self.cpu += ours * seconds
+        self.busy_s += (ours + theirs) * seconds
+
+    def now(self) -> float:
+        return self.t
+
+    def process_cpu(self) -> float:
+        return self.cpu
+
+    def busy(self) -> float | None:
+        return self.busy_s
+
+    def runnable(self) -> int | None:
+        return 1 + round(self.others)  # the engine thread asking, and the others' threads
+
+    def cpus(self) -> int:
+        return self.n_cpus
+
+
+def steps(tuner: ThreadTuner, box: FormulaMachine, n: int, kind: str = "decode") -> list[int]:
     used = []
     for _ in range(n):
-        threads = tuner.choose(kind)
-        tuner.record(kind, threads, rows, step(threads, rows))
+        threads = tuner.choose(kind)  # type: ignore[arg-type]
+        tuner.record(kind, threads, 1, box.run_step(threads))  # type: ignore[arg-type]
         used.append(threads)
     return used
 
 
-def test_idle_machine_settles_on_every_core():
-    tuner = ThreadTuner(4)
-    used = run(tuner, machine(4), TRIAL * 4 + 20)
-    # One trial: the count in use (every core) first, then the others, each a warm-up step and its measured steps;
-    # every core stands FAR ahead of three after one round, so no second round is run.
-    assert used[: ROUND * 4] == [t for t in (4, 1, 2, 3) for _ in range(ROUND)]
-    assert tuner.settled("decode") == 4 and set(used[ROUND * 4 :]) == {4}
-    assert tuner.trial_steps("decode") == ROUND * 4
+def test_the_tuner_follows_a_load_through_its_probe():
+    box = FormulaMachine(cpus=2)
+    tuner = ThreadTuner(2, probe=box)
+    assert set(steps(tuner, box, 100)) == {2}
+    box.others = 1.0  # a build starts on one core
+    used = steps(tuner, box, 200)
+    stalled = used.index(1)
+    assert set(used[stalled:]) == {1}
+    assert stalled * 0.010 / 2 * 4 <= HOLD_WALL  # two windows of stalled steps at most, not a whole request
+    box.others = 0.0
+    used = steps(tuner, box, 200)
+    assert used[-1] == 2 and used[:10] == [1] * 10  # back after two quiet windows
 
 
-def test_a_busy_core_settles_on_the_free_ones():
-    tuner = ThreadTuner(2)
-    run(tuner, machine(2, busy=1), TRIAL * 2)
+HOLD_WALL = 2 * WINDOW_SECONDS + 0.02  # two windows and the step that ends the second
+
+
+def test_a_request_after_a_pause_starts_on_what_the_machine_holds_now():
+    box = FormulaMachine(cpus=2)
+    tuner = ThreadTuner(2, probe=box)
+    steps(tuner, box, 50)
+    box.others = 1.0
+    box.idle(3.0)  # a core taken while the engine waited
+    assert steps(tuner, box, 5) == [1] * 5  # no stalled step at all
+    box.others = 0.0
+    box.idle(PAUSE_SECONDS)  # ended before the next request: its prefill runs on every core
+    assert steps(tuner, box, 3, kind="batch") == [2] * 3
+
+
+def test_a_prefill_below_full_rechecks_the_window_under_way():
+    box = FormulaMachine(cpus=2, others=1.0)
+    tuner = ThreadTuner(2, probe=box)
+    steps(tuner, box, 60)
     assert tuner.settled("decode") == 1
+    box.others = 0.0
+    # Decode steps of another request: under two windows, of which the first may still hold the load.
+    assert steps(tuner, box, 30) == [1] * 30
+    assert steps(tuner, box, 1, kind="batch") == [2]  # the window under way, short but quiet, is enough
 
 
-def test_load_arriving_moves_to_fewer_threads_and_leaving_moves_back():
-    tuner = ThreadTuner(2, patience=4, recheck=200)
-    run(tuner, machine(2), TRIAL * 2)
-    assert tuner.settled("decode") == 2
-    used = run(tuner, machine(2, busy=1), 4 + TRIAL * 2 + 10)  # patience slow steps, then a trial
-    assert tuner.settled("decode") == 1 and used[-10:] == [1] * 10
-    # Begun by the slowdown: the slowed count's latest steps are its samples, so only one thread runs in the trial.
-    slowed = used.index(1)
-    assert slowed <= 4 and set(used[slowed:]) == {1}
-    assert tuner.trial_steps("decode") == TRIAL  # the window still held steps from before the load: three rounds
-    # The load goes away: nothing looks slow at one thread, so the periodic re-check finds two threads again.
-    used = run(tuner, machine(2), 200 + TRIAL * 2 + 5)
-    assert tuner.settled("decode") == 2 and used[-5:] == [2] * 5
+def test_retry_reads_the_machine_before_the_next_step():
+    box = FormulaMachine(cpus=2, others=1.0)  # the flash attention trial's child ran beside the first request
+    tuner = ThreadTuner(2, probe=box)
+    steps(tuner, box, 60)
+    box.others = 0.0
+    assert steps(tuner, box, 1) == [1]  # no pause, no prefill: the engine's word is needed
+    tuner.retry()
+    assert steps(tuner, box, 1) == [2]
 
 
-def test_a_new_batch_shape_is_not_mistaken_for_a_slowdown():
-    tuner = ThreadTuner(2, patience=3, recheck=10_000)
-    step = machine(2)
-    run(tuner, step, TRIAL * 2, rows=4)
-    trials_before = tuner._kinds["decode"].settles
-    run(tuner, step, 50, rows=1)  # one row costs more per row than four, at the same thread count
-    assert tuner._kinds["decode"].settles == trials_before  # no new trial
-    assert tuner.settled("decode") == 2
+def test_steady_windows_forget_an_earlier_wrong_move():
+    policy = ThreadPolicy(2)
+    for _ in range(3):  # up moves taken back at once, three times
+        feed(policy, [at(2, elsewhere=None, share=0.6)] * 2)
+        while policy.count == 1:
+            policy.observe(at(1, elsewhere=None))
+    feed(policy, [at(2)] * STEADY_WINDOWS)
+    feed(policy, [CONTENDED_AT_2] * 2)
+    assert feed(policy, [at(1), at(1)]) == [1, 2]
 
 
-def test_decode_and_batch_steps_settle_apart():
-    tuner = ThreadTuner(2)
-
-    def prefill_prefers_two_decode_prefers_one(threads: int, rows: int) -> float:
-        return 0.001 * rows / threads if rows > 8 else 0.01 * threads
-
-    for _ in range(TRIAL * 2):
-        for kind, rows in (("decode", 1), ("batch", 512)):
-            threads = tuner.choose(kind)
-            tuner.record(kind, threads, rows, prefill_prefers_two_decode_prefers_one(threads, rows))
-    assert tuner.settled("decode") == 1 and tuner.settled("batch") == 2
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
-def _both_kinds(tuner: ThreadTuner, step, n: int, *, prefill_cost=None) -> list[int]:
-    """n rounds of a decode step and a 256-row prefill chunk (its per-row cost scaled by prefill_cost(i)); the
-    counts the chunks ran at."""
-    used = []
-    for i in range(n):
-        threads = tuner.choose("decode")
-        tuner.record("decode", threads, 1, step(threads, 1))
-        threads = tuner.choose("batch")
-        tuner.record("batch", threads, 256, step(threads, 256) * (prefill_cost(i) if prefill_cost else 1.0))
-        used.append(threads)
-    return used
+def test_a_cgroup_v2_budget_caps_the_count(tmp_path: Path):
+    write(tmp_path / "cpu.max", "max 100000\n")
+    write(tmp_path / "user.slice" / "cpu.max", "250000 100000\n")  # a parent's quota binds its children
+    write(tmp_path / "user.slice" / "app" / "cpu.max", "max 100000\n")
+    write(tmp_path / "user.slice" / "app" / "cpuset.cpus.effective", "0-3,6\n")
+    assert cgroup_cpu_budget(tmp_path, "0::/user.slice/app\n") == 2
+    write(tmp_path / "user.slice" / "app" / "cpuset.cpus.effective", "5\n")
+    assert cgroup_cpu_budget(tmp_path, "0::/user.slice/app\n") == 1
+    write(tmp_path / "user.slice" / "cpu.max", "50000 100000\n")  # half a core: still one thread
+    write(tmp_path / "user.slice" / "app" / "cpuset.cpus.effective", "\n")
+    assert cgroup_cpu_budget(tmp_path, "0::/user.slice/app\n") == 1
+    assert cgroup_cpu_budget(tmp_path / "missing", "0::/\n") is None
 
 
-def test_prefill_chunks_deeper_in_a_prompt_start_no_trial():
-    # Chunks cost more a row as the prompt grows (attention over more cells): not a sign of another process.
-    tuner = ThreadTuner(2, patience=4, recheck=10_000, first_recheck=10_000)
-    _both_kinds(tuner, machine(2), TRIAL * 2)
-    settles = tuner._kinds["batch"].settles
-    used = _both_kinds(tuner, machine(2), 40, prefill_cost=lambda i: 1.0 + 0.05 * i)  # up to 3x slower
-    assert set(used) == {2} and tuner._kinds["batch"].settles == settles
+def test_a_cgroup_v1_budget_caps_the_count(tmp_path: Path):
+    write(tmp_path / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us", "300000\n")
+    write(tmp_path / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_period_us", "100000\n")
+    write(tmp_path / "cpu,cpuacct" / "cpu.cfs_quota_us", "-1\n")
+    write(tmp_path / "cpu,cpuacct" / "cpu.cfs_period_us", "100000\n")
+    membership = "4:cpu,cpuacct:/docker/abc\n3:cpuset:/docker/abc\n0::/\n"
+    assert cgroup_cpu_budget(tmp_path, membership) == 3
+    write(tmp_path / "cpuset" / "docker" / "abc" / "cpuset.effective_cpus", "0-1\n")
+    assert cgroup_cpu_budget(tmp_path, membership) == 2
 
 
-def test_prefill_tries_its_counts_again_when_decode_steps_move():
-    tuner = ThreadTuner(2, patience=4, recheck=10_000, first_recheck=10_000)
-    _both_kinds(tuner, machine(2), TRIAL * 2)
-    assert tuner.settled("decode") == 2 and tuner.settled("batch") == 2
-    used = _both_kinds(tuner, machine(2, busy=1), TRIAL * 2 + 5)  # another process takes a core
-    assert tuner.settled("decode") == 1 and tuner.settled("batch") == 1
-    assert used[-5:] == [1] * 5
+def test_the_budget_caps_the_tuners_first_choice(monkeypatch):
+    monkeypatch.setattr(machine_facts, "cgroup_cpu_budget", lambda: 1)
+    assert physical_cores() == 1
+    assert ThreadTuner(physical_cores(), probe=FormulaMachine(cpus=2)).choose("batch") == 1
 
 
-def test_counts_that_overlap_run_all_three_rounds():
-    tuner = ThreadTuner(2)
-    noise = iter([0.9, 1.1] * 100)  # steps alternate fast and slow whatever the count
+def test_the_linux_probe_reads_only_this_processs_cpus(tmp_path: Path):
+    from localllm.engine.threads import LinuxProbe
 
-    def noisy(threads: int, rows: int) -> float:
-        return 0.010 / threads**0.1 * next(noise)
-
-    run(tuner, noisy, TRIAL * 2)
-    assert tuner.trial_steps("decode") == TRIAL * 2 and tuner.settled("decode") == 2
-
-
-def test_a_prefill_trial_measures_every_chunk():
-    # Prefill chunks are long and few (one per turn): no warm-up steps. The default (every core) runs first, and a
-    # first trial that finds it far ahead ends after one round: a first long prompt runs one chunk at the lost count.
-    tuner = ThreadTuner(2)
-    used = run(tuner, machine(2), 5, rows=256, kind="batch")
-    assert used == [2, 1, 2, 2, 2] and tuner.settled("batch") == 2 and tuner.trial_steps("batch") == 2
-
-
-def test_a_first_trial_leaves_the_default_only_after_two_rounds():
-    # One round could have met a passing load while the default ran: fewer threads far ahead still take two rounds.
-    tuner = ThreadTuner(2)
-    used = run(tuner, machine(2, busy=1), 6, rows=256, kind="batch")
-    assert used == [2, 1, 2, 1, 1, 1] and tuner.settled("batch") == 1 and tuner.trial_steps("batch") == 4
-
-
-def test_a_default_ahead_by_less_than_far_runs_two_rounds():
-    def close(threads: int, rows: int) -> float:
-        return 0.001 * rows / threads**0.2  # two threads 1.15x ahead: not far
-
-    tuner = ThreadTuner(2)
-    used = run(tuner, close, 6, rows=256, kind="batch")
-    assert FAR > 2**0.2
-    assert used == [2, 1, 2, 1, 2, 2] and tuner.settled("batch") == 2 and tuner.trial_steps("batch") == 4
-
-
-def test_one_core_never_tries_anything():
-    tuner = ThreadTuner(1)
-    assert run(tuner, machine(1), 20) == [1] * 20
-
-
-def test_ties_go_to_fewer_threads():
-    tuner = ThreadTuner(3)
-    run(tuner, lambda threads, rows: 0.01, TRIAL * 3)
-    assert tuner.settled("decode") == 1
-
-
-def time_sliced(fast_share: float):
-    """Two cores, one taken by a process the OS slices in and out: two threads run a step at full speed while it is
-    off the CPU and stall 8x while it is on; one thread shares its core at a steady 0.6 of full speed. Two threads'
-    steps are fast more often than not, yet take longer on average than one thread's."""
-    steps = [0]
-
-    def step(threads: int, rows: int) -> float:
-        steps[0] += 1
-        if threads == 1:
-            return 0.010 * rows / 0.6
-        fast = (steps[0] * 0.618) % 1 < fast_share  # a fixed scatter of fast and slow steps
-        return 0.005 * rows * (1 if fast else 8)
-
-    return step
-
-
-def test_counts_are_compared_by_their_mean_step_not_a_lucky_median():
-    tuner = ThreadTuner(2)
-    run(tuner, time_sliced(0.6), TRIAL * 2)
-    assert tuner.settled("decode") == 1  # two threads: median 5 ms, mean about 19 ms a row; one thread 17 ms
-
-
-def test_a_slowdown_of_scattered_slow_steps_is_seen():
-    tuner = ThreadTuner(2, recheck=10_000, first_recheck=10_000)
-    run(tuner, machine(2), TRIAL * 2)
-    assert tuner.settled("decode") == 2
-    # The load arrives: most two-thread steps are as fast as before, but never six slow ones in a row.
-    used = run(tuner, time_sliced(0.6), 6 + TRIAL * 2 + 10)
-    assert tuner.settled("decode") == 1 and used[-10:] == [1] * 10
-
-
-def test_a_lone_slow_step_starts_no_trial():
-    tuner = ThreadTuner(2, recheck=10_000, first_recheck=10_000)
-    run(tuner, machine(2), TRIAL * 2)
-    settles = tuner._kinds["decode"].settles
-    steady = machine(2)
-    steps = iter(range(10_000))
-
-    def a_hiccup_every_twenty(threads: int, rows: int) -> float:  # a garbage collection, a page fault: 6x one step
-        return steady(threads, rows) * (6 if next(steps) % 20 == 19 else 1)
-
-    run(tuner, a_hiccup_every_twenty, 200)
-    assert tuner._kinds["decode"].settles == settles and tuner.settled("decode") == 2
-    run(tuner, time_sliced(0.6), 6 + TRIAL * 2 + 10)  # while a load that slows a share of the steps is still seen
-    assert tuner.settled("decode") == 1
-
-
-def test_a_slowdown_that_the_other_counts_do_not_beat_keeps_the_settled_count():
-    tuner = ThreadTuner(2, recheck=10_000, first_recheck=10_000)
-    run(tuner, machine(2), TRIAL * 2)
-    slower = machine(2)
-
-    def everything_slower(threads: int, rows: int) -> float:  # the machine slows down alike for every count
-        return slower(threads, rows) * 1.6
-
-    used = run(tuner, everything_slower, 6 + TRIAL + 20)
-    assert tuner.settled("decode") == 2 and used[-20:] == [2] * 20
-    assert tuner._kinds["decode"].settles == 2  # one trial, of one thread only; its new baseline is the slower one
-
-
-def test_retry_tries_the_counts_again_at_the_next_step():
-    tuner = ThreadTuner(2, recheck=10_000, first_recheck=10_000)
-    run(tuner, machine(2, busy=1), TRIAL * 2)  # the load check's trial ran beside the first request
-    run(tuner, machine(2), 50)
-    assert tuner.settled("decode") == 1  # nothing looks slow at one thread, and no re-check is due
-    tuner.retry()  # its child has ended
-    used = run(tuner, machine(2), TRIAL * 2 + 5)
-    assert used[:ROUND] == [1] * ROUND and used[ROUND : 2 * ROUND] == [2] * ROUND
-    assert tuner.settled("decode") == 2 and used[-5:] == [2] * 5
+    allowed = sorted(os.sched_getaffinity(0))
+    lines = ["cpu  900 0 900 900 0 0 0 0 0 0"]
+    lines += [f"cpu{c} 100 0 50 1000 30 0 0 10 0 0" for c in allowed]
+    lines += ["cpu999 5000 0 0 0 0 0 0 0 0 0", "procs_running 3"]
+    write(tmp_path / "stat", "\n".join(lines) + "\n")
+    write(tmp_path / "loadavg", "0.50 0.40 0.30 3/200 12345\n")
+    probe = LinuxProbe(tmp_path)
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert probe.busy() == pytest.approx(160 * len(allowed) * tick)  # user, system and steal; not idle nor iowait
+    assert probe.runnable() == 3 and probe.cpus() == len(allowed)
 
 
 @pytest.mark.models
-def test_an_engine_told_the_machine_changed_tries_its_counts_again(smollm2_path):
+def test_an_engine_told_the_machine_changed_reads_it_again(smollm2_path):
     from localllm.api import LoadOptions, SamplingOptions
     from localllm.backends.llama_cpp.backend import LlamaCppBackend
     from localllm.engine.runner import GenerationParams, ModelEngine
+    from localllm.engine.threads import LinuxProbe
 
-    # No re-check by time or slowdown: only the engine's word starts a trial after the first.
-    tuner = ThreadTuner(2, recheck=10_000, first_recheck=10_000, slowdown=1e9)
+    class Counting(LinuxProbe):
+        reads = 0
+
+        def runnable(self) -> int | None:
+            Counting.reads += 1  # read only where the machine is looked at afresh
+            return super().runnable()
+
+    tuner = ThreadTuner(2, probe=Counting())
     model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_ctx=256, num_parallel=1))
     engine = ModelEngine(model, max_queue=1, threads=tuner)
     sampling = SamplingOptions(temperature=0, num_predict=30, ignore_eos=True, spec_type="none")
@@ -257,23 +299,12 @@ def test_an_engine_told_the_machine_changed_tries_its_counts_again(smollm2_path)
 
     try:
         generate()
-        generate()
-        settled = tuner._kinds["decode"].settles
-        assert settled == 1
+        before = Counting.reads
         engine.machine_changed()
         generate()
-        assert tuner._kinds["decode"].settles == settled + 1
+        assert Counting.reads > before
     finally:
         engine.close()
-
-
-def test_more_threads_must_win_by_the_margin():
-    tuner = ThreadTuner(2, margin=1.05)
-    run(tuner, lambda threads, rows: 0.010 if threads == 1 else 0.0098, TRIAL * 2)
-    assert tuner.settled("decode") == 1  # 2% faster: not worth a core
-    tuner = ThreadTuner(2, margin=1.05)
-    run(tuner, lambda threads, rows: 0.010 if threads == 1 else 0.009, TRIAL * 2)
-    assert tuner.settled("decode") == 2
 
 
 def test_physical_cores_count_hyperthread_siblings_once(tmp_path: Path):
@@ -285,55 +316,6 @@ def test_physical_cores_count_hyperthread_siblings_once(tmp_path: Path):
     assert _linux_cores({0, 1, 2, 3, 4}, tmp_path) == 3
     assert _linux_cores({0, 2}, tmp_path) == 1  # two siblings of one core
     assert _linux_cores({0, 9}, tmp_path) == 0  # unreadable topology: the caller falls back
-
-
-def test_the_first_step_after_a_change_of_count_is_not_measured():
-    last = [0]
-
-    def starting_threads_costs_once(threads: int, rows: int) -> float:
-        # llama.cpp's OpenMP team starts its threads at the first step with a new count: a one-off cost.
-        switched, last[0] = threads != last[0], threads
-        return 0.010 / threads + (0.050 if switched and threads > 1 else 0.0)
-
-    tuner = ThreadTuner(2)
-    run(tuner, starting_threads_costs_once, TRIAL * 2)
-    assert tuner.settled("decode") == 2
-
-
-def test_a_load_that_passes_during_the_first_trial_is_corrected_soon():
-    tuner = ThreadTuner(2, first_recheck=64, recheck=1024)
-    run(tuner, machine(2, busy=1), TRIAL * 2)  # another program's threads were still winding down
-    assert tuner.settled("decode") == 1
-    used = run(tuner, machine(2), 64 + TRIAL * 2 + 5)  # nothing looks slow at one thread: the early re-check
-    assert tuner.settled("decode") == 2 and used[-5:] == [2] * 5
-    run(tuner, machine(2), 64 + TRIAL * 2)  # confirmed: the next re-check waits twice as long
-    assert tuner._kinds["decode"].interval == 128
-    # and a re-check that finds the settled count ends at the other count's first measured step
-    assert tuner.trial_steps("decode") == ROUND + TRIAL_SHAPES["decode"].warm_up + 1
-
-
-def test_a_recheck_under_load_runs_one_measured_step_at_the_losing_count():
-    # Beside a busy core a two-thread step can stall many times over: a re-check that finds the settled count
-    # standing apart again stops there, and the losing count runs its warm-up and one measured step, not a round.
-    tuner = ThreadTuner(2, first_recheck=64, recheck=1024)
-    run(tuner, machine(2, busy=1), TRIAL * 2)
-    assert tuner.settled("decode") == 1
-    used = run(tuner, machine(2, busy=1), 64 + ROUND + 10)
-    other = used.index(2)
-    assert used[other:] == [2, 2] + [1] * (len(used) - other - 2)
-    assert tuner.trial_steps("decode") == ROUND + 2
-    assert tuner.settled("decode") == 1 and tuner._kinds["decode"].interval == 128
-
-
-def test_a_recheck_ends_early_only_once_every_count_has_run():
-    tuner = ThreadTuner(4, first_recheck=64, recheck=1024)
-    run(tuner, machine(4), TRIAL * 4)
-    assert tuner.settled("decode") == 4
-    used = run(tuner, machine(4), 64 + ROUND * 4)
-    # The re-check: four first, then 1 and 2 a round each; 3, the last, stops at its first measured step.
-    other = used.index(1)
-    assert used[other:] == [1] * ROUND + [2] * ROUND + [3, 3] + [4] * (len(used) - other - 2 * ROUND - 2)
-    assert tuner.settled("decode") == 4
 
 
 @pytest.mark.models

@@ -1,266 +1,264 @@
-"""How many CPU threads each decode uses, chosen while the model runs instead of fixed at load.
+"""How many CPU threads each step uses: every core the process may use, fewer only while another process holds one.
 
-llama.cpp's speed against its thread count depends on the machine and on what else runs there: once another process
-takes a core, threads that wait for it stall every step, and fewer threads run faster (docs/benchmark-notes.md). So
-the engine measures: per kind of step (decode-only, or carrying a prefill chunk), it tries each count from 1 to the
-physical cores in turn (the one in use first), keeps the fastest, and tries them again now and then, and at once when
-decode steps slow down (prefill follows their verdict: its cost depends on the prompt's depth more than on the
-machine). Pure bookkeeping on (threads, rows, seconds): the engine thread times each decode and sets the count."""
+llama.cpp's threads wait for each other at every operation of a step, so a thread without a core of its own stalls
+them all: beside another busy process fewer threads run several times faster (docs/benchmark-notes.md, "Threads
+under contention"), while on a free machine the physical cores are what llama.cpp itself uses. So the count starts
+there (machine.physical_cores, capped by a cgroup's CPU budget) and moves only on what the OS says over windows of
+steps: how much CPU other processes took on this process's CPUs, whether this process's threads got the CPU time
+their wall time asked for, and after a pause who is runnable now. The decisions are plain data (ThreadPolicy over
+Window values); ThreadTuner is the shell that reads the clocks (a Probe) and feeds it."""
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Literal
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
 
 StepKind = Literal["decode", "batch"]  # batch: the step carries a prefill chunk (llama.cpp's n_threads_batch)
 
-
-@dataclass
-class _Tuning:
-    """One kind of step: the counts under trial, or the settled count and how its steps compare with when it won."""
-
-    candidates: list[int]
-    shape: TrialShape
-    trials: list[tuple[int, bool]] = field(default_factory=list)  # (count, measured) still to run, in order
-    trying: list[int] = field(default_factory=list)  # the counts the trial under way runs, each round
-    samples: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # per count: (rows bucket, s/row)
-    best: int = 0
-    # The settled count's seconds per row, per rows bucket: from its trial, or its first steps of a new batch shape.
-    baselines: dict[int, list[float]] = field(default_factory=dict)
-    recent: deque[float] = field(default_factory=deque)  # the settled count's latest steps, as a share of baseline
-    recent_steps: deque[tuple[int, float]] = field(default_factory=deque)  # the same steps: (rows bucket, s/row)
-    since: int = 0  # steps since it settled
-    interval: int = 0  # steps before the next re-check: short after a change of count, doubling while it holds
-    settles: int = 0  # how many times it has settled (for ps and the benchmark)
-    slowed: bool = False  # the trial under way began because the settled count's steps slowed down
-    last_trial_steps: int = 0  # steps the last trial took, from its start to settling
-
-
-class ThreadTuner:
-    """Chooses each step's thread count. `choose(kind)` before a decode, `record(kind, threads, rows, seconds)` after.
-
-    Trials interleave the candidates, the count in use first (n, 1, .., n-1, n, 1, ...), for up to `rounds` rounds, each
-    count for its kind's TrialShape, so a change in the batch or the machine during a trial weighs on every count alike;
-    each count's mean seconds per row decides, and more threads win only by `margin`. A trial ends after two rounds when
-    one count's slowest step beat every other count's fastest, after one when a first trial finds the default FAR ahead,
-    and at the first measured step that shows a re-check's settled count standing apart again: a trial's steps at the
-    losing counts are what tuning costs. A settled count is tried again soon (`first_recheck` steps), then less often
-    while trials keep choosing it (up to `recheck` steps): a trial may have met a passing load, such as another
-    program's threads winding down. A watched kind (decode) is tried at once when its last `patience` steps took on
-    average (less the slowest) more than `slowdown` times its baseline (another process took a core): then those steps
-    are its samples, only the other counts run, and one round may settle it; when it moves to another count, the kinds
-    not watched (prefill) try theirs again too.
-
-    Means, not medians: while another process shares the cores, threads that need a core of their own run some steps
-    fast (the other process is off the CPU) and others several times slower; a median of such steps looks fast, and
-    a count chosen by it, or a slowdown looked for in a run of slow steps, can keep half the speed the fewer threads
-    give (docs/benchmark-notes.md, "Threads under contention")."""
-
-    def __init__(
-        self,
-        max_threads: int,
-        *,
-        rounds: int = 3,
-        first_recheck: int = 64,
-        recheck: int = 1024,
-        slowdown: float = 1.3,
-        patience: int = 6,
-        margin: float = 1.05,
-    ):
-        self.candidates = list(range(1, max(1, max_threads) + 1))
-        self.rounds = rounds
-        self.first_recheck = first_recheck
-        self.recheck = recheck
-        self.slowdown = slowdown
-        self.patience = patience
-        self.margin = margin
-        self._kinds: dict[str, _Tuning] = {}
-
-    def choose(self, kind: StepKind) -> int:
-        tuning = self._tuning(kind)
-        return tuning.trials[0][0] if tuning.trials else tuning.best
-
-    def record(self, kind: StepKind, threads: int, rows: int, seconds: float) -> None:
-        if rows <= 0 or seconds <= 0:
-            return
-        tuning = self._tuning(kind)
-        shape, per_row = _bucket(rows), seconds / rows
-        if tuning.trials:
-            planned, measured = tuning.trials[0]
-            if threads == planned:
-                if measured:
-                    tuning.samples.setdefault(threads, []).append((shape, per_row))
-                tuning.trials.pop(0)
-                tuning.last_trial_steps += 1
-                rounds, within = divmod(tuning.last_trial_steps, len(tuning.trying) * tuning.shape.steps)
-                if (within == 0 and self._clear_early(tuning, rounds)) or (measured and _confirmed(tuning)):
-                    tuning.trials = []
-                if not tuning.trials:
-                    moved = self._settle(tuning)
-                    if moved and tuning.shape.watched:
-                        self._follow()
-            return
-        tuning.since += 1
-        seen = tuning.baselines.setdefault(shape, [])
-        if len(seen) < BASELINE_STEPS:  # a batch shape the trial did not see: its first steps set its baseline
-            seen.append(per_row)
-            return
-        tuning.recent.append(per_row / statistics.median(seen))
-        tuning.recent_steps.append((shape, per_row))
-        if len(tuning.recent) > self.patience:
-            tuning.recent.popleft()
-            tuning.recent_steps.popleft()
-        slowed = (
-            tuning.shape.watched and len(tuning.recent) == self.patience and _typical(tuning.recent) > self.slowdown
-        )
-        if slowed or tuning.since >= tuning.interval:
-            self._start_trial(tuning, slowed=slowed)
-
-    def retry(self) -> None:
-        """Try the counts again at the next step of every kind already settled: the load on the machine changed in
-        a way the engine knows of (work of its own in another process, such as the flash attention trial, ended),
-        which a count settled while it ran would otherwise keep until its next re-check."""
-        self._try_again(self._kinds.values())
-
-    def _follow(self) -> None:
-        """A watched kind moved to another count: the load on the machine changed, so the kinds that are not watched
-        (their own steps cannot tell) try their counts again at their next step."""
-        self._try_again(tuning for tuning in self._kinds.values() if not tuning.shape.watched)
-
-    def _try_again(self, kinds: Iterable[_Tuning]) -> None:
-        for tuning in kinds:
-            if not tuning.trials:
-                self._start_trial(tuning)
-
-    def settled(self, kind: StepKind) -> int | None:
-        """The count in use for `kind` once a trial has settled it; None while the first trial runs."""
-        tuning = self._kinds.get(kind)
-        return tuning.best if tuning is not None and tuning.settles else None
-
-    def trial_steps(self, kind: StepKind) -> int:
-        """Steps the last finished trial of `kind` took (what settling costs after the load changes)."""
-        tuning = self._kinds.get(kind)
-        return tuning.last_trial_steps if tuning is not None else 0
-
-    def _tuning(self, kind: StepKind) -> _Tuning:
-        tuning = self._kinds.get(kind)
-        if tuning is None:
-            tuning = self._kinds[kind] = _Tuning(self.candidates, TRIAL_SHAPES[kind], best=self.candidates[-1])
-            self._start_trial(tuning)
-        return tuning
-
-    def _start_trial(self, tuning: _Tuning, *, slowed: bool = False) -> None:
-        if len(tuning.candidates) == 1:  # nothing to choose, and nothing to watch
-            tuning.best, tuning.since, tuning.settles = tuning.candidates[0], 0, 1
-            tuning.interval = self.recheck
-            tuning.baselines, tuning.recent, tuning.recent_steps = {}, deque(), deque()
-            return
-        # After a slowdown the settled count's latest steps are its samples, and only the other counts run: a step
-        # more at the slowed count is what a user waits for.
-        # The count in use runs first: a trial that finds it again switches nothing, and a first trial may end after
-        # its first round (_clear_early) with the default never having left it.
-        ordered = sorted(tuning.candidates, key=lambda t: t != tuning.best)
-        tuning.trying = [t for t in ordered if t != tuning.best] if slowed else ordered
-        tuning.samples = {tuning.best: list(tuning.recent_steps)} if slowed else {}
-        block = [False] * tuning.shape.warm_up + [True] * tuning.shape.measured
-        tuning.trials = [(t, measured) for _ in range(self.rounds) for t in tuning.trying for measured in block]
-        tuning.last_trial_steps = 0
-        tuning.slowed = slowed
-
-    @staticmethod
-    def _clear_early(tuning: _Tuning, rounds: int) -> bool:
-        """Whether a trial may end after `rounds` rounds: one count stands apart after two, or after one when the
-        settled count's slowdown began it, or when a first trial finds the default (every core) ahead by FAR (a first
-        trial's two rounds guard against a passing load making fewer threads look faster; ending early on the default
-        keeps what the engine would run untuned, and after a slowdown the load has changed). A prefill chunk at a count
-        that loses by that much costs seconds."""
-        winner = _standing_apart(tuning.samples)
-        if winner is None:
-            return False
-        if rounds >= 2 or (tuning.settles > 0 and tuning.slowed):  # a re-check finding its count: _confirmed
-            return True
-        return tuning.settles == 0 and winner == tuning.best and _standing_apart(tuning.samples, by=FAR) == winner
-
-    def _settle(self, tuning: _Tuning) -> bool:
-        """Settle on the fastest count; True when that is a change from the count settled before."""
-        means = {t: statistics.fmean(per_row for _, per_row in s) for t, s in tuning.samples.items() if s}
-        # Fewer threads unless more are faster by the margin: they leave more of the machine to everything else,
-        # and more threads lose most when a core is taken.
-        fastest = min(means.values())
-        best = min(t for t in means if means[t] <= fastest * self.margin)
-        confirmed = tuning.settles > 0 and best == tuning.best
-        moved = tuning.settles > 0 and best != tuning.best
-        tuning.interval = min(self.recheck, tuning.interval * 2) if confirmed else self.first_recheck
-        tuning.best = best
-        tuning.baselines = {}
-        for shape, per_row in tuning.samples[tuning.best]:
-            tuning.baselines.setdefault(shape, []).append(per_row)
-        tuning.since, tuning.recent, tuning.recent_steps = 0, deque(), deque()
-        tuning.settles += 1
-        return moved
+# A core counts as taken once other processes use this share of one: a process on a core even part of the time
+# stalls every step it meets, and two threads lose to one (docs/benchmark-notes.md, "Threads under contention").
+TAKEN = 0.3
+# This process's threads waited for a core when their CPU time falls below this share of threads x wall time: with
+# llama.cpp's spinning barriers a free machine gives each thread nearly all of the step.
+STARVED = 0.75
+HOLD = 2  # windows in a row that must agree before the count moves (one can meet a passing burst)
+WINDOW_SECONDS = 0.25  # steps' wall time that make a window: a few scheduler ticks on every CPU
+PAUSE_SECONDS = 0.1  # an engine idle this long is re-checked before its next step: the load may have changed
+STEADY_WINDOWS = 64  # windows a count holds before a move up is trusted at once again (see ThreadPolicy.observe)
 
 
 @dataclass(frozen=True)
-class TrialShape:
-    """A count's steps in each round of a trial: unmeasured ones first, then the measured ones; `watched`: the
-    kind's own steps are watched for a slowdown."""
+class Window:
+    """What the OS said over a stretch of this engine's steps, or over a pause between them (threads 0).
 
-    warm_up: int
-    measured: int
-    watched: bool
+    wall: the steps' seconds (a pause: its length); cpu: this process's CPU seconds over them; elsewhere: cores'
+    worth of CPU other processes used on this process's CPUs over the window, None where the OS does not say;
+    runnable: after a pause, how many other tasks are runnable at its end (the run queue now), None otherwise."""
 
-    @property
-    def steps(self) -> int:
-        return self.warm_up + self.measured
-
-
-TRIAL_SHAPES: dict[str, TrialShape] = {
-    # The first decode after a change of count pays for starting the threads (llama.cpp's OpenMP team), which would
-    # count against more threads; a decode is short, so that start is a large share of it.
-    "decode": TrialShape(warm_up=1, measured=2, watched=True),
-    # A prefill chunk is long beside that start, and rare (one per turn of a chat): every one of them counts. Its
-    # steps are not watched: a chunk deeper in a prompt costs more a row, so they would start trials that each run
-    # seconds of prefill at the wrong count. A slowdown seen in decode steps, which follow the machine alone, starts
-    # theirs.
-    "batch": TrialShape(warm_up=0, measured=1, watched=False),
-}
-# How far ahead the default must stand to end a first trial after one round: between what one thread of two loses
-# on prefill chunks and on decode steps, so decode trials keep two rounds (docs/benchmark-notes.md, "FAR").
-FAR = 1.3
-BASELINE_STEPS = 3  # steps of a batch shape that set the settled count's baseline for it
+    threads: int
+    wall: float
+    cpu: float
+    elsewhere: float | None = None
+    runnable: int | None = None
 
 
-def _typical(values: Iterable[float]) -> float:
-    """The mean of `values` less the single slowest one (of three or more). A lone step that met a passing hiccup (a
-    garbage collection of the process, a page fault, a virtual machine's host) must not start a trial, while a load
-    that slows a share of the steps still weighs in full. A trial's means keep every step: a hiccup there costs one
-    re-check, and a trimmed mean would favour more threads under a load that slices them."""
-    ordered = sorted(values)
-    return statistics.fmean(ordered[:-1] if len(ordered) >= 3 else ordered)
+class ThreadPolicy:
+    """The count to run at, from Window values alone: `observe(window, fresh=...)` returns it.
+
+    `full` is where it starts and what it returns to: llama.cpp's own default (machine.physical_cores). A window
+    points to a count (`target`): the CPUs less the cores other processes took, or, where the OS does not say, one
+    fewer than ran when this process's threads were starved of CPU time. The count moves when HOLD windows in a row
+    point the same way, to the nearest of their counts. A pause's window moves it alone: it joins the average over
+    the pause with who is runnable now, so a burst that has passed holds nothing down and a load still running is
+    met before the first step. A fresh window (a prefill chunk, seconds long, about to run below full) moves it up
+    alone: it must not run on a count chosen for a busy moment that has passed. A move up taken back at once
+    (starved windows can only tell the load has ended by trying) makes the next one wait twice as many windows."""
+
+    def __init__(self, full: int, cpus: int | None = None):
+        self.full = max(1, full)
+        self.cpus = max(self.full, cpus or self.full)
+        self.count = self.full
+        self.moves = 0
+        self._ups: list[int] = []  # targets of the windows in a row that point above the count
+        self._downs: list[int] = []  # and below it
+        self._up_after = HOLD  # windows pointing up before the count moves up
+        self._held = 0  # windows since the count last moved
+        self._rose = False  # the last move was up
+
+    def target(self, window: Window) -> int:
+        """The count this window alone points to."""
+        free = self.cpus
+        if window.elsewhere is not None:
+            # A pause's own CPU time is this process's other work (another model's engine): it holds cores too.
+            busy = window.elsewhere + (window.cpu / window.wall if window.threads == 0 and window.wall > 0 else 0.0)
+            taken = _cores_taken(busy)
+            if window.runnable is not None:  # the average over a pause counts only what still runs now
+                taken = min(taken, window.runnable)
+            free -= taken
+        target = min(self.full, free)
+        # Where the OS gives no account of other processes, this process's threads short of CPU time say it: they
+        # waited for cores something else held. Where it does, its account decides (what it leaves out is this
+        # process's own work, which fewer threads here would not free).
+        if window.elsewhere is None and window.threads > 1 and window.cpu < STARVED * window.threads * window.wall:
+            target = min(target, window.threads - 1)
+        return max(1, target)
+
+    def observe(self, window: Window, *, fresh: bool = False) -> int:
+        target = self.target(window)
+        self._held += 1
+        if self._held >= STEADY_WINDOWS:
+            self._up_after = HOLD
+        pause = window.threads == 0 and window.runnable is not None
+        if target > self.count:
+            self._ups.append(target)
+            self._downs = []
+            if len(self._ups) >= self._up_after or ((fresh or pause) and self._up_after == HOLD):
+                self._move(min(self._ups))
+        elif target < self.count:
+            self._downs.append(target)
+            self._ups = []
+            if len(self._downs) >= HOLD or pause:
+                if self._rose and self._held <= HOLD + 1:  # the move up is taken back at once: it was wrong
+                    self._up_after = min(STEADY_WINDOWS, self._up_after * 2)
+                self._move(max(self._downs))
+        else:
+            self._ups, self._downs = [], []
+        return self.count
+
+    def reset(self) -> None:
+        """Forget the windows seen: the load on the machine changed in a way the engine knows of."""
+        self._ups, self._downs = [], []
+        self._up_after = HOLD
+
+    def _move(self, count: int) -> None:
+        self._rose = count > self.count
+        self.count, self.moves, self._held = count, self.moves + 1, 0
+        self._ups, self._downs = [], []
 
 
-def _confirmed(tuning: _Tuning) -> bool:
-    """A re-check may end at any measured step once every count has run and the settled count stands apart: each
-    further step at a losing count is what the re-check costs, and under load one costs many. Leaving the settled
-    count still waits for whole rounds."""
-    tried = all(tuning.samples.get(t) for t in tuning.trying)
-    return tuning.settles > 0 and tried and _standing_apart(tuning.samples) == tuning.best
+def _cores_taken(busy: float) -> int:
+    """Cores that `busy` cores' worth of other processes' CPU holds, a core counting from TAKEN of one."""
+    return int(busy + 1 - TAKEN) if busy >= TAKEN else 0
 
 
-def _standing_apart(samples: dict[int, list[tuple[int, float]]], *, by: float = 1.0) -> int | None:
-    """The count whose slowest step beat every other count's fastest (`by` times over); None when no count stands
-    apart."""
-    if len(samples) < 2:
+class Probe(Protocol):
+    """Where the tuner reads the clocks: wall and process CPU seconds, and the OS's account of its CPUs."""
+
+    def now(self) -> float: ...
+
+    def process_cpu(self) -> float: ...
+
+    def busy(self) -> float | None:
+        """CPU seconds all processes have used on this process's CPUs (since boot); None where the OS does not say."""
+        ...
+
+    def runnable(self) -> int | None:
+        """Tasks runnable on the machine now, the calling thread included; None where the OS does not say."""
+        ...
+
+    def cpus(self) -> int: ...
+
+
+class LinuxProbe:
+    """/proc/stat's CPU lines (only this process's CPUs) and /proc/loadavg's run queue; elsewhere the clocks only."""
+
+    def __init__(self, root: Path = Path("/proc")):
+        self._stat, self._loadavg = root / "stat", root / "loadavg"
+        try:
+            self._allowed = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+        except (AttributeError, OSError):
+            self._allowed = set()
+        self._tick = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def process_cpu(self) -> float:
+        return time.process_time()
+
+    def busy(self) -> float | None:
+        try:
+            lines = self._stat.read_text().splitlines()
+        except OSError:
+            return None
+        ticks = 0
+        for line in lines:
+            name, _, rest = line.partition(" ")
+            if name in self._allowed:
+                # user nice system idle iowait irq softirq steal: all but idle and iowait held the CPU (steal too:
+                # a virtual machine's host ran something else on it)
+                fields = [int(f) for f in rest.split()[:8]]
+                ticks += sum(fields) - fields[3] - fields[4]
+        return ticks * self._tick if self._allowed else None
+
+    def runnable(self) -> int | None:
+        try:
+            return int(self._loadavg.read_text().split()[3].split("/")[0])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def cpus(self) -> int:
+        return len(self._allowed) or os.cpu_count() or 1
+
+
+class ThreadTuner:
+    """The engine's side: `choose(kind)` before a step, `record(kind, threads, rows, seconds)` after it.
+
+    Steps add up into a Window until WINDOW_SECONDS of their wall time. Before the first step after a pause of
+    PAUSE_SECONDS or more, everything since the last window is one window of its own, with the run queue now; before
+    a prefill chunk while the count is below full, the window under way ends early and may raise the count."""
+
+    def __init__(self, max_threads: int, *, probe: Probe | None = None):
+        self.probe: Probe = probe or LinuxProbe()
+        self.policy = ThreadPolicy(max_threads, self.probe.cpus())
+        self._wall = self._cpu = 0.0  # the window's steps so far
+        self._cpu_at_step = 0.0
+        self._last_end: float | None = None  # when the last step ended
+        self._start = self._mark()  # (wall, process CPU, OS busy) where the window began
+        self._changed = False
+
+    def choose(self, kind: StepKind) -> int:
+        now = self.probe.now()
+        if self._changed or (self._last_end is not None and now - self._last_end >= PAUSE_SECONDS):
+            self._observe_pause()
+        elif kind == "batch" and self.policy.count < self.policy.full and self._wall > 0:
+            self._close_window(fresh=True)
+        self._cpu_at_step = self.probe.process_cpu()
+        return self.policy.count
+
+    def record(self, kind: StepKind, threads: int, rows: int, seconds: float) -> None:
+        self._wall += seconds
+        self._cpu += self.probe.process_cpu() - self._cpu_at_step
+        self._last_end = self.probe.now()
+        if self._wall >= WINDOW_SECONDS:
+            self._close_window()
+
+    def retry(self) -> None:
+        """The load on the machine changed in a way the engine knows of (work of its own in another process, such
+        as the flash attention trial, ended): the next step reads the machine afresh, as after a pause."""
+        self.policy.reset()
+        self._changed = True
+
+    def settled(self, kind: StepKind) -> int:
+        """The count the next step of `kind` runs at."""
+        return self.policy.count
+
+    def _close_window(self, *, fresh: bool = False) -> None:
+        start, end = self._start, self._mark()
+        self.policy.observe(Window(self.policy.count, self._wall, self._cpu, _elsewhere(start, end)), fresh=fresh)
+        self._begin(end)
+
+    def _observe_pause(self) -> None:
+        """One window from the last one's end to now: the steps in it count as this engine's, the rest of this
+        process's CPU time as its other work."""
+        start, end = self._start, self._mark()
+        runnable = self.probe.runnable()
+        window = Window(
+            threads=0,
+            wall=end[0] - start[0] - self._wall,
+            cpu=max(0.0, end[1] - start[1] - self._cpu),
+            elsewhere=_elsewhere(start, end),
+            runnable=None if runnable is None else max(0, runnable - 1),  # less the engine thread asking
+        )
+        if window.wall > 0:
+            self.policy.observe(window, fresh=True)
+        self._changed = False
+        self._begin(end)
+
+    def _begin(self, mark: tuple[float, float, float | None]) -> None:
+        self._wall = self._cpu = 0.0
+        self._start = mark
+
+    def _mark(self) -> tuple[float, float, float | None]:
+        return self.probe.now(), self.probe.process_cpu(), self.probe.busy()
+
+
+def _elsewhere(start: tuple[float, float, float | None], end: tuple[float, float, float | None]) -> float | None:
+    """Cores' worth of CPU that other processes used between two marks."""
+    wall = end[0] - start[0]
+    if start[2] is None or end[2] is None or wall <= 0:
         return None
-    slowest = {t: max(per_row for _, per_row in s) for t, s in samples.items()}
-    fastest = {t: min(per_row for _, per_row in s) for t, s in samples.items()}
-    best = min(slowest, key=slowest.__getitem__)
-    return best if all(slowest[best] * by < fastest[t] for t in samples if t != best) else None
-
-
-def _bucket(rows: int) -> int:
-    """Steps compare with steps of about the same rows: exact up to 8 rows, then by powers of two."""
-    return rows if rows <= 8 else 1 << (rows - 1).bit_length()
+    return max(0.0, (end[2] - start[2]) - (end[1] - start[1])) / wall
