@@ -321,6 +321,12 @@ INFILL_MODEL = Setting(
     str,
     lambda: "qwen2.5-coder:0.5b",
 )
+MCP_CONFIG = Setting(
+    "LOCALLLM_MCP_CONFIG",
+    "the mcp.json that names the MCP servers the chats may use (default LOCALLLM_HOME/mcp.json)",
+    lambda raw: Path(raw).expanduser(),
+    lambda: HOME.get() / "mcp.json",
+)
 
 ALL: tuple[Setting, ...] = (
     HOME,
@@ -352,6 +358,7 @@ ALL: tuple[Setting, ...] = (
     RESPONSES_MAX,
     RESPONSES_MAX_AGE,
     INFILL_MODEL,
+    MCP_CONFIG,
 )
 
 

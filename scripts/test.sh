@@ -23,5 +23,12 @@ else
   if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
   fi
+  # The npm MCP servers tests/test_mcp*.py start with node: installed once per machine into a cache outside the tree
+  # (tests/mcp_servers.py finds them there; without npm those tests skip and say why).
+  MCP_NPM="${LOCALLLM_TEST_MCP_NPM:-$HOME/.cache/localllm-tests/mcp-npm}"
+  if command -v npm >/dev/null && [ ! -e "$MCP_NPM/node_modules/@modelcontextprotocol/server-everything" ]; then
+    mkdir -p "$MCP_NPM" && npm install --no-audit --no-fund --silent --prefix "$MCP_NPM" \
+      @modelcontextprotocol/server-filesystem @modelcontextprotocol/server-everything
+  fi
 fi
 exec .venv/bin/python -m pytest "$@"

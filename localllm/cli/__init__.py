@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from . import bench, chat, launch, models, others, plan, serve, worker  # noqa: E402,F401  (registration by import)
+from . import bench, chat, launch, mcp, models, others, plan, serve, worker  # noqa: E402,F401  (registration by import)
 from .app import app
 
 
