@@ -257,6 +257,129 @@ def test_chunked_prefill_matches_one_pass(tiny):
     np.testing.assert_allclose(chunked, whole, atol=1e-4)
 
 
+def _greedy_together(model, prompts: dict[int, list[int]], n: int) -> dict[int, list[tuple[int, np.ndarray]]]:
+    """Greedy decoding of every prompt at once, one batch per step holding one row of each sequence: each
+    sequence's tokens, each with the logits it was picked from."""
+    batch, rows = Batch(), {}
+    for seq, tokens in prompts.items():
+        for i, tok in enumerate(tokens):
+            rows[seq] = batch.add(tok, i, seq, i == len(tokens) - 1)
+    model.decode(batch)
+    samplers = {seq: model.make_sampler(SamplingOptions(temperature=0)) for seq in prompts}
+    out: dict[int, list[tuple[int, np.ndarray]]] = {seq: [] for seq in prompts}
+    for step in range(n):
+        for seq in prompts:
+            out[seq].append((samplers[seq].sample(rows[seq]), model.logits(rows[seq])))
+        if step == n - 1:
+            break
+        batch = Batch()
+        for seq, tokens in prompts.items():
+            rows[seq] = batch.add(out[seq][-1][0], len(tokens) + step, seq, True)
+        model.decode(batch)
+    return out
+
+
+def _assert_same_decoding(together, alone) -> None:
+    for seq, picks in alone.items():
+        assert [t for t, _ in together[seq]] == [t for t, _ in picks], f"sequence {seq}"
+        for (_, got), (_, expected) in zip(together[seq], picks):
+            np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_batched_greedy_decoding_gives_each_sequence_its_own_tokens(tiny):
+    # Different prompt lengths: the rows sit at different positions of the shared cache in every step.
+    prompts = {
+        0: tiny.tokenize("The capital of France is"),
+        1: tiny.tokenize("def add(a, b):"),
+        2: tiny.tokenize("Hello"),
+    }
+    alone = {}
+    for seq, tokens in prompts.items():
+        alone.update(_greedy_together(tiny, {seq: tokens}, 12))
+        tiny.remove(seq, 0)
+    assert len({tuple(t for t, _ in picks) for picks in alone.values()}) == 3  # the sequences really differ
+    _assert_same_decoding(_greedy_together(tiny, prompts, 12), alone)
+
+
+def test_sequences_with_gaps_between_them_decode_together(tiny):
+    # Sequences 0 and 2 without 1: the pass gathers rows that are not side by side in the cache.
+    prompts = {0: tiny.tokenize("Quantized models run"), 2: tiny.tokenize("Hello world, hello")}
+    alone = {}
+    for seq, tokens in prompts.items():
+        alone.update(_greedy_together(tiny, {seq: tokens}, 8))
+        tiny.remove(seq, 0)
+    held_tokens = tiny.tokenize("def add(a, b):")
+    _prefill(tiny, 1, held_tokens)  # a held sequence the pass must leave alone
+    held = tiny.logits(_prefill(tiny, 1, tiny.tokenize(" return"), start=len(held_tokens)))
+    tiny.remove(1, len(held_tokens))
+    _assert_same_decoding(_greedy_together(tiny, prompts, 8), alone)
+    again = tiny.logits(_prefill(tiny, 1, tiny.tokenize(" return"), start=len(held_tokens)))
+    np.testing.assert_allclose(again, held, atol=1e-4)
+
+
+def test_rows_of_unequal_counts_share_a_pass_exactly(tiny):
+    # One sequence decodes one token while another verifies a four-token draft: the shorter is padded, and the
+    # padding must change neither its logits nor what its cache holds afterwards.
+    a, b = tiny.tokenize("The capital of France is"), tiny.tokenize("def add(a, b):")
+    draft = tiny.tokenize(" return a + b")[:4]
+    _prefill(tiny, 0, a)
+    alone_a = tiny.logits(_prefill(tiny, 0, [a[-1]], start=len(a)))
+    _prefill(tiny, 1, b)
+    batch = Batch()
+    for i, tok in enumerate(draft):
+        batch.add(tok, len(b) + i, 1, True)
+    tiny.decode(batch)
+    alone_b = [tiny.logits(i) for i in range(len(draft))]
+    for seq in (0, 1):
+        tiny.remove(seq, 0)
+    _prefill(tiny, 0, a)
+    _prefill(tiny, 1, b)
+    batch = Batch()
+    row_a = batch.add(a[-1], len(a), 0, True)
+    rows_b = [batch.add(tok, len(b) + i, 1, True) for i, tok in enumerate(draft)]
+    tiny.decode(batch)
+    np.testing.assert_allclose(tiny.logits(row_a), alone_a, atol=1e-4)
+    for row, expected in zip(rows_b, alone_b):
+        np.testing.assert_allclose(tiny.logits(row), expected, atol=1e-4)
+    assert (tiny.cached_tokens(0), tiny.cached_tokens(1)) == (len(a) + 1, len(b) + len(draft))
+    after = tiny.logits(_prefill(tiny, 0, [a[0]], start=len(a) + 1))
+    tiny.remove(0, 0)
+    _prefill(tiny, 0, a + [a[-1]])
+    np.testing.assert_allclose(after, tiny.logits(_prefill(tiny, 0, [a[0]], start=len(a) + 1)), atol=1e-4)
+
+
+def test_a_pass_masks_each_row_to_its_own_window():
+    # Sliding-window layers: each row sees the window behind its own positions, and nothing past its own end.
+    from mlx_lm.models.base import create_causal_mask
+
+    from localllm.backends.mlx.kv import Step
+
+    step = Step([0, 2], [3, 7], 2)
+    mask = np.array(step.mask(4, return_array=True))  # [B, 1, L, S]
+    assert mask.shape == (2, 1, 2, 9)
+    for b, start in enumerate(step.starts):
+        alone = np.array(create_causal_mask(2, start, window_size=4))  # [L, start + L]
+        np.testing.assert_array_equal(mask[b, 0, :, : start + 2], alone)
+        assert not mask[b, 0, :, start + 2 :].any()
+
+
+def test_a_prefill_chunk_beside_decode_rows_matches_each_alone(tiny):
+    long_prompt = tiny.tokenize("Quantized models run locally on a laptop. " * 2)
+    short = tiny.tokenize("Hello")
+    whole = tiny.logits(_prefill(tiny, 0, long_prompt))
+    alone_short = tiny.logits(_prefill(tiny, 1, short))
+    for seq in (0, 1):
+        tiny.remove(seq, 0)
+    _prefill(tiny, 1, short[:-1])
+    batch = Batch()
+    for i, tok in enumerate(long_prompt):
+        row_long = batch.add(tok, i, 0, i == len(long_prompt) - 1)
+    row_short = batch.add(short[-1], len(short) - 1, 1, True)
+    tiny.decode(batch)
+    np.testing.assert_allclose(tiny.logits(row_long), whole, atol=1e-4)
+    np.testing.assert_allclose(tiny.logits(row_short), alone_short, atol=1e-4)
+
+
 def test_rows_without_logits_have_none(tiny):
     tokens = tiny.tokenize("Hello world")
     last = _prefill(tiny, 0, tokens)

@@ -1,18 +1,17 @@
 """A loaded MLX model: decode, the sequences' caches, the embedder part.
 
-Each slot owns its own per-layer KV cache, so trimming (prefix reuse, speculative rewind) and prefix copies are cache
-operations on one sequence. A batch that mixes sequences runs each sequence's rows as one forward pass over that
-sequence's cache, one sequence after another."""
+The sequences share one batched KV cache (kv.py) whose rows are ragged, so trimming (prefix reuse, speculative rewind)
+and prefix copies are operations on one row. A batch runs the short rows of all sequences (decode tokens, drafts to
+verify) in one forward pass, padded to the same count; a long prefill chunk runs in a pass of its own, since padding
+every other sequence to its length would multiply the work."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
-from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
 
 from ...api import SamplingOptions
 from ...errors import InvalidInput, LocalLLMError
@@ -27,14 +26,19 @@ from ..base import (
     ThreadControl,
     Vision,
 )
+from .kv import SlotCache
 from .meta import make_piece_decoder, read_meta
 from .sampling import GRAMMAR_UNSUPPORTED, MlxSampler
 
 # ------------------------------------------------------------------------------------------------------- the model
 
+# The most rows a sequence may have and still share a pass with the others: decode tokens and drafts to verify. Every
+# sequence in the pass is padded to the longest, so a prefill chunk beside them would cost its length in every row.
+MAX_PADDED_ROWS = 16
+
 
 class MlxModel:
-    """A loaded MLX model: weights, tokenizer and one KV cache per sequence. Its one optional part is an embedder,
+    """A loaded MLX model: weights, tokenizer and the sequences' batched KV cache. Its one optional part is an embedder,
     for architectures whose inner model gives hidden states."""
 
     n_batch = 512  # prefill chunk: the scheduler's token budget per step
@@ -61,8 +65,7 @@ class MlxModel:
         self.n_seq = n_seq
         self.n_ctx = n_ctx
         self.kv_cells = n_seq * n_ctx  # each sequence's cache is its own
-        self._n_layers = len(model.layers)
-        self._caches: list[list[KVCache]] = [self._new_cache() for _ in range(n_seq)]
+        self._kv = SlotCache(len(model.layers), n_seq)
         self._outputs: dict[int, mx.array] = {}  # batch row -> logits [n_vocab] of the last decode
         self._eog = {int(t) for t in tokenizer.eos_token_ids}
         self._special = {i for i, tok in self._backend_tok.get_added_tokens_decoder().items() if tok.special}
@@ -71,14 +74,9 @@ class MlxModel:
         inner = getattr(model, "model", None)  # the trunk without the output head (mlx-lm's model classes)
         self.embedder = MlxEmbedder(inner, n_ctx) if callable(inner) else None
 
-    def _new_cache(self) -> list[KVCache]:
-        # Plain caches for every layer, sliding-window ones included: the model still masks to its window, and a
-        # cache that keeps every position can be trimmed and copied at any length (a rotating one cannot).
-        return [KVCache() for _ in range(self._n_layers)]
-
     def cached_tokens(self, seq: int) -> int:
         """How many positions sequence `seq` holds."""
-        return self._caches[seq][0].offset
+        return self._kv.lengths[seq]
 
     # ----------------------------------------------------------------------------------------------- text
 
@@ -122,9 +120,14 @@ class MlxModel:
         self._outputs = {}
         rows_by_seq = self._group_rows(batch)
         try:
-            for seq, rows in rows_by_seq.items():
-                self._forward(seq, rows, batch)
-            mx.eval(list(self._outputs.values()), [self._cache_state(seq) for seq in rows_by_seq])
+            for seqs in _forward_groups(rows_by_seq):
+                if len(seqs) == 1:
+                    self._forward_one(seqs[0], rows_by_seq[seqs[0]], batch)
+                else:
+                    self._forward_many(seqs, rows_by_seq, batch)
+                # Each pass's writes are evaluated before the next pass writes the same buffers, so MLX can write
+                # them in place instead of copying a buffer another pass still reads.
+                mx.eval(list(self._outputs.values()), self._kv.arrays())
         except (RuntimeError, ValueError) as exc:
             raise LocalLLMError(f"MLX decode failed on a batch of {len(batch)} tokens: {exc}") from None
 
@@ -150,25 +153,43 @@ class MlxModel:
                 )
         return rows_by_seq
 
-    def _forward(self, seq: int, rows: list[int], batch: Batch) -> None:
-        """One forward pass of `seq`'s rows; logits are kept only for rows that asked for them."""
-        cache = self._caches[seq]
+    def _forward_one(self, seq: int, rows: list[int], batch: Batch) -> None:
+        """One sequence's rows in one pass; logits are kept only for rows that asked for them."""
         tokens = [batch.tokens[r] for r in rows]
         wanted = [i for i, r in enumerate(rows) if batch.logits[r]]
         # Rows before the first wanted one only fill the cache: their output head is never built, because MLX
         # evaluates lazily and nothing reads those logits (saves the vocab projection on long prefills).
         first = wanted[0] if wanted else len(rows)
         if first:
-            self._model(mx.array([tokens[:first]]), cache=cache)
+            self._run([seq], [tokens[:first]])
         if not wanted:
             return
-        logits = self._model(mx.array([tokens[first:]]), cache=cache)[0]  # [n_rows - first, n_vocab]
-        picked = logits[mx.array([i - first for i in wanted])].astype(mx.float32)
-        for k, i in enumerate(wanted):
-            self._outputs[rows[i]] = picked[k]
+        logits = self._run([seq], [tokens[first:]])[0]  # [n_rows - first, n_vocab]
+        self._keep(logits, [(rows[i], i - first) for i in wanted])
 
-    def _cache_state(self, seq: int) -> list:
-        return [(c.keys, c.values) for c in self._caches[seq] if c.keys is not None]
+    def _forward_many(self, seqs: list[int], rows_by_seq: dict[int, list[int]], batch: Batch) -> None:
+        """Several sequences' rows in one pass, each padded to the longest; the padding is never kept."""
+        logits = self._run(seqs, [[batch.tokens[r] for r in rows_by_seq[seq]] for seq in seqs])  # [B, L, n_vocab]
+        n_rows = logits.shape[1]
+        flat = logits.reshape(-1, logits.shape[-1])
+        wanted = [(r, b * n_rows + i) for b, seq in enumerate(seqs) for i, r in enumerate(rows_by_seq[seq])]
+        self._keep(flat, [(r, index) for r, index in wanted if batch.logits[r]])
+
+    def _run(self, seqs: list[int], tokens: list[list[int]]) -> mx.array:
+        """The model over `tokens` of each of `seqs` (right-padded to the same count); the logits [B, L, n_vocab]."""
+        n_rows = max(len(t) for t in tokens)
+        padded = [t + [t[-1]] * (n_rows - len(t)) for t in tokens]
+        logits = self._model(mx.array(padded), cache=self._kv.step(seqs, n_rows))
+        self._kv.advance(seqs, [len(t) for t in tokens])
+        return logits
+
+    def _keep(self, logits: mx.array, picks: list[tuple[int, int]]) -> None:
+        """Keep logits[index] as batch row `row`'s output, for each (row, index), in float32."""
+        if not picks:
+            return
+        picked = logits[mx.array([index for _, index in picks])].astype(mx.float32)
+        for k, (row, _) in enumerate(picks):
+            self._outputs[row] = picked[k]
 
     def row_logits(self, row: int) -> mx.array:
         """Logits of `row` of the last decode, as an MLX array [n_vocab] (samplers stay on the device)."""
@@ -192,35 +213,31 @@ class MlxModel:
         start = max(start, 0)
         if 0 <= end < held and end > start:
             raise InvalidInput(f"the MLX backend can only drop the end of a sequence, not positions {start}..{end}")
-        if start == 0:
-            self._caches[seq] = self._new_cache()  # frees the buffers instead of keeping them for reuse
-        elif start < held:
-            for layer in self._caches[seq]:
-                layer.trim(held - start)
+        self._kv.trim(seq, start)
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         if src == dst:
             self.remove(dst, n)
             return
-        n = max(0, min(n, self.cached_tokens(src)))
-        fresh = self._new_cache()
-        for source, target in zip(cast(list[Any], self._caches[src]), fresh):
-            if n:
-                # Real copies, so the source's later in-place cache writes never show up in the destination.
-                target.keys = mx.contiguous(source.keys[..., :n, :])
-                target.values = mx.contiguous(source.values[..., :n, :])
-                target.offset = n
-        self._caches[dst] = fresh
-        mx.eval(self._cache_state(dst))
+        self._kv.copy(src, dst, max(0, min(n, self.cached_tokens(src))))
+        mx.eval(self._kv.arrays())
 
     def cache_shape(self) -> CacheShape:
-        return CacheShape()  # every layer keeps a full cache here (see _new_cache): any cut is exact
+        return CacheShape()  # every layer keeps every position (kv.py), sliding-window ones too: any cut is exact
 
     def close(self) -> None:
-        self._caches = []
+        self._kv = SlotCache(0, 0)
         self._outputs = {}
         self._model = None
         self.embedder = None
+
+
+def _forward_groups(rows_by_seq: dict[int, list[int]]) -> list[list[int]]:
+    """The sequences of a batch grouped into forward passes: every sequence with a few rows together (padded to
+    the longest), each longer one (a prefill chunk) alone."""
+    short = sorted(seq for seq, rows in rows_by_seq.items() if len(rows) <= MAX_PADDED_ROWS)
+    long = sorted(seq for seq in rows_by_seq if seq not in short)
+    return ([short] if short else []) + [[seq] for seq in long]
 
 
 class MlxEmbedder:

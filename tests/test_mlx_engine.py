@@ -1,0 +1,156 @@
+"""The engine on the real MLX backend, on smollm2 converted to an MLX folder: test_engine.py's checks where the feature
+exists on MLX. The reference is MLX itself: each prompt decoded alone in a one-slot engine, so four busy slots (one
+batched forward pass per step) must give every request the tokens it gets alone."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from localllm.api import LoadOptions, SamplingOptions  # noqa: E402
+from localllm.backends.mlx import MlxBackend  # noqa: E402
+from localllm.engine.runner import GenerationParams, ModelEngine  # noqa: E402
+
+pytestmark = [pytest.mark.mlx, pytest.mark.models]
+
+N_CTX = 512
+N_TOKENS = 24
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):",
+    "The three primary colours are",
+    "Water boils at a temperature of",
+    "My favourite book is",
+    "The quick brown fox",
+    "In the year 2050, cities will",
+]
+# Never ending early keeps every request in every step, so the batches hold all four slots throughout.
+GREEDY = SamplingOptions(temperature=0, num_predict=N_TOKENS, spec_type="none", ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def smol_mlx(smollm2_path, tmp_path_factory) -> Path:
+    from localllm.quant.mlx_convert import convert_gguf_to_mlx
+
+    return convert_gguf_to_mlx(smollm2_path, tmp_path_factory.mktemp("smol") / "mlx")
+
+
+def _load(folder: Path, slots: int) -> ModelEngine:
+    return ModelEngine(MlxBackend().load(folder, LoadOptions(num_ctx=N_CTX, num_parallel=slots)), max_queue=8)
+
+
+def _tokens(stream) -> tuple[list[int], object]:
+    tokens, last = [], None
+    for chunk in stream:
+        tokens.extend(chunk.tokens)
+        last = chunk
+    return tokens, last
+
+
+def _run_all(engine: ModelEngine, prompts: list[str], options=GREEDY) -> dict[str, list[int]]:
+    streams = dict(zip(prompts, engine.submit_all([GenerationParams(engine.tokenize(p), options) for p in prompts])))
+    results: dict[str, list[int]] = {}
+
+    def drain(p):
+        results[p] = _tokens(streams[p])[0]
+
+    threads = [threading.Thread(target=drain, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return results
+
+
+@pytest.fixture(scope="module")
+def alone(smol_mlx) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens decoded by itself, in a one-slot engine."""
+    engine = _load(smol_mlx, 1)
+    try:
+        return {p: _tokens(engine.submit(GenerationParams(engine.tokenize(p), GREEDY)))[0] for p in PROMPTS}
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def engine4(smol_mlx):
+    engine = _load(smol_mlx, 4)
+    yield engine
+    engine.close()
+
+
+def test_four_busy_slots_give_each_request_its_tokens_alone(engine4, alone):
+    assert len({tuple(t) for t in alone.values()}) == len(PROMPTS)  # the answers really differ
+    results = _run_all(engine4, PROMPTS[:4])
+    for prompt in PROMPTS[:4]:
+        assert results[prompt] == alone[prompt], prompt
+
+
+def test_eight_requests_on_four_slots_all_complete(engine4, alone):
+    results = _run_all(engine4, PROMPTS)
+    assert sorted(results) == sorted(PROMPTS)
+    for prompt in PROMPTS:
+        assert results[prompt] == alone[prompt], prompt
+    assert engine4.snapshot().slots_busy == 0
+
+
+def test_cancelled_request_frees_its_slot(smol_mlx):
+    engine = _load(smol_mlx, 1)
+    try:
+        long = SamplingOptions(temperature=0, num_predict=500, spec_type="none")
+        stream = engine.submit(GenerationParams(engine.tokenize(PROMPTS[1]), long))
+        chunks = iter(stream)
+        next(chunks)
+        stream.cancel()
+        rest = list(chunks)
+        assert rest and rest[-1].done_reason == "cancelled"
+        tokens, last = _tokens(engine.submit(GenerationParams(engine.tokenize(PROMPTS[0]), GREEDY)))
+        assert tokens and last.done_reason in ("length", "stop")
+        assert engine.snapshot().slots_busy == 0
+    finally:
+        engine.close()
+
+
+def test_prefix_cache_reuses_the_shared_prompt(smol_mlx):
+    engine = _load(smol_mlx, 2)
+    try:
+        first = engine.tokenize("You are a terse assistant. " * 20 + "Question one?")
+        _, done1 = _tokens(engine.submit(GenerationParams(first, GREEDY)))
+        assert done1.timings.prompt_cache_count == 0
+        second = engine.tokenize("You are a terse assistant. " * 20 + "Another question?")
+        shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+        _, done2 = _tokens(engine.submit(GenerationParams(second, GREEDY)))
+        assert done2.timings.prompt_cache_count == shared
+        _, done3 = _tokens(engine.submit(GenerationParams(second, GREEDY)))
+        assert done3.timings.prompt_cache_count == len(second) - 1
+    finally:
+        engine.close()
+
+
+def test_prefix_copied_from_a_busy_slot_gives_the_same_answer(smol_mlx):
+    system = "You are a terse assistant who answers in one line. " * 15
+    engine = _load(smol_mlx, 2)
+    try:
+        a = engine.tokenize(system + "Name a fruit.")
+        b = engine.tokenize(system + "Name a colour.")
+        busy = engine.submit(GenerationParams(a, GREEDY.model_copy(update={"num_predict": 200})))
+        it = iter(busy)  # holds slot 0 with the shared system prompt
+        next(it)
+        tokens, done = _tokens(engine.submit(GenerationParams(b, GREEDY)))
+        busy.cancel()
+        list(it)
+        shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        assert done.timings.prompt_cache_count == shared
+    finally:
+        engine.close()
+    engine = _load(smol_mlx, 1)
+    try:
+        assert tokens == _tokens(engine.submit(GenerationParams(b, GREEDY)))[0]
+    finally:
+        engine.close()
