@@ -204,7 +204,7 @@ class MlxModel:
     def make_sampler(self, options: SamplingOptions, *, grammar: str | None = None) -> MlxSampler:
         if grammar is not None:
             raise InvalidInput(GRAMMAR_UNSUPPORTED, hint="use a GGUF model on llama.cpp for format / response_format")
-        return MlxSampler(self, options)
+        return MlxSampler(self.row_logits, options, n_ctx=self.n_ctx, n_vocab=self.meta.n_vocab, eog=self._eog)
 
     # ----------------------------------------------------------------------------------------------- cache
 

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import mlx.core as mx
 
 from ...api import SamplingOptions
-
-if TYPE_CHECKING:
-    from .model import MlxModel
 
 GRAMMAR_UNSUPPORTED = "structured output (grammar / JSON schema) is not supported on the MLX backend yet"
 
@@ -75,18 +72,20 @@ class MlxSampler:
     The random key belongs to the sampler, not to MLX's global state, so a seeded request gives the same tokens
     whatever other slots sample in between."""
 
-    def __init__(self, model: MlxModel, opts: SamplingOptions):
-        self._model = model
-        self._processors = make_processors(opts, n_ctx=model.n_ctx, eog=model._eog)
-        self._filters = make_filters(opts, model.meta.n_vocab)
+    def __init__(
+        self, row_logits: Callable[[int], mx.array], opts: SamplingOptions, *, n_ctx: int, n_vocab: int, eog: set[int]
+    ):
+        self._row_logits = row_logits  # a row of the model's last decode, as an MLX array [n_vocab]
+        self._processors = make_processors(opts, n_ctx=n_ctx, eog=eog)
+        self._filters = make_filters(opts, n_vocab)
         self._temperature = opts.temperature
-        self._history_limit = max(opts.repeat_last_n, 64) if opts.repeat_last_n != -1 else model.n_ctx
+        self._history_limit = max(opts.repeat_last_n, 64) if opts.repeat_last_n != -1 else n_ctx
         self._history: list[int] = []
         seed = secrets.randbits(32) if opts.seed is None else opts.seed & 0xFFFFFFFF
         self._key = mx.random.key(seed)
 
     def sample(self, row: int) -> int:
-        logits = self._model.row_logits(row)[None]  # [1, n_vocab]
+        logits = self._row_logits(row)[None]  # [1, n_vocab]
         if self._processors:
             history = mx.array(self._history, dtype=mx.int32)
             for process in self._processors:
