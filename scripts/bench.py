@@ -151,6 +151,14 @@ def mlx_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return run_mlx_benchmarks(path)
 
 
+def mlx_served_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """localllm serve on the GGUF converted with `create --format mlx` against mlx_lm.server at its defaults on the same
+    files, over /v1/chat/completions (localllm/bench/mlx.py). `python scripts/bench.py --only mlxserve`."""
+    from localllm.bench.mlx import run_mlx_server_benchmarks
+
+    return run_mlx_server_benchmarks(path, n=min(args.tokens, 64), repeats=args.repeats)
+
+
 def rpc_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     """Decode with every layer on a `localllm worker` over loopback against local decode (scripts/bench_rpc.py)."""
     from bench_rpc import run_rpc_benchmarks
@@ -214,6 +222,7 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "memory": ("Memory at the defaults", memory_section),
     "firstload": ("First load of a new model", first_load_section),
     "mlx": ("MLX against llama.cpp (informational)", mlx_section),
+    "mlxserve": ("MLX served against mlx_lm.server", mlx_served_section),
     "rpc": ("RPC worker over loopback (informational)", rpc_section),
     "embed": ("Embeddings against llama-server", embed_section),
     "rerank": ("Reranking against llama-server", rerank_section),
