@@ -452,6 +452,29 @@ def test_copy_prefix_shares_the_prefix_and_nothing_after(tiny):
     np.testing.assert_allclose(copied, full, atol=1e-4)
 
 
+def test_a_saved_state_restores_into_another_slot_exactly(tiny):
+    tokens = tiny.tokenize("The capital of France is Paris.")
+    _prefill(tiny, 0, tokens[:-1])
+    data = tiny.states.save_seq(0)
+    expected = tiny.logits(_prefill(tiny, 0, tokens[-1:], start=len(tokens) - 1))
+    _prefill(tiny, 2, tiny.tokenize("Hello world"))  # the slot held something else before
+    tiny.states.restore_seq(2, data, len(tokens) - 1)
+    assert tiny.cached_tokens(2) == len(tokens) - 1
+    np.testing.assert_allclose(tiny.logits(_prefill(tiny, 2, tokens[-1:], start=len(tokens) - 1)), expected, atol=1e-5)
+
+
+def test_a_state_that_does_not_fit_is_refused_and_leaves_the_slot_empty(tiny):
+    _prefill(tiny, 0, tiny.tokenize("The capital of France is Paris."))
+    data = tiny.states.save_seq(0)
+    held = tiny.cached_tokens(0)
+    assert tiny.states.save_seq(1) is None  # an empty slot has nothing to save
+    for bad, n_tokens in ((data, held + 1), (data[:-7], held), (data + b"xx", held), (b"\x00\x01", held)):
+        _prefill(tiny, 1, tiny.tokenize("Hello"))
+        with pytest.raises(LocalLLMError, match="does not fit slot 1"):
+            tiny.states.restore_seq(1, bad, n_tokens)
+        assert tiny.cached_tokens(1) == 0
+
+
 # ------------------------------------------------------------------------------------------------------- sampling
 
 
@@ -514,9 +537,10 @@ def test_grammar_is_refused_clearly(tiny):
 # ------------------------------------------------------------------------------------------------------- embeddings
 
 
-def test_a_loaded_model_offers_an_embedder_and_no_other_part(tiny):
-    assert (tiny.vision, tiny.reranker, tiny.states, tiny.mtp, tiny.grammars, tiny.threads) == (None,) * 6
-    assert tiny.embedder is not None
+def test_a_loaded_model_offers_states_and_an_embedder_and_no_other_part(tiny):
+    assert (tiny.vision, tiny.reranker, tiny.mtp, tiny.grammars, tiny.threads) == (None,) * 5
+    assert tiny.embedder is not None and tiny.states is not None
+    assert tiny.cache_shape().fingerprint  # the disk tier keeps states only for loads that describe them
 
 
 def test_embeddings_are_normalised_and_deterministic(tiny):

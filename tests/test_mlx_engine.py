@@ -19,7 +19,7 @@ from localllm.engine.runner import GenerationParams, ModelEngine  # noqa: E402
 pytestmark = [pytest.mark.mlx, pytest.mark.models]
 
 N_CTX = 512
-N_TOKENS = 24
+N_TOKENS = 16
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",
@@ -92,6 +92,7 @@ def test_four_busy_slots_give_each_request_its_tokens_alone(engine4, alone):
         assert results[prompt] == alone[prompt], prompt
 
 
+@pytest.mark.slow
 def test_eight_requests_on_four_slots_all_complete(engine4, alone):
     results = _run_all(engine4, PROMPTS)
     assert sorted(results) == sorted(PROMPTS)
@@ -154,3 +155,78 @@ def test_prefix_copied_from_a_busy_slot_gives_the_same_answer(smol_mlx):
         assert tokens == _tokens(engine.submit(GenerationParams(b, GREEDY)))[0]
     finally:
         engine.close()
+
+
+# ------------------------------------------------------------------------------------------------------- prefix cache
+
+NAVIGATOR = "You are a ship's navigator in the year 1790. You log winds, currents and stars in careful detail. "
+SHORT = SamplingOptions(temperature=0, num_predict=8, spec_type="none")
+
+
+def _cached_engine(folder: Path) -> ModelEngine:
+    from localllm.engine.prefix_cache import make_prefix_cache
+
+    model = MlxBackend().load(folder, LoadOptions(num_ctx=N_CTX, num_parallel=1))
+    return ModelEngine(model, max_queue=8, prefix_cache=make_prefix_cache(model, "sha256-test"))
+
+
+def _ask(engine: ModelEngine, prompt: list[int]) -> tuple[list[int], object]:
+    tokens, last = [], None
+    for chunk in engine.submit(GenerationParams(prompt, SHORT)):
+        tokens.extend(chunk.tokens)
+        last = chunk
+    return tokens, last.timings
+
+
+def _conversation(engine: ModelEngine) -> tuple[list[int], list[int], object]:
+    """X's first turn, Y's first turn (which takes X's only slot), X's second turn: (X's first prompt and answer,
+    X's second answer, its timings)."""
+    x1 = engine.tokenize(f"{NAVIGATOR}\nUser: Say something about your work.\nAssistant:")
+    x_answer, _ = _ask(engine, x1)
+    _ask(engine, engine.tokenize("Bake bread in Lyon and explain each step.\nUser: Hi.\nAssistant:"))
+    more = engine.tokenize("\nUser: And what else?\nAssistant:", add_special=False)
+    answer, timings = _ask(engine, x1 + x_answer + more)
+    return x1 + x_answer, answer, timings
+
+
+def test_an_evicted_conversation_comes_back_from_ram_with_the_same_answer(smol_mlx, monkeypatch):
+    monkeypatch.setenv("LOCALLLM_CACHE_DISK", "0")
+    monkeypatch.setenv("LOCALLLM_CACHE_RAM", "0")
+    engine = _cached_engine(smol_mlx)
+    try:
+        _, reference, cold = _conversation(engine)
+    finally:
+        engine.close()
+    assert cold.prompt_cache_count <= 1  # no cache beyond the one slot: the history is prefilled again
+
+    monkeypatch.setenv("LOCALLLM_CACHE_RAM", "256MiB")
+    engine = _cached_engine(smol_mlx)
+    try:
+        history, answer, warm = _conversation(engine)
+        stats = engine.snapshot()
+    finally:
+        engine.close()
+    assert warm.prompt_cache_count >= len(history) - 1
+    assert stats.prefix_hits["ram"] == 1 and 0 < stats.cache_ram_bytes <= stats.cache_ram_limit
+    assert answer == reference
+
+
+def test_a_prefix_survives_a_restart_on_disk(smol_mlx, monkeypatch):
+    from localllm import config
+
+    monkeypatch.setenv("LOCALLLM_CACHE_RAM", "0")
+    monkeypatch.setenv("LOCALLLM_CACHE_DISK", "1GiB")
+    engine = _cached_engine(smol_mlx)
+    try:
+        prompt = engine.tokenize(f"{NAVIGATOR}\nUser: Say something about your work.\nAssistant:")
+        first, _ = _ask(engine, prompt)
+    finally:
+        engine.close()  # the slot's prefix goes to disk with the unload
+    assert len(list(config.prefix_cache_dir().rglob("*.kv"))) == 1
+    engine = _cached_engine(smol_mlx)  # a new engine on the same home: a restarted server
+    try:
+        again, timings = _ask(engine, prompt)
+        assert engine.snapshot().prefix_hits["disk"] == 1
+    finally:
+        engine.close()
+    assert timings.prompt_cache_count >= len(prompt) - 1 and again == first

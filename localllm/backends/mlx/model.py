@@ -8,6 +8,7 @@ every other sequence to its length would multiply the work."""
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from importlib.metadata import version
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,6 +30,7 @@ from ..base import (
 from .kv import SlotCache
 from .meta import make_piece_decoder, read_meta
 from .sampling import GRAMMAR_UNSUPPORTED, MlxSampler
+from .states import MlxStates
 
 # ------------------------------------------------------------------------------------------------------- the model
 
@@ -38,19 +40,18 @@ MAX_PADDED_ROWS = 16
 
 
 class MlxModel:
-    """A loaded MLX model: weights, tokenizer and the sequences' batched KV cache. Its one optional part is an embedder,
-    for architectures whose inner model gives hidden states."""
+    """A loaded MLX model: weights, tokenizer and the sequences' batched KV cache. Its optional parts are sequence
+    states (states.py) and an embedder, for architectures whose inner model gives hidden states."""
 
     n_batch = 512  # prefill chunk: the scheduler's token budget per step
     kv_pad = 1  # attention spans the cache exactly (no padded grid as in llama.cpp)
     placement: Placement | None = None  # MLX runs the whole model on its one device
     # What MLX does not do here. No projectors (load refuses them). mlx-lm loads language models only, so there is no
-    # cross-encoder's classifier head. No sequence states yet: an evicted prefix is prefilled again. No MTP layers:
+    # cross-encoder's classifier head. No MTP layers:
     # spec_type auto falls back to a draft model or n-gram. Sampling takes no grammars. MLX schedules its own
     # threads: the engine's thread tuner leaves it alone.
     vision: Vision | None = None
     reranker: Reranker | None = None
-    states: SequenceStates | None = None
     mtp: MtpLayers | None = None
     grammars: GrammarChecks | None = None
     threads: ThreadControl | None = None
@@ -66,6 +67,7 @@ class MlxModel:
         self.n_ctx = n_ctx
         self.kv_cells = n_seq * n_ctx  # each sequence's cache is its own
         self._kv = SlotCache(len(model.layers), n_seq)
+        self.states: SequenceStates | None = MlxStates(self._kv)
         self._outputs: dict[int, mx.array] = {}  # batch row -> logits [n_vocab] of the last decode
         self._eog = {int(t) for t in tokenizer.eos_token_ids}
         self._special = {i for i, tok in self._backend_tok.get_added_tokens_decoder().items() if tok.special}
@@ -223,13 +225,19 @@ class MlxModel:
         mx.eval(self._kv.arrays())
 
     def cache_shape(self) -> CacheShape:
-        return CacheShape()  # every layer keeps every position (kv.py), sliding-window ones too: any cut is exact
+        # Every layer keeps every position (kv.py), sliding-window ones too: any cut is exact. A saved state loads
+        # into a load with the same layers and float type, which the MLX build and the device decide.
+        fingerprint = (
+            f"mlx {version('mlx')}; mlx-lm {version('mlx-lm')}; {mx.default_device()}; layers {len(self._kv.keys)}"
+        )
+        return CacheShape(fingerprint=fingerprint)
 
     def close(self) -> None:
         self._kv = SlotCache(0, 0)
         self._outputs = {}
         self._model = None
         self.embedder = None
+        self.states = None
 
 
 def _forward_groups(rows_by_seq: dict[int, list[int]]) -> list[list[int]]:
