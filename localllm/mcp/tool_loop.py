@@ -167,15 +167,24 @@ class ToolLoop:
         message of the turn in the conversation. Ctrl-C (KeyboardInterrupt) stops the answer or the running tool:
         what was said is kept, and a stopped call is recorded as stopped, so the history stays well formed."""
         tools = self._tools(conversation.model, view)
+        made: set[str] = set()
+        must_answer = False
         for step in range(self.max_steps):
-            last = step == self.max_steps - 1  # the last turn is offered no tools: it must answer
-            offered = [] if last else [_as_api_tool(name, tool) for name, tool in tools.items()]
+            # The last turn is offered no tools: it must answer from the results it has.
+            must_answer = must_answer or step == self.max_steps - 1
+            offered = [] if must_answer else [_as_api_tool(name, tool) for name, tool in tools.items()]
             reply = self._stream(conversation, offered, view, first=step == 0)
+            if reply.calls and {_call_key(call) for call in reply.calls} <= made:
+                # Only calls already answered above (small models loop so): that turn is dropped and the model is
+                # asked again, with no tools, for the answer.
+                must_answer = True
+                continue
             if not reply.calls:
                 conversation.answered("".join(reply.content), reply.final, thinking="".join(reply.thinking))
                 return reply.final
             self._record_calls(conversation, reply)
             for call in reply.calls:
+                made.add(_call_key(call))
                 self._run(conversation, tools, call, view)
         view.note(f"stopped after {self.max_steps} model turns that called tools")
         return None
@@ -283,6 +292,10 @@ def bound_text(text: str, max_chars: int) -> tuple[str, bool]:
         + f"\n[truncated: the tool returned {len(text):,} characters; the first {max_chars:,} are shown]",
         True,
     )
+
+
+def _call_key(call: api.ToolCall) -> str:
+    return call.function.name + json.dumps(call.function.arguments, sort_keys=True)
 
 
 def _as_api_tool(name: str, tool: McpTool) -> api.Tool:
