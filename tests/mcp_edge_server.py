@@ -1,12 +1,14 @@
 """A small stdio MCP server for the edge cases the real servers do not show: a tool that fails, one that hangs, one
-that kills its own server, one that answers 10 MB; plus an echo tool, a prompt and a resource.
+that kills its own server, one that answers 10 MB; plus an echo tool, a clock that always says 09:41 (so a chat's
+answer can be checked), a prompt and a resource.
 
-Run as `python tests/mcp_edge_server.py`. `EDGE_MARKER`, when set, is a file the server touches as it starts (a test
-counts starts with it)."""
+Run as `python tests/mcp_edge_server.py [TOOL ...]`: with tool names, only those are offered (a small model chooses
+better among few). `EDGE_MARKER`, when set, is a file the server touches as it starts (a test counts starts)."""
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -17,32 +19,32 @@ server = MCPServer("edge")
 BIG_BYTES = 10 * 2**20
 
 
-@server.tool()
 def echo(text: str) -> str:
     """Return the text it is given."""
     return text
 
 
-@server.tool()
+def city_time(city: str) -> str:
+    """Get the current local time in a city."""
+    return f"The local time in {city} is 09:41."
+
+
 def fail(reason: str = "it always fails") -> str:
     """A tool that raises an error."""
     raise RuntimeError(reason)
 
 
-@server.tool()
 def hang(city: str = "") -> str:
     """A tool that never answers (the time in a city, too slowly)."""
     while True:
         time.sleep(1)
 
 
-@server.tool()
 def crash() -> str:
     """A tool that kills its own server mid-call."""
     os._exit(3)
 
 
-@server.tool()
 def big() -> str:
     """A tool that returns 10 MB of text."""
     return "x" * BIG_BYTES
@@ -61,6 +63,10 @@ def greeting() -> str:
 
 
 if __name__ == "__main__":
+    offered = set(sys.argv[1:])
+    for tool in (echo, city_time, fail, hang, crash, big):
+        if not offered or tool.__name__ in offered:
+            server.add_tool(tool)
     marker = os.environ.get("EDGE_MARKER")
     if marker:
         with Path(marker).open("a") as file:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import typer
 
@@ -85,6 +86,11 @@ def run(
     ),
     hidethinking: bool = typer.Option(False, "--hidethinking", help="do not show the thinking"),
     in_process: bool = typer.Option(False, "--in-process", help=IN_PROCESS_HELP),
+    mcp_config: Path | None = typer.Option(
+        None, "--mcp-config", help="the mcp.json whose servers' tools the chat offers (default: LOCALLLM_MCP_CONFIG)"
+    ),
+    trust_tools: bool = typer.Option(False, "--trust-tools", help="run MCP tool calls without asking"),
+    tools: bool = typer.Option(True, "--tools/--no-tools", help="offer the MCP servers' tools to the model"),
 ):
     """Chat with a model, or ask it once (prompt argument or stdin).
 
@@ -101,8 +107,13 @@ def run(
     with open_client(in_process=in_process) as client:
         prepare_model(client, conversation.load_request(), to=err_console)
         if text is None:
+            from .mcp_chat import open_chat_tools
+
             reader = make_line_reader(config.HOME.get() / "history")
-            Repl(client, conversation, reader=reader, verbose=verbose, hide_thinking=hidethinking).run()
+            with open_chat_tools(client, mcp_config, trust=trust_tools, enabled=tools) as chat_tools:
+                Repl(
+                    client, conversation, reader=reader, verbose=verbose, hide_thinking=hidethinking, tools=chat_tools
+                ).run()
         else:
             _answer_once(client, conversation, text, verbose=verbose, hide_thinking=hidethinking)
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rich.console import Console
 
@@ -26,6 +26,9 @@ from .image_files import cut_mentions, find_image_files, read_image_file
 from .interrupts import interrupt_handled, raise_noted_interrupt
 from .prompt_cache_file import is_prompt_cache_file, read_prompt_cache, write_prompt_cache
 from .render import MarkdownStream, RawStream, print_model_facts, print_timings, render_pull, timing_rows
+
+if TYPE_CHECKING:
+    from .mcp_chat import ChatTools
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -56,6 +59,7 @@ HELP = f"""Available Commands:
   /clear          Clear session context
   /image <path>   Attach an image to the next message (a model with vision)
   /stats          Show speed, prompt cache reuse and speculation figures
+  /tools          List the MCP tools; /tools on|off SERVER for this chat
   /bye            Exit
   /?, /help       Help for a command
   /? shortcuts    Help for keyboard shortcuts
@@ -310,8 +314,10 @@ class Repl:
         reader: LineInput,
         verbose: bool = False,
         hide_thinking: bool = False,
+        tools: ChatTools | None = None,
     ):
         self.client = client
+        self.tools = tools  # MCP tools (cli/mcp_chat.py), when mcp.json names servers
         self.conversation = conversation
         self.reader = reader
         self.verbose = verbose
@@ -327,6 +333,7 @@ class Repl:
             "/clear": self._clear,
             "/image": self._image,
             "/stats": self._stats,
+            "/tools": self._tools,
             "/help": self._help,
             "/?": self._help,
             "/bye": self._bye,
@@ -366,6 +373,18 @@ class Repl:
         """Stream the answer to `text` as markdown; Ctrl-C stops it and keeps what was written."""
         request = self.conversation.ask(text, self.images)
         self.images = []  # sent: they stay in the history, with the message they came with
+        if self.tools is not None:
+            if self.reader.take_interrupt():
+                self.conversation.withdraw()
+                raise KeyboardInterrupt
+            self.tools.answer(
+                self.conversation,
+                self.reader,
+                wordwrap=self.wordwrap,
+                hide_thinking=self.hide_thinking,
+                verbose=self.verbose,
+            )
+            return
         parts: list[str] = []
         thoughts: list[str] = []
         final = None
@@ -446,6 +465,15 @@ class Repl:
         if text is None:
             raise InvalidInput(f"no help for {rest.strip()!r}", hint="type /? for the list of commands")
         console.print(text, highlight=False, markup=False)
+
+    def _tools(self, rest: str) -> None:
+        """/tools [on|off SERVER]: the MCP servers of this chat (cli/mcp_chat.py)."""
+        if self.tools is None:
+            from .mcp_chat import no_tools_message
+
+            console.print(no_tools_message(), highlight=False, markup=False)
+            return
+        self.tools.command(rest)
 
     def _image(self, rest: str) -> None:
         """/image PATH: read and check the image now (a wrong file is refused here, not after the question)."""
