@@ -203,8 +203,14 @@ def stop(model: str = typer.Argument(..., help="a loaded model (see `localllm ps
 def tui(
     model: str | None = typer.Argument(None, help="model to chat with at start (F2 picks another)"),
     in_process: bool = typer.Option(False, "--in-process", help=IN_PROCESS_HELP),
+    mcp_config: Path | None = typer.Option(
+        None, "--mcp-config", help="the mcp.json whose servers' tools the chat offers (default: LOCALLLM_MCP_CONFIG)"
+    ),
+    trust_tools: bool = typer.Option(False, "--trust-tools", help="run MCP tool calls without asking"),
+    tools: bool = typer.Option(True, "--tools/--no-tools", help="offer the MCP servers' tools to the model"),
 ):
     """Open the terminal UI: chat, models, live engine figures."""
+    from ..mcp.tool_loop import open_toolbox
     from ..tui import run_tui
 
     notice = None
@@ -217,6 +223,8 @@ def tui(
             notice = exc  # the TUI opens anyway and says why it cannot reach the server
     client = _local_client() if in_process else _server_client(start=False)
     try:
-        run_tui(client, model=model, notice=notice, log_file=config.HOME.get() / "logs" / "tui.log")
+        with open_toolbox(mcp_config, trust_all=trust_tools, enabled=tools) as toolbox:
+            log_file = config.HOME.get() / "logs" / "tui.log"
+            run_tui(client, model=model, notice=notice, log_file=log_file, tools=toolbox)
     finally:
         client.close()

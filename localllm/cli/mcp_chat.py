@@ -162,8 +162,5 @@ def open_chat_tools(
 ) -> Iterator[ChatTools | None]:
     """The chat's tools from mcp.json (none when it names no server, or with --no-tools); servers start on first
     use and stop when the chat ends."""
-    if not enabled:
-        yield None
-        return
-    with open_toolbox(config_file, trust_all=trust) as toolbox:
+    with open_toolbox(config_file, trust_all=trust, enabled=enabled) as toolbox:
         yield ChatTools(client, toolbox) if toolbox is not None else None

@@ -128,10 +128,12 @@ class Toolbox:
 
 
 @contextmanager
-def open_toolbox(path: Path | None = None, *, trust_all: bool = False) -> Iterator[Toolbox | None]:
+def open_toolbox(
+    path: Path | None = None, *, trust_all: bool = False, enabled: bool = True
+) -> Iterator[Toolbox | None]:
     """The toolbox of mcp.json's enabled servers (none start until a model can use them), or None when it names
-    none."""
-    entries = load_config(path).enabled()
+    none or tools are off (`enabled` False, as --no-tools asks)."""
+    entries = load_config(path).enabled() if enabled else []
     if not entries:
         yield None
         return

@@ -7,10 +7,16 @@ from pathlib import Path
 
 from ..client.protocol import Client
 from ..errors import BackendUnavailable, LocalLLMError
+from ..mcp.tool_loop import Toolbox
 
 
 def run_tui(
-    client: Client, *, model: str | None = None, notice: LocalLLMError | None = None, log_file: Path | None = None
+    client: Client,
+    *,
+    model: str | None = None,
+    notice: LocalLLMError | None = None,
+    log_file: Path | None = None,
+    tools: Toolbox | None = None,
 ) -> None:
     """Run the TUI until the user quits; errors it shows are also logged to `log_file` with their cause."""
     try:
@@ -19,7 +25,7 @@ def run_tui(
         raise BackendUnavailable(f"the TUI needs textual ({exc})", hint="pip install textual") from None
     if log_file is not None:
         _log_to(log_file)
-    LocalLLMApp(client, model=model, notice=notice).run()
+    LocalLLMApp(client, model=model, notice=notice, tools=tools).run()
 
 
 def _log_to(path: Path) -> None:

@@ -12,6 +12,7 @@ from textual.binding import Binding
 from ..client.protocol import Client
 from ..conversation import Conversation
 from ..errors import LocalLLMError
+from ..mcp.tool_loop import Toolbox
 from .messages import ErrorReported
 from .screens.chat import ChatScreen
 
@@ -31,6 +32,7 @@ class LocalLLMApp(App[None]):
         system: str | None = None,
         options: dict[str, Any] | None = None,
         notice: LocalLLMError | None = None,
+        tools: Toolbox | None = None,
     ):
         """
         Args:
@@ -38,14 +40,16 @@ class LocalLLMApp(App[None]):
             model: the model to chat with at start; None opens the chat with no model (F2 picks one).
             system, options: the chat's system prompt and parameters at start.
             notice: an error from before the app started (e.g. the server did not start), shown at once.
+            tools: the MCP servers whose tools the chat offers (mcp/tool_loop.py), or None.
         """
         super().__init__()
         self.client = client
         self.conversation = Conversation(model or "", system=system, options=dict(options or {}))
         self._notice = notice
+        self._tools = tools
 
     def on_mount(self) -> None:
-        self.push_screen(ChatScreen(self.client, self.conversation))
+        self.push_screen(ChatScreen(self.client, self.conversation, self._tools))
         if self._notice is not None:
             self.report(self._notice, title="Server")
 

@@ -24,6 +24,7 @@ from ... import api
 from ...client.protocol import Client
 from ...conversation import Conversation, is_model, rate
 from ...errors import LocalLLMError
+from ...mcp.tool_loop import Toolbox, ToolLoop
 from ..messages import ErrorReported
 from ..widgets.engine_panel import EnginePanel
 from ..widgets.message_list import MessageList, MessageView
@@ -57,10 +58,11 @@ class ChatScreen(Screen):
         epoch: int  # the chat it belongs to: an answer stopped by /clear or a model switch is not recorded
         thinking: str = ""
 
-    def __init__(self, client: Client, conversation: Conversation):
+    def __init__(self, client: Client, conversation: Conversation, tools: Toolbox | None = None):
         super().__init__()
         self.client = client
         self.conversation = conversation
+        self.tool_loop = ToolLoop(client, tools) if tools is not None else None  # MCP tools (screens/tools.py)
         self._server_up: bool | None = None
         self._answering = False
         self._epoch = 0
@@ -94,7 +96,11 @@ class ChatScreen(Screen):
         messages.add_message("user", event.text)
         reply = messages.add_message("assistant")
         self._answering = True
-        self.stream_answer(self.conversation.ask(event.text), reply, self._epoch)
+        request = self.conversation.ask(event.text)
+        if self.tool_loop is not None:
+            self.answer_with_tools(reply)
+            return
+        self.stream_answer(request, reply, self._epoch)
 
     @work(thread=True, exclusive=True, group="answer")
     def stream_answer(self, request: api.ChatRequest, reply: MessageView, epoch: int) -> None:
@@ -130,6 +136,31 @@ class ChatScreen(Screen):
             self.app.call_from_thread(reply.append, STOPPED_MARK)
         thinking = reply.thinking.text if reply.thinking is not None else ""
         self.post_message(self.AnswerFinished("".join(parts), final, error, epoch, thinking))
+
+    @work(thread=True, exclusive=True, group="answer")
+    def answer_with_tools(self, reply: MessageView) -> None:
+        """As stream_answer, through the MCP tool loop, which records the turn in the conversation itself."""
+        from .tools import TuiToolView
+
+        assert self.tool_loop is not None
+        view = TuiToolView(self, get_current_worker(), reply)
+        error = None
+        try:
+            self.tool_loop.answer(self.conversation, view)
+        except KeyboardInterrupt:  # Escape: the loop kept what was said and how far the calls went
+            view.close()
+            self.app.call_from_thread(_awaited(view.reply.append), STOPPED_MARK)
+        except LocalLLMError as exc:
+            error = exc
+        view.close()
+        self.app.call_from_thread(self._tools_finished, error)
+
+    def _tools_finished(self, error: LocalLLMError | None) -> None:
+        self._answering = False
+        if error is not None:
+            self.post_message(ErrorReported(error, title="Answer failed"))
+        self._show_answer_figures()
+        self.poll_engine()
 
     def _show_thinking(self, reply: MessageView, text: str) -> None:
         view = reply.thinking or self.query_one(MessageList).add_thinking(reply)
