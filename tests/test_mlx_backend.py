@@ -58,7 +58,7 @@ def _train_tokenizer():
     return tok
 
 
-def _write_tiny_llama(folder: Path) -> None:
+def _write_tiny_llama(folder: Path, **shape) -> None:
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
@@ -76,6 +76,7 @@ def _write_tiny_llama(folder: Path) -> None:
         "tie_word_embeddings": True,
         "bos_token_id": 1,
         "eos_token_id": 2,
+        **shape,
     }
     mx.random.seed(7)
     model = llama.Model(llama.ModelArgs.from_dict(config))
@@ -473,6 +474,72 @@ def test_a_state_that_does_not_fit_is_refused_and_leaves_the_slot_empty(tiny):
         with pytest.raises(LocalLLMError, match="does not fit slot 1"):
             tiny.states.restore_seq(1, bad, n_tokens)
         assert tiny.cached_tokens(1) == 0
+
+
+# ------------------------------------------------------------------------------------------------------- kv_type
+
+
+@pytest.fixture(scope="module")
+def wide_folder(tmp_path_factory) -> Path:
+    """Heads of 64 elements, so that mlx-lm's KV quantization (groups of 64) applies."""
+    folder = tmp_path_factory.mktemp("mlx") / "wide-llama"
+    _write_tiny_llama(folder, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    return folder
+
+
+def _load_wide(folder: Path, kv_type: str) -> MlxModel:
+    return MlxBackend().load(folder, LoadOptions(num_ctx=64, num_parallel=3, kv_type=kv_type))
+
+
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_a_quantized_kv_cache_decodes_close_to_a_full_one_and_batched_exactly(wide_folder, kv_type):
+    full, quantized = _load_wide(wide_folder, "f16"), _load_wide(wide_folder, kv_type)
+    try:
+        assert "bits" not in full.cache_shape().fingerprint and "bits" in quantized.cache_shape().fingerprint
+        prompts = {0: full.tokenize("The capital of France is"), 1: full.tokenize("def add(a, b):")}
+        reference = _greedy_together(full, prompts, 6)
+        alone = {}
+        for seq, tokens in prompts.items():
+            alone.update(_greedy_together(quantized, {seq: tokens}, 6))
+            quantized.remove(seq, 0)
+        together = _greedy_together(quantized, prompts, 6)
+        _assert_same_decoding(together, alone)  # batching stays exact on quantized caches too
+        for seq, picks in reference.items():  # and they stay close to the full cache's logits
+            for (_, got), (_, expected) in zip(together[seq], picks):
+                assert np.corrcoef(got, expected)[0, 1] > 0.99
+        assert quantized.states is not None and quantized.states.save_seq(0) is not None
+    finally:
+        full.close()
+        quantized.close()
+
+
+def test_a_state_saved_with_another_kv_type_is_refused(wide_folder):
+    full, quantized = _load_wide(wide_folder, "f16"), _load_wide(wide_folder, "q8_0")
+    try:
+        tokens = full.tokenize("The capital of France is Paris.")
+        for model in (full, quantized):
+            _prefill(model, 0, tokens)
+        saved = {"full": full.states.save_seq(0), "q8": quantized.states.save_seq(0)}
+        with pytest.raises(LocalLLMError, match="arrays per cache"):
+            quantized.states.restore_seq(1, saved["full"], len(tokens))
+        with pytest.raises(LocalLLMError, match="arrays per cache"):
+            full.states.restore_seq(1, saved["q8"], len(tokens))
+        quantized.states.restore_seq(2, saved["q8"], len(tokens))
+        expected = quantized.logits(_prefill(quantized, 0, [tokens[0]], start=len(tokens)))
+        restored = quantized.logits(_prefill(quantized, 2, [tokens[0]], start=len(tokens)))
+        np.testing.assert_allclose(restored, expected, atol=1e-5)
+    finally:
+        full.close()
+        quantized.close()
+
+
+def test_heads_no_group_divides_keep_a_full_cache(tiny_folder, caplog):
+    model = MlxBackend().load(tiny_folder, LoadOptions(num_ctx=64, num_parallel=1, kv_type="q8_0"))
+    try:
+        assert "kv full" in model.cache_shape().fingerprint
+        assert "kept unquantized" in caplog.text
+    finally:
+        model.close()
 
 
 # ------------------------------------------------------------------------------------------------------- sampling

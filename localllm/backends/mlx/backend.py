@@ -15,6 +15,7 @@ from ...api import LoadOptions, LoraAdapter
 from ...errors import InvalidInput, ModelFormatError
 from ...models.options import context_size
 from ..base import LoadCheck
+from .kv import KvQuant
 from .model import MlxModel
 
 log = logging.getLogger(__name__)
@@ -61,11 +62,25 @@ class MlxBackend:
             raise ModelFormatError(f"mlx-lm could not load the MLX folder {path}: {exc}") from None
         _prefer_float32_on_cpu(model)
         _check_cache_kinds(model, config)
-        if options.kv_type not in (None, "f16"):
-            log.warning(
-                "kv_type %s is not available on MLX; the KV cache keeps the model's float type", options.kv_type
-            )
-        return MlxModel(path, model, tokenizer, config, n_seq=n_seq, n_ctx=n_ctx)
+        quant = kv_quant(options.kv_type, config)
+        return MlxModel(path, model, tokenizer, config, n_seq=n_seq, n_ctx=n_ctx, kv_quant=quant)
+
+
+KV_BITS = {"q8_0": 8, "q4_0": 4}  # kv_type -> mlx-lm's kv bits
+
+
+def kv_quant(kv_type: str | None, config: dict) -> KvQuant | None:
+    """mlx-lm's KV quantization for a kv_type: its default group of 64 elements, or 32 for smaller heads; None for
+    f16 (the model's own float type) or where the head size takes neither group."""
+    bits = KV_BITS.get(kv_type or "f16")
+    if bits is None:
+        return None
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    group = next((g for g in (64, 32) if head_dim % g == 0), None)
+    if group is None:
+        log.warning("kv_type %s needs heads of a multiple of 32 on MLX, not %d: kept unquantized", kv_type, head_dim)
+        return None
+    return KvQuant(bits=bits, group_size=group)
 
 
 def _check_folder(path: Path) -> None:

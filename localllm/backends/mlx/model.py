@@ -27,7 +27,7 @@ from ..base import (
     ThreadControl,
     Vision,
 )
-from .kv import SlotCache
+from .kv import KvQuant, SlotCache
 from .meta import make_piece_decoder, read_meta
 from .sampling import GRAMMAR_UNSUPPORTED, MlxSampler
 from .states import MlxStates
@@ -56,7 +56,9 @@ class MlxModel:
     grammars: GrammarChecks | None = None
     threads: ThreadControl | None = None
 
-    def __init__(self, path: Path, model, tokenizer, config: dict, *, n_seq: int, n_ctx: int):
+    def __init__(
+        self, path: Path, model, tokenizer, config: dict, *, n_seq: int, n_ctx: int, kv_quant: KvQuant | None = None
+    ):
         self.path = path
         self.weights: Hashable = ("mlx", id(self))  # every MLX load holds its own copy of the weights
         self._model = model
@@ -66,7 +68,7 @@ class MlxModel:
         self.n_seq = n_seq
         self.n_ctx = n_ctx
         self.kv_cells = n_seq * n_ctx  # each sequence's cache is its own
-        self._kv = SlotCache(len(model.layers), n_seq)
+        self._kv = SlotCache(len(model.layers), n_seq, quant=kv_quant)
         self.states: SequenceStates | None = MlxStates(self._kv)
         self._outputs: dict[int, mx.array] = {}  # batch row -> logits [n_vocab] of the last decode
         self._eog = {int(t) for t in tokenizer.eos_token_ids}
@@ -228,7 +230,8 @@ class MlxModel:
         # Every layer keeps every position (kv.py), sliding-window ones too: any cut is exact. A saved state loads
         # into a load with the same layers and float type, which the MLX build and the device decide.
         fingerprint = (
-            f"mlx {version('mlx')}; mlx-lm {version('mlx-lm')}; {mx.default_device()}; layers {len(self._kv.keys)}"
+            f"mlx {version('mlx')}; mlx-lm {version('mlx-lm')}; {mx.default_device()}; layers {len(self._kv.keys)}; "
+            f"kv {_describe(self._kv.quant)}"
         )
         return CacheShape(fingerprint=fingerprint)
 
@@ -238,6 +241,10 @@ class MlxModel:
         self._model = None
         self.embedder = None
         self.states = None
+
+
+def _describe(quant: KvQuant | None) -> str:
+    return "full" if quant is None else f"{quant.bits} bits in groups of {quant.group_size}"
 
 
 def _forward_groups(rows_by_seq: dict[int, list[int]]) -> list[list[int]]:
