@@ -31,7 +31,7 @@ def free_port() -> int:
 @contextmanager
 def serve_in_thread(app) -> Iterator[str]:
     """Serve `app` on 127.0.0.1:<free port>; yields the base URL and stops the server on exit."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # as `localllm serve` binds
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2))

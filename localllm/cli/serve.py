@@ -18,7 +18,9 @@ _ENV_HELP = "Environment variables:\n\n" + "\n\n".join(f"  {line}" for line in c
 def _listen(host: str, port: int) -> socket.socket:
     """Bind here rather than in uvicorn, so a busy port is a one-line error naming the address."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio turns Nagle's algorithm off only on connections whose socket says TCP, and with it
+    # on, a stream's second small write (the opening event after the headers) waits for the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -45,6 +47,7 @@ def serve(
         help="say whether a server runs on LOCALLLM_HOST, where, and how to stop it (exit 1 when none does)",
     ),
     stop: bool = typer.Option(False, "--stop", help="stop the server that `run` or `tui` started in the background"),
+    mcp: bool = typer.Option(False, "--mcp", help="let the web page use the tools of mcp.json's MCP servers"),
 ) -> None:
     """Serve the Ollama and OpenAI APIs (--status, --stop).
 
@@ -56,7 +59,7 @@ def serve(
     elif stop:
         _stop()
     else:
-        _serve()
+        _serve(mcp=mcp or None)
 
 
 def _status() -> None:
@@ -116,7 +119,7 @@ def _background_pid(reported: int | None) -> int | None:
     return pid if pid is not None and pid == reported else None
 
 
-def _serve() -> None:
+def _serve(*, mcp: bool | None = None) -> None:
     import uvicorn
 
     from ..server.app import create_app
@@ -126,9 +129,8 @@ def _serve() -> None:
     level = config.LOG_LEVEL.get()
     _configure_logging(level)
     sock = _listen(host, port)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(bound_host=host), log_level=level, access_log=False, timeout_graceful_shutdown=5)
-    )
+    served = create_app(bound_host=host, mcp=mcp)
+    server = uvicorn.Server(uvicorn.Config(served, log_level=level, access_log=False, timeout_graceful_shutdown=5))
     console.print(
         f"localllm is serving on {config.base_url() if host in ('0.0.0.0', '::') else _url(host, port)}"
         " (Ctrl+C stops it)",
