@@ -18,7 +18,8 @@ class ServerState:
     network: bool = False  # bound beyond loopback: other machines may reach it (/health says so to the page)
 
 
-def get_state(request: Request) -> ServerState:
+async def get_state(request: Request) -> ServerState:
+    # async: FastAPI runs a plain function dependency on a worker thread, a hop every request would wait for
     return request.app.state.localllm
 
 
