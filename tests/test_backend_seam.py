@@ -10,7 +10,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "localllm"
 BASE = PACKAGE / "backends" / "base.py"
 MODEL_CLASSES = {
-    PACKAGE / "backends" / "mlx.py": "MlxModel",
+    PACKAGE / "backends" / "mlx" / "model.py": "MlxModel",
     PACKAGE / "backends" / "llama_cpp" / "backend.py": "LlamaCppModel",
 }
 CORE_LIMIT = 12
@@ -86,7 +86,7 @@ def test_no_backend_model_class_stubs_a_capability():
 
 
 def test_mlx_declares_what_it_cannot_do_as_none():
-    cls = _class((PACKAGE / "backends" / "mlx.py").read_text(), "MlxModel")
+    cls = _class((PACKAGE / "backends" / "mlx" / "model.py").read_text(), "MlxModel")
     declared = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
     assert {"vision", "reranker", "states", "mtp", "grammars", "threads"} <= declared
 

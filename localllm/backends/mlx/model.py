@@ -52,6 +52,7 @@ class MlxModel:
     # threads: the engine's thread tuner leaves it alone.
     vision: Vision | None = None
     reranker: Reranker | None = None
+    states: SequenceStates | None = None  # set per load (states.py), once its cache exists
     mtp: MtpLayers | None = None
     grammars: GrammarChecks | None = None
     threads: ThreadControl | None = None
@@ -69,7 +70,7 @@ class MlxModel:
         self.n_ctx = n_ctx
         self.kv_cells = n_seq * n_ctx  # each sequence's cache is its own
         self._kv = SlotCache(len(model.layers), n_seq, quant=kv_quant)
-        self.states: SequenceStates | None = MlxStates(self._kv)
+        self.states = MlxStates(self._kv)
         self._outputs: dict[int, mx.array] = {}  # batch row -> logits [n_vocab] of the last decode
         self._eog = {int(t) for t in tokenizer.eos_token_ids}
         self._special = {i for i, tok in self._backend_tok.get_added_tokens_decoder().items() if tok.special}
