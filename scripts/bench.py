@@ -156,7 +156,7 @@ def mlx_served_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     files, over /v1/chat/completions (localllm/bench/mlx.py). `python scripts/bench.py --only mlxserve`."""
     from localllm.bench.mlx import run_mlx_server_benchmarks
 
-    return run_mlx_server_benchmarks(path, n=min(args.tokens, 64), repeats=args.repeats)
+    return run_mlx_server_benchmarks(path, n=min(args.tokens, 32), repeats=args.repeats)
 
 
 def rpc_section(path: Path, args: argparse.Namespace) -> list[Figure]:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .engine import FOUR_PROMPTS, LONG_STORY, EngineRun, concurrent_streams
-from .figures import BRACKET_REPEATS, Bracketed, Figure
+from .figures import Bracketed, Figure
 from .rest import free_port, http_client, served_model
 
 MODEL = "bench-mlx"
@@ -88,10 +88,11 @@ def chat_run(base: str, model: str, prompts: list[str], n: int) -> EngineRun:
 
 
 def run_mlx_server_benchmarks(
-    gguf: Path, *, n: int = 64, repeats: int = 3, log: Callable[[str], None] = print
+    gguf: Path, *, n: int = 32, repeats: int = 3, log: Callable[[str], None] = print
 ) -> list[Figure]:
     """One stream and four through localllm serve and through mlx_lm.server, both up together on the same MLX files
-    (the GGUF converted by `create --format mlx`), each run interleaved with the other's (Bracketed)."""
+    (the GGUF converted by `create --format mlx`), each run interleaved with the other's (Bracketed). `repeats`
+    is kept low by default: MLX's CPU build decodes a few tokens a second, and each repeat is three runs."""
     note = f"same MLX files, /v1/chat/completions, greedy, up to {n} tokens; mlx_lm.server at its defaults"
     with tempfile.TemporaryDirectory(prefix="localllm-mlx-bench-") as tmp:
         home = Path(tmp)
@@ -103,7 +104,7 @@ def run_mlx_server_benchmarks(
                 return Bracketed.measure(
                     lambda: chat_run(theirs, "default_model", prompts, n).rate(),
                     lambda: chat_run(ours, MODEL, prompts, n).rate(),
-                    repeats=max(repeats, BRACKET_REPEATS),
+                    repeats=repeats,
                 )
 
             four = list(FOUR_PROMPTS)
