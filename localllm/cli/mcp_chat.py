@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 
 from ..client.protocol import Client
@@ -31,8 +31,16 @@ class TerminalToolView:
     """The loop's view in the terminal: answers drawn as the chat draws them, calls and results as dim lines, the
     confirmation read with the chat's line reader."""
 
-    def __init__(self, read_line: Callable[[str], str], *, wordwrap: bool, hide_thinking: bool):
+    def __init__(
+        self,
+        read_line: Callable[[str], str],
+        quiet_keys: Callable[[], AbstractContextManager[None]],
+        *,
+        wordwrap: bool,
+        hide_thinking: bool,
+    ):
         self._read_line = read_line
+        self._quiet_keys = quiet_keys  # keys unechoed while an answer is drawn (repl.keys_not_echoed)
         self._wordwrap = wordwrap
         self._hide_thinking = hide_thinking
         self._open = ExitStack()
@@ -79,9 +87,7 @@ class TerminalToolView:
     def _drawing(self) -> MarkdownStream | RawStream:
         if self._stream is not None:
             return self._stream
-        from .repl import keys_not_echoed
-
-        self._open.enter_context(keys_not_echoed())
+        self._open.enter_context(self._quiet_keys())
         stream: MarkdownStream | RawStream = MarkdownStream(console) if self._wordwrap else RawStream(console)
         self._open.enter_context(stream)
         self._stream = stream
@@ -99,6 +105,7 @@ class ChatTools:
         self,
         conversation: Conversation,
         read_line: Callable[[str], str],
+        quiet_keys: Callable[[], AbstractContextManager[None]],
         *,
         wordwrap: bool,
         hide_thinking: bool,
@@ -106,7 +113,7 @@ class ChatTools:
     ) -> None:
         """Answer the conversation's last question with tools; Ctrl-C stops the answer or the tool, errors are one
         line, and the chat goes on."""
-        view = TerminalToolView(read_line, wordwrap=wordwrap, hide_thinking=hide_thinking)
+        view = TerminalToolView(read_line, quiet_keys, wordwrap=wordwrap, hide_thinking=hide_thinking)
         final = None
         try:
             final = self.loop.answer(conversation, view)

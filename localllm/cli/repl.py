@@ -380,6 +380,7 @@ class Repl:
             self.tools.answer(
                 self.conversation,
                 self.reader,
+                keys_not_echoed,
                 wordwrap=self.wordwrap,
                 hide_thinking=self.hide_thinking,
                 verbose=self.verbose,

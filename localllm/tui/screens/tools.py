@@ -20,10 +20,9 @@ from ...mcp.tool_loop import CallOutcome, Decision, PendingCall
 from ..widgets.message_list import MessageList, MessageView
 
 if TYPE_CHECKING:
+    from textual.screen import Screen
     from textual.widgets._markdown import MarkdownStream
     from textual.worker import Worker
-
-    from .chat import ChatScreen
 
 SHOWN_RESULT_CHARS = 600  # of a result, on its card (the model gets up to the loop's bound)
 
@@ -65,7 +64,7 @@ class TuiToolView:
     """The tool loop's view on the chat screen, called on the answer worker's thread. Escape (the worker cancelled)
     stops the loop as Ctrl-C does in the terminal: by KeyboardInterrupt, which the loop records and re-raises."""
 
-    def __init__(self, screen: ChatScreen, worker: Worker, reply: MessageView):
+    def __init__(self, screen: Screen, worker: Worker, reply: MessageView):
         self.screen = screen
         self.app = screen.app
         self.worker = worker
