@@ -159,7 +159,7 @@ def _default_parallel() -> int:
 
 
 def parse_threads(raw: str) -> int | None:
-    """A fixed thread count, or `auto` (None): the engine measures which count is fastest as it runs."""
+    """A fixed thread count, or `auto` (None): the engine chooses the count as it runs (engine/threads.py)."""
     return None if raw.strip().lower() == "auto" else parse_positive_int(raw)
 
 
@@ -198,13 +198,17 @@ MAX_LOADED_MODELS = Setting(
     parse_positive_int,
     lambda: 3,
 )
-CONTEXT_LENGTH = Setting(
-    "LOCALLLM_CONTEXT_LENGTH", "default context per slot (num_ctx), in tokens", parse_positive_int, lambda: 4096
+CONTEXT_LENGTH: Setting[int | None] = Setting(
+    "LOCALLLM_CONTEXT_LENGTH",
+    "default context per slot (num_ctx), in tokens (default: what the model was trained for, as far as a quarter of "
+    "this machine's memory holds its KV pool; `localllm plan MODEL` shows it)",
+    parse_positive_int,
+    lambda: None,
 )
 NUM_THREAD = Setting(
     "LOCALLLM_NUM_THREAD",
-    "CPU threads for decoding: a number pins it; auto (the default) tries "
-    "1 to the physical cores as the model runs and keeps the fastest",
+    "CPU threads for decoding: a number pins it; auto (the default) runs on the physical cores (within a "
+    "cgroup's CPU budget) and on fewer only while other processes hold some of them",
     parse_threads,
     lambda: None,
 )

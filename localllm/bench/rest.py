@@ -46,7 +46,7 @@ def served_model(
     *,
     slots: int,
     threads: int | None,
-    n_ctx: int,
+    n_ctx: int | None,
     home: Path | None = None,
     env: dict[str, str] | None = None,
     projector: Path | None = None,
@@ -77,10 +77,11 @@ def served_model(
         "LOCALLLM_HOME": str(home),
         "LOCALLLM_HOST": f"127.0.0.1:{port}",
         "LOCALLLM_NUM_PARALLEL": str(slots),
-        "LOCALLLM_CONTEXT_LENGTH": str(n_ctx),
         "LOCALLLM_LOG_LEVEL": "warning",
         **(env or {}),
     }
+    if n_ctx:  # None: the server's default, the model's trained context
+        settings["LOCALLLM_CONTEXT_LENGTH"] = str(n_ctx)
     if threads:
         settings["LOCALLLM_NUM_THREAD"] = str(threads)
     proc = subprocess.Popen(

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from .. import api
 from ..backends import choose_backend, get_backend
 from ..errors import InvalidInput
-from ..models.options import effective_load, resolve_options
+from ..models.options import effective_load, model_facts, resolve_options, with_context
 from ..models.plan import MemoryPlan, Placement, plan_memory, total_with_shared_weights, weights_identity
 from ..models.store import ResolvedModel, Store
 from ..quant.gguf import inspect_gguf, inspect_lora
@@ -46,7 +46,7 @@ def plan_one(model: str, resolved: ResolvedModel, load: api.LoadOptions) -> Mode
         raise InvalidInput(f"{model} is an {resolved.format} model; the memory plan reads GGUF metadata")
     adapters: int = sum([inspect_lora(Path(adapter.path)).tensor_bytes for adapter in resolved.adapters], 0)
     projector = inspect_gguf(resolved.projector).tensor_bytes if resolved.projector is not None else 0
-    effective = effective_load(load)
+    effective = with_context(effective_load(load), model_facts(resolved.weights, resolved.format))
     mem = plan_memory(inspect_gguf(resolved.weights), effective, adapters=adapters, projector=projector)
     placement = get_backend(choose_backend(effective.backend, resolved.weights)).placement(resolved.weights, effective)
     return ModelPlan(resolved.name, weights_identity(resolved.weights, effective), mem, placement)

@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 GIB = 2**30
 # llama.cpp's context size (all slots together) is a uint32_t.
 MAX_CONTEXT_CELLS = 2**32 - 1
+# A default context's KV pool and compute buffer take at most this share of the machine's memory: other models, the
+# prefix cache's RAM tier and the user's own programs share the rest.
+DEFAULT_CONTEXT_SHARE = 0.25
+# The default context where the weights do not say what they were trained for (MLX folders), and the least a default
+# is lowered to for memory (below it check_memory says what to do).
+FALLBACK_CONTEXT = 4096
 
 Options = TypeVar("Options", bound=BaseModel)
 
@@ -66,7 +72,7 @@ def effective_load(load: LoadOptions) -> LoadOptions:
     one place their defaults are filled."""
     return load.model_copy(
         update={
-            "num_ctx": load.num_ctx or config.CONTEXT_LENGTH.get(),
+            "num_ctx": load.num_ctx or config.CONTEXT_LENGTH.get(),  # None: the model's own (default_context)
             "num_parallel": load.num_parallel or config.NUM_PARALLEL.get(),
             "num_thread": load.num_thread or config.NUM_THREAD.get(),  # None: tuned as it runs
             "kv_type": load.kv_type or config.KV_CACHE_TYPE.get(),
@@ -80,6 +86,54 @@ def load_options(model: ResolvedModel, load: LoadOptions) -> LoadOptions:
     """The options `model` loads with: `load` (as resolve_options made it) with its defaults filled and checked
     against the model and the machine."""
     return bound_load(effective_load(load), load.model_fields_set, model_facts(model.weights, model.format))
+
+
+def with_context(load: LoadOptions, facts: ModelFacts) -> LoadOptions:
+    """`load` (effective_load's) with num_ctx filled where nothing set it: default_context."""
+    return load if load.num_ctx else load.model_copy(update={"num_ctx": default_context(load, facts)})
+
+
+def default_context(load: LoadOptions, facts: ModelFacts) -> int:
+    """The context of a load that nothing sized: what the model was trained for, as llama-server serves it, halved
+    while its KV pool and compute buffer would take more than DEFAULT_CONTEXT_SHARE of the machine's memory. Its
+    total memory, not what is free now: every request at the defaults asks for the same load, and check_memory
+    still refuses one that does not fit at the time. Every request asks it: the answers are kept (the facts object
+    is _gguf_facts' own, one per file)."""
+    key = (id(facts), load.kv_type, load.num_parallel, load.num_batch, config.KV_POOL.get(), total_memory())
+    kept = _DEFAULT_CONTEXTS.get(key)
+    if kept is not None and kept[0] is facts:
+        return kept[1]
+    if len(_DEFAULT_CONTEXTS) > 64:
+        _DEFAULT_CONTEXTS.clear()
+    n_ctx = _default_context(load, facts, key[-1])
+    _DEFAULT_CONTEXTS[key] = (facts, n_ctx)
+    return n_ctx
+
+
+_DEFAULT_CONTEXTS: dict[tuple, tuple[ModelFacts, int]] = {}
+
+
+def _default_context(load: LoadOptions, facts: ModelFacts, total: int | None) -> int:
+    trained = facts.context_length or FALLBACK_CONTEXT
+    if facts.info is None or total is None:
+        return trained
+    n_ctx = trained
+    while n_ctx > FALLBACK_CONTEXT:
+        try:
+            plan = plan_memory(facts.info, load.model_copy(update={"num_ctx": n_ctx}))
+        except ModelFormatError:  # an architecture without attention metadata: llama.cpp sizes it itself
+            return trained
+        if plan.kv_total + plan.compute <= total * DEFAULT_CONTEXT_SHARE:
+            break
+        n_ctx //= 2
+    return max(n_ctx, min(trained, FALLBACK_CONTEXT))
+
+
+def total_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def serves(loaded: LoadOptions, wanted: LoadOptions) -> bool:
@@ -156,6 +210,7 @@ def _refuse_or_clamp(name: str, value: int, bound: int, explicit: bool, why: str
 def bound_load(load: LoadOptions, explicit: set[str], facts: ModelFacts) -> LoadOptions:
     """Check `load` (effective values: effective_load filled the unset ones) against the model and the
     machine. `explicit` names the options the request or Modelfile set; the others are clamped, not refused."""
+    load = with_context(load, facts)
     cores = os.cpu_count() or 1
     threads = load.num_thread  # None: the engine tunes the count as it runs
     if threads is not None:
