@@ -61,3 +61,32 @@ def test_serve_beyond_loopback_needs_a_key(isolated_home):
     assert refused.returncode == 1
     assert "LOCALLLM_HOST 0.0.0.0 lets other machines reach this server" in refused.stderr
     assert "LOCALLLM_API_KEY" in refused.stderr
+
+
+def test_serve_s_connections_send_small_writes_at_once():
+    # Nagle's algorithm holds a stream's second small write (its opening event after the headers) until the client
+    # ACKs the first, which Linux delays up to 40 ms: asyncio turns it off only where the socket says TCP.
+    import asyncio
+    import socket
+
+    from localllm.cli.serve import _listen
+
+    async def accepted_nodelay() -> int:
+        found: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        class Accept(asyncio.Protocol):
+            def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
+                sock = transport.get_extra_info("socket")
+                found.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        listener = _listen("127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(Accept, sock=listener)
+        try:
+            _, writer = await asyncio.open_connection(*listener.getsockname())
+            value = await asyncio.wait_for(found, 10)
+            writer.close()
+            return value
+        finally:
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0
