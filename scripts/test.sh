@@ -30,5 +30,9 @@ else
     mkdir -p "$MCP_NPM" && npm install --no-audit --no-fund --silent --prefix "$MCP_NPM" \
       @modelcontextprotocol/server-filesystem @modelcontextprotocol/server-everything
   fi
+  # The coding agents tests/test_real_agents.py runs (Claude Code, Codex, opencode, Qwen Code, aider): installed once
+  # per machine into a cache outside the tree; an agent whose install failed is skipped by its test.
+  LOCALLLM_AGENTS_BIN=$(bash scripts/install_agents.sh)
+  export LOCALLLM_AGENTS_BIN
 fi
 exec .venv/bin/python -m pytest "$@"
