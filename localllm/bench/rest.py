@@ -44,7 +44,7 @@ def free_port() -> int:
 def served_model(
     path: Path,
     *,
-    slots: int,
+    slots: int | None,
     threads: int | None,
     n_ctx: int | None,
     home: Path | None = None,
@@ -76,10 +76,11 @@ def served_model(
         **os.environ,
         "LOCALLLM_HOME": str(home),
         "LOCALLLM_HOST": f"127.0.0.1:{port}",
-        "LOCALLLM_NUM_PARALLEL": str(slots),
         "LOCALLLM_LOG_LEVEL": "warning",
         **(env or {}),
     }
+    if slots:  # None: the server's default slot count
+        settings["LOCALLLM_NUM_PARALLEL"] = str(slots)
     if n_ctx:  # None: the server's default, the model's trained context
         settings["LOCALLLM_CONTEXT_LENGTH"] = str(n_ctx)
     if threads:
