@@ -114,6 +114,16 @@ def editor_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return bench_editor.editor_figures(path, llama_server=args.llama_server)
 
 
+def prompts_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """Long prompts (1K to 16K tokens, distinct text) served at both servers' defaults: time to first token, decode
+    after it and the cost curve (scripts/bench_prompts.py).
+    `python scripts/bench.py --models qwen2.5-coder:0.5b --only prompts --llama-server PATH`."""
+    import bench_prompts
+
+    sizes = args.prompt_sizes or bench_prompts.SIZES
+    return bench_prompts.prompt_figures(path, llama_server=args.llama_server, sizes=sizes, repeats=args.repeats)
+
+
 def mixed_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     """Three streams decoding as a long prompt arrives, ours and llama-server's (scripts/bench_serving.py)."""
     return _serving(path, args)[0]
@@ -218,6 +228,7 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "pair": ("Speculation on a real draft pair", pair_section),
     "prefix": ("Prefix cache beyond the slots", prefix_section),
     "editor": ("Editor completion (fill in the middle)", editor_section),
+    "prompts": ("Long prompts at the defaults against llama-server", prompts_section),
     "mixed": ("Mixed load: decoders beside a long prompt", mixed_section),
     "memory": ("Memory at the defaults", memory_section),
     "firstload": ("First load of a new model", first_load_section),
@@ -323,7 +334,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=["smollm2:135m"], help="pulled models to measure")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--draft", default="qwen2.5-coder:0.5b", help="the pair section's draft model")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats of the embed, vision and bandwidth sections")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="repeats of the embed, vision, bandwidth and prompts sections"
+    )
+    parser.add_argument(
+        "--prompt-sizes", nargs="+", type=int, default=None, help="the prompts section's prompt tokens (default 1K-16K)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="our engine's threads (default: its own)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     parser.add_argument(
