@@ -331,6 +331,12 @@ MCP_CONFIG = Setting(
     lambda raw: Path(raw).expanduser(),
     lambda: HOME.get() / "mcp.json",
 )
+MCP = Setting(
+    "LOCALLLM_MCP",
+    "serve the web page's MCP tool routes for mcp.json's servers (as `serve --mcp`; off by default)",
+    parse_bool,
+    lambda: False,
+)
 
 ALL: tuple[Setting, ...] = (
     HOME,
@@ -363,6 +369,7 @@ ALL: tuple[Setting, ...] = (
     RESPONSES_MAX_AGE,
     INFILL_MODEL,
     MCP_CONFIG,
+    MCP,
 )
 
 

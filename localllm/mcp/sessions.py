@@ -207,9 +207,14 @@ class McpSessions:
 
     async def _serve(self, connection: _Connection, ready: asyncio.Future[None]) -> None:
         """Open the server's transport and session, list its tools, then hold them open until told to stop."""
-        from mcp import ClientSession
-
         entry = connection.entry
+        try:
+            from mcp import ClientSession
+        except ImportError:
+            ready.set_exception(
+                McpError("MCP tools need the mcp package", hint="install the mcp extra: bash scripts/setup.sh mcp")
+            )
+            return
         try:
             async with AsyncExitStack() as stack:
                 errlog = stack.enter_context(self._errlog(entry))

@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__, config
 from ..client.protocol import Client
-from . import infill_routes, ollama_routes, prompt_cache_routes, rerank_routes, web_routes
+from . import infill_routes, mcp_routes, ollama_routes, prompt_cache_routes, rerank_routes, web_routes
 from .anthropic import routes as anthropic_routes
 from .metrics import CONTENT_TYPE, AccessLog, ServerMetrics
 from .openai import responses_routes as openai_responses
@@ -71,19 +71,23 @@ def _default_client() -> Client:
     return LocalClient()
 
 
-def create_app(client: Client | None = None, *, bound_host: str | None = None) -> FastAPI:
+def create_app(client: Client | None = None, *, bound_host: str | None = None, mcp: bool | None = None) -> FastAPI:
     """The app serving `client` (default: a LocalClient on LOCALLLM_HOME, closed on shutdown).
 
     Args:
         client: what the routes call; any Client implementation.
         bound_host: the host the server listens on, accepted in Host headers (default: LOCALLLM_HOST's host).
+        mcp: serve the web page's MCP tool routes (default: LOCALLLM_MCP; `serve --mcp`).
     """
     owned = client is None
     served = client if client is not None else _default_client()
+    toolbox = mcp_routes.open_server_toolbox(config.MCP.get() if mcp is None else mcp)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        if toolbox is not None:
+            toolbox.close()
         if owned:
             served.close()
 
@@ -91,6 +95,7 @@ def create_app(client: Client | None = None, *, bound_host: str | None = None) -
     host = bound_host if bound_host is not None else config.HOST.get()[0]
     state = ServerState(client=served, metrics=ServerMetrics(served), network=not is_loopback_host(host))
     app.state.localllm = state
+    app.state.mcp = toolbox
     install_error_handlers(app)
     app.include_router(web_routes.router)  # `/`: the page for a browser, plain text for the rest
     app.include_router(service)
@@ -101,6 +106,7 @@ def create_app(client: Client | None = None, *, bound_host: str | None = None) -
     app.include_router(openai_responses.router)
     app.include_router(infill_routes.router)
     app.include_router(rerank_routes.router)
+    app.include_router(mcp_routes.router)
     # add_middleware wraps, so the last added runs first: access log, CORS, guard, then the JSON relabelling.
     app.add_middleware(AssumeJson)
     app.add_middleware(GuardMiddleware, settings=GuardSettings.from_config(bound_host))

@@ -4,6 +4,7 @@ import { ApiError, call, getJson, ndjson } from "./api.js";
 import { renderMessage } from "./messages.js";
 import { el, formatBytes } from "./render.js";
 import { newConversation, saveConversation } from "./store.js";
+import { MAX_STEPS, callKey, loadTools, offeredTools, renderToolCard, runToolMessage, toolMessage } from "./tools.js";
 
 const $ = (id) => document.getElementById(id);
 const TEXT_FILE_LIMIT = 512 * 1024; // a text file goes into the prompt whole: more would not fit a small context
@@ -28,6 +29,7 @@ let listChanged = () => {};
 
 export function initChat({ onListChange }) {
   listChanged = onListChange;
+  loadTools(); // the server's MCP tools, when it runs with --mcp (tools.js)
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
     send(performance.now());
@@ -119,10 +121,12 @@ function renderAll() {
   const last = conversation.messages.length - 1;
   list.replaceChildren(
     ...conversation.messages.map((message, index) =>
-      renderMessage(message, {
-        onEdit: message.role === "user" ? () => startEdit(index) : null,
-        onRegenerate: message.role === "assistant" && index === last ? regenerate : null,
-      }).node,
+      message.role === "tool"
+        ? renderToolCard(message)
+        : renderMessage(message, {
+            onEdit: message.role === "user" ? () => startEdit(index) : null,
+            onRegenerate: message.role === "assistant" && index === last ? regenerate : null,
+          }).node,
     ),
   );
   list.scrollTop = list.scrollHeight;
@@ -267,10 +271,12 @@ function wireMessage(message) {
   const images = (message.attachments || []).filter((a) => a.kind === "image").map((a) => a.data);
   const wire = { role: message.role, content: context + message.content };
   if (images.length) wire.images = images;
+  if (message.tool_calls) wire.tool_calls = message.tool_calls;
+  if (message.role === "tool") wire.tool_name = message.tool_name;
   return wire;
 }
 
-function chatRequest(conv) {
+function chatRequest(conv, tools) {
   const settings = conv.settings || {};
   const messages = settings.system ? [{ role: "system", content: settings.system }] : [];
   messages.push(...conv.messages.map(wireMessage));
@@ -281,37 +287,43 @@ function chatRequest(conv) {
   }
   if (Object.keys(options).length) body.options = options;
   if (settings.format) body.format = JSON.parse(settings.format);
+  if (tools) body.tools = tools;
   return body;
 }
 
+// The answer to the last message. With MCP tools (tools.js), the model may call them: each call becomes a tool card
+// that asks before it runs, its result goes back, and the model is asked again, until it answers without a call or
+// MAX_STEPS turns; a turn that only repeats calls already answered is dropped and asked again with no tools.
 async function answer(started) {
   const conv = conversation;
-  const body = chatRequest(conv);
-  const message = { role: "assistant", content: "", thinking: "", model: conv.model, streaming: true };
-  conv.messages.push(message);
-  renderAll();
-  const view = renderMessage(message, {});
-  $("messages").lastElementChild.replaceWith(view.node);
   const controller = new AbortController();
   streaming = { controller, conversation: conv };
   setBusy(true);
-  let saved = performance.now();
+  const offered = await offeredTools();
+  const made = new Set();
+  let mustAnswer = !offered.length;
   try {
-    const response = await call("/api/chat", { method: "POST", body, signal: controller.signal });
-    for await (const chunk of ndjson(response)) {
-      message.content += chunk.message?.content || "";
-      message.thinking += chunk.message?.thinking || "";
-      if (chunk.done) message.stats = statsOf(chunk);
-      view.update(started);
-      if (performance.now() - saved > SAVE_EVERY_MS) {
-        saved = performance.now();
-        saveConversation(conv);
+    for (let step = 0; step < MAX_STEPS && !controller.signal.aborted; step++) {
+      mustAnswer = mustAnswer || step === MAX_STEPS - 1;
+      const calls = await streamTurn(conv, started, controller, mustAnswer ? null : offered);
+      if (!calls.length) break;
+      if (calls.every((c) => made.has(callKey(c)))) {
+        conv.messages.pop();
+        mustAnswer = true;
+        continue;
+      }
+      for (const toolCall of calls) {
+        made.add(callKey(toolCall));
+        const message = toolMessage(toolCall);
+        conv.messages.push(message);
+        await runToolMessage(message, () => conversation === conv && renderAll(), controller.signal).catch((error) =>
+          Object.assign(message, { status: "error", content: `Error: ${error.message}` }),
+        );
+        if (conversation === conv) renderAll();
+        await saveConversation(conv);
       }
     }
-  } catch (error) {
-    if (!keepFailed(conv, message, error)) conv.messages.pop();
   } finally {
-    delete message.streaming;
     streaming = null;
     setBusy(false);
     await saveConversation(conv);
@@ -319,6 +331,39 @@ async function answer(started) {
     listChanged();
     loadModels().catch(() => {});
   }
+}
+
+// One model turn, streamed into a new assistant message; the tool calls it made (none when it answered).
+async function streamTurn(conv, started, controller, tools) {
+  const body = chatRequest(conv, tools);
+  const message = { role: "assistant", content: "", thinking: "", model: conv.model, streaming: true };
+  conv.messages.push(message);
+  renderAll();
+  const view = renderMessage(message, {});
+  $("messages").lastElementChild.replaceWith(view.node);
+  let saved = performance.now();
+  const calls = [];
+  try {
+    const response = await call("/api/chat", { method: "POST", body, signal: controller.signal });
+    for await (const chunk of ndjson(response)) {
+      message.content += chunk.message?.content || "";
+      message.thinking += chunk.message?.thinking || "";
+      calls.push(...(chunk.message?.tool_calls || []));
+      if (chunk.done) message.stats = statsOf(chunk);
+      view.update(started);
+      if (performance.now() - saved > SAVE_EVERY_MS) {
+        saved = performance.now();
+        saveConversation(conv);
+      }
+    }
+    if (calls.length) message.tool_calls = calls;
+  } catch (error) {
+    if (!keepFailed(conv, message, error)) conv.messages.pop();
+    return [];
+  } finally {
+    delete message.streaming;
+  }
+  return calls;
 }
 
 // What a failed answer leaves: a refusal before any text (a 400 for an image a model cannot see) is said and the
