@@ -266,3 +266,40 @@ def test_a_server_that_fails_to_start_is_left_out_with_a_note(tmp_path):
         assert len(notes) == 1  # said once
     finally:
         toolbox.close()
+
+
+# ---------------------------------------------------------------------------------------------------------- prompts
+
+
+def test_prompt_arguments_by_position_or_name():
+    from localllm.cli.mcp_chat import prompt_arguments
+    from localllm.mcp.sessions import McpPrompt
+
+    prompt = McpPrompt("s", "review", "", ("code", "style"), ("code",))
+    assert prompt_arguments(prompt, ["x = 1"]) == {"code": "x = 1"}
+    assert prompt_arguments(prompt, ["style=terse", "code=y"]) == {"style": "terse", "code": "y"}
+    with pytest.raises(InvalidInput, match="needs code"):
+        prompt_arguments(prompt, ["style=terse"])
+    with pytest.raises(InvalidInput, match="takes 2 argument"):
+        prompt_arguments(prompt, ["a", "b", "c"])
+
+
+def test_a_resource_is_attached_in_front_of_the_next_question(edge):
+    from localllm.cli.mcp_chat import ChatTools
+    from localllm.client.local import LocalClient
+    from localllm.conversation import Conversation
+
+    toolbox, _ = edge
+    client = LocalClient()
+    try:
+        tools = ChatTools(client, toolbox)
+        assert tools.prompt("haiku rain") == "Write a haiku about rain."
+        tools.resource("note://greeting")
+        conversation = Conversation("any")
+        conversation.ask("What is the password?")
+        tools.attach_resources(conversation)
+        question = conversation.messages[-1].content
+        assert question.startswith("Resource note://greeting:\n```\nThe password of the day is swordfish.\n```")
+        assert question.endswith("What is the password?") and tools.attached == []
+    finally:
+        client.close()

@@ -100,3 +100,17 @@ def test_a_hanging_tool_is_cut_at_its_limit_and_ctrl_c_stops_one(tools_home):
     say(child, "/tools", "stuck", "(on)")  # the chat goes on
     child.sendline("/bye")
     child.close()
+
+
+def test_a_resource_goes_with_the_next_message_and_a_prompt_is_a_command(tools_home):
+    child = _chat(tools_home)
+    for server in ("clock", "slow"):
+        say(child, f"/tools off {server}", "is off")
+    say(child, "/resource", "note://greeting")
+    say(child, "/resource note://greeting", "Attached note://greeting to the next message")
+    say(child, "What is the password of the day? Answer with the word only.", "swordfish")
+    say(child, "/prompt", "/prompt haiku topic", "Ask for a haiku about a topic.")
+    say(child, "/prompt haiku", "Error:", "/prompt haiku needs topic")
+    say(child, "/prompt haiku rain", "Write a haiku about rain.")
+    child.sendline("/bye")
+    child.close()

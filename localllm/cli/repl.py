@@ -60,6 +60,8 @@ HELP = f"""Available Commands:
   /image <path>   Attach an image to the next message (a model with vision)
   /stats          Show speed, prompt cache reuse and speculation figures
   /tools          List the MCP tools; /tools on|off SERVER for this chat
+  /prompt         Send an MCP server's prompt (/prompt lists them)
+  /resource       Attach an MCP server's resource (/resource lists them)
   /bye            Exit
   /?, /help       Help for a command
   /? shortcuts    Help for keyboard shortcuts
@@ -334,6 +336,8 @@ class Repl:
             "/image": self._image,
             "/stats": self._stats,
             "/tools": self._tools,
+            "/prompt": self._prompt,
+            "/resource": self._resource,
             "/help": self._help,
             "/?": self._help,
             "/bye": self._bye,
@@ -475,6 +479,23 @@ class Repl:
             console.print(no_tools_message(), highlight=False, markup=False)
             return
         self.tools.command(rest)
+
+    def _prompt(self, rest: str) -> None:
+        """/prompt [NAME ARGS]: an MCP server's prompt, sent as the next message (cli/mcp_chat.py)."""
+        if self.tools is None:
+            self._tools("")
+            return
+        text = self.tools.prompt(rest)
+        if text:
+            console.print(text, style="dim", highlight=False, markup=False)
+            self.ask(text)
+
+    def _resource(self, rest: str) -> None:
+        """/resource [URI]: attach an MCP server's resource to the next message (cli/mcp_chat.py)."""
+        if self.tools is None:
+            self._tools("")
+        else:
+            self.tools.resource(rest)
 
     def _image(self, rest: str) -> None:
         """/image PATH: read and check the image now (a wrong file is refused here, not after the question)."""
