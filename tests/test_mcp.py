@@ -134,18 +134,21 @@ def test_mcp_test_lists_the_git_servers_tools(tmp_path):
     assert {"git_status", "git_log"} <= set(_test_lists(path, "git"))
 
 
+@pytest.mark.slow  # installs the npm servers on a machine's first run
 def test_mcp_test_lists_the_npm_filesystem_servers_tools(tmp_path):
     script = npm_server("@modelcontextprotocol/server-filesystem")
     path = write_config(tmp_path / "mcp.json", {"fs": {"command": "node", "args": [str(script), str(tmp_path)]}})
     assert {"read_text_file", "list_directory"} <= set(_test_lists(path, "fs"))
 
 
+@pytest.mark.slow  # installs the npm servers on a machine's first run
 def test_mcp_test_lists_the_npm_everything_servers_tools(tmp_path):
     script = npm_server("@modelcontextprotocol/server-everything")
     path = write_config(tmp_path / "mcp.json", {"everything": {"command": "node", "args": [str(script)]}})
     assert "echo" in _test_lists(path, "everything")
 
 
+@pytest.mark.slow  # installs the npm servers on a machine's first run
 def test_a_remote_server_is_reached_over_streamable_http(tmp_path):
     script = npm_server("@modelcontextprotocol/server-everything")
     port = _free_port()
@@ -230,12 +233,31 @@ def test_a_crashing_server_is_an_error_and_starts_again(edge):
     assert marker.read_text().count("started") == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("edge", [120], indirect=True)  # 10 MB through a pipe on a busy machine
 def test_a_10_mb_result_is_cut_and_the_cut_is_said(edge):
     toolbox, _ = edge
     outcome = _call(toolbox, "big")
     assert outcome.status == "ok" and outcome.truncated
     assert len(outcome.text) < 21_000 and "[truncated: the tool returned 10,485,760 characters" in outcome.text
+
+
+def test_trust_skips_the_question_per_server_per_tool_or_for_all(tmp_path):
+    entries = [
+        parse_entry("asks", edge_entry(), tmp_path / "mcp.json"),
+        parse_entry("trusted", edge_entry(trust=True), tmp_path / "mcp.json"),
+    ]
+    toolbox = Toolbox(McpSessions(entries))
+    try:
+        asks, trusted = PendingCall("asks", "echo", {}, "echo"), PendingCall("trusted", "echo", {}, "echo")
+        assert toolbox.needs_confirmation(asks) and not toolbox.needs_confirmation(trusted)
+        toolbox.always(asks)
+        assert not toolbox.needs_confirmation(asks)
+        assert toolbox.needs_confirmation(PendingCall("asks", "fail", {}, "fail"))  # always is for one tool
+        toolbox.trust_all = True  # --trust-tools
+        assert not toolbox.needs_confirmation(PendingCall("asks", "fail", {}, "fail"))
+    finally:
+        toolbox.close()
 
 
 def test_bound_text_keeps_a_short_result_whole():

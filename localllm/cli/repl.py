@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from rich.console import Console
 
@@ -24,11 +24,9 @@ from ..errors import InvalidInput, LocalLLMError, ModelNotFound
 from .app import console, err_console, print_error
 from .image_files import cut_mentions, find_image_files, read_image_file
 from .interrupts import interrupt_handled, raise_noted_interrupt
+from .mcp_chat import HELP_TOOLS, ChatTools
 from .prompt_cache_file import is_prompt_cache_file, read_prompt_cache, write_prompt_cache
 from .render import MarkdownStream, RawStream, print_model_facts, print_timings, render_pull, timing_rows
-
-if TYPE_CHECKING:
-    from .mcp_chat import ChatTools
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -465,6 +463,7 @@ class Repl:
             "shortcut": HELP_SHORTCUTS,
             "parameter": HELP_PARAMETERS,
             "parameters": HELP_PARAMETERS,
+            "tools": HELP_TOOLS,
         }
         text = topics.get(rest.strip().lower().lstrip("/"))
         if text is None:
