@@ -39,6 +39,7 @@ def toolbox(tmp_path):
     servers = {
         "clock": {"command": sys.executable, "args": [str(EDGE_SERVER), "city_time"]},
         "slow": {"command": sys.executable, "args": [str(EDGE_SERVER), "hang"], "timeout": 3},
+        "stuck": {"command": sys.executable, "args": [str(EDGE_SERVER), "hang"], "timeout": 600},
     }
     entries = [parse_entry(name, body, tmp_path / "mcp.json") for name, body in servers.items()]
     box = Toolbox(McpSessions(entries, log_dir=tmp_path / "logs"))
@@ -65,6 +66,7 @@ def cards(app, role: str) -> list[str]:
 
 async def test_a_call_is_confirmed_in_a_dialog_shown_as_a_card_and_used(coder_client, toolbox):
     toolbox.set_enabled("slow", False)
+    toolbox.set_enabled("stuck", False)
     app = LocalLLMApp(coder_client, model=MODEL, system=SYSTEM, options=OPTIONS, tools=toolbox)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         await ask(pilot, "What time is it in Tokyo?", "y")
@@ -83,8 +85,29 @@ async def test_a_call_is_confirmed_in_a_dialog_shown_as_a_card_and_used(coder_cl
 
 async def test_a_hanging_tool_is_cut_at_its_limit(coder_client, toolbox):
     toolbox.set_enabled("clock", False)
+    toolbox.set_enabled("stuck", False)
     app = LocalLLMApp(coder_client, model=MODEL, system=SYSTEM, options=OPTIONS, tools=toolbox)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         await ask(pilot, "What time is it in Tokyo? Use the hang tool.", "y")
         [card] = cards(app, "tool")
         assert "slow › hang" in card and "tool error" in card and "ran past its time limit of 3 s" in card
+
+
+async def test_escape_stops_a_running_tool_and_the_chat_goes_on(coder_client, toolbox):
+    toolbox.set_enabled("clock", False)
+    toolbox.set_enabled("slow", False)
+    app = LocalLLMApp(coder_client, model=MODEL, system=SYSTEM, options=OPTIONS, tools=toolbox)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await type_text(pilot, "What time is it in Tokyo? Use the hang tool.")
+        await pilot.press("enter")
+        for _ in range(2400):
+            if isinstance(app.screen, ToolConfirmScreen):
+                break
+            await pilot.pause(0.1)
+        await pilot.press("y")
+        await pilot.pause(1)  # the call runs (its limit is ten minutes)
+        await pilot.press("escape")
+        await wait_for_answer(pilot, limit=600)  # a minute at most: the call was cancelled, not waited for
+        assert app.conversation.messages[-1].role == "tool"
+        assert "stopped this tool call" in app.conversation.messages[-1].content
+        assert "(stopped)" in cards(app, "assistant")[-1]

@@ -98,6 +98,9 @@ class TerminalToolView:
         console.print(f"[{style}]{label}{cut}:[/] ", end="", highlight=False)
         console.print(text, style="dim", highlight=False, markup=False)
 
+    def cancelled(self) -> bool:
+        return False  # the terminal stops a tool by Ctrl-C, a signal
+
     def close(self) -> None:
         self._open.close()
         self._stream = None

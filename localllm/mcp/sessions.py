@@ -13,7 +13,8 @@ import asyncio
 import json
 import sys
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AsyncExitStack
@@ -28,6 +29,7 @@ T = TypeVar("T")
 
 START_TIMEOUT = 60.0  # seconds for a server to start and list its tools (npx and uvx may install first)
 STOP_TIMEOUT = 10.0
+CANCEL_POLL = 0.1  # seconds between looks at a caller's cancel flag while a call runs
 
 
 class McpError(LocalLLMError):
@@ -101,12 +103,21 @@ class McpSessions:
         """The server's tools (it starts first if it is not running)."""
         return self._connection(server).tools
 
-    def call(self, server: str, tool: str, arguments: dict[str, Any], *, timeout: float) -> ToolResult:
+    def call(
+        self,
+        server: str,
+        tool: str,
+        arguments: dict[str, Any],
+        *,
+        timeout: float,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> ToolResult:
         """Run one tool with its arguments as the protocol's JSON. A server error, a crash or the time limit is an
-        McpError; Ctrl-C (KeyboardInterrupt) cancels the call on the server and propagates."""
+        McpError; Ctrl-C, or `cancelled()` turning true (a TUI's Escape), cancels the call on the server and raises
+        KeyboardInterrupt."""
         connection = self._connection(server)
         try:
-            return self._wait(self._call(connection, tool, arguments, timeout), timeout + STOP_TIMEOUT)
+            return self._wait(self._call(connection, tool, arguments, timeout), timeout + STOP_TIMEOUT, cancelled)
         except McpTimeout:
             raise
         except McpError:
@@ -158,11 +169,21 @@ class McpSessions:
             self._connections[server] = connection
             return connection
 
-    def _wait(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run `coroutine` on the manager's loop and wait for it; Ctrl-C here cancels it there."""
+    def _wait(
+        self, coroutine: Coroutine[Any, Any, T], timeout: float, cancelled: Callable[[], bool] = lambda: False
+    ) -> T:
+        """Run `coroutine` on the manager's loop and wait for it; Ctrl-C here, or `cancelled()`, cancels it there."""
         future: Future[T] = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        deadline = time.monotonic() + timeout
         try:
-            return future.result(timeout)
+            while True:
+                try:
+                    return future.result(min(CANCEL_POLL, max(deadline - time.monotonic(), 0)))
+                except FutureTimeout:
+                    if cancelled():
+                        raise KeyboardInterrupt from None
+                    if time.monotonic() >= deadline:
+                        raise
         except FutureTimeout:
             future.cancel()
             raise McpTimeout(f"the MCP server did not answer within {timeout:g} s") from None

@@ -73,6 +73,10 @@ class ToolLoopView(Protocol):
     def result(self, call: PendingCall, outcome: CallOutcome) -> None:
         """The call ran, failed or was declined."""
 
+    def cancelled(self) -> bool:
+        """Whether the user stopped the answer by other means than Ctrl-C (a TUI's Escape): a running tool is then
+        cancelled as Ctrl-C cancels it."""
+
 
 class Toolbox:
     """The MCP servers of one chat session: which are on, their tools under the names the model sees, and which
@@ -269,14 +273,21 @@ class ToolLoop:
                 return CallOutcome(DECLINED, "declined")
             if decision == "always":
                 self.toolbox.always(call)
-        return run_call(self.toolbox, call)
+        return run_call(self.toolbox, call, cancelled=view.cancelled)
 
 
-def run_call(toolbox: Toolbox, call: PendingCall, *, max_chars: int = MAX_RESULT_CHARS) -> CallOutcome:
+def run_call(
+    toolbox: Toolbox,
+    call: PendingCall,
+    *,
+    max_chars: int = MAX_RESULT_CHARS,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> CallOutcome:
     """Run a confirmed call: its result cut to `max_chars` (the cut said in the text), or its failure as an error
     text for the model. Ctrl-C propagates (the server is told to cancel)."""
     try:
-        result = toolbox.sessions.call(call.server, call.tool, call.arguments, timeout=toolbox.timeout(call.server))
+        timeout = toolbox.timeout(call.server)
+        result = toolbox.sessions.call(call.server, call.tool, call.arguments, timeout=timeout, cancelled=cancelled)
     except McpError as exc:
         return CallOutcome(f"Error: {exc}", "error")
     text, truncated = bound_text(result.text, max_chars)

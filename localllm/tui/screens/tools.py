@@ -111,6 +111,9 @@ class TuiToolView:
             self.app.call_from_thread(_awaited(card.append), f"\n\n*{label}{cut}:*\n\n```\n{text}\n```")
         self.reply = self.app.call_from_thread(self._add, "assistant", "")  # the answer goes on below the card
 
+    def cancelled(self) -> bool:
+        return self.worker.is_cancelled
+
     def close(self) -> None:
         self._end_reply()
 
