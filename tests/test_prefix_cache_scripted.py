@@ -83,7 +83,7 @@ class ToyModel:
     def logits(self, row: int) -> np.ndarray:
         return self.rows[row]
 
-    def make_sampler(self, options: SamplingOptions, *, grammar: str | None = None):
+    def make_sampler(self, options: SamplingOptions, *, grammar: str | None = None, triggers: tuple[str, ...] = ()):
         model = self
 
         class Greedy:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import anthropic
@@ -16,6 +17,7 @@ import pytest
 from conftest import CODER_TEST_MODEL, PINNED_CODER
 
 from localllm.api import Message, Tool, ToolCall, ToolCallFunction
+from localllm.chat.structured import lazy_tool_call_grammar
 from localllm.chat.templates import render_chat
 from localllm.chat.tool_calls import ToolCallParser, parse_tool_calls
 
@@ -368,3 +370,83 @@ def test_a_call_cut_off_by_max_tokens_says_so_and_is_no_call_on_every_route(code
     chunks = list(client.chat(model=PINNED_CODER, messages=ASK, tools=[WEATHER], options=options, stream=True))
     assert chunks[-1].done_reason == "length" and not [c for ch in chunks for c in ch.message.tool_calls or []]
     _no_json_text("".join(ch.message.content or "" for ch in chunks))
+
+
+# ------------------------------------------------------------------------------------------- constrained once begun
+
+TRIGGERED = [
+    # (answer so far, where the grammar takes over): llama.cpp searches its trigger patterns the same way
+    ('Let me look. <tool_call>\n{"name"', 13),
+    ('```json\n{\n  "name":', 0),
+    ('  {"name": "get', 2),
+    ('\n{\n    "name"  :', 1),
+]
+NOT_TRIGGERED = ['The answer is {"name": "x"}', '{"answer": 42}', "```python\nprint(1)\n```", "```json\n[1, 2]"]
+
+
+@pytest.mark.parametrize(("text", "start"), TRIGGERED)
+def test_a_call_begun_in_any_known_form_triggers_the_grammar_where_it_begins(text, start):
+    lazy = lazy_tool_call_grammar(TOOLS)
+    found = [m for m in (re.search(p, text) for p in lazy.triggers) if m]
+    assert found and min(m.start(1) for m in found) == start
+
+
+@pytest.mark.parametrize("text", NOT_TRIGGERED)
+def test_text_and_json_that_is_no_call_stay_free(text):
+    assert not any(re.search(p, text) for p in lazy_tool_call_grammar(TOOLS).triggers)
+
+
+def test_the_call_grammar_offers_only_the_tools_and_one_call_unless_parallel():
+    grammar = lazy_tool_call_grammar(TOOLS).grammar
+    assert (
+        '"\\"get_weather\\""' in grammar and '"\\"add\\""' in grammar and "root ::= tagged | fenced | bare" in grammar
+    )
+    assert (
+        "(space tool-call)*" in grammar
+        and "(space tool-call)*" not in lazy_tool_call_grammar(TOOLS, parallel=False).grammar
+    )
+
+
+def _place_tool(name: str, location: dict) -> dict:
+    parameters = {"type": "object", "properties": {"location": location}, "required": ["location"]}
+    return {"type": "function", "function": {"name": name, "description": "Find places", "parameters": parameters}}
+
+
+@pytest.mark.models
+def test_a_lazy_grammar_holds_a_begun_call_to_the_offered_tools_and_their_schemas(coder_home):
+    """The prompt offers one tool; the grammar another (an object where it says string, or another name): what the
+    model writes free shows the difference, and once its call begins the grammar's tool and schema hold."""
+    from localllm.api import LoadOptions, SamplingOptions
+    from localllm.backends.llama_cpp.backend import LlamaCppBackend
+    from localllm.engine.runner import GenerationParams, ModelEngine
+    from localllm.models.store import Store
+
+    weights = Store(Path(coder_home) / "models").resolve(CODER_TEST_MODEL).weights
+    field = gguf.GGUFReader(str(weights)).fields["tokenizer.chat_template"]
+    template = bytes(field.parts[field.data[0]]).decode()
+    opts = LoadOptions(num_thread=1, num_ctx=1024, num_parallel=1)
+    engine = ModelEngine(LlamaCppBackend().load(weights, opts), max_queue=2)
+    greedy = SamplingOptions(temperature=0, num_predict=60, spec_type="none")
+    ask = [{"role": "user", "content": "Find cafes near Istanbul, Turkey."}]
+
+    def call(prompt_tool: dict, grammar_tool: dict | None) -> tuple[str, dict]:
+        prompt = engine.tokenize(render_chat(template, ask, tools=[prompt_tool]), add_special=False)
+        lazy = lazy_tool_call_grammar([Tool.model_validate(grammar_tool)]) if grammar_tool else None
+        params = GenerationParams(prompt, greedy, lazy.grammar if lazy else None)
+        params.grammar_triggers = lazy.triggers if lazy else ()
+        answer = "".join(chunk.text for chunk in engine.submit(params))
+        tools = [Tool.model_validate(prompt_tool), *([Tool.model_validate(grammar_tool)] if grammar_tool else [])]
+        (found,) = parse_tool_calls(answer, tools)[1]
+        return found.function.name, found.function.arguments
+
+    try:
+        as_object = _place_tool("find_place", {"type": "object", "description": "its city and country"})
+        as_string = _place_tool("find_place", {"type": "string"})
+        assert isinstance(call(as_object, None)[1]["location"], dict)  # free, the model follows the prompt
+        name, arguments = call(as_object, as_string)
+        assert name == "find_place" and isinstance(arguments["location"], str)
+        unknown = _place_tool("locate_cafes", {"type": "string"})
+        assert call(unknown, None)[0] == "locate_cafes"
+        assert call(unknown, as_string)[0] == "find_place"  # a tool that was not offered is never called
+    finally:
+        engine.close()

@@ -299,7 +299,10 @@ class LoadedModel(Protocol):
     def logits(self, row: int) -> np.ndarray:
         """Raw logits of `row` of the last decode, shape [n_vocab]."""
 
-    def make_sampler(self, options: SamplingOptions, *, grammar: str | None = None) -> Sampler: ...
+    def make_sampler(
+        self, options: SamplingOptions, *, grammar: str | None = None, triggers: tuple[str, ...] = ()
+    ) -> Sampler:
+        """A sampler for one request; with `triggers` its grammar waits for one of them (chat/structured.py)."""
 
     def remove(self, seq: int, start: int, end: int = -1) -> None:
         """Forget cached tokens [start, end) of sequence `seq` (end -1: to the end)."""

@@ -5,6 +5,8 @@ output is valid by construction. JSON schema to GBNF is schema_grammar's: llama.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from ..api import Format, Tool
@@ -80,3 +82,39 @@ def tool_choice_grammar(tools: list[Tool] | None, tool_choice: Any) -> str | Non
         name = (tool_choice.get("function") or {}).get("name")
         return schema_grammar(tool_call_schema(tools, name=name))
     raise InvalidInput(f"tool_choice {tool_choice!r} is not valid", hint='use "auto", "none", "required" or a function')
+
+
+@dataclass(frozen=True)
+class LazyGrammar:
+    """A grammar that waits: free text until one of `triggers` (llama.cpp's trigger patterns: searched in the
+    answer so far, the grammar applying from the first group) matches, then only what `grammar` allows."""
+
+    grammar: str
+    triggers: tuple[str, ...]
+
+
+# Whitespace the grammar allows between a call's tokens, and the triggers' bound on it: a trigger must never match
+# text its grammar rejects (llama.cpp replays the matched text into the grammar).
+_WS = "[ \\t\\r\\n]{0,24}"
+_WS_RE = r"[ \t\r\n]{0,24}"
+CALL_TRIGGERS = (
+    r"(<tool_call>)",  # Hermes / Qwen: the template's opener, anywhere in the answer
+    r"^\s*(```(?:json)?" + _WS_RE + r"\{" + _WS_RE + r'"name"' + _WS_RE + ":)",  # fenced JSON naming a tool
+    r"^\s*(\{" + _WS_RE + r'"name"' + _WS_RE + ":)",  # a JSON object naming a tool at the answer's start
+)
+
+
+def lazy_tool_call_grammar(tools: list[Tool], *, parallel: bool = True) -> LazyGrammar:
+    """Constrained once begun: after a trigger, only well-formed calls to offered tools with arguments that fit
+    their schemas, in the form the trigger began (tagged, fenced or bare); `parallel` allows more than one."""
+    call = schema_grammar(tool_call_schema(tools))
+    call = re.sub(r"^root ::=", "tool-call ::=", call, flags=re.M)
+    call = re.sub(r"^space ::=.*$", lambda _: f"space ::= {_WS}", call, flags=re.M)
+    tagged = '"<tool_call>" space tool-call space "</tool_call>"'
+    rules = [
+        "root ::= tagged | fenced | bare",
+        f"tagged ::= {tagged}" + (f" (space {tagged})*" if parallel else ""),
+        'fenced ::= "```" "json"? space tool-call space "```"',
+        "bare ::= tool-call" + (" (space tool-call)*" if parallel else ""),
+    ]
+    return LazyGrammar("\n".join(rules) + "\n" + call, CALL_TRIGGERS)

@@ -55,6 +55,11 @@ class Answer:
         count, self._prompt_tokens = self._prompt_tokens, 0
         return count
 
+    @property
+    def thinks(self) -> bool:
+        """Whether the answer may begin with a think block (where a call's trigger is no call)."""
+        return self._splitter is not None
+
     def grammar(self, grammar: str | None) -> str | None:
         """Structured output on a thinking answer applies after the think block (as Ollama does)."""
         if grammar is None or not self._thinks or self._splitter is None:

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 from .. import __version__, api
 from ..chat.fim import require_fim
-from ..chat.structured import grammar_for_format, tool_choice_grammar
+from ..chat.structured import LazyGrammar, grammar_for_format, lazy_tool_call_grammar, tool_choice_grammar
 from ..chat.templates import transcript_sampling
 from ..chat.thinking import Think, check_thinking, parse_think
 from ..engine.planning import plan_response, plan_with_draft
@@ -220,13 +220,15 @@ class LocalClient:
             sampling = transcript_sampling(sampling)
         sampling = _bound_sampling(loaded, sampling, n_ctx)
         tokens, answer, images = _chat_prompt(loaded, model, request, tools, sampling.stop, token)
+        lazy = _lazy_call_grammar(tools) if grammar is None and tools and not answer.thinks else None
         params = GenerationParams(
             tokens,
             sampling,
-            answer.grammar(grammar),
+            lazy.grammar if lazy else answer.grammar(grammar),
             request.truncate,
             _logprobs_wanted(request),
             started=ready,
+            grammar_triggers=lazy.triggers if lazy else (),
             keep_prefix=sampling.keep_prefix,
             images=images,
             n_ctx=n_ctx,
@@ -352,6 +354,14 @@ def _prompt_model(loaded: Loaded, model: ResolvedModel, template: str | None = N
         token_text=engine.token_text,
         image_tokens=engine.image_tokens,
     )
+
+
+def _lazy_call_grammar(tools: list[api.Tool]) -> LazyGrammar | None:
+    """Calls constrained once begun; tools whose schemas no grammar holds are left to the parser, as before."""
+    try:
+        return lazy_tool_call_grammar(tools)
+    except InvalidInput:
+        return None
 
 
 def _chat_prompt(

@@ -72,6 +72,7 @@ class GenerationParams:
     keep_prefix: bool = False  # pin the prompt and answer in the prefix cache when the request ends
     images: tuple[PromptImage, ...] = ()  # images whose placeholders the prompt holds (Vision.image_tokens)
     n_ctx: int | None = None  # the request's own context, where it asked for less than the loaded model holds
+    grammar_triggers: tuple[str, ...] = ()  # the grammar waits for one of these (chat/structured.py LazyGrammar)
 
 
 ACCEPTANCE_POSITIONS = 64  # draft positions counted one by one; later ones count in the last
@@ -493,7 +494,9 @@ class ModelEngine:
 
     def _admit(self, request: _Job, params: GenerationParams) -> None:
         try:
-            sampler = request.sampler = self.model.make_sampler(params.sampling, grammar=params.grammar)
+            sampler = request.sampler = self.model.make_sampler(
+                params.sampling, grammar=params.grammar, triggers=params.grammar_triggers
+            )
             for tok in request.prompt:
                 if not is_placeholder(tok):  # an image's embeddings are no token penalties could count
                     sampler.accept(tok)
@@ -501,7 +504,10 @@ class ModelEngine:
             # numerics, so a deterministic request is not either.
             if self.speculation is not None and not request.deterministic and not request.images:
                 request.drafter = self.speculation.drafter_for(
-                    params.sampling, grammar=params.grammar, n_prompt=len(request.prompt)
+                    # a lazy grammar's probe would hold drafts to it from the first token: drafts go unprobed
+                    params.sampling,
+                    grammar=None if params.grammar_triggers else params.grammar,
+                    n_prompt=len(request.prompt),
                 )
             self._scheduler.admit(request)
             self._unopened.append(request)

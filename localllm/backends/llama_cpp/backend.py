@@ -581,10 +581,12 @@ class LlamaCppModel:
         values = cast(Any, self._logits_row.from_address(ctypes.addressof(ptr.contents)))  # a ctypes array: a buffer
         return np.frombuffer(values, dtype=np.float32)
 
-    def make_sampler(self, options: SamplingOptions, *, grammar: str | None = None) -> LlamaCppSampler | GreedySampler:
+    def make_sampler(
+        self, options: SamplingOptions, *, grammar: str | None = None, triggers: tuple[str, ...] = ()
+    ) -> LlamaCppSampler | GreedySampler:
         if GreedySampler.fits(options, grammar):
             return GreedySampler(self, _biases(self, options))
-        return LlamaCppSampler(self, options, grammar)
+        return LlamaCppSampler(self, options, grammar, triggers)
 
     # ----------------------------------------------------------------------------------------------- cache
 
@@ -701,14 +703,16 @@ class LlamaCppSampler:
     Order as in llama.cpp's common sampler: logit bias, penalties, grammar, then top-k, typical, top-p, min-p,
     temperature and the seeded draw; temperature 0 is greedy."""
 
-    def __init__(self, model: LlamaCppModel, opts: SamplingOptions, grammar: str | None):
+    def __init__(
+        self, model: LlamaCppModel, opts: SamplingOptions, grammar: str | None, triggers: tuple[str, ...] = ()
+    ):
         self._ctx = model._ctx
         params = llama_cpp.llama_sampler_chain_default_params()
         params.no_perf = True
         self._chain = llama_cpp.llama_sampler_chain_init(params)
         # The chain owns every sampler added to it; this one is also fed the prompt's tokens (accept).
         self._penalties = _penalties(model, opts)
-        for smpl in _chain_steps(model, opts, grammar, self._penalties):
+        for smpl in _chain_steps(model, opts, grammar, triggers, self._penalties):
             llama_cpp.llama_sampler_chain_add(self._chain, smpl)
 
     def sample(self, row: int) -> int:
@@ -799,7 +803,19 @@ def _penalties(model: LlamaCppModel, opts: SamplingOptions) -> Any:
     )
 
 
-def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: str | None, penalties: Any):
+def _grammar_sampler(vocab: Any, grammar: str, triggers: tuple[str, ...]) -> Any:
+    """The grammar step: from the first token, or lazy: free until one of `triggers` matches the answer so far."""
+    if not triggers:
+        return llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+    patterns = (ctypes.c_char_p * len(triggers))(*(t.encode() for t in triggers))
+    return llama_cpp.llama_sampler_init_grammar_lazy_patterns(
+        vocab, grammar.encode(), b"root", patterns, len(triggers), None, 0
+    )
+
+
+def _chain_steps(
+    model: LlamaCppModel, opts: SamplingOptions, grammar: str | None, triggers: tuple[str, ...], penalties: Any
+):
     vocab = model._vocab
     wanted = _biases(model, opts)  # the same biases GreedySampler applies: one rule for both
     if wanted:
@@ -810,7 +826,7 @@ def _chain_steps(model: LlamaCppModel, opts: SamplingOptions, grammar: str | Non
     if penalties is not None:
         yield penalties
     if grammar:
-        smpl = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+        smpl = _grammar_sampler(vocab, grammar, triggers)
         if not smpl:
             raise InvalidInput("the grammar (from format / response_format / tools) does not parse")
         yield smpl

@@ -206,7 +206,11 @@ class MlxModel:
     def logits(self, row: int) -> np.ndarray:
         return np.array(self.row_logits(row), dtype=np.float32)
 
-    def make_sampler(self, options: SamplingOptions, *, grammar: str | None = None) -> MlxSampler:
+    def make_sampler(
+        self, options: SamplingOptions, *, grammar: str | None = None, triggers: tuple[str, ...] = ()
+    ) -> MlxSampler:
+        if triggers:  # a lazy tool call grammar only helps: without one, the answer is parsed as before
+            grammar = None
         if grammar is not None:
             raise InvalidInput(GRAMMAR_UNSUPPORTED, hint="use a GGUF model on llama.cpp for format / response_format")
         return MlxSampler(self.row_logits, options, n_ctx=self.n_ctx, n_vocab=self.meta.n_vocab, eog=self._eog)
