@@ -381,6 +381,7 @@ class ChatRequest(_InferenceRequest):
     messages: list[Message] = Field(default_factory=list)  # MAX_MESSAGES at most (client/prompts.py checks)
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = Field(None, description="auto, none, required or a function")
+    parallel_tool_calls: bool = Field(True, description="false: at most one tool call per answer (localllm extension)")
 
 
 class EmbedRequest(_Model):

@@ -407,6 +407,16 @@ def test_the_call_grammar_offers_only_the_tools_and_one_call_unless_parallel():
     )
 
 
+@pytest.mark.models
+def test_parallel_tool_calls_false_gives_one_call_at_most(coder_url):
+    oai = openai.OpenAI(base_url=coder_url + "/v1", api_key="none", max_retries=0)
+    two = [{"role": "user", "content": "What is the weather in Paris and in Rome?"}]
+    ask = dict(model=PINNED_CODER, messages=two, tools=[WEATHER], max_tokens=120, parallel_tool_calls=False)
+    whole = oai.chat.completions.create(**ask).choices[0]
+    assert len(whole.message.tool_calls) == 1 and not (whole.message.content or "").strip()
+    _assert_weather(*_openai_calls(whole.message.tool_calls)[0])
+
+
 def _place_tool(name: str, location: dict) -> dict:
     parameters = {"type": "object", "properties": {"location": location}, "required": ["location"]}
     return {"type": "function", "function": {"name": name, "description": "Find places", "parameters": parameters}}

@@ -220,7 +220,9 @@ class LocalClient:
             sampling = transcript_sampling(sampling)
         sampling = _bound_sampling(loaded, sampling, n_ctx)
         tokens, answer, images = _chat_prompt(loaded, model, request, tools, sampling.stop, token)
-        lazy = _lazy_call_grammar(tools) if grammar is None and tools and not answer.thinks else None
+        lazy = None
+        if grammar is None and tools and not answer.thinks:
+            lazy = _lazy_call_grammar(tools, parallel=request.parallel_tool_calls)
         params = GenerationParams(
             tokens,
             sampling,
@@ -356,10 +358,10 @@ def _prompt_model(loaded: Loaded, model: ResolvedModel, template: str | None = N
     )
 
 
-def _lazy_call_grammar(tools: list[api.Tool]) -> LazyGrammar | None:
+def _lazy_call_grammar(tools: list[api.Tool], *, parallel: bool) -> LazyGrammar | None:
     """Calls constrained once begun; tools whose schemas no grammar holds are left to the parser, as before."""
     try:
-        return lazy_tool_call_grammar(tools)
+        return lazy_tool_call_grammar(tools, parallel=parallel)
     except InvalidInput:
         return None
 

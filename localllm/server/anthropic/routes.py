@@ -39,6 +39,7 @@ async def messages(
     request = await run_in_threadpool(chat_request, body)  # thousands of messages: off the event loop
     notes = ignored(body) + await thinking_notes(state, request)
     parallel = parallel_tools(body.tool_choice)
+    request = request.model_copy(update={"parallel_tool_calls": parallel})  # the call grammar stops after one
     chunks = await ChunkStream.open(
         lambda: one_call_at_most(state.client.chat(request), parallel),
         observe=state.metrics.observe_chunk,

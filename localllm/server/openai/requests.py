@@ -65,6 +65,7 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = None
     tools: list[api.Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning_effort: str | None = Field(None, description="none, minimal, low, medium or high")
@@ -150,6 +151,7 @@ def chat_requests(body: ChatCompletionRequest) -> list[api.ChatRequest]:
         format=response_format(body.response_format),
         tools=body.tools,
         tool_choice=body.tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls,
         keep_alive=body.keep_alive,
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,

@@ -51,6 +51,7 @@ async def create_response(
     if compaction_triggered(body.input):
         return with_notes(await compaction_turn(body, history, state), ignored(body))
     request = await run_in_threadpool(chat_request, body, history)  # a long history: off the event loop
+    request = request.model_copy(update={"parallel_tool_calls": body.parallel_tool_calls})
     chunks = await ChunkStream.open(
         lambda: one_call_at_most(state.client.chat(request), body.parallel_tool_calls),
         observe=state.metrics.observe_chunk,
