@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
@@ -326,6 +327,15 @@ Format = Literal["json", ""] | dict[str, Any] | None
 
 
 # ---------------------------------------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class GrammarTriggers:
+    """When a lazy grammar takes over (chat/call_formats.py): `words` are literal openers (a backend may watch for
+    them as one token), `patterns` regular expressions over the answer so far that end where the grammar begins."""
+
+    patterns: tuple[str, ...] = ()
+    words: tuple[str, ...] = ()
 
 
 class _InferenceRequest(_Model):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import anthropic
@@ -17,9 +19,10 @@ import pytest
 from conftest import CODER_TEST_MODEL, PINNED_CODER
 
 from localllm.api import Message, Tool, ToolCall, ToolCallFunction
-from localllm.chat.structured import lazy_tool_call_grammar
+from localllm.chat.call_formats import HERMES, JSON_ONLY, LLAMA3, MISTRAL, call_format, lazy_call_grammar, word_pattern
 from localllm.chat.templates import render_chat
 from localllm.chat.tool_calls import ToolCallParser, parse_tool_calls
+from localllm.models.store import Store
 
 WEATHER = {
     "type": "function",
@@ -149,7 +152,6 @@ def test_the_whole_answer_parser_is_the_streaming_one():
 
 @pytest.mark.models
 def test_the_qwen_template_renders_tools_multi_call_turns_and_results(coder_home):
-    from localllm.models.store import Store
 
     weights = Store(Path(coder_home) / "models").resolve(CODER_TEST_MODEL).weights
     field = gguf.GGUFReader(str(weights)).fields["tokenizer.chat_template"]
@@ -374,37 +376,96 @@ def test_a_call_cut_off_by_max_tokens_says_so_and_is_no_call_on_every_route(code
 
 # ------------------------------------------------------------------------------------------- constrained once begun
 
-TRIGGERED = [
-    # (answer so far, where the grammar takes over): llama.cpp searches its trigger patterns the same way
-    ('Let me look. <tool_call>\n{"name"', 13),
-    ('```json\n{\n  "name":', 0),
-    ('  {"name": "get', 2),
-    ('\n{\n    "name"  :', 1),
+FAMILIES = {  # a template's telltale, its family, and a call the family writes
+    "<tool_call>": (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    "[TOOL_CALLS]": (MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
+    "<|python_tag|>": (LLAMA3, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+    "{{ messages }}": (JSON_ONLY, '{"name": "get_weather", "arguments": {"city": "Paris"}}'),
+}
+TRIGGERED = [  # answers so far that end where a call's grammar takes over
+    '{"name":',
+    '  {\n    "name"  :  "',
+    '[{"name": "',
+    '```json\n{\n  "name":',
+    '```\n[ {"name": "',
 ]
-NOT_TRIGGERED = ['The answer is {"name": "x"}', '{"answer": 42}', "```python\nprint(1)\n```", "```json\n[1, 2]"]
+NOT_TRIGGERED = [
+    'The answer is {"name": "x"}',
+    '{"answer": 42}',
+    "```python\nprint(1)\n```",
+    "```json\n[1, 2]",
+]
+RAN_PAST = '{"name": "x"} and more'  # whole: the trigger matched only where an answer so far ended
 
 
-@pytest.mark.parametrize(("text", "start"), TRIGGERED)
-def test_a_call_begun_in_any_known_form_triggers_the_grammar_where_it_begins(text, start):
-    lazy = lazy_tool_call_grammar(TOOLS)
-    found = [m for m in (re.search(p, text) for p in lazy.triggers) if m]
-    assert found and min(m.start(1) for m in found) == start
+@pytest.mark.parametrize("telltale", list(FAMILIES))
+def test_each_template_family_is_known_by_its_opener_and_its_calls_parse(telltale):
+    fmt, written = FAMILIES[telltale]
+    assert call_format("{% for m in messages %}" + telltale + "{% endfor %}") is fmt
+    text, calls = parse_tool_calls(written, TOOLS)
+    assert not text.strip() and [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
 
 
-@pytest.mark.parametrize("text", NOT_TRIGGERED)
+@pytest.mark.parametrize("text", TRIGGERED)
+def test_a_json_call_begun_at_the_answers_start_triggers_where_the_answer_ends(text):
+    lazy = lazy_call_grammar(TOOLS, JSON_ONLY)
+    assert any(re.fullmatch(p.removeprefix("^").removesuffix("$"), text) for p in lazy.triggers.patterns)
+
+
+@pytest.mark.parametrize("text", [*NOT_TRIGGERED, RAN_PAST])
 def test_text_and_json_that_is_no_call_stay_free(text):
-    assert not any(re.search(p, text) for p in lazy_tool_call_grammar(TOOLS).triggers)
+    lazy = lazy_call_grammar(TOOLS, HERMES)
+    assert not any(re.fullmatch(p.removeprefix("^").removesuffix("$"), text) for p in lazy.triggers.patterns)
+    assert not re.search(word_pattern("<tool_call>"), text)
+
+
+def test_an_opener_spelt_in_pieces_triggers_only_where_the_answer_ends():
+    assert re.search(word_pattern("[TOOL_CALLS]"), "Sure. [TOOL_CALLS]")
+    assert re.search(word_pattern("<tool_call>"), "ok <tool_call>\n")
+    assert not re.search(word_pattern("<tool_call>"), "ok <tool_call>{")  # the grammar starts only at its end
 
 
 def test_the_call_grammar_offers_only_the_tools_and_one_call_unless_parallel():
-    grammar = lazy_tool_call_grammar(TOOLS).grammar
-    assert (
-        '"\\"get_weather\\""' in grammar and '"\\"add\\""' in grammar and "root ::= tagged | fenced | bare" in grammar
+    for fmt in (HERMES, MISTRAL, LLAMA3, JSON_ONLY):
+        grammar = lazy_call_grammar(TOOLS, fmt).grammar
+        assert '"\\"get_weather\\""' in grammar and '"\\"add\\""' in grammar and "root ::= bare | fenced" in grammar
+        one = lazy_call_grammar(TOOLS, fmt, parallel=False).grammar
+        assert "(space tool-call)*" in grammar and "tool-call)*" not in one.split("\ntool-call ::=")[0]
+    assert '"\\"parameters\\""' in lazy_call_grammar(TOOLS, LLAMA3).grammar
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL, LLAMA3, JSON_ONLY], ids=lambda f: f.name)
+def test_llama_cpp_takes_every_trigger_into_the_grammar_and_leaves_the_rest_free(coder_home, tmp_path, fmt):
+    """The triggers as llama.cpp's sampler meets them, token by token, in a process of its own (a replay the grammar
+    rejects would abort it): every call's beginning puts the grammar in charge; text that is no call never does."""
+    weights = Store(Path(coder_home) / "models").resolve(CODER_TEST_MODEL).weights
+    lazy = lazy_call_grammar(TOOLS, fmt)
+    opened = [f"{fmt.opener}", f"Let me check. {fmt.opener}\n"] if fmt.opener else []
+    written = FAMILIES_BY_NAME[fmt.name]
+    begun = [*TRIGGERED, *opened]
+    if fmt in (HERMES, JSON_ONLY):  # openers this vocabulary spells in pieces may merge with what follows: left free
+        begun.append(written[: written.index('"city":') + 7])  # the call, up to its argument's value
+    cases = {
+        "grammar": lazy.grammar,
+        "triggers": [list(lazy.triggers.patterns), list(lazy.triggers.words)],
+        "texts": begun + NOT_TRIGGERED,
+        "outside": "Hello",
+    }
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    probe = Path(__file__).parent / "grammar_probe.py"
+    run = subprocess.run(
+        [sys.executable, str(probe), str(weights), str(tmp_path / "cases.json")], capture_output=True, text=True
     )
-    assert (
-        "(space tool-call)*" in grammar
-        and "(space tool-call)*" not in lazy_tool_call_grammar(TOOLS, parallel=False).grammar
-    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"text"')]
+    seen = {line["text"]: line["holding"] for line in lines}
+    assert seen == {**{t: True for t in begun}, **{t: False for t in NOT_TRIGGERED}}
+
+
+FAMILIES_BY_NAME = {fmt.name: written for fmt, written in FAMILIES.values()}
 
 
 @pytest.mark.models
@@ -429,7 +490,6 @@ def test_a_lazy_grammar_holds_a_begun_call_to_the_offered_tools_and_their_schema
     from localllm.api import LoadOptions, SamplingOptions
     from localllm.backends.llama_cpp.backend import LlamaCppBackend
     from localllm.engine.runner import GenerationParams, ModelEngine
-    from localllm.models.store import Store
 
     weights = Store(Path(coder_home) / "models").resolve(CODER_TEST_MODEL).weights
     field = gguf.GGUFReader(str(weights)).fields["tokenizer.chat_template"]
@@ -441,9 +501,9 @@ def test_a_lazy_grammar_holds_a_begun_call_to_the_offered_tools_and_their_schema
 
     def call(prompt_tool: dict, grammar_tool: dict | None) -> tuple[str, dict]:
         prompt = engine.tokenize(render_chat(template, ask, tools=[prompt_tool]), add_special=False)
-        lazy = lazy_tool_call_grammar([Tool.model_validate(grammar_tool)]) if grammar_tool else None
+        lazy = lazy_call_grammar([Tool.model_validate(grammar_tool)], call_format(template)) if grammar_tool else None
         params = GenerationParams(prompt, greedy, lazy.grammar if lazy else None)
-        params.grammar_triggers = lazy.triggers if lazy else ()
+        params.grammar_triggers = lazy.triggers if lazy else None
         answer = "".join(chunk.text for chunk in engine.submit(params))
         tools = [Tool.model_validate(prompt_tool), *([Tool.model_validate(grammar_tool)] if grammar_tool else [])]
         (found,) = parse_tool_calls(answer, tools)[1]

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..api import LoadOptions, LoraAdapter, SamplingOptions
+from ..api import GrammarTriggers, LoadOptions, LoraAdapter, SamplingOptions
 from ..chat.fim import FimTokens
 from ..media import ImagePixels, PromptImage
 from ..models.info import RANK_POOLING
@@ -300,9 +300,9 @@ class LoadedModel(Protocol):
         """Raw logits of `row` of the last decode, shape [n_vocab]."""
 
     def make_sampler(
-        self, options: SamplingOptions, *, grammar: str | None = None, triggers: tuple[str, ...] = ()
+        self, options: SamplingOptions, *, grammar: str | None = None, triggers: GrammarTriggers | None = None
     ) -> Sampler:
-        """A sampler for one request; with `triggers` its grammar waits for one of them (chat/structured.py)."""
+        """A sampler for one request; with `triggers` its grammar waits for one of them (chat/call_formats.py)."""
 
     def remove(self, seq: int, start: int, end: int = -1) -> None:
         """Forget cached tokens [start, end) of sequence `seq` (end -1: to the end)."""

@@ -5,8 +5,6 @@ output is valid by construction. JSON schema to GBNF is schema_grammar's: llama.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Any
 
 from ..api import Format, Tool
@@ -27,8 +25,9 @@ def grammar_for_format(fmt: Format) -> str | None:
     raise InvalidInput(f"format {fmt!r} is not valid", hint='use "json" or a JSON schema object')
 
 
-def tool_call_schema(tools: list[Tool], *, name: str | None = None) -> dict[str, Any]:
-    """Schema of one call {"name": ..., "arguments": {...}} to any of `tools` (or only to `name`)."""
+def tool_call_schema(tools: list[Tool], *, name: str | None = None, arguments_key: str = "arguments") -> dict[str, Any]:
+    """Schema of one call {"name": ..., "arguments": {...}} to any of `tools` (or only to `name`); Llama 3's
+    calls name their arguments "parameters" (`arguments_key`)."""
     chosen = [t for t in tools if name is None or t.function.name == name]
     if not chosen:
         raise InvalidInput(f"tool_choice names {name!r}, which is not among the tools")
@@ -37,9 +36,9 @@ def tool_call_schema(tools: list[Tool], *, name: str | None = None) -> dict[str,
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                "arguments": grammar_parameters(t.function.parameters or {"type": "object"}),
+                arguments_key: grammar_parameters(t.function.parameters or {"type": "object"}),
             },
-            "required": ["name", "arguments"],
+            "required": ["name", arguments_key],
         }
         for t in chosen
     ]
@@ -82,39 +81,3 @@ def tool_choice_grammar(tools: list[Tool] | None, tool_choice: Any) -> str | Non
         name = (tool_choice.get("function") or {}).get("name")
         return schema_grammar(tool_call_schema(tools, name=name))
     raise InvalidInput(f"tool_choice {tool_choice!r} is not valid", hint='use "auto", "none", "required" or a function')
-
-
-@dataclass(frozen=True)
-class LazyGrammar:
-    """A grammar that waits: free text until one of `triggers` (llama.cpp's trigger patterns: searched in the
-    answer so far, the grammar applying from the first group) matches, then only what `grammar` allows."""
-
-    grammar: str
-    triggers: tuple[str, ...]
-
-
-# Whitespace the grammar allows between a call's tokens, and the triggers' bound on it: a trigger must never match
-# text its grammar rejects (llama.cpp replays the matched text into the grammar).
-_WS = "[ \\t\\r\\n]{0,24}"
-_WS_RE = r"[ \t\r\n]{0,24}"
-CALL_TRIGGERS = (
-    r"(<tool_call>)",  # Hermes / Qwen: the template's opener, anywhere in the answer
-    r"^\s*(```(?:json)?" + _WS_RE + r"\{" + _WS_RE + r'"name"' + _WS_RE + ":)",  # fenced JSON naming a tool
-    r"^\s*(\{" + _WS_RE + r'"name"' + _WS_RE + ":)",  # a JSON object naming a tool at the answer's start
-)
-
-
-def lazy_tool_call_grammar(tools: list[Tool], *, parallel: bool = True) -> LazyGrammar:
-    """Constrained once begun: after a trigger, only well-formed calls to offered tools with arguments that fit
-    their schemas, in the form the trigger began (tagged, fenced or bare); `parallel` allows more than one."""
-    call = schema_grammar(tool_call_schema(tools))
-    call = re.sub(r"^root ::=", "tool-call ::=", call, flags=re.M)
-    call = re.sub(r"^space ::=.*$", lambda _: f"space ::= {_WS}", call, flags=re.M)
-    tagged = '"<tool_call>" space tool-call space "</tool_call>"'
-    rules = [
-        "root ::= tagged | fenced | bare",
-        f"tagged ::= {tagged}" + (f" (space {tagged})*" if parallel else ""),
-        'fenced ::= "```" "json"? space tool-call space "```"',
-        "bare ::= tool-call" + (" (space tool-call)*" if parallel else ""),
-    ]
-    return LazyGrammar("\n".join(rules) + "\n" + call, CALL_TRIGGERS)

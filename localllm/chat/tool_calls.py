@@ -21,6 +21,8 @@ from .thinking import held_back
 
 TAG_OPEN = "<tool_call>"
 TAG_CLOSE = "</tool_call>"
+# Openers after which a call's JSON follows with no closer (Mistral's array, Llama 3's object), where a bare call may.
+PREFIX_OPENERS = ("[TOOL_CALLS]", "<|python_tag|>")
 FENCE = "```"
 _FENCE_LANGS = ("", "json", "tool_call", "tool_code")
 # The head of a call whose arguments can stream: `{"name": "...", "arguments": ` (or "parameters"), then a `{`.
@@ -154,6 +156,12 @@ class ToolCallParser:
             text = self._pending = text.lstrip()
             if not text:
                 return False
+            for opener in PREFIX_OPENERS:
+                if text.startswith(opener):
+                    self._open(opener, text[len(opener) :], closer=None)
+                    return True
+                if opener.startswith(text) and not final:
+                    return False  # maybe the opener, arriving
             if text[0] in "{[":
                 self._open("", text, closer=None)
                 return True

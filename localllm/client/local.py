@@ -15,8 +15,9 @@ from functools import partial
 from typing import Any, BinaryIO
 
 from .. import __version__, api
+from ..chat.call_formats import LazyGrammar, call_format, lazy_call_grammar
 from ..chat.fim import require_fim
-from ..chat.structured import LazyGrammar, grammar_for_format, lazy_tool_call_grammar, tool_choice_grammar
+from ..chat.structured import grammar_for_format, tool_choice_grammar
 from ..chat.templates import transcript_sampling
 from ..chat.thinking import Think, check_thinking, parse_think
 from ..engine.planning import plan_response, plan_with_draft
@@ -216,13 +217,14 @@ class LocalClient:
     ) -> tuple[GenerationParams, list[api.Tool] | None, Answer]:
         grammar = grammar_for_format(request.format) or tool_choice_grammar(request.tools, request.tool_choice)
         tools = request.tools if request.tool_choice != "none" else None
-        if _prompt_model(loaded, model).template is None:
+        template = _prompt_model(loaded, model).template
+        if template is None:
             sampling = transcript_sampling(sampling)
         sampling = _bound_sampling(loaded, sampling, n_ctx)
         tokens, answer, images = _chat_prompt(loaded, model, request, tools, sampling.stop, token)
         lazy = None
         if grammar is None and tools and not answer.thinks:
-            lazy = _lazy_call_grammar(tools, parallel=request.parallel_tool_calls)
+            lazy = _lazy_call_grammar(tools, template, parallel=request.parallel_tool_calls)
         params = GenerationParams(
             tokens,
             sampling,
@@ -230,7 +232,7 @@ class LocalClient:
             request.truncate,
             _logprobs_wanted(request),
             started=ready,
-            grammar_triggers=lazy.triggers if lazy else (),
+            grammar_triggers=lazy.triggers if lazy else None,
             keep_prefix=sampling.keep_prefix,
             images=images,
             n_ctx=n_ctx,
@@ -358,10 +360,10 @@ def _prompt_model(loaded: Loaded, model: ResolvedModel, template: str | None = N
     )
 
 
-def _lazy_call_grammar(tools: list[api.Tool], *, parallel: bool) -> LazyGrammar | None:
+def _lazy_call_grammar(tools: list[api.Tool], template: str | None, *, parallel: bool) -> LazyGrammar | None:
     """Calls constrained once begun; tools whose schemas no grammar holds are left to the parser, as before."""
     try:
-        return lazy_tool_call_grammar(tools, parallel=parallel)
+        return lazy_call_grammar(tools, call_format(template), parallel=parallel)
     except InvalidInput:
         return None
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import config
-from ..api import SamplingOptions, Timings
+from ..api import GrammarTriggers, SamplingOptions, Timings
 from ..backends.base import LoadedModel, ModelMeta
 from ..errors import Cancelled, ContextOverflow, InvalidInput, LocalLLMError, QueueFull, WorkerLost
 from ..media import ImagePixels, PromptImage, is_placeholder
@@ -72,7 +72,7 @@ class GenerationParams:
     keep_prefix: bool = False  # pin the prompt and answer in the prefix cache when the request ends
     images: tuple[PromptImage, ...] = ()  # images whose placeholders the prompt holds (Vision.image_tokens)
     n_ctx: int | None = None  # the request's own context, where it asked for less than the loaded model holds
-    grammar_triggers: tuple[str, ...] = ()  # the grammar waits for one of these (chat/structured.py LazyGrammar)
+    grammar_triggers: GrammarTriggers | None = None  # the grammar waits for one (chat/call_formats.py)
 
 
 ACCEPTANCE_POSITIONS = 64  # draft positions counted one by one; later ones count in the last
@@ -506,7 +506,7 @@ class ModelEngine:
                 request.drafter = self.speculation.drafter_for(
                     # a lazy grammar's probe would hold drafts to it from the first token: drafts go unprobed
                     params.sampling,
-                    grammar=None if params.grammar_triggers else params.grammar,
+                    grammar=None if params.grammar_triggers is not None else params.grammar,
                     n_prompt=len(request.prompt),
                 )
             self._scheduler.admit(request)

@@ -25,7 +25,8 @@ from typing import Any, cast
 import llama_cpp
 import numpy as np
 
-from ...api import LoadOptions, LoraAdapter, SamplingOptions
+from ...api import GrammarTriggers, LoadOptions, LoraAdapter, SamplingOptions
+from ...chat.call_formats import word_pattern
 from ...chat.fim import FimTokens
 from ...errors import InvalidInput, LocalLLMError, ModelFormatError, WorkerLost
 from ...machine import physical_cores
@@ -582,7 +583,7 @@ class LlamaCppModel:
         return np.frombuffer(values, dtype=np.float32)
 
     def make_sampler(
-        self, options: SamplingOptions, *, grammar: str | None = None, triggers: tuple[str, ...] = ()
+        self, options: SamplingOptions, *, grammar: str | None = None, triggers: GrammarTriggers | None = None
     ) -> LlamaCppSampler | GreedySampler:
         if GreedySampler.fits(options, grammar):
             return GreedySampler(self, _biases(self, options))
@@ -704,7 +705,11 @@ class LlamaCppSampler:
     temperature and the seeded draw; temperature 0 is greedy."""
 
     def __init__(
-        self, model: LlamaCppModel, opts: SamplingOptions, grammar: str | None, triggers: tuple[str, ...] = ()
+        self,
+        model: LlamaCppModel,
+        opts: SamplingOptions,
+        grammar: str | None,
+        triggers: GrammarTriggers | None = None,
     ):
         self._ctx = model._ctx
         params = llama_cpp.llama_sampler_chain_default_params()
@@ -803,20 +808,33 @@ def _penalties(model: LlamaCppModel, opts: SamplingOptions) -> Any:
     )
 
 
-def _grammar_sampler(vocab: Any, grammar: str, triggers: tuple[str, ...]) -> Any:
-    """The grammar step: from the first token, or lazy: free until one of `triggers` matches the answer so far."""
-    if not triggers:
-        return llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
-    patterns = (ctypes.c_char_p * len(triggers))(*(t.encode() for t in triggers))
+def _grammar_sampler(model: LlamaCppModel, grammar: str, triggers: GrammarTriggers | None) -> Any:
+    """The grammar step: from the first token, or lazy: free until a trigger matches the answer so far. An opener
+    the vocabulary holds as one token triggers as that token; one spelt in pieces becomes an end-anchored pattern."""
+    if triggers is None:
+        return llama_cpp.llama_sampler_init_grammar(model._vocab, grammar.encode(), b"root")
+    tokens: list[int] = []
+    patterns = list(triggers.patterns)
+    for word in triggers.words:
+        spelt = model.tokenize(word, add_special=False, parse_special=True)
+        if len(spelt) == 1:
+            tokens.append(spelt[0])
+        else:
+            patterns.append(word_pattern(word))
+    c_patterns = (ctypes.c_char_p * len(patterns))(*(p.encode() for p in patterns))
+    c_tokens = (llama_cpp.llama_token * len(tokens))(*tokens)
     return llama_cpp.llama_sampler_init_grammar_lazy_patterns(
-        vocab, grammar.encode(), b"root", patterns, len(triggers), None, 0
+        model._vocab, grammar.encode(), b"root", c_patterns, len(patterns), c_tokens, len(tokens)
     )
 
 
 def _chain_steps(
-    model: LlamaCppModel, opts: SamplingOptions, grammar: str | None, triggers: tuple[str, ...], penalties: Any
+    model: LlamaCppModel,
+    opts: SamplingOptions,
+    grammar: str | None,
+    triggers: GrammarTriggers | None,
+    penalties: Any,
 ):
-    vocab = model._vocab
     wanted = _biases(model, opts)  # the same biases GreedySampler applies: one rule for both
     if wanted:
         biases = (llama_cpp.llama_logit_bias * len(wanted))()
@@ -826,7 +844,7 @@ def _chain_steps(
     if penalties is not None:
         yield penalties
     if grammar:
-        smpl = _grammar_sampler(vocab, grammar, triggers)
+        smpl = _grammar_sampler(model, grammar, triggers)
         if not smpl:
             raise InvalidInput("the grammar (from format / response_format / tools) does not parse")
         yield smpl

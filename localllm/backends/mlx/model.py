@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...api import SamplingOptions
+from ...api import GrammarTriggers, SamplingOptions
 from ...errors import InvalidInput, LocalLLMError
 from ...models.plan import Placement
 from ..base import (
@@ -207,9 +207,9 @@ class MlxModel:
         return np.array(self.row_logits(row), dtype=np.float32)
 
     def make_sampler(
-        self, options: SamplingOptions, *, grammar: str | None = None, triggers: tuple[str, ...] = ()
+        self, options: SamplingOptions, *, grammar: str | None = None, triggers: GrammarTriggers | None = None
     ) -> MlxSampler:
-        if triggers:  # a lazy tool call grammar only helps: without one, the answer is parsed as before
+        if triggers is not None:  # a lazy tool call grammar only helps: without one, the answer is parsed as before
             grammar = None
         if grammar is not None:
             raise InvalidInput(GRAMMAR_UNSUPPORTED, hint="use a GGUF model on llama.cpp for format / response_format")
