@@ -506,6 +506,7 @@ class ChatChunk(Timings):
     message: Message = Field(default_factory=lambda: Message(role="assistant"))
     done: bool = False
     done_reason: DoneReason | None = None
+    repairs: list[str] | None = Field(None, description="near tool calls made whole, and how (localllm extension)")
     tool_call_deltas: list[ToolCallDelta] | None = Field(
         None,
         description="a forced tool call as it is "

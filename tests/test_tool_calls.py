@@ -71,6 +71,25 @@ CALLS = [
             ("add", {"a": 2}),
         ],
     ),
+    # near calls, repaired: a wrong wrapper, trailing commas
+    ('<json>{"name": "get_weather", "arguments": {"city": "Oslo"}}</json>', "", [("get_weather", {"city": "Oslo"})]),
+    (
+        'Calling: <tools>\n{"name": "add", "arguments": {"a": 1, "b": [2, 3,],},}\n</tools>',
+        "Calling: ",
+        [("add", {"a": 1, "b": [2, 3]})],
+    ),
+    ('{"name": "get_weather", "arguments": {"city": "Lima" , }}', "", [("get_weather", {"city": "Lima"})]),
+    # a near call whose arguments do not fit its tool stays text
+    (
+        '<json>{"name": "get_weather", "arguments": {"town": "Oslo"}}</json>',
+        '<json>{"name": "get_weather", "arguments": {"town": "Oslo"}}</json>',
+        [],
+    ),
+    (
+        '{"name": "get_weather", "arguments": "{\\"city\\": 7}"}',
+        '{"name": "get_weather", "arguments": "{\\"city\\": 7}"}',
+        [],
+    ),
     # text that only looks like the start of a call goes out as text after all
     ("Code:\n```python\nprint({1: 2})\n```\nDone.", "Code:\n```python\nprint({1: 2})\n```\nDone.", []),
     ('{"answer": 42}', '{"answer": 42}', []),
@@ -139,6 +158,28 @@ def test_a_candidate_cut_off_by_max_tokens_is_no_call_and_no_text(answer, conten
     assert (parsed.content, parser.calls) == (content, [])
     uncut = ToolCallParser(TOOLS)
     assert (uncut.feed(answer).content + uncut.finish().content).endswith(answer[len(content) :])  # ended: text
+
+
+def test_each_repair_is_said_with_its_tool():
+    parser = ToolCallParser(TOOLS)
+    parser.feed('<json>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}",}</json> and ')
+    parser.feed('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    parser.finish()
+    assert parser.repairs == ["get_weather: in <json>, trailing comma, arguments as a string"]
+    assert [c.function.arguments for c in parser.calls] == [{"city": "Oslo"}, {"a": 1}]
+
+
+def test_the_repairs_header_lists_every_answers_repairs():
+    from starlette.responses import JSONResponse
+
+    from localllm.api import ChatChunk
+    from localllm.server.ignored import REPAIRED_HEADER, with_repairs
+
+    answers = [ChatChunk(model="m", repairs=["add: trailing comma"]), ChatChunk(model="m"), ChatChunk(model="m")]
+    answers[2].repairs = ["get_weather: in <json>"]
+    response = with_repairs(JSONResponse({}), answers)
+    assert response.headers[REPAIRED_HEADER] == "add: trailing comma; get_weather: in <json>"
+    assert REPAIRED_HEADER not in with_repairs(JSONResponse({}), answers[1:2]).headers
 
 
 def test_the_whole_answer_parser_is_the_streaming_one():

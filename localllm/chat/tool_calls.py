@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +22,13 @@ from .thinking import held_back
 
 TAG_OPEN = "<tool_call>"
 TAG_CLOSE = "</tool_call>"
+# Tags small models wrap a call in instead of their template's: a call inside is taken, and said to be repaired.
+NEAR_TAGS = {"<function_call>": "</function_call>", "<tools>": "</tools>", "<json>": "</json>"}
+TAGS = {TAG_OPEN: TAG_CLOSE, **NEAR_TAGS}
 # Openers after which a call's JSON follows with no closer (Mistral's array, Llama 3's object), where a bare call may.
 PREFIX_OPENERS = ("[TOOL_CALLS]", "<|python_tag|>")
 FENCE = "```"
+_MARKERS = (*TAGS, FENCE)
 _FENCE_LANGS = ("", "json", "tool_call", "tool_code")
 # The head of a call whose arguments can stream: `{"name": "...", "arguments": ` (or "parameters"), then a `{`.
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)', re.S)
@@ -75,6 +80,44 @@ class _JsonEnd:
         return None
 
 
+class _ArgsCleaner:
+    """Streams a call's arguments with trailing commas dropped (`{"a": 1,}`): a comma outside strings is held back
+    until what follows it shows whether it ends an object or array. `dropped` says whether one was."""
+
+    def __init__(self) -> None:
+        self._in_string = False
+        self._escaped = False
+        self._held = ""  # a comma and the whitespace after it
+        self.dropped = False
+
+    def feed(self, text: str) -> str:
+        out: list[str] = []
+        for ch in text:
+            if self._held:
+                if ch in " \t\r\n":
+                    self._held += ch
+                    continue
+                if ch in "}]":
+                    self._held, self.dropped = "", True
+                else:
+                    out.append(self._held)
+                    self._held = ""
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch == ",":
+                self._held = ch
+                continue
+            out.append(ch)
+        return "".join(out)
+
+
 @dataclass
 class _Call:
     """One call object being read: its raw text, and once its head is known, its id, name and streamed arguments."""
@@ -85,7 +128,8 @@ class _Call:
     name: str | None = None
     args_start: int = -1
     args_end: int = -1
-    sent: int = 0  # characters of the arguments already sent
+    sent: int = 0  # characters of the arguments already read into `cleaner`
+    cleaner: _ArgsCleaner = field(default_factory=lambda: _ArgsCleaner())
     object_end: _JsonEnd = field(default_factory=_JsonEnd)
     args_end_at: _JsonEnd = field(default_factory=_JsonEnd)
 
@@ -95,15 +139,18 @@ class ToolCallParser:
     (a call cut off by num_predict streamed its pieces but is not among them)."""
 
     def __init__(self, tools: list[Tool]):
-        self._known = {t.function.name for t in tools}
+        self._schemas = {t.function.name: t.function.parameters for t in tools}
+        self._known = set(self._schemas)
         self._pending = ""  # text not decided yet
         self._held = ""  # text of a candidate call, given back as text if it is not one
         self._state = "text"  # text | value | array | close
         self._closer: str | None = None  # what ends the candidate: the closing tag, the fence, or nothing (bare)
+        self._opener = ""  # what began it
         self._bare_allowed = True  # a bare JSON call may start here (the answer's start, or right after a call)
         self._call: _Call | None = None
         self._committed = 0  # calls of the current candidate already streamed
         self.calls: list[ToolCall] = []
+        self.repairs: list[str] = []  # each near call made whole: its tool and what was wrong
         self._count = 0
 
     # ------------------------------------------------------------------------------------------------- feeding
@@ -167,20 +214,21 @@ class ToolCallParser:
                 return True
         start = self._marker(text)
         if start is None:
-            hold = 0 if final else max(held_back(text, TAG_OPEN), held_back(text, FENCE))
+            hold = 0 if final else max(held_back(text, marker) for marker in _MARKERS)
             self._say(out, text[: len(text) - hold])
             self._pending = text[len(text) - hold :]
             return False
         self._say(out, text[:start])
         rest = text[start:]
-        if rest.startswith(TAG_OPEN):
-            self._open(TAG_OPEN, rest[len(TAG_OPEN) :], closer=TAG_CLOSE)
-            return True
+        for opener, closer in TAGS.items():
+            if rest.startswith(opener):
+                self._open(opener, rest[len(opener) :], closer=closer)
+                return True
         return self._fence(out, rest, final)
 
     @staticmethod
     def _marker(text: str) -> int | None:
-        found = [i for i in (text.find(TAG_OPEN), text.find(FENCE)) if i >= 0]
+        found = [i for i in (text.find(marker) for marker in _MARKERS) if i >= 0]
         return min(found) if found else None
 
     def _fence(self, out: Parsed, rest: str, final: bool) -> bool:
@@ -206,7 +254,7 @@ class ToolCallParser:
                 self._bare_allowed = False
 
     def _open(self, opener: str, rest: str, *, closer: str | None) -> None:
-        self._held, self._pending = opener, rest
+        self._held, self._pending, self._opener = opener, rest, opener
         self._state, self._closer, self._committed, self._call = "value", closer, 0, None
 
     # ------------------------------------------------------------------------------------------------- values
@@ -260,6 +308,8 @@ class ToolCallParser:
     def _stream(self, call: _Call) -> list[ToolCallDelta]:
         """The deltas the call's text so far makes known: its head once it is whole, then its arguments' text."""
         deltas: list[ToolCallDelta] = []
+        if self._near():
+            return deltas  # sent whole when it ends, if its arguments fit the tool: else it stays text
         if call.id is None:
             head = _CALL_HEAD.match(call.text)
             if head is None:
@@ -280,15 +330,17 @@ class ToolCallParser:
         if end is not None:
             call.args_end = call.args_start + end
         upto = call.args_end if call.args_end >= 0 else len(call.text)
-        fragment = call.text[call.args_start + call.sent : upto]
+        raw = call.text[call.args_start + call.sent : upto]
+        call.sent += len(raw)
+        fragment = call.cleaner.feed(raw)
         if fragment:
             deltas.append(ToolCallDelta(index=call.index, arguments=fragment))
-            call.sent += len(fragment)
         return deltas
 
     def _end_call(self, out: Parsed, call: _Call) -> None:
         """A call object is whole: keep it as a call, or, if it is none, give the candidate back as text."""
-        parsed = _as_call(call.text, self._known)
+        found = _as_call(call.text, self._schemas, self._near())
+        parsed = found[0] if found else None
         if call.id is None and parsed is None:
             if not self._committed:
                 self._give_back(out)
@@ -302,10 +354,16 @@ class ToolCallParser:
                 ToolCallDelta(index=call.index, id=call.id, name=parsed.function.name),
                 ToolCallDelta(index=call.index, arguments=json.dumps(parsed.function.arguments)),
             ]
-        if parsed is not None and call.id is not None:
-            self.calls.append(ToolCall(id=call.id, function=parsed.function))
+        if found is not None and call.id is not None:
+            self.calls.append(ToolCall(id=call.id, function=found[0].function))
+            if found[1]:
+                self.repairs.append(f"{found[0].function.name}: {', '.join(found[1])}")
         if self._state == "value":
             self._state = "close"
+
+    def _near(self) -> list[str]:
+        """What about the candidate's wrapping is near, not right: said with the call it holds."""
+        return [f"in {self._opener}"] if self._opener in NEAR_TAGS else []
 
     def _give_back(self, out: Parsed) -> None:
         held, self._held = self._held, ""
@@ -333,26 +391,54 @@ def _new_id() -> str:
     return f"call_{uuid.uuid4().hex[:12]}"
 
 
-def _as_call(raw: str, known: set[str]) -> ToolCall | None:
-    """A call object's text as a call: {"name", "arguments"|"parameters"} (arguments may be a JSON string), or
-    OpenAI's {"type": "function", "function": {...}}, naming a known tool."""
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return None
+def _as_call(
+    raw: str, schemas: Mapping[str, dict[str, Any] | None], near: list[str]
+) -> tuple[ToolCall, list[str]] | None:
+    """A call object's text as a call and what was repaired to make it one: {"name", "arguments"|"parameters"}
+    (arguments may be a JSON string), or OpenAI's {"type": "function", "function": {...}}, naming a known tool.
+    Trailing commas are dropped. A call in a near wrapper or with its arguments as a string (neither streamed as it
+    goes) is one only if its arguments fit the tool's schema."""
+    repairs = list(near)
+    data = _json_or_none(raw)
+    if data is None:
+        cleaner = _ArgsCleaner()
+        data = _json_or_none(cleaner.feed(raw))
+        if data is None or not cleaner.dropped:
+            return None
+        repairs.append("trailing comma")
     if isinstance(data, dict) and isinstance(data.get("function"), dict):
         data = data["function"]
-    if not isinstance(data, dict) or data.get("name") not in known:
+    if not isinstance(data, dict) or data.get("name") not in schemas:
         return None
     args: Any = data.get("arguments", data.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            return None
+    as_string = isinstance(args, str)
+    if as_string:
+        args = _json_or_none(args) if args.strip() else {}
+        repairs.append("arguments as a string")
     if not isinstance(args, dict):
         return None
-    return ToolCall(id=_new_id(), function=ToolCallFunction(name=data["name"], arguments=args))
+    if (near or as_string) and not _fits(args, schemas[data["name"]]):
+        return None
+    return ToolCall(id=_new_id(), function=ToolCallFunction(name=data["name"], arguments=args)), repairs
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _fits(args: dict[str, Any], schema: dict[str, Any] | None) -> bool:
+    import jsonschema  # only a near call pays for it
+
+    try:
+        jsonschema.validate(args, schema or {"type": "object"})
+    except jsonschema.ValidationError:
+        return False
+    except jsonschema.SchemaError:
+        return True  # a schema the validator cannot read does not make a call wrong
+    return True
 
 
 def parse_tool_calls(text: str, tools: list[Tool]) -> tuple[str, list[ToolCall]]:

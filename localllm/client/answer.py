@@ -190,5 +190,6 @@ def chat_with_tools(
             done=True,
             done_reason=chunk.done_reason,
             stop_sequence=answer.stop_sequence,
+            repairs=parser.repairs or None,
             **timing_fields(chunk, load_seconds),
         )

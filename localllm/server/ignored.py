@@ -9,9 +9,12 @@ from typing import TypeVar
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import Response
 
+from ..api import ChatChunk
+
 R = TypeVar("R", bound=Response)
 
 IGNORED_HEADER = "X-LocalLLM-Ignored"
+REPAIRED_HEADER = "X-LocalLLM-Repaired"  # near tool calls made whole (chat/tool_calls.py), each with how
 MAX_NOTES = 2000  # characters of the header; a body with hundreds of unknown fields is told about the first ones
 
 
@@ -27,4 +30,13 @@ def with_notes(response: R, notes: list[str]) -> R:
     if notes:
         text = "; ".join(notes).encode("ascii", "backslashreplace").decode("ascii")
         response.headers[IGNORED_HEADER] = text[:MAX_NOTES]
+    return response
+
+
+def with_repairs(response: R, answers: list[ChatChunk]) -> R:
+    """The near tool calls the answers' parser repaired, as one header line, bounded as the notes are."""
+    repairs = [repair for answer in answers for repair in answer.repairs or []]
+    if repairs:
+        text = "; ".join(repairs).encode("ascii", "backslashreplace").decode("ascii")
+        response.headers[REPAIRED_HEADER] = text[:MAX_NOTES]
     return response

@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from .. import api
 from ..models.info import require_tools
 from .chunk_stream import ChunkStream
+from .ignored import with_repairs
 from .offloop import json_body, until_gone
 from .responses import client_gone, merge_chat, merge_generate, ndjson_response
 from .state import State
@@ -154,7 +155,10 @@ async def chat(body: Annotated[api.ChatRequest, json_body(api.ChatRequest)], sta
     if body.stream:
         return ndjson_response(chunks)
     collected = await chunks.collect(disconnected=http.is_disconnected)
-    return json_of(merge_chat(collected)) if collected else client_gone()
+    if not collected:
+        return client_gone()
+    merged = merge_chat(collected)
+    return with_repairs(json_of(merged), [merged])
 
 
 @router.post("/api/count_tokens")

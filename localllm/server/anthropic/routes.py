@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from ... import api
 from ..chunk_stream import ChunkStream
 from ..first_call import one_call_at_most
-from ..ignored import with_notes
+from ..ignored import with_notes, with_repairs
 from ..offloop import json_body
 from ..responses import StreamResponse, client_gone, merge_chat
 from ..state import State
@@ -52,7 +52,8 @@ async def messages(
         collected = await chunks.collect(disconnected=http.is_disconnected)
         if not collected:
             return client_gone()
-        response = JSONResponse(render.message(merge_chat(collected), body.model, events.message_id))
+        merged = merge_chat(collected)
+        response = with_repairs(JSONResponse(render.message(merged, body.model, events.message_id)), [merged])
     return with_notes(response, notes)
 
 

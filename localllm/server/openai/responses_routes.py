@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from ... import api
 from ..chunk_stream import ChunkStream
 from ..first_call import one_call_at_most
-from ..ignored import with_notes
+from ..ignored import with_notes, with_repairs
 from ..offloop import json_body
 from ..responses import StreamResponse, client_gone, merge_chat
 from ..state import State
@@ -72,9 +72,10 @@ async def create_response(
     collected = await chunks.collect(disconnected=http.is_disconnected)
     if not collected:
         return client_gone()
-    response = frame.completed(merge_chat(collected))
+    merged = merge_chat(collected)
+    response = frame.completed(merged)
     await run_in_threadpool(keep, response, response["output"])
-    return with_notes(JSONResponse(response), ignored(body))
+    return with_repairs(with_notes(JSONResponse(response), ignored(body)), [merged])
 
 
 async def compaction_turn(body: ResponsesRequest, history: list[api.Message], state: State) -> Response:

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ...errors import ModelNotFound
 from ..chunk_stream import ChunkStream
+from ..ignored import with_repairs
 from ..offloop import json_body, until_gone
 from ..responses import client_gone, merge_chat, merge_generate, sse_response
 from ..state import State
@@ -57,7 +58,8 @@ async def chat_completions(
     collected = await chunks.collect(disconnected=http.is_disconnected)
     if not collected:
         return client_gone()
-    return JSONResponse(render.chat_completion(by_choice(collected, merge_chat), envelope))
+    answers = by_choice(collected, merge_chat)
+    return with_repairs(JSONResponse(render.chat_completion(answers, envelope)), answers)
 
 
 @router.post("/completions")
