@@ -220,6 +220,14 @@ def web_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return bench_web.web_figures(path, threads=args.threads)
 
 
+def tools_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """Tool calls on BFCL's non-live categories against llama-server --jinja (scripts/bench_tools.py): needs a
+    tool-calling model, `--models qwen2.5-coder:0.5b --only tools --llama-server PATH`."""
+    import bench_tools
+
+    return bench_tools.tools_figures(path, threads=args.threads, llama_server=args.llama_server)
+
+
 SECTIONS: dict[str, tuple[str, Section]] = {
     "engine": ("Engine against raw llama.cpp", engine_section),
     "rest": ("REST path against raw llama.cpp", rest_section),
@@ -240,6 +248,7 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "vision": ("Vision: first token with an image against llama-server", vision_section),
     "bandwidth": ("Decode against memory bandwidth (informational)", bandwidth_section),
     "web": ("Web page: first load and first token painted", web_section),
+    "tools": ("Tool calls on BFCL against llama-server --jinja", tools_section),
 }
 
 

@@ -86,7 +86,8 @@ def lazy_call_grammar(tools: list[Tool], fmt: CallFormat, *, parallel: bool = Tr
         f"calls ::= tool-call {_again('space tool-call', parallel)} | "
         f'"[" space tool-call {_again(_NEXT_IN_ARRAY, parallel)} space "]"',
         "bare ::= calls",
-        'fenced ::= "```" "json"? space calls space "```"',
+        f"fenced ::= fence {_again('space fence', parallel)}",
+        'fence ::= "```" "json"? space calls space "```"',
     ]
     forms = ["bare", "fenced"]
     if fmt.opener is not None:
