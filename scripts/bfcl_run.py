@@ -57,6 +57,11 @@ def language(category: str, Language):
 def run_category(client: httpx.Client, model: str, category: str, count: int, bfcl) -> dict:
     load_items, load_answers, to_tools, ast_checker, Language = bfcl
     items = load_items(category, include_prereq=False)[:count]
+    # The checker reads the functions as BFCL wrote them (Java and JavaScript types), the requests carry them as
+    # its handlers send them (those types as strings, with a hint in the description).
+    plain = {
+        e["id"]: e["function"] for e in load_items(category, include_prereq=False, include_language_specific_hint=False)
+    }
     answers = {a["id"]: a["ground_truth"] for a in load_answers(category)} if category != "irrelevance" else {}
     tally = {"items": len(items), "called": 0, "well_formed": 0, "passed": 0, "calls": 0}
     for item in items:
@@ -90,7 +95,7 @@ def run_category(client: httpx.Client, model: str, category: str, count: int, bf
             except ValueError:
                 output.append({name: {}})
         verdict = ast_checker(
-            item["function"], output, answers[item["id"]], language(category, Language), category, "localllm-FC"
+            plain[item["id"]], output, answers[item["id"]], language(category, Language), category, "localllm-FC"
         )
         tally["passed"] += bool(verdict["valid"])
     return tally
