@@ -83,7 +83,7 @@ class ToyModel:
     def logits(self, row: int) -> np.ndarray:
         return self.rows[row]
 
-    def make_sampler(self, options: SamplingOptions, *, grammar: str | None = None, triggers: tuple[str, ...] = ()):
+    def make_sampler(self, options: SamplingOptions, *, grammar: str | None = None, triggers: object = None):
         model = self
 
         class Greedy:
