@@ -294,7 +294,7 @@ def test_a_server_that_fails_to_start_is_left_out_with_a_note(tmp_path):
 
 
 def test_prompt_arguments_by_position_or_name():
-    from localllm.cli.mcp_chat import prompt_arguments
+    from localllm.mcp.prompts import prompt_arguments
     from localllm.mcp.sessions import McpPrompt
 
     prompt = McpPrompt("s", "review", "", ("code", "style"), ("code",))

@@ -9,27 +9,15 @@ import shlex
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
-from typing import TypeVar
 
 from ..client.protocol import Client
 from ..conversation import Conversation
 from ..errors import InvalidInput, LocalLLMError
-from ..mcp.sessions import McpPrompt
-from ..mcp.tool_loop import (
-    MAX_RESULT_CHARS,
-    CallOutcome,
-    Decision,
-    PendingCall,
-    Toolbox,
-    ToolLoop,
-    bound_text,
-    open_toolbox,
-)
+from ..mcp.prompts import listed_prompts, listed_resources, prompt_arguments, prompt_text, resource_text, with_resources
+from ..mcp.tool_loop import CallOutcome, Decision, PendingCall, Toolbox, ToolLoop, open_toolbox
 from .app import console, err_console, print_error
 from .interrupts import interrupt_handled
 from .render import MarkdownStream, RawStream, print_timings
-
-T = TypeVar("T")
 
 CONFIRM = "Run it? [y]es / [n]o / [a]lways for this tool: "
 ANSWERS: dict[str, Decision] = {"y": "yes", "yes": "yes", "n": "no", "no": "no", "a": "always", "always": "always"}
@@ -182,7 +170,7 @@ class ChatTools:
     def prompt(self, rest: str) -> str | None:
         """/prompt lists the servers' prompts; /prompt NAME ARGS returns the prompt's text, to send as a message."""
         words = shlex.split(rest)
-        prompts = {prompt.name: prompt for prompt in self._each(self.toolbox.sessions.prompts)}
+        prompts = listed_prompts(self.toolbox, self._note)
         if not words:
             for prompt in prompts.values():
                 names = " ".join(f"{name}{'' if name in prompt.required else '?'}" for name in prompt.arguments)
@@ -195,14 +183,12 @@ class ChatTools:
         if words[0] not in prompts:
             raise InvalidInput(f"no MCP prompt named {words[0]!r}", hint="/prompt lists them")
         prompt = prompts[words[0]]
-        arguments = prompt_arguments(prompt, words[1:])
-        messages = self.toolbox.sessions.get_prompt(prompt.server, prompt.name, arguments)
-        return "\n\n".join(text for _, text in messages)
+        return prompt_text(self.toolbox, prompt, prompt_arguments(prompt, words[1:]))
 
     def resource(self, rest: str) -> None:
         """/resource lists the servers' resources; /resource URI attaches one to the next message."""
         uri = rest.strip()
-        resources = {resource.uri: resource for resource in self._each(self.toolbox.sessions.resources)}
+        resources = listed_resources(self.toolbox, self._note)
         if not uri:
             for resource in resources.values():
                 console.print(f"{resource.server}: {resource.uri}  {resource.name}", highlight=False, markup=False)
@@ -211,7 +197,7 @@ class ChatTools:
             return
         if uri not in resources:
             raise InvalidInput(f"no MCP resource {uri!r}", hint="/resource lists them")
-        text, _ = bound_text(self.toolbox.sessions.read_resource(resources[uri].server, uri), MAX_RESULT_CHARS)
+        text = resource_text(self.toolbox, resources[uri])
         self.attached.append((uri, text))
         console.print(f"Attached {uri} to the next message ({len(text)} characters)", highlight=False, markup=False)
 
@@ -219,42 +205,15 @@ class ChatTools:
         """The attached resources go in front of the question, as files attached in the web page do."""
         if not self.attached or not conversation.messages or conversation.messages[-1].role != "user":
             return
-        context = "".join(f"Resource {uri}:\n```\n{text}\n```\n\n" for uri, text in self.attached)
         question = conversation.messages[-1]
-        conversation.messages[-1] = question.model_copy(update={"content": context + question.content})
+        conversation.messages[-1] = question.model_copy(
+            update={"content": with_resources(question.content, self.attached)}
+        )
         self.attached = []
-
-    def _each(self, listing: Callable[[str], list[T]]) -> list[T]:
-        """`listing` over the servers that are on; a server that fails is a note, not the end of the command."""
-        found: list[T] = []
-        for server, on in self.toolbox.enabled.items():
-            if on:
-                try:
-                    found += listing(server)
-                except LocalLLMError as exc:
-                    self._note(f"MCP server {server!r}: {exc}")
-        return found
 
     @staticmethod
     def _note(text: str) -> None:
         console.print(f"[yellow]note:[/] {text}", highlight=False)
-
-
-def prompt_arguments(prompt: McpPrompt, words: list[str]) -> dict[str, str]:
-    """A prompt's arguments from NAME=VALUE words, or values in the order the prompt lists its arguments."""
-    arguments: dict[str, str] = {}
-    for position, word in enumerate(words):
-        name, sep, value = word.partition("=")
-        if sep and name in prompt.arguments:
-            arguments[name] = value
-        elif position < len(prompt.arguments):
-            arguments[prompt.arguments[position]] = word
-        else:
-            raise InvalidInput(f"/prompt {prompt.name} takes {len(prompt.arguments)} argument(s), not {word!r}")
-    missing = [name for name in prompt.required if name not in arguments]
-    if missing:
-        raise InvalidInput(f"/prompt {prompt.name} needs {', '.join(missing)}", hint=f"/prompt {prompt.name} VALUE…")
-    return arguments
 
 
 def no_tools_message() -> str:
