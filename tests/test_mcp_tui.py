@@ -1,6 +1,6 @@
 """MCP tools in the TUI through Textual's Pilot, on qwen2.5-coder:0.5b (in-process, greedy) and the edge server's
 tools: the confirm dialog, a tool card with the call and its result, the answer using it; a refusal; a hanging tool
-cut at its limit."""
+cut at its limit; the /prompt and /resource commands."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from mcp_servers import EDGE_SERVER
-from test_tui import SIZE, type_text, wait_for_answer
+from test_tui import SIZE, notices, type_text, wait_for_answer
 
 from localllm.mcp.config import parse_entry
 from localllm.mcp.sessions import McpSessions
@@ -16,6 +16,7 @@ from localllm.mcp.tool_loop import Toolbox
 from localllm.tui.app import LocalLLMApp
 from localllm.tui.screens.tools import ToolConfirmScreen
 from localllm.tui.widgets.message_list import MessageList, MessageView
+from localllm.tui.widgets.prompt_input import PromptInput
 
 pytestmark = [pytest.mark.anyio, pytest.mark.models]
 
@@ -111,3 +112,45 @@ async def test_escape_stops_a_running_tool_and_the_chat_goes_on(coder_client, to
         assert app.conversation.messages[-1].role == "tool"
         assert "stopped this tool call" in app.conversation.messages[-1].content
         assert "(stopped)" in cards(app, "assistant")[-1]
+
+
+@pytest.fixture
+def notes_box(tmp_path):
+    """The edge server with its prompt and resource and no tools (the model answers without calling one)."""
+    entry = parse_entry("edge", {"command": sys.executable, "args": [str(EDGE_SERVER), "none"]}, tmp_path / "mcp.json")
+    box = Toolbox(McpSessions([entry], log_dir=tmp_path / "logs"))
+    yield box
+    box.close()
+
+
+async def command(pilot, text: str) -> None:
+    """Send a line as if typed (the message box takes it whole) and wait for what it starts."""
+    pilot.app.screen.query_one(PromptInput).text = text
+    await pilot.press("enter")
+    for _ in range(600):
+        await pilot.pause(0.1)
+        if not pilot.app.screen.workers and not pilot.app.screen._answering:
+            return
+    raise AssertionError(f"{text} did not finish")
+
+
+async def test_prompt_and_resource_commands_use_the_servers(coder_client, notes_box):
+    app = LocalLLMApp(coder_client, model=MODEL, system=SYSTEM, options=OPTIONS, tools=notes_box)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await command(pilot, "/prompt")
+        assert any("edge: /prompt haiku topic" in note for note in notices(app))
+        await command(pilot, "/prompt nosuch")
+        assert any("no MCP prompt named 'nosuch'" in note for note in notices(app))
+
+        await command(pilot, "/resource note://greeting")
+        assert any("Attached note://greeting" in note for note in notices(app))
+        await command(pilot, "What is the password of the day? Answer with the password only.")
+        question = app.conversation.messages[0].content
+        assert question.startswith("Resource note://greeting:\n```\nThe password of the day is swordfish.\n```")
+        assert "attached note://greeting" in cards(app, "user")[0]
+        assert "swordfish" in app.conversation.messages[1].content.lower()
+
+        await pilot.press("ctrl+l")
+        await command(pilot, "/prompt haiku rain")
+        assert app.conversation.messages[0].content == "Write a haiku about rain."  # nothing attached any more
+        assert app.conversation.messages[1].role == "assistant" and app.conversation.messages[1].content

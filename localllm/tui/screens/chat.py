@@ -24,12 +24,14 @@ from ... import api
 from ...client.protocol import Client
 from ...conversation import Conversation, is_model, rate
 from ...errors import LocalLLMError
+from ...mcp.prompts import with_resources
 from ...mcp.tool_loop import Toolbox, ToolLoop
 from ..messages import ErrorReported
 from ..widgets.engine_panel import EnginePanel
 from ..widgets.message_list import MessageList, MessageView
 from ..widgets.prompt_input import PromptInput
 from .dialogs import Settings, SettingsScreen, options_from_show
+from .mcp_commands import McpCommands, is_mcp_command
 from .models import ModelsScreen
 
 if TYPE_CHECKING:
@@ -63,6 +65,7 @@ class ChatScreen(Screen):
         self.client = client
         self.conversation = conversation
         self.tool_loop = ToolLoop(client, tools) if tools is not None else None  # MCP tools (screens/tools.py)
+        self.mcp_commands = McpCommands(tools) if tools is not None else None  # /prompt, /resource
         self._server_up: bool | None = None
         self._answering = False
         self._epoch = 0
@@ -85,7 +88,13 @@ class ChatScreen(Screen):
     # ----------------------------------------------------------------------------------------------- sending
 
     @on(PromptInput.Submitted)
-    def send(self, event: PromptInput.Submitted) -> None:
+    def submitted(self, event: PromptInput.Submitted) -> None:
+        if is_mcp_command(event.text):
+            self.mcp_command(event.text)
+        else:
+            self.send(event.text)
+
+    def send(self, text: str) -> None:
         if not self.conversation.model:
             self.notify("Pick a model first: press F2.", severity="warning")
             return
@@ -93,14 +102,35 @@ class ChatScreen(Screen):
             self.notify("An answer is still being written: wait, or press Escape to stop it.", severity="warning")
             return
         messages = self.query_one(MessageList)
-        messages.add_message("user", event.text)
+        attached = self.mcp_commands.take_attached() if self.mcp_commands is not None else []
+        shown = "".join(f"*(attached {uri})*\n\n" for uri, _ in attached) + text
+        messages.add_message("user", shown)
         reply = messages.add_message("assistant")
         self._answering = True
-        request = self.conversation.ask(event.text)
+        request = self.conversation.ask(with_resources(text, attached))
         if self.tool_loop is not None:
             self.answer_with_tools(reply)
             return
         self.stream_answer(request, reply, self._epoch)
+
+    @work(thread=True, exclusive=True, group="mcp")
+    def mcp_command(self, line: str) -> None:
+        """/prompt or /resource (screens/mcp_commands.py), in a thread: a server may have to start first."""
+        if self.mcp_commands is None:
+            self.app.call_from_thread(self.notify, "No MCP servers are configured (see `localllm mcp --help`).")
+            return
+        try:
+            result = self.mcp_commands.run(line, lambda text: self.app.call_from_thread(self._note, text))
+        except LocalLLMError as exc:
+            self.post_message(ErrorReported(exc, title=line.split()[0]))
+            return
+        if result.said:
+            self.app.call_from_thread(self.notify, result.said, title="MCP", timeout=12, markup=False)
+        if result.send is not None:
+            self.app.call_from_thread(self.send, result.send)
+
+    def _note(self, text: str) -> None:
+        self.notify(text, title="MCP", severity="warning", markup=False)
 
     @work(thread=True, exclusive=True, group="answer")
     def stream_answer(self, request: api.ChatRequest, reply: MessageView, epoch: int) -> None:
