@@ -3,15 +3,16 @@ that kills its own server, one that answers 10 MB; plus an echo tool, a clock th
 answer can be checked), a prompt and a resource.
 
 Run as `python tests/mcp_edge_server.py [TOOL ...]`: with tool names, only those are offered (a small model chooses
-better among few). `EDGE_MARKER`, when set, is a file the server touches as it starts (a test counts starts)."""
+better among few). `EDGE_MARKER`, when set, is a file the server touches as it starts (a test counts starts);
+`EDGE_CANCELLED`, when set, a file `hang` writes to when its call is cancelled (a test sees a Stop reach it)."""
 
 from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
+import anyio
 from mcp.server.mcpserver import MCPServer
 
 server = MCPServer("edge")
@@ -34,10 +35,16 @@ def fail(reason: str = "it always fails") -> str:
     raise RuntimeError(reason)
 
 
-def hang(city: str = "") -> str:
+async def hang(city: str = "") -> str:
     """A tool that never answers (the time in a city, too slowly)."""
-    while True:
-        time.sleep(1)
+    try:
+        await anyio.sleep_forever()
+    finally:  # cancelled by the client (or the server stops)
+        cancelled = os.environ.get("EDGE_CANCELLED")
+        if cancelled:
+            with Path(cancelled).open("a") as file:
+                file.write("cancelled\n")
+    return ""
 
 
 def crash() -> str:
