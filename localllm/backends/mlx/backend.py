@@ -107,10 +107,16 @@ def _check_folder(path: Path) -> None:
         raise ModelFormatError(f"MLX model folder {path} has no {' or '.join(missing)}")
 
 
+def float_bytes_on_load() -> int | None:
+    """Bytes per element of the float weights once loaded: 4 on MLX's CPU build (cast to float32), None where they
+    stay as stored. The memory plan reads it, so the plan and the load agree."""
+    return 4 if mx.default_device().type == mx.cpu else None
+
+
 def _prefer_float32_on_cpu(model) -> None:
     # MLX's CPU kernels are several times slower with fp16/bf16 (quantization scales too) than with f32; on Apple
     # GPUs half precision is the fast path, so only the CPU build is changed.
-    if mx.default_device().type == mx.cpu:
+    if float_bytes_on_load() == 4:
         model.set_dtype(mx.float32)
         # Evaluate the casts now: a lazy array belongs to this thread's stream, and the engine thread that decodes
         # later cannot evaluate it ("There is no Stream(cpu, 0) in current thread").
