@@ -11,7 +11,15 @@ from .. import api
 from ..backends import choose_backend, get_backend
 from ..errors import InvalidInput
 from ..models.options import effective_load, model_facts, resolve_options, with_context
-from ..models.plan import MemoryPlan, Placement, plan_memory, total_with_shared_weights, weights_identity
+from ..models.plan import (
+    MemoryPlan,
+    Placement,
+    mlx_config,
+    plan_memory,
+    plan_mlx_memory,
+    total_with_shared_weights,
+    weights_identity,
+)
 from ..models.store import ResolvedModel, Store
 from ..quant.gguf import inspect_gguf, inspect_lora
 from .prefix_cache import disk_limit, ram_limit
@@ -42,14 +50,30 @@ def plan_with_draft(store: Store, model: str, options: dict[str, Any] | None) ->
 
 def plan_one(model: str, resolved: ResolvedModel, load: api.LoadOptions) -> ModelPlan:
     """The plan of `model` (as the user named it), resolved to `resolved` with the load options `load`."""
+    if resolved.format == "mlx":
+        return _plan_mlx(resolved, load)
     if resolved.format != "gguf":
-        raise InvalidInput(f"{model} is an {resolved.format} model; the memory plan reads GGUF metadata")
+        raise InvalidInput(f"{model} is an {resolved.format} model; the memory plan reads GGUF or MLX weights")
     adapters: int = sum([inspect_lora(Path(adapter.path)).tensor_bytes for adapter in resolved.adapters], 0)
     projector = inspect_gguf(resolved.projector).tensor_bytes if resolved.projector is not None else 0
     effective = with_context(effective_load(load), model_facts(resolved.weights, resolved.format))
     mem = plan_memory(inspect_gguf(resolved.weights), effective, adapters=adapters, projector=projector)
     placement = get_backend(choose_backend(effective.backend, resolved.weights)).placement(resolved.weights, effective)
     return ModelPlan(resolved.name, weights_identity(resolved.weights, effective), mem, placement)
+
+
+def _plan_mlx(resolved: ResolvedModel, load: api.LoadOptions) -> ModelPlan:
+    """An MLX folder's plan, with the float type and KV quantization the MLX backend's load picks."""
+    get_backend("mlx")  # where mlx is not installed: BackendUnavailable with the install hint
+    from ..backends.mlx.backend import float_bytes_on_load, kv_quant
+
+    folder = Path(resolved.weights)
+    config = mlx_config(folder)
+    effective = with_context(effective_load(load), model_facts(folder, resolved.format))
+    quant = kv_quant(effective.kv_type, config)
+    mem = plan_mlx_memory(folder, config, effective, float_bytes=float_bytes_on_load(), kv_quant=quant)
+    # Every MLX load holds its own copy of the weights (MlxModel.weights): an identity no other plan shares.
+    return ModelPlan(resolved.name, ("mlx", str(folder.absolute()), object()), mem, None)
 
 
 def plan_response(plans: list[ModelPlan]) -> api.PlanResponse:

@@ -8,16 +8,21 @@ on CPU; it is an estimate and labelled so.
 
 A split GGUF's weights are all its parts (gguf.inspect_gguf reads them as one model); LoRA adapters add their own
 tensors. Several models planned together count weights they share (the same files, the same weight options) once:
-the backend loads them once and gives each model its own context."""
+the backend loads them once and gives each model its own context.
+
+An MLX folder (plan_mlx_memory) is planned from its config.json and safetensors headers instead: no layer placement
+(MLX runs the model on its one device) and a KV cache per sequence, as the MLX backend keeps them."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from .. import config
 from ..api import LoadOptions
@@ -378,3 +383,127 @@ def _total_memory() -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return None
+
+
+# ---------------------------------------------------------------------------------------------------------- MLX
+
+
+class KvQuantization(Protocol):
+    """mlx-lm's KV quantization as the MLX backend chose it (backends/mlx/kv.KvQuant)."""
+
+    @property
+    def bits(self) -> int: ...
+
+    @property
+    def group_size(self) -> int: ...
+
+
+def plan_mlx_memory(
+    folder: Path, config: dict, load: LoadOptions, *, float_bytes: int | None, kv_quant: KvQuantization | None
+) -> MemoryPlan:
+    """The plan of an MLX folder: its safetensors' tensors with float ones at `float_bytes` each (the type the backend
+    casts them to at load; None: as stored), and a KV cache per sequence (the MLX backend's slots share no pool),
+    each layer's keys and values in the model's float type or, with `kv_quant`, packed with a scale and a bias per
+    group. `config` is mlx_config's; `load` carries effective values, as for plan_memory."""
+    tensors = _safetensors_tensors(folder)
+    weights = sum(n * float_bytes if float_bytes and d in _FLOAT_BYTES else size for d, n, size in tensors)
+    n_ctx, slots, kv_type = load.num_ctx or 0, load.num_parallel or 1, load.kv_type or "f16"
+    per_token = int(
+        mlx_kv_elements_per_token(config, folder) * _mlx_kv_bytes(float_bytes or _stored_float_bytes(tensors), kv_quant)
+    )
+    cells = n_ctx * slots
+    n_vocab, n_embd = int(config.get("vocab_size") or 0), int(config.get("hidden_size") or 0)
+    return MemoryPlan(
+        weights=weights,
+        adapters=0,
+        kv_per_token=per_token,
+        kv_per_slot=per_token * n_ctx,
+        kv_total=per_token * cells,
+        compute=load.num_batch * n_vocab * 4 + load.num_batch * n_embd * 4 * 4,
+        num_ctx=n_ctx,
+        num_parallel=slots,
+        kv_type=kv_type if kv_quant is not None or kv_type == "f16" else f"{kv_type} (kept unquantized)",
+        available=available_memory(),
+        kv_cells=cells,
+    )
+
+
+# safetensors' float dtypes and their bytes; the rest (packed quantized weights, integer buffers) load as stored.
+_FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def mlx_kv_elements_per_token(config: dict, folder: Path) -> int:
+    """K and V elements one token adds to one sequence's cache: layers x kv heads x head dim, twice. Sliding-window
+    layers count in full: the MLX backend gives them full caches."""
+    try:
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ModelFormatError(
+            f"{folder / 'config.json'} lacks the attention shape a memory plan needs ({exc})",
+            hint="num_hidden_layers, num_attention_heads and hidden_size (or head_dim) are read from it",
+        ) from None
+    return layers * kv_heads * head_dim * 2
+
+
+def _stored_float_bytes(tensors: list[tuple[str, int, int]]) -> int:
+    """The size of the float type most of the weights' float elements are stored in: what activations, and so an
+    unquantized cache, take where the backend keeps the weights as stored."""
+    elements: dict[int, int] = {}
+    for dtype, n, _ in tensors:
+        if dtype in _FLOAT_BYTES:
+            elements[_FLOAT_BYTES[dtype]] = elements.get(_FLOAT_BYTES[dtype], 0) + n
+    return max(elements, key=elements.__getitem__, default=2)
+
+
+def _mlx_kv_bytes(float_bytes: int, quant: KvQuantization | None) -> float:
+    """Bytes per cached element: the float type, or mx.quantize's packed bits plus a scale and a bias (in the float
+    type) per group."""
+    if quant is None:
+        return float(float_bytes)
+    return quant.bits / 8 + 2 * float_bytes / quant.group_size
+
+
+def mlx_config(folder: Path) -> dict:
+    """config.json, with its text_config where a multimodal folder keeps the language model's shape there; checked
+    to carry the attention shape the plan reads."""
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelFormatError(f"cannot read {path}: {exc}", hint="an MLX model is a folder with config.json") from None
+    text = config.get("text_config")
+    config = {**config, **text} if isinstance(text, dict) else config
+    mlx_kv_elements_per_token(config, folder)
+    return config
+
+
+def _safetensors_tensors(folder: Path) -> list[tuple[str, int, int]]:
+    """(dtype, elements, bytes) of every tensor in the folder's safetensors files, read from their headers."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"MLX model folder {folder} has no *.safetensors")
+    tensors = []
+    for path in files:
+        for name, entry in _safetensors_header(path).items():
+            if name == "__metadata__":
+                continue
+            start, end = entry["data_offsets"]
+            tensors.append((str(entry["dtype"]), math.prod(entry["shape"]), end - start))
+    return tensors
+
+
+def _safetensors_header(path: Path) -> dict:
+    """A safetensors file's JSON header: 8 bytes of its length (little-endian), then the JSON."""
+    try:
+        with open(path, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if not 0 < length <= min(path.stat().st_size - 8, 100 * 2**20):
+                raise ValueError(f"a header of {length} bytes")
+            return json.loads(handle.read(length))
+    except (OSError, ValueError) as exc:
+        raise ModelFormatError(
+            f"{path} is not a readable safetensors file ({exc})", hint="download or convert the model again"
+        ) from None
