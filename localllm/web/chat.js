@@ -4,6 +4,7 @@ import { ApiError, call, getJson, ndjson } from "./api.js";
 import { renderMessage } from "./messages.js";
 import { el, formatBytes } from "./render.js";
 import { newConversation, saveConversation } from "./store.js";
+import { loadContext, mcpCommand, promptMessages, resourceAttachment } from "./mcp_context.js";
 import { MAX_STEPS, callKey, loadTools, offeredTools, renderToolCard, runToolMessage, toolMessage } from "./tools.js";
 
 const $ = (id) => document.getElementById(id);
@@ -30,6 +31,8 @@ let listChanged = () => {};
 export function initChat({ onListChange }) {
   listChanged = onListChange;
   loadTools(); // the server's MCP tools, when it runs with --mcp (tools.js)
+  loadContext($("mcp-pick")); // and its prompts and resources (mcp_context.js)
+  $("mcp-pick").addEventListener("change", pickContext);
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
     send(performance.now());
@@ -245,6 +248,11 @@ async function send(started) {
     showError("no model to chat with: pull one on the Models page");
     return;
   }
+  const command = mcpCommand(text);
+  if (command) {
+    await runCommand(command, started).catch((error) => showError(error.message));
+    return;
+  }
   if (editing !== null) conversation.messages.splice(editing);
   cancelEdit();
   conversation.model = $("model").value;
@@ -259,6 +267,48 @@ async function send(started) {
   await answer(started);
 }
 
+// ---------------------------------------------------------------------------------------------------- MCP context
+
+// The MCP picker: a resource is attached at once; a prompt is written into the composer for its arguments.
+async function pickContext(event) {
+  const [kind, ...rest] = event.target.value.split(":");
+  event.target.value = "";
+  if (kind === "prompt") {
+    $("prompt").value = `/prompt ${rest.join(":")} `;
+    $("prompt").focus();
+  } else if (kind === "resource") {
+    await runCommand({ kind, rest: rest.join(":") }).catch((error) => showError(error.message));
+  }
+}
+
+// `/resource URI` attaches the resource to the next message; `/prompt NAME ARGS` sends the prompt's messages.
+async function runCommand(command, started) {
+  if (command.kind === "resource") {
+    pending.push(await resourceAttachment(command.rest));
+    renderPending();
+    $("prompt").value = "";
+    showError("");
+    return;
+  }
+  const messages = await promptMessages(command.rest);
+  if (editing !== null) conversation.messages.splice(editing);
+  cancelEdit();
+  conversation.model = $("model").value;
+  messages.forEach((m, index) => {
+    const attachments = index === 0 ? pending : [];
+    conversation.messages.push({ role: m.role, content: m.content, attachments });
+  });
+  if (!conversation.title) conversation.title = (messages[0]?.content || command.rest).slice(0, 60);
+  pending = [];
+  renderPending();
+  $("prompt").value = "";
+  showError("");
+  await saveConversation(conversation);
+  listChanged();
+  if (conversation.messages.at(-1)?.role === "user") await answer(started ?? performance.now());
+  else renderAll();
+}
+
 function regenerate() {
   if (streaming) return;
   if (conversation.messages.at(-1)?.role === "assistant") conversation.messages.pop();
@@ -266,8 +316,9 @@ function regenerate() {
 }
 
 function wireMessage(message) {
-  const files = (message.attachments || []).filter((a) => a.kind === "text");
-  const context = files.map((f) => `File ${f.name}:\n\`\`\`\n${f.text}\n\`\`\`\n\n`).join("");
+  const files = (message.attachments || []).filter((a) => a.kind === "text" || a.kind === "resource");
+  const label = (f) => (f.kind === "resource" ? "Resource" : "File"); // resources as mcp/prompts.py writes them
+  const context = files.map((f) => `${label(f)} ${f.name}:\n\`\`\`\n${f.text}\n\`\`\`\n\n`).join("");
   const images = (message.attachments || []).filter((a) => a.kind === "image").map((a) => a.data);
   const wire = { role: message.role, content: context + message.content };
   if (images.length) wire.images = images;

@@ -7,6 +7,7 @@ import { el } from "./render.js";
 
 export const MAX_STEPS = 8; // model turns in one answer that may call tools (the last is offered none)
 export const DECLINED = "The user declined to run this tool call. Do not call it again; answer without it.";
+const STOPPED = "The user stopped this tool call before it finished."; // as mcp/tool_loop.py says it
 const SHOWN_RESULT_CHARS = 2000;
 
 let tools = []; // what GET /api/mcp/tools listed: [] when MCP is off on the server
@@ -66,12 +67,19 @@ export async function runToolMessage(message, repaint, signal) {
   }
   message.status = "running";
   repaint();
-  const response = await call("/api/mcp/call", {
-    method: "POST",
-    body: { name: message.tool_name, arguments: message.arguments },
-    signal,
-  });
-  const result = await response.json();
+  let result;
+  try {
+    // Stop aborts this request; the server sees the page leave and cancels the call on the MCP server.
+    const response = await call("/api/mcp/call", {
+      method: "POST",
+      body: { name: message.tool_name, arguments: message.arguments },
+      signal,
+    });
+    result = await response.json();
+  } catch (error) {
+    if (error.name !== "AbortError") throw error;
+    result = { status: "stopped", text: STOPPED, truncated: false };
+  }
   Object.assign(message, { status: result.status, content: result.text, truncated: result.truncated });
   repaint();
 }
@@ -113,7 +121,8 @@ export function renderToolCard(message) {
   } else if (message.status === "running") {
     node.append(el("div", "status", "running…"));
   } else if (message.status !== "asking") {
-    const label = { ok: "result", error: "tool error", declined: "declined" }[message.status] || message.status;
+    const labels = { ok: "result", error: "tool error", declined: "declined", stopped: "stopped" };
+    const label = labels[message.status] || message.status;
     const cut = message.truncated ? " (cut to the size limit)" : "";
     node.append(el("div", "status", `${label}${cut}`));
     const long = message.content.length > SHOWN_RESULT_CHARS;
