@@ -325,3 +325,56 @@ def test_a_resource_is_attached_in_front_of_the_next_question(edge):
         assert question.endswith("What is the password?") and tools.attached == []
     finally:
         client.close()
+
+
+class _Notes:
+    """A chat surface that keeps the loop's notes and answer, and refuses any call (none should come)."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+        self.answer = ""
+
+    def text(self, piece: str) -> None:
+        self.answer += piece
+
+    def thinking(self, piece: str) -> None:
+        pass
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def calling(self, call) -> None:
+        raise AssertionError(f"a model without tools called {call}")
+
+    def confirm(self, call):
+        raise AssertionError(f"a model without tools called {call}")
+
+    def result(self, call, outcome) -> None:
+        raise AssertionError(f"a model without tools called {call}")
+
+    def cancelled(self) -> bool:
+        return False
+
+
+@pytest.mark.models
+def test_a_model_that_cannot_call_tools_is_told_so_and_still_answers(models_home, edge):
+    """smollm2's template shows no tools: the loop says so once, offers none, and the chat goes on."""
+    from server_harness import local_client
+
+    from localllm.conversation import Conversation
+    from localllm.mcp.tool_loop import ToolLoop
+
+    toolbox, _ = edge
+    client = local_client(models_home)
+    try:
+        loop = ToolLoop(client, toolbox)
+        view = _Notes()
+        conversation = Conversation(model="smollm2:135m", options={"num_predict": 8, "temperature": 0})
+        for question in ("Hi.", "And again?"):
+            conversation.ask(question)
+            assert loop.answer(conversation, view) is not None
+        (note,) = view.notes
+        assert note == "smollm2:135m cannot call tools (its template has no tools), so MCP tools are not offered"
+        assert view.answer and conversation.messages[-1].role == "assistant"
+    finally:
+        client.close()
