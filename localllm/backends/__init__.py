@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import BackendUnavailable, InvalidInput
+from ..models.plan import KvQuantization
 from .base import Backend
 
 
@@ -24,6 +25,15 @@ def get_backend(name: str) -> Backend:
             ) from None
         return MlxBackend()
     raise InvalidInput(f"unknown backend {name!r}", hint="use auto, llama.cpp or mlx")
+
+
+def mlx_load_facts(kv_type: str | None, config: dict) -> tuple[int | None, KvQuantization | None]:
+    """What an MLX load does to memory, for the plan: the bytes per float weight once loaded (None: as stored) and
+    the KV quantization `kv_type` gets (backends/mlx/backend.py); BackendUnavailable where mlx is not installed."""
+    get_backend("mlx")
+    from .mlx.backend import float_bytes_on_load, kv_quant
+
+    return float_bytes_on_load(), kv_quant(kv_type, config)
 
 
 def serve_rpc_worker(host: str, port: int, *, threads: int, cache_dir: str | None) -> None:

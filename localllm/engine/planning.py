@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .. import api
-from ..backends import choose_backend, get_backend
+from ..backends import choose_backend, get_backend, mlx_load_facts
 from ..errors import InvalidInput
 from ..models.options import effective_load, model_facts, resolve_options, with_context
 from ..models.plan import (
@@ -64,14 +64,11 @@ def plan_one(model: str, resolved: ResolvedModel, load: api.LoadOptions) -> Mode
 
 def _plan_mlx(resolved: ResolvedModel, load: api.LoadOptions) -> ModelPlan:
     """An MLX folder's plan, with the float type and KV quantization the MLX backend's load picks."""
-    get_backend("mlx")  # where mlx is not installed: BackendUnavailable with the install hint
-    from ..backends.mlx.backend import float_bytes_on_load, kv_quant
-
     folder = Path(resolved.weights)
     config = mlx_config(folder)
     effective = with_context(effective_load(load), model_facts(folder, resolved.format))
-    quant = kv_quant(effective.kv_type, config)
-    mem = plan_mlx_memory(folder, config, effective, float_bytes=float_bytes_on_load(), kv_quant=quant)
+    float_bytes, quant = mlx_load_facts(effective.kv_type, config)
+    mem = plan_mlx_memory(folder, config, effective, float_bytes=float_bytes, kv_quant=quant)
     # Every MLX load holds its own copy of the weights (MlxModel.weights): an identity no other plan shares.
     return ModelPlan(resolved.name, ("mlx", str(folder.absolute()), object()), mem, None)
 
