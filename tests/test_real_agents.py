@@ -332,14 +332,16 @@ def test_opencode_answers_and_its_next_turn_reuses_the_first(recorder, workdir, 
     The 0.5B does not follow opencode's prompt to a well-formed tool call (it names the command as the tool)."""
     first_run = run_agent("opencode", ["run", "Say hi."], recorder=recorder, home=isolated_home, cwd=workdir)
     assert first_run.returncode == 0, first_run.stderr[-2000:]
+    first_turns = len(tool_turns(recorder))  # its title requests offer no tools; a run may call tools, turn on turn
     again = ["run", "--continue", "Say bye."]
     second_run = run_agent("opencode", again, recorder=recorder, home=isolated_home, cwd=workdir)
     assert second_run.returncode == 0, second_run.stderr[-2000:]
-    turns = tool_turns(recorder)  # its title requests offer no tools
-    assert len(turns) == 2 and turns[0].path == "/v1/chat/completions", [t.path for t in turns]
+    turns = tool_turns(recorder)
+    assert 1 <= first_turns < len(turns) and turns[0].path == "/v1/chat/completions", [t.path for t in turns]
     assert_opened_during_prefill(turns[0])
-    assert "Say hi." in json.dumps(turns[1].body)  # the same session, continued
-    assert_second_turn_reuses(turns[0], turns[1])
+    continued = turns[first_turns]  # the second run's first request: the same session, continued
+    assert "Say hi." in json.dumps(continued.body) and "Say bye." in json.dumps(continued.body)
+    assert_second_turn_reuses(turns[0], continued)
 
 
 @pytest.mark.skip(reason="Qwen Code 0.15.10 does not finish a first turn within AGENT_SECONDS here: not yet known why")
