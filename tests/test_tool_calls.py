@@ -423,15 +423,17 @@ FAMILIES = {  # a template's telltale, its family, and a call the family writes
     "<|python_tag|>": (LLAMA3, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'),
     "{{ messages }}": (JSON_ONLY, '{"name": "get_weather", "arguments": {"city": "Paris"}}'),
 }
-TRIGGERED = [  # answers so far that end where a call's grammar takes over
-    '{"name":',
-    '  {\n    "name"  :  "',
-    '[{"name": "',
-    '```json\n{\n  "name":',
-    '```\n[ {"name": "',
+TRIGGERED = [  # answers so far that end where a call's grammar takes over: a call's head naming an offered tool
+    '{"name": "get_weather"',
+    '  {\n    "name"  :  "add",',
+    '[{"name": "get_weather", "',
+    '```json\n{\n  "name": "add",\n  ',
+    '```\n[ {"name": "get_weather",',
 ]
 NOT_TRIGGERED = [
-    'The answer is {"name": "x"}',
+    'The answer is {"name": "add",',
+    '{"name": "locate_cafes",',  # a tool that was not offered: left free, and the parser leaves it text
+    '{"name": "add"}',
     '{"answer": 42}',
     "```python\nprint(1)\n```",
     "```json\n[1, 2]",
@@ -540,14 +542,17 @@ def test_a_lazy_grammar_holds_a_begun_call_to_the_offered_tools_and_their_schema
     greedy = SamplingOptions(temperature=0, num_predict=60, spec_type="none")
     ask = [{"role": "user", "content": "Find cafes near Istanbul, Turkey."}]
 
-    def call(prompt_tool: dict, grammar_tool: dict | None) -> tuple[str, dict]:
+    def call(prompt_tool: dict, grammar_tool: dict | None, parsed_with: list[dict] | None = None):
         prompt = engine.tokenize(render_chat(template, ask, tools=[prompt_tool]), add_special=False)
         lazy = lazy_call_grammar([Tool.model_validate(grammar_tool)], call_format(template)) if grammar_tool else None
         params = GenerationParams(prompt, greedy, lazy.grammar if lazy else None)
         params.grammar_triggers = lazy.triggers if lazy else None
         answer = "".join(chunk.text for chunk in engine.submit(params))
-        tools = [Tool.model_validate(prompt_tool), *([Tool.model_validate(grammar_tool)] if grammar_tool else [])]
-        (found,) = parse_tool_calls(answer, tools)[1]
+        offered = parsed_with or [prompt_tool, *([grammar_tool] if grammar_tool else [])]
+        calls = parse_tool_calls(answer, [Tool.model_validate(t) for t in offered])[1]
+        if not calls:
+            return None
+        (found,) = calls
         return found.function.name, found.function.arguments
 
     try:
@@ -558,6 +563,9 @@ def test_a_lazy_grammar_holds_a_begun_call_to_the_offered_tools_and_their_schema
         assert name == "find_place" and isinstance(arguments["location"], str)
         unknown = _place_tool("locate_cafes", {"type": "string"})
         assert call(unknown, None)[0] == "locate_cafes"
-        assert call(unknown, as_string)[0] == "find_place"  # a tool that was not offered is never called
+        # a tool that was not offered is never called: begun in the template's tags, the call is held to an offered
+        # tool; begun as JSON, it stays free and the parser (which knows the offered tools) leaves it text
+        found = call(unknown, as_string, parsed_with=[as_string])
+        assert found is None or found[0] == "find_place"
     finally:
         engine.close()

@@ -1,8 +1,8 @@
 """How a template family writes tool calls, and the lazy grammar that holds a call once the model begins one.
 
 With `tool_choice` auto the answer is free text until a call begins: the template's opener (Hermes/Qwen
-`<tool_call>`, Mistral `[TOOL_CALLS]`, Llama 3 `<|python_tag|>`) anywhere, or a JSON object naming a tool at the
-answer's start (bare, in an array, or fenced), which small models write whatever their template says. From there
+`<tool_call>`, Mistral `[TOOL_CALLS]`, Llama 3 `<|python_tag|>`) anywhere, or a JSON object naming an offered tool
+at the answer's start (bare, in an array, or fenced), which small models write whatever their template says. From there
 llama.cpp's lazy grammar allows only well-formed calls to the offered tools with arguments that fit their schemas.
 
 A trigger pattern is anchored at both ends: llama.cpp replays the text from the match into the grammar, and a
@@ -62,17 +62,22 @@ class LazyGrammar:
 _WS_COUNT = 24
 _WS = f"[ \\t\\r\\n]{{0,{_WS_COUNT}}}"
 _WS_RE = rf"[ \t\r\n]{{0,{_WS_COUNT}}}"
-_CALL_HEAD_RE = r"\{" + _WS_RE + r'"name"' + _WS_RE + ":" + _WS_RE + '"?'  # up to the name's opening quote
-
-
 _NEXT_IN_ARRAY = 'space "," space tool-call'
 
 
-def _patterns() -> tuple[str, ...]:
+def _call_head(names: list[str]) -> str:
+    """A JSON call's head naming one of `names`, up to the next key's opening quote. A JSON object that names
+    another tool stays free: the parser leaves it text, so a question no offered tool fits is not forced into one."""
+    named = "|".join(re.escape(name) for name in names)
+    return r"\{" + _WS_RE + r'"name"' + _WS_RE + ":" + _WS_RE + f'"(?:{named})"' + _WS_RE + "(?:," + _WS_RE + '"?)?'
+
+
+def _patterns(names: list[str]) -> tuple[str, ...]:
+    head = _call_head(names)
     return (
-        r"^\s*(" + _CALL_HEAD_RE + ")$",  # a JSON object naming a tool at the answer's start
-        r"^\s*(\[" + _WS_RE + _CALL_HEAD_RE + ")$",  # an array of them
-        r"^\s*(```(?:json)?" + _WS_RE + r"(?:\[" + _WS_RE + ")?" + _CALL_HEAD_RE + ")$",  # fenced
+        r"^\s*(" + head + ")$",  # a JSON object naming an offered tool at the answer's start
+        r"^\s*(\[" + _WS_RE + head + ")$",  # an array of them
+        r"^\s*(```(?:json)?" + _WS_RE + r"(?:\[" + _WS_RE + ")?" + head + ")$",  # fenced
     )
 
 
@@ -95,7 +100,7 @@ def lazy_call_grammar(tools: list[Tool], fmt: CallFormat, *, parallel: bool = Tr
         rules.append(f"opened ::= {_opened(fmt, parallel)}")
     words = (fmt.opener,) if fmt.opener else ()
     grammar = "\n".join([f"root ::= {' | '.join(forms)}", *rules, call])
-    return LazyGrammar(grammar, GrammarTriggers(_patterns(), words))
+    return LazyGrammar(grammar, GrammarTriggers(_patterns([t.function.name for t in tools]), words))
 
 
 def _opened(fmt: CallFormat, parallel: bool) -> str:

@@ -51,27 +51,40 @@ class Parsed:
         return self
 
 
+class _Strings:
+    """Whether JSON text fed a character at a time is inside a string (escapes followed)."""
+
+    def __init__(self) -> None:
+        self.inside = False
+        self._escaped = False
+
+    def step(self, ch: str) -> bool:
+        """Take `ch`; True when it is part of a string (its quotes included)."""
+        if self.inside:
+            if self._escaped:
+                self._escaped = False
+            elif ch == "\\":
+                self._escaped = True
+            elif ch == '"':
+                self.inside = False
+            return True
+        self.inside = ch == '"'
+        return self.inside
+
+
 class _JsonEnd:
     """Finds where one JSON value ends in text fed piece by piece: counts brackets outside strings."""
 
     def __init__(self) -> None:
         self.depth = 0
-        self._in_string = False
-        self._escaped = False
+        self._strings = _Strings()
 
     def feed(self, text: str) -> int | None:
         """The index in `text` just past the value's end, or None while it goes on."""
         for i, ch in enumerate(text):
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "{[":
+            if self._strings.step(ch):
+                continue
+            if ch in "{[":
                 self.depth += 1
             elif ch in "}]":
                 self.depth -= 1
@@ -85,8 +98,7 @@ class _ArgsCleaner:
     until what follows it shows whether it ends an object or array. `dropped` says whether one was."""
 
     def __init__(self) -> None:
-        self._in_string = False
-        self._escaped = False
+        self._strings = _Strings()
         self._held = ""  # a comma and the whitespace after it
         self.dropped = False
 
@@ -102,16 +114,7 @@ class _ArgsCleaner:
                 else:
                     out.append(self._held)
                     self._held = ""
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch == ",":
+            if not self._strings.step(ch) and ch == ",":
                 self._held = ch
                 continue
             out.append(ch)
