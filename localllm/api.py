@@ -762,6 +762,7 @@ class PlanModel(_Model):
     num_parallel: int
     kv_type: str
     available: int | None
+    kv_pooled: bool = Field(True, description="the slots share one KV pool; false: a cache per slot (MLX)")
     input_weights: int = 0
     output_weights: int = 0
     output_tied: bool = False

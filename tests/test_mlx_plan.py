@@ -93,6 +93,15 @@ def test_plan_command_shows_the_table(tiny_mlx):
     assert f"KV cache per token ({int(256 * (4 / 8 + 2 * 4 / 64))} bytes)" in result.output
 
 
+def test_the_table_names_the_caches_mlx_keeps(tiny_mlx):
+    """No pool the slots share and no f16 cache: a cache per slot, in the float32 the CPU build computes in."""
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["plan", "tiny-mlx", "--num-ctx", "256", "--num-parallel", "3"])
+    assert result.exit_code == 0, result.output
+    assert "tiny-mlx:latest: 3 slots x 256 tokens, KV f32" in result.output
+    assert "KV caches, one per slot (3 x 256 tokens)" in result.output and "KV pool" not in result.output
+    assert _plan("--num-ctx", "256")["kv_pooled"] is False
+
+
 def test_api_plan_answers_the_same_for_mlx(tiny_mlx):
     cli = _plan("--num-ctx", "512", "--num-parallel", "2", "--kv-type", "q8_0")
     with TestClient(create_app(), base_url="http://127.0.0.1") as http:

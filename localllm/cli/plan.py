@@ -90,9 +90,7 @@ def _table(name: str, mem: MemoryPlan, *, shared: bool, cache_ram: int, cache_di
     if mem.projector:
         table.add_row("vision projector", _mib(mem.projector))
     table.add_row(f"KV cache per token ({mem.kv_per_token:,} bytes), one slot's {mem.num_ctx:,}", _mib(mem.kv_per_slot))
-    table.add_row(
-        f"KV pool the {mem.num_parallel} slots share ({mem.kv_cells:,} tokens, LOCALLLM_KV_POOL)", _mib(mem.kv_total)
-    )
+    table.add_row(_kv_total_label(mem), _mib(mem.kv_total))
     table.add_row("compute buffer (estimate)", _mib(mem.compute))
     table.add_row("[bold]total[/]", f"[bold]{_mib(mem.total - (mem.weights if shared else 0))}[/]")
     # The prefix cache grows into its limit only as conversations outnumber the slots, so it is not in the total.
@@ -103,6 +101,12 @@ def _table(name: str, mem: MemoryPlan, *, shared: bool, cache_ram: int, cache_di
         verdict = "fits" if mem.fits else "[red]does not fit[/]"
         table.add_row("available now", f"{_mib(mem.available)} ({verdict})")
     return table
+
+
+def _kv_total_label(mem: MemoryPlan) -> str:
+    if mem.kv_pooled:
+        return f"KV pool the {mem.num_parallel} slots share ({mem.kv_cells:,} tokens, LOCALLLM_KV_POOL)"
+    return f"KV caches, one per slot ({mem.num_parallel} x {mem.num_ctx:,} tokens)"
 
 
 def _placement_table(placement: Placement) -> Table:

@@ -54,6 +54,7 @@ class MemoryPlan:
     output_tied: bool = False  # the head is token_embd: a copy only where it leaves the CPU
     kv_cells: int = 0  # tokens of KV the slots share (num_ctx x num_parallel where each has its own)
     projector: int = 0  # the vision projector's tensors (loaded beside the model, on the host)
+    kv_pooled: bool = True  # the slots share one KV pool (llama.cpp); False: each slot has a cache of its own (MLX)
 
     @property
     def total(self) -> int:
@@ -408,9 +409,8 @@ def plan_mlx_memory(
     tensors = _safetensors_tensors(folder)
     weights = sum(n * float_bytes if float_bytes and d in _FLOAT_BYTES else size for d, n, size in tensors)
     n_ctx, slots, kv_type = load.num_ctx or 0, load.num_parallel or 1, load.kv_type or "f16"
-    per_token = int(
-        mlx_kv_elements_per_token(config, folder) * _mlx_kv_bytes(float_bytes or _stored_float_bytes(tensors), kv_quant)
-    )
+    kv_float = float_bytes or _stored_float_bytes(tensors)
+    per_token = int(mlx_kv_elements_per_token(config, folder) * _mlx_kv_bytes(kv_float, kv_quant))
     cells = n_ctx * slots
     n_vocab, n_embd = int(config.get("vocab_size") or 0), int(config.get("hidden_size") or 0)
     return MemoryPlan(
@@ -422,10 +422,28 @@ def plan_mlx_memory(
         compute=load.num_batch * n_vocab * 4 + load.num_batch * n_embd * 4 * 4,
         num_ctx=n_ctx,
         num_parallel=slots,
-        kv_type=kv_type if kv_quant is not None or kv_type == "f16" else f"{kv_type} (kept unquantized)",
+        kv_type=_mlx_kv_label(kv_type, kv_quant, "f32" if float_bytes == 4 else _stored_float_type(tensors)),
         available=available_memory(),
         kv_cells=cells,
+        kv_pooled=False,
     )
+
+
+def _mlx_kv_label(kv_type: str, quant: KvQuantization | None, held: str) -> str:
+    """The KV type an MLX load keeps: the asked quantization, else `held`, the activations' float type (f32 where
+    the backend casts the weights to it, as on MLX's CPU build)."""
+    if quant is not None:
+        return kv_type
+    return held if kv_type == "f16" else f"{held} ({kv_type} kept unquantized)"
+
+
+def _stored_float_type(tensors: list[tuple[str, int, int]]) -> str:
+    """The float type most of the weights' float elements are stored in, as llama.cpp names types (bf16, f16)."""
+    elements: dict[str, int] = {}
+    for dtype, n, _ in tensors:
+        if dtype in _FLOAT_BYTES:
+            elements[dtype] = elements.get(dtype, 0) + n
+    return max(elements, key=elements.__getitem__, default="F16").lower()
 
 
 # safetensors' float dtypes and their bytes; the rest (packed quantized weights, integer buffers) load as stored.
