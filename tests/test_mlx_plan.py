@@ -95,7 +95,9 @@ def test_plan_command_shows_the_table(tiny_mlx):
 
 def test_the_table_names_the_caches_mlx_keeps(tiny_mlx):
     """No pool the slots share and no f16 cache: a cache per slot, in the float32 the CPU build computes in."""
-    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["plan", "tiny-mlx", "--num-ctx", "256", "--num-parallel", "3"])
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(
+        app, ["plan", "tiny-mlx", "--num-ctx", "256", "--num-parallel", "3"]
+    )
     assert result.exit_code == 0, result.output
     assert "tiny-mlx:latest: 3 slots x 256 tokens, KV f32" in result.output
     assert "KV caches, one per slot (3 x 256 tokens)" in result.output and "KV pool" not in result.output
