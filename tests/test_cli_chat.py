@@ -22,8 +22,8 @@ import pytest
 from server_harness import free_port, linked_home
 
 from localllm.cli.image_files import cut_mentions, find_image_files
+from localllm.cli.line_input import read_message, unquote
 from localllm.cli.render import split_finished
-from localllm.cli.repl import read_message, unquote
 from localllm.conversation import parse_parameter
 from localllm.errors import InvalidInput
 

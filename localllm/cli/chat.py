@@ -18,8 +18,9 @@ from ..client.protocol import Client
 from ..conversation import Conversation, is_model
 from ..errors import InvalidInput, LocalLLMError, ModelNotFound, ServerConflict
 from .app import app, console, err_console
+from .line_input import make_line_reader
 from .render import print_timings, ps_table, ps_text
-from .repl import Repl, make_line_reader, prepare_model, stream_reply
+from .repl import Repl, prepare_model, stream_reply
 
 IN_PROCESS_HELP = "run the model inside this command instead of through the server (nothing else can share it)"
 

@@ -46,7 +46,7 @@ class TerminalToolView:
         hide_thinking: bool,
     ):
         self._read_line = read_line
-        self._quiet_keys = quiet_keys  # keys unechoed while an answer is drawn (repl.keys_not_echoed)
+        self._quiet_keys = quiet_keys  # keys unechoed while an answer is drawn (line_input.keys_not_echoed)
         self._wordwrap = wordwrap
         self._hide_thinking = hide_thinking
         self._open = ExitStack()
