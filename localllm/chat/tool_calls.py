@@ -1,12 +1,14 @@
 """Tool calls in a model's answer, parsed as it streams: one parser for every route, streamed or not.
 
 Models write calls in a few shapes: their template's syntax (Qwen's and Hermes' `<tool_call>{json}</tool_call>`,
-several in a row for a multi-call turn), and the JSON small models emit instead: a bare object or array of
-{"name", "arguments"} at the start of the answer (what a forced call's grammar produces too), or the same inside a
-```json fence. `ToolCallParser.feed` takes the answer's text as it arrives and gives back the content that is surely
-text and the calls' pieces (`ToolCallDelta`: a call's id and name, then fragments of its arguments' JSON, as OpenAI
-streams them). Text that may be the start of a call is held back until it is decided: a call naming an unknown tool,
-or JSON that is not a call, goes out as text after all."""
+several in a row for a multi-call turn; Mistral's `[TOOL_CALLS][{json}]` or, v11+, `[TOOL_CALLS]name[ARGS]{json}`;
+Gemma's `call:name{key:value}` between FunctionGemma's or Gemma 4's tokens), and the JSON small models emit instead:
+a bare object or array of {"name", "arguments"} at the start of the answer (what a forced call's grammar produces too),
+or the same inside a ```json (```tool_code, ```tool_call) fence. `ToolCallParser.feed` takes the answer's text as it
+arrives and gives back the content that is surely text and the calls' pieces (`ToolCallDelta`: a call's id and name,
+then fragments of its arguments' JSON, as OpenAI streams them; a Gemma call's whole, once its arguments end). Text that
+may be the start of a call is held back until it is decided: a call naming an unknown tool, or JSON that is not a
+call, goes out as text after all."""
 
 from __future__ import annotations
 
@@ -27,8 +29,11 @@ NEAR_TAGS = {"<function_call>": "</function_call>", "<tools>": "</tools>", "<jso
 TAGS = {TAG_OPEN: TAG_CLOSE, **NEAR_TAGS}
 # Openers after which a call's JSON follows with no closer (Mistral's array, Llama 3's object), where a bare call may.
 PREFIX_OPENERS = ("[TOOL_CALLS]", "<|python_tag|>")
+MISTRAL_OPENER = "[TOOL_CALLS]"  # also anywhere: v11+ writes `[TOOL_CALLS]name[ARGS]{json}`, one opener per call
+# Gemma's `call:name{key:value,...}`: FunctionGemma's and Gemma 4's opener -> (closer, the quote around strings).
+COLON_CALLS = {"<start_function_call>": ("<end_function_call>", "<escape>"), "<|tool_call>": ("<tool_call|>", '<|"|>')}
 FENCE = "```"
-_MARKERS = (*TAGS, FENCE)
+_MARKERS = (*TAGS, MISTRAL_OPENER, *COLON_CALLS, FENCE)
 _FENCE_LANGS = ("", "json", "tool_call", "tool_code")
 # The head of a call whose arguments can stream: `{"name": "...", "arguments": ` (or "parameters"), then a `{`.
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)', re.S)
@@ -36,6 +41,12 @@ _FIRST_KEY = re.compile(r'\{\s*"((?:[^"\\]|\\.)*)"', re.S)
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', re.S)
 _FENCE_HEAD = re.compile(r"```([A-Za-z_]*)(\s*)")
 _MAX_FENCE_LANG = 16
+# Mistral v11+'s head after its opener: the name, Mistral Small 3.2's call id, the mark, then the arguments' `{`.
+_MARKED_HEAD = re.compile(r"([\w.\-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]\s*")
+_MARKED_SO_FAR = re.compile(r"[\w.\-\[\]]*")  # what such a head may be while it arrives
+_COLON_HEAD = re.compile(r"call:([\w.\-]+)\{")
+_COLON_SO_FAR = re.compile(r"(?:c(?:a(?:l(?:l(?::[\w.\-]*)?)?)?)?)?")
+_MAX_HEAD = 256  # a name longer than this is no tool's
 
 
 @dataclass
@@ -132,6 +143,7 @@ class _Call:
     args_start: int = -1
     args_end: int = -1
     sent: int = 0  # characters of the arguments already read into `cleaner`
+    marked: bool = False  # Mistral v11+: `text` is a JSON head made from `name[ARGS]`, then the arguments as written
     cleaner: _ArgsCleaner = field(default_factory=lambda: _ArgsCleaner())
     object_end: _JsonEnd = field(default_factory=_JsonEnd)
     args_end_at: _JsonEnd = field(default_factory=_JsonEnd)
@@ -152,6 +164,7 @@ class ToolCallParser:
         self._bare_allowed = True  # a bare JSON call may start here (the answer's start, or right after a call)
         self._call: _Call | None = None
         self._committed = 0  # calls of the current candidate already streamed
+        self._colon = _ColonEnd("")  # where a Gemma call's arguments end
         self.calls: list[ToolCall] = []
         self.repairs: list[str] = []  # each near call made whole: its tool and what was wrong
         self._count = 0
@@ -173,7 +186,7 @@ class ToolCallParser:
         while self._pending and self._step(out, final=True):
             pass
         call = self._call
-        if self._state in ("value", "array") and not self._committed and (call is None or call.id is None):
+        if self._state in ("value", "array", "colon") and not self._committed and (call is None or call.id is None):
             if not (cut and self._may_be_call(call)):
                 self._say(out, self._held + self._pending)
         self._pending, self._held = "", ""
@@ -196,6 +209,8 @@ class ToolCallParser:
             return self._in_text(out, final)
         if self._state in ("value", "array"):
             return self._in_value(out)
+        if self._state == "colon":
+            return self._in_colon(out)
         return self._in_close(final)
 
     # ------------------------------------------------------------------------------------------------- text
@@ -224,6 +239,13 @@ class ToolCallParser:
         self._say(out, text[:start])
         rest = text[start:]
         for opener, closer in TAGS.items():
+            if rest.startswith(opener):
+                self._open(opener, rest[len(opener) :], closer=closer)
+                return True
+        if rest.startswith(MISTRAL_OPENER):
+            self._open(MISTRAL_OPENER, rest[len(MISTRAL_OPENER) :], closer=None)
+            return True
+        for opener, (closer, _) in COLON_CALLS.items():
             if rest.startswith(opener):
                 self._open(opener, rest[len(opener) :], closer=closer)
                 return True
@@ -274,6 +296,8 @@ class ToolCallParser:
         out.deltas += self._stream(call)
         if end is None:
             return False
+        if call.marked:
+            call.text += "}"  # the arguments ended: so does the JSON call made of them
         self._call = None
         self._end_call(out, call)
         return True
@@ -302,10 +326,82 @@ class ToolCallParser:
             return True
         self._held += skipped
         self._pending = stripped
+        if self._state == "value" and not self._committed:
+            if self._opener == MISTRAL_OPENER:
+                return self._marked_head(out)
+            if self._opener in COLON_CALLS:
+                return self._colon_head(out)
         if self._committed:  # what follows calls already sent is not taken back: it is text after them
             self._state = "close"
         else:
             self._give_back(out)  # not a call after all
+        return True
+
+    def _marked_head(self, out: Parsed) -> bool:
+        """Mistral v11+: `name[ARGS]` naming an offered tool, then `{`, opens a call whose arguments stream as
+        the JSON form's do (its head made from the name); anything else after the opener is text."""
+        head = _MARKED_HEAD.match(self._pending)
+        if head is None:
+            if _MARKED_SO_FAR.fullmatch(self._pending) and len(self._pending) < _MAX_HEAD:
+                return False  # the head may still be arriving
+            self._give_back(out)
+            return True
+        rest = self._pending[head.end() :]
+        if not rest:
+            return False  # the arguments' `{` is still to come
+        if head.group(1) not in self._known or not rest.startswith("{"):
+            self._give_back(out)
+            return True
+        self._held += self._pending[: head.end()]
+        self._pending = rest
+        self._call = _Call(index=self._count, text=f'{{"name": {json.dumps(head.group(1))}, "arguments": ', marked=True)
+        return True
+
+    def _colon_head(self, out: Parsed) -> bool:
+        """Gemma: `call:name{` naming an offered tool opens a call, read whole before it is sent (its arguments are
+        not JSON until they are); anything else after the opener is text."""
+        head = _COLON_HEAD.match(self._pending)
+        if head is None:
+            if _COLON_SO_FAR.fullmatch(self._pending) and len(self._pending) < _MAX_HEAD:
+                return False
+            self._give_back(out)
+            return True
+        if head.group(1) not in self._known:
+            self._give_back(out)
+            return True
+        self._held += self._pending[: head.end() - 1]
+        self._pending = self._pending[head.end() - 1 :]
+        self._call = _Call(index=self._count, name=head.group(1))
+        self._state = "colon"
+        self._colon = _ColonEnd(COLON_CALLS[self._opener][1])
+        return True
+
+    def _in_colon(self, out: Parsed) -> bool:
+        """A Gemma call's arguments, up to the `}` that closes them: then a call, or text if they are no arguments."""
+        call = self._call
+        assert call is not None and call.name is not None
+        call.text += self._pending
+        self._held += self._pending
+        self._pending = ""
+        end = self._colon.scan(call.text)
+        if end is None:
+            return False
+        extra = len(call.text) - end
+        self._pending, call.text = call.text[end:], call.text[:end]
+        self._held = self._held[: len(self._held) - extra]
+        arguments = _colon_arguments(call.text, COLON_CALLS[self._opener][1])
+        if arguments is None:
+            self._give_back(out)
+            return True
+        call.id = _new_id()
+        self._count += 1
+        self._committed += 1
+        out.deltas += [
+            ToolCallDelta(index=call.index, id=call.id, name=call.name),
+            ToolCallDelta(index=call.index, arguments=json.dumps(arguments)),
+        ]
+        self.calls.append(ToolCall(id=call.id, function=ToolCallFunction(name=call.name, arguments=arguments)))
+        self._call, self._state = None, "close"
         return True
 
     def _stream(self, call: _Call) -> list[ToolCallDelta]:
@@ -388,6 +484,54 @@ class ToolCallParser:
             self._pending = stripped
         self._state, self._held, self._bare_allowed = "text", "", True
         return True
+
+
+class _ColonEnd:
+    """Finds where Gemma's `{key:value,...}` ends in text that grows: counts brackets outside `quote`d strings."""
+
+    def __init__(self, quote: str) -> None:
+        self._quote = quote
+        self._pos = 0
+        self._depth = 0
+        self._inside = False
+
+    def scan(self, text: str) -> int | None:
+        """The index in `text` (all of it so far) just past the arguments' `}`, or None while they go on."""
+        while self._pos < len(text):
+            if text.startswith(self._quote, self._pos):
+                self._inside = not self._inside
+                self._pos += len(self._quote)
+                continue
+            if self._quote.startswith(text[self._pos :]):
+                return None  # maybe a quote, arriving
+            ch = text[self._pos]
+            self._pos += 1
+            if self._inside:
+                continue
+            if ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return self._pos
+        return None
+
+
+_GEMMA_KEY = re.compile(r"([{,]\s*)([^\s:{}\[\],\x22]+)(\s*:)")
+
+
+def _colon_arguments(text: str, quote: str) -> dict[str, Any] | None:
+    """Gemma's `{key:<quote>text<quote>,n:1,...}` as JSON's object: strings quoted as JSON, bare keys quoted;
+    None when it is no object."""
+    parts = text.split(quote)
+    if len(parts) % 2 == 0:
+        return None  # a string left open
+    pieces = [
+        json.dumps(part) if i % 2 else _GEMMA_KEY.sub(lambda m: f"{m[1]}{json.dumps(m[2])}{m[3]}", part)
+        for i, part in enumerate(parts)
+    ]
+    data = _json_or_none("".join(pieces))
+    return data if isinstance(data, dict) else None
 
 
 def _new_id() -> str:
