@@ -228,6 +228,16 @@ def tools_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return bench_tools.tools_figures(path, threads=args.threads, llama_server=args.llama_server)
 
 
+def agents_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """Claude Code's real first request and its second turn, time to first event and token and the tokens reused,
+    ours and llama-server's at their defaults (scripts/bench_agents.py).
+    `python scripts/bench.py --models qwen2.5-coder:1.5b --only agents --llama-server PATH`."""
+    import bench_agents
+
+    tools = args.agent_tools.split(",") if args.agent_tools else None
+    return bench_agents.agent_figures(path, llama_server=args.llama_server, tools=tools, repeats=args.repeats)
+
+
 SECTIONS: dict[str, tuple[str, Section]] = {
     "engine": ("Engine against raw llama.cpp", engine_section),
     "rest": ("REST path against raw llama.cpp", rest_section),
@@ -249,6 +259,7 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "bandwidth": ("Decode against memory bandwidth (informational)", bandwidth_section),
     "web": ("Web page: first load and first token painted", web_section),
     "tools": ("Tool calls on BFCL against llama-server --jinja", tools_section),
+    "agents": ("Agents: Claude Code's first two turns against llama-server", agents_section),
 }
 
 
@@ -344,10 +355,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--draft", default="qwen2.5-coder:0.5b", help="the pair section's draft model")
     parser.add_argument(
-        "--repeats", type=int, default=3, help="repeats of the embed, vision, bandwidth and prompts sections"
+        "--repeats", type=int, default=3, help="repeats of the embed, vision, bandwidth, prompts and agents sections"
     )
     parser.add_argument(
         "--prompt-sizes", nargs="+", type=int, default=None, help="the prompts section's prompt tokens (default 1K-16K)"
+    )
+    parser.add_argument(
+        "--agent-tools",
+        default=None,
+        help="the agents section's tools, e.g. Read,Write,Bash as `claude --tools` (default: all 24, the real size)",
     )
     parser.add_argument("--threads", type=int, default=None, help="our engine's threads (default: its own)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
