@@ -210,6 +210,15 @@ class CpuBudget:
     def leave(self) -> None:
         (self._home / "cgroup.procs").write_text(str(os.getpid()))
 
+    def release_lingering(self) -> None:
+        """Move out what still runs in the cgroup (multiprocessing's resource tracker outlives the block), so it
+        can be removed."""
+        for pid in (self.folder / "cgroup.procs").read_text().split():
+            try:
+                (self._home / "cgroup.procs").write_text(pid)
+            except OSError:  # it ended meanwhile
+                pass
+
 
 @contextmanager
 def cpu_budget(cpus: int) -> Iterator[CpuBudget | None]:
@@ -230,6 +239,7 @@ def cpu_budget(cpus: int) -> Iterator[CpuBudget | None]:
                 budget.folder.rmdir()
                 break
             except OSError:
+                budget.release_lingering()
                 time.sleep(0.1)
 
 
