@@ -11,12 +11,33 @@ from __future__ import annotations
 
 import ctypes
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import llama_cpp
 
 from localllm.api import GrammarTriggers, LoadOptions
 from localllm.backends.llama_cpp.backend import LlamaCppBackend, _grammar_sampler
+from localllm.chat.call_formats import LazyGrammar
+
+
+def holding_after(weights: Path, lazy: LazyGrammar, texts: list[str], folder: Path) -> dict[str, bool]:
+    """Run this probe in a process of its own over `texts` (the cases written in `folder`): whether the grammar is
+    holding after each. A replay the grammar rejects aborts that process, which fails here."""
+    cases = {
+        "grammar": lazy.grammar,
+        "triggers": [list(lazy.triggers.patterns), list(lazy.triggers.words)],
+        "texts": texts,
+        "outside": "Hello",
+    }
+    (folder / "cases.json").write_text(json.dumps(cases))
+    run = subprocess.run(
+        [sys.executable, __file__, str(weights), str(folder / "cases.json")], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"text"')]
+    return {line["text"]: line["holding"] for line in lines}
 
 
 def holds(sampler, token: int) -> bool:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -262,27 +260,12 @@ def _weights(coder_home) -> Path:
 def test_llama_cpp_takes_every_trigger_into_the_grammar_and_leaves_the_rest_free(coder_home, tmp_path, fmt):
     """As tests/test_tool_calls.py's test of the same name, for the new forms: a replay the grammar rejects would
     abort the probe's process."""
+    from grammar_probe import holding_after
+
     lazy = lazy_call_grammar(TOOLS, fmt)
     begun = [*FENCED_TRIGGERED, *([fmt.opener, f"Let me check. {fmt.opener}\n"] if fmt.opener else [])]
-    cases = {
-        "grammar": lazy.grammar,
-        "triggers": [list(lazy.triggers.patterns), list(lazy.triggers.words)],
-        "texts": begun + NOT_TRIGGERED,
-        "outside": "Hello",
-    }
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    probe = Path(__file__).parent / "grammar_probe.py"
-    run = subprocess.run(
-        [sys.executable, str(probe), str(_weights(coder_home)), str(tmp_path / "cases.json")],
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"text"')]
-    assert {line["text"]: line["holding"] for line in lines} == {
-        **{t: True for t in begun},
-        **{t: False for t in NOT_TRIGGERED},
-    }
+    seen = holding_after(_weights(coder_home), lazy, begun + NOT_TRIGGERED, tmp_path)
+    assert seen == {**{t: True for t in begun}, **{t: False for t in NOT_TRIGGERED}}
 
 
 def _taken(model, grammar: str, text: str) -> bool:

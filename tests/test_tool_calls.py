@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import anthropic
@@ -484,6 +482,8 @@ def test_the_call_grammar_offers_only_the_tools_and_one_call_unless_parallel():
 def test_llama_cpp_takes_every_trigger_into_the_grammar_and_leaves_the_rest_free(coder_home, tmp_path, fmt):
     """The triggers as llama.cpp's sampler meets them, token by token, in a process of its own (a replay the grammar
     rejects would abort it): every call's beginning puts the grammar in charge; text that is no call never does."""
+    from grammar_probe import holding_after
+
     weights = Store(Path(coder_home) / "models").resolve(CODER_TEST_MODEL).weights
     lazy = lazy_call_grammar(TOOLS, fmt)
     opened = [f"{fmt.opener}", f"Let me check. {fmt.opener}\n"] if fmt.opener else []
@@ -491,20 +491,7 @@ def test_llama_cpp_takes_every_trigger_into_the_grammar_and_leaves_the_rest_free
     begun = [*TRIGGERED, *opened]
     if fmt in (HERMES, JSON_ONLY):  # openers this vocabulary spells in pieces may merge with what follows: left free
         begun.append(written[: written.index('"city":') + 7])  # the call, up to its argument's value
-    cases = {
-        "grammar": lazy.grammar,
-        "triggers": [list(lazy.triggers.patterns), list(lazy.triggers.words)],
-        "texts": begun + NOT_TRIGGERED,
-        "outside": "Hello",
-    }
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    probe = Path(__file__).parent / "grammar_probe.py"
-    run = subprocess.run(
-        [sys.executable, str(probe), str(weights), str(tmp_path / "cases.json")], capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"text"')]
-    seen = {line["text"]: line["holding"] for line in lines}
+    seen = holding_after(weights, lazy, begun + NOT_TRIGGERED, tmp_path)
     assert seen == {**{t: True for t in begun}, **{t: False for t in NOT_TRIGGERED}}
 
 
