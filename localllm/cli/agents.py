@@ -191,6 +191,16 @@ def _qwen_settings() -> Path:
     return _home() / ".qwen" / "settings.json"
 
 
+def _qwen_memory(old: dict) -> dict:
+    """Managed auto-memory off, unless the user's settings choose. After every turn it sends a request of its own,
+    with another system prompt (so none of the turn's prefix is reused), that Qwen Code waits for before it exits; and
+    its instructions make the main system prompt half as long again."""
+    memory = old.get("memory")
+    if isinstance(memory, dict) and "enableManagedAutoMemory" in memory:
+        return {}
+    return {"memory": {"enableManagedAutoMemory": False}}
+
+
 def _qwen_files(setup: Setup) -> list[ConfigFile]:
     entry = {
         "id": setup.model,
@@ -213,6 +223,7 @@ def _qwen_files(setup: Setup) -> list[ConfigFile]:
                 "security": {"auth": {"selectedType": "openai"}},  # else it asks for /auth at start
                 "model": {"name": setup.model},
                 "env": {QWEN_KEY_VARIABLE: setup.key},  # its fallback when the variable is not set
+                **_qwen_memory(old),
             },
         )
 
