@@ -144,6 +144,16 @@ def gemma3_path(models_home) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_mlx(smollm2_path, tmp_path_factory) -> Path:
+    """smollm2 converted to an MLX folder, once per session (skips where the mlx extra is missing)."""
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    from localllm.quant.mlx_convert import convert_gguf_to_mlx
+
+    return convert_gguf_to_mlx(smollm2_path, tmp_path_factory.mktemp("smollm2-mlx") / "mlx")
+
+
+@pytest.fixture(scope="session")
 def reasoner_path(smollm2_path, tmp_path_factory) -> Path:
     """smollm2 written again under a reasoning chat template (tests/reasoning_model.py), once per session."""
     from reasoning_model import write_reasoning_gguf

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 
@@ -136,8 +138,45 @@ def test_eight_requests_on_four_slots_all_complete(fresh_engine4, batched_refere
     assert fresh_engine4.snapshot().slots_busy == 0
 
 
-def test_cancelled_request_frees_its_slot(smollm2_path):
-    engine = _load(smollm2_path, 1)
+@dataclass
+class Backend:
+    """One backend's way to load smollm2 in an engine, and the answer a prompt gets alone (the reference)."""
+
+    load: Callable[[int], ModelEngine]
+    alone: Callable[[list[int]], list[int]]
+
+
+@pytest.fixture(params=["llama.cpp", pytest.param("mlx", marks=pytest.mark.mlx)])
+def smollm2_on(request, smollm2_path) -> Backend:
+    """smollm2 on each backend: llama.cpp's answers checked against the raw loop, MLX's against a one-slot engine."""
+    if request.param == "llama.cpp":
+        return Backend(lambda slots: _load(smollm2_path, slots), lambda prompt: _raw_alone(smollm2_path, prompt))
+    folder = request.getfixturevalue("smollm2_mlx")
+    from localllm.backends.mlx import MlxBackend
+
+    def load(slots: int) -> ModelEngine:
+        return ModelEngine(MlxBackend().load(folder, LoadOptions(num_ctx=N_CTX, num_parallel=slots)), max_queue=8)
+
+    def alone(prompt: list[int]) -> list[int]:
+        engine = load(1)
+        try:
+            return _tokens(engine.submit(GenerationParams(prompt, GREEDY)))[0]
+        finally:
+            engine.close()
+
+    return Backend(load, alone)
+
+
+def _raw_alone(path, prompt: list[int]) -> list[int]:
+    loop = RawLoop(path, n_ctx=N_CTX, threads=1)
+    try:
+        return loop.generate(prompt, N_TOKENS)
+    finally:
+        loop.close()
+
+
+def test_cancelled_request_frees_its_slot(smollm2_on):
+    engine = smollm2_on.load(1)
     try:
         long = SamplingOptions(temperature=0, num_predict=500, spec_type="none")
         stream = engine.submit(GenerationParams(engine.tokenize(PROMPTS[1]), long))
@@ -154,8 +193,8 @@ def test_cancelled_request_frees_its_slot(smollm2_path):
         engine.close()
 
 
-def test_prefix_cache_reuses_the_shared_prompt(smollm2_path):
-    engine = _load(smollm2_path, 2)
+def test_prefix_cache_reuses_the_shared_prompt(smollm2_on):
+    engine = smollm2_on.load(2)
     try:
         first = engine.tokenize("You are a terse assistant. " * 20 + "Question one?")
         _, done1 = _tokens(engine.submit(GenerationParams(first, GREEDY)))
@@ -171,8 +210,8 @@ def test_prefix_cache_reuses_the_shared_prompt(smollm2_path):
         engine.close()
 
 
-def test_prefix_copied_from_a_busy_slot_gives_the_same_answer(smollm2_path):
-    engine = _load(smollm2_path, 2)
+def test_prefix_copied_from_a_busy_slot_gives_the_same_answer(smollm2_on):
+    engine = smollm2_on.load(2)
     try:
         system = "You are a terse assistant who answers in one line. " * 15
         a = engine.tokenize(system + "Name a fruit.")
@@ -188,11 +227,7 @@ def test_prefix_copied_from_a_busy_slot_gives_the_same_answer(smollm2_path):
         assert done.timings.prompt_cache_count == shared
     finally:
         engine.close()
-    loop = RawLoop(smollm2_path, n_ctx=N_CTX, threads=1)
-    try:
-        assert tokens == loop.generate(b, N_TOKENS)
-    finally:
-        loop.close()
+    assert tokens == smollm2_on.alone(b)
 
 
 def test_overflow_raises_with_the_numbers(engine4):

@@ -1,5 +1,6 @@
-"""The engine on the real MLX backend, on smollm2 converted to an MLX folder: test_engine.py's checks where the feature
-exists on MLX. The reference is MLX itself: each prompt decoded alone in a one-slot engine, so four busy slots (one
+"""The engine on the real MLX backend, on smollm2 converted to an MLX folder: the checks of batched decoding, the
+prefix cache's tiers and speculation on MLX (tests/test_engine.py runs its cancel and prefix-reuse checks on both
+backends). The reference is MLX itself: each prompt decoded alone in a one-slot engine, so four busy slots (one
 batched forward pass per step) must give every request the tokens it gets alone."""
 
 from __future__ import annotations
@@ -34,13 +35,6 @@ PROMPTS = [
 GREEDY = SamplingOptions(temperature=0, num_predict=N_TOKENS, spec_type="none", ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def smol_mlx(smollm2_path, tmp_path_factory) -> Path:
-    from localllm.quant.mlx_convert import convert_gguf_to_mlx
-
-    return convert_gguf_to_mlx(smollm2_path, tmp_path_factory.mktemp("smol") / "mlx")
-
-
 def _load(folder: Path, slots: int) -> ModelEngine:
     return ModelEngine(MlxBackend().load(folder, LoadOptions(num_ctx=N_CTX, num_parallel=slots)), max_queue=8)
 
@@ -69,9 +63,9 @@ def _run_all(engine: ModelEngine, prompts: list[str], options=GREEDY) -> dict[st
 
 
 @pytest.fixture(scope="module")
-def alone(smol_mlx) -> dict[str, list[int]]:
+def alone(smollm2_mlx) -> dict[str, list[int]]:
     """Each prompt's greedy tokens decoded by itself, in a one-slot engine."""
-    engine = _load(smol_mlx, 1)
+    engine = _load(smollm2_mlx, 1)
     try:
         return {p: _tokens(engine.submit(GenerationParams(engine.tokenize(p), GREEDY)))[0] for p in PROMPTS}
     finally:
@@ -79,8 +73,8 @@ def alone(smol_mlx) -> dict[str, list[int]]:
 
 
 @pytest.fixture
-def engine4(smol_mlx):
-    engine = _load(smol_mlx, 4)
+def engine4(smollm2_mlx):
+    engine = _load(smollm2_mlx, 4)
     yield engine
     engine.close()
 
@@ -99,62 +93,6 @@ def test_eight_requests_on_four_slots_all_complete(engine4, alone):
     for prompt in PROMPTS:
         assert results[prompt] == alone[prompt], prompt
     assert engine4.snapshot().slots_busy == 0
-
-
-def test_cancelled_request_frees_its_slot(smol_mlx):
-    engine = _load(smol_mlx, 1)
-    try:
-        long = SamplingOptions(temperature=0, num_predict=500, spec_type="none")
-        stream = engine.submit(GenerationParams(engine.tokenize(PROMPTS[1]), long))
-        chunks = iter(stream)
-        next(chunks)
-        stream.cancel()
-        rest = list(chunks)
-        assert rest and rest[-1].done_reason == "cancelled"
-        tokens, last = _tokens(engine.submit(GenerationParams(engine.tokenize(PROMPTS[0]), GREEDY)))
-        assert tokens and last.done_reason in ("length", "stop")
-        assert engine.snapshot().slots_busy == 0
-    finally:
-        engine.close()
-
-
-def test_prefix_cache_reuses_the_shared_prompt(smol_mlx):
-    engine = _load(smol_mlx, 2)
-    try:
-        first = engine.tokenize("You are a terse assistant. " * 20 + "Question one?")
-        _, done1 = _tokens(engine.submit(GenerationParams(first, GREEDY)))
-        assert done1.timings.prompt_cache_count == 0
-        second = engine.tokenize("You are a terse assistant. " * 20 + "Another question?")
-        shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
-        _, done2 = _tokens(engine.submit(GenerationParams(second, GREEDY)))
-        assert done2.timings.prompt_cache_count == shared
-        _, done3 = _tokens(engine.submit(GenerationParams(second, GREEDY)))
-        assert done3.timings.prompt_cache_count == len(second) - 1
-    finally:
-        engine.close()
-
-
-def test_prefix_copied_from_a_busy_slot_gives_the_same_answer(smol_mlx):
-    system = "You are a terse assistant who answers in one line. " * 15
-    engine = _load(smol_mlx, 2)
-    try:
-        a = engine.tokenize(system + "Name a fruit.")
-        b = engine.tokenize(system + "Name a colour.")
-        busy = engine.submit(GenerationParams(a, GREEDY.model_copy(update={"num_predict": 200})))
-        it = iter(busy)  # holds slot 0 with the shared system prompt
-        next(it)
-        tokens, done = _tokens(engine.submit(GenerationParams(b, GREEDY)))
-        busy.cancel()
-        list(it)
-        shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-        assert done.timings.prompt_cache_count == shared
-    finally:
-        engine.close()
-    engine = _load(smol_mlx, 1)
-    try:
-        assert tokens == _tokens(engine.submit(GenerationParams(b, GREEDY)))[0]
-    finally:
-        engine.close()
 
 
 # ------------------------------------------------------------------------------------------------------- prefix cache
@@ -189,10 +127,10 @@ def _conversation(engine: ModelEngine) -> tuple[list[int], list[int], object]:
     return x1 + x_answer, answer, timings
 
 
-def test_an_evicted_conversation_comes_back_from_ram_with_the_same_answer(smol_mlx, monkeypatch):
+def test_an_evicted_conversation_comes_back_from_ram_with_the_same_answer(smollm2_mlx, monkeypatch):
     monkeypatch.setenv("LOCALLLM_CACHE_DISK", "0")
     monkeypatch.setenv("LOCALLLM_CACHE_RAM", "0")
-    engine = _cached_engine(smol_mlx)
+    engine = _cached_engine(smollm2_mlx)
     try:
         _, reference, cold = _conversation(engine)
     finally:
@@ -200,7 +138,7 @@ def test_an_evicted_conversation_comes_back_from_ram_with_the_same_answer(smol_m
     assert cold.prompt_cache_count <= 1  # no cache beyond the one slot: the history is prefilled again
 
     monkeypatch.setenv("LOCALLLM_CACHE_RAM", "256MiB")
-    engine = _cached_engine(smol_mlx)
+    engine = _cached_engine(smollm2_mlx)
     try:
         history, answer, warm = _conversation(engine)
         stats = engine.snapshot()
@@ -211,19 +149,19 @@ def test_an_evicted_conversation_comes_back_from_ram_with_the_same_answer(smol_m
     assert answer == reference
 
 
-def test_a_prefix_survives_a_restart_on_disk(smol_mlx, monkeypatch):
+def test_a_prefix_survives_a_restart_on_disk(smollm2_mlx, monkeypatch):
     from localllm import config
 
     monkeypatch.setenv("LOCALLLM_CACHE_RAM", "0")
     monkeypatch.setenv("LOCALLLM_CACHE_DISK", "1GiB")
-    engine = _cached_engine(smol_mlx)
+    engine = _cached_engine(smollm2_mlx)
     try:
         prompt = engine.tokenize(f"{NAVIGATOR}\nUser: Say something about your work.\nAssistant:")
         first, _ = _ask(engine, prompt)
     finally:
         engine.close()  # the slot's prefix goes to disk with the unload
     assert len(list(config.prefix_cache_dir().rglob("*.kv"))) == 1
-    engine = _cached_engine(smol_mlx)  # a new engine on the same home: a restarted server
+    engine = _cached_engine(smollm2_mlx)  # a new engine on the same home: a restarted server
     try:
         again, timings = _ask(engine, prompt)
         assert engine.snapshot().prefix_hits["disk"] == 1
@@ -239,7 +177,7 @@ SPEC_PROMPTS = [REPEAT_PROMPT, "The alphabet: a b c d e f g h i j k l m n o p q 
 
 
 @pytest.fixture(scope="module")
-def spec_engines(smol_mlx):
+def spec_engines(smollm2_mlx):
     """Two slots each: n-gram drafting, and the model drafting for itself (a second MLX load as the draft model).
     A fixed window drafts every step it can, so the plumbing is exercised whatever the machine's load."""
     from localllm.engine.speculative.policy import FixedWindow
@@ -247,10 +185,10 @@ def spec_engines(smol_mlx):
 
     engines = {}
     for spec_type in ("ngram", "draft"):
-        model = MlxBackend().load(smol_mlx, LoadOptions(num_ctx=N_CTX, num_parallel=2))
+        model = MlxBackend().load(smollm2_mlx, LoadOptions(num_ctx=N_CTX, num_parallel=2))
         draft = None
         if spec_type == "draft":
-            draft = open_draft_model(smol_mlx, LoadOptions(num_ctx=N_CTX), model, name="itself")
+            draft = open_draft_model(smollm2_mlx, LoadOptions(num_ctx=N_CTX), model, name="itself")
         speculation = Speculation(model, draft=draft, window=FixedWindow)
         engines[spec_type] = ModelEngine(model, max_queue=8, speculation=speculation)
     yield engines
