@@ -7,6 +7,7 @@ correlate above 0.99 (llama.cpp quantizes activations in its Q4 dot products, so
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import threading
 from pathlib import Path
@@ -595,18 +596,41 @@ def test_penalties_see_accepted_prompt_tokens(tiny):
     assert sampler.sample(row) != top
 
 
-def test_grammar_is_refused_clearly(tiny):
-    with pytest.raises(InvalidInput, match="not supported on the MLX backend") as err:
+def test_a_grammar_holds_the_answer_to_its_words_and_ends_it(tiny):
+    pytest.importorskip("llguidance")
+    words = ("Hello world", "Paris", "def add")
+    grammar = "root ::= " + " | ".join(f'"{w}"' for w in words)
+    sampler = tiny.make_sampler(SamplingOptions(temperature=0), grammar=grammar)
+    row = _prefill(tiny, 0, tiny.tokenize("The capital of France is"))
+    out: list[int] = []
+    while not out or not tiny.is_eog(out[-1]):
+        assert len(out) < 10
+        out.append(sampler.sample(row))
+        batch = Batch()
+        row = batch.add(out[-1], tiny.cached_tokens(0), 0, True)
+        tiny.decode(batch)
+    assert b"".join(tiny.token_bytes(t) for t in out[:-1]).decode() in words
+
+
+def test_without_llguidance_a_grammar_is_refused_with_the_install_hint_and_a_lazy_one_dropped(tiny, monkeypatch):
+    from localllm.api import GrammarTriggers
+
+    monkeypatch.setattr(tiny, "_grammars", None)
+    with pytest.raises(InvalidInput, match="needs llguidance") as err:
         tiny.make_sampler(SamplingOptions(), grammar='root ::= "a"')
     assert err.value.status_code == 400 and GRAMMAR_UNSUPPORTED in str(err.value)
+    assert "localllm[mlx]" in (err.value.hint or "")
+    lazy = tiny.make_sampler(SamplingOptions(), grammar='root ::= "a"', triggers=GrammarTriggers(words=("<x>",)))
+    lazy.close()  # the answer is parsed as before, without the grammar
 
 
 # ------------------------------------------------------------------------------------------------------- embeddings
 
 
-def test_a_loaded_model_offers_states_and_an_embedder_and_no_other_part(tiny):
-    assert (tiny.vision, tiny.reranker, tiny.mtp, tiny.grammars, tiny.threads) == (None,) * 5
+def test_a_loaded_model_offers_states_an_embedder_and_grammars_and_no_other_part(tiny):
+    assert (tiny.vision, tiny.reranker, tiny.mtp, tiny.threads) == (None,) * 4
     assert tiny.embedder is not None and tiny.states is not None
+    assert (tiny.grammars is not None) == (importlib.util.find_spec("llguidance") is not None)
     assert tiny.cache_shape().fingerprint  # the disk tier keeps states only for loads that describe them
 
 

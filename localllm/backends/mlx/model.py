@@ -27,6 +27,7 @@ from ..base import (
     ThreadControl,
     Vision,
 )
+from .grammar import INSTALL_HINT, MlxGrammars, grammars_installed
 from .kv import KvQuant, SlotCache
 from .meta import make_piece_decoder, read_meta
 from .sampling import GRAMMAR_UNSUPPORTED, MlxSampler
@@ -48,13 +49,13 @@ class MlxModel:
     placement: Placement | None = None  # MLX runs the whole model on its one device
     # What MLX does not do here. No projectors (load refuses them). mlx-lm loads language models only, so there is no
     # cross-encoder's classifier head. No MTP layers:
-    # spec_type auto falls back to a draft model or n-gram. Sampling takes no grammars. MLX schedules its own
-    # threads: the engine's thread tuner leaves it alone.
+    # spec_type auto falls back to a draft model or n-gram. MLX schedules its own threads: the engine's thread tuner
+    # leaves it alone.
     vision: Vision | None = None
     reranker: Reranker | None = None
     states: SequenceStates | None = None  # set per load (states.py), once its cache exists
     mtp: MtpLayers | None = None
-    grammars: GrammarChecks | None = None
+    grammars: GrammarChecks | None = None  # set per load where llguidance (the mlx extra) is installed: grammar.py
     threads: ThreadControl | None = None
 
     def __init__(
@@ -78,6 +79,8 @@ class MlxModel:
         self._bytes_cache: dict[int, bytes] = {}
         inner = getattr(model, "model", None)  # the trunk without the output head (mlx-lm's model classes)
         self.embedder = MlxEmbedder(inner, n_ctx) if callable(inner) else None
+        self._grammars = MlxGrammars(self) if grammars_installed() else None
+        self.grammars = self._grammars
 
     def cached_tokens(self, seq: int) -> int:
         """How many positions sequence `seq` holds."""
@@ -209,11 +212,14 @@ class MlxModel:
     def make_sampler(
         self, options: SamplingOptions, *, grammar: str | None = None, triggers: GrammarTriggers | None = None
     ) -> MlxSampler:
-        if triggers is not None:  # a lazy tool call grammar only helps: without one, the answer is parsed as before
-            grammar = None
-        if grammar is not None:
-            raise InvalidInput(GRAMMAR_UNSUPPORTED, hint="use a GGUF model on llama.cpp for format / response_format")
-        return MlxSampler(self.row_logits, options, n_ctx=self.n_ctx, n_vocab=self.meta.n_vocab, eog=self._eog)
+        constraint = None
+        if grammar and self._grammars is not None:
+            constraint = self._grammars.constraint(grammar, triggers)
+        elif grammar and triggers is None:  # a lazy tool call grammar only helps: without it the answer is parsed
+            raise InvalidInput(GRAMMAR_UNSUPPORTED, hint=INSTALL_HINT)
+        return MlxSampler(
+            self.row_logits, options, n_ctx=self.n_ctx, n_vocab=self.meta.n_vocab, eog=self._eog, grammar=constraint
+        )
 
     # ----------------------------------------------------------------------------------------------- cache
 

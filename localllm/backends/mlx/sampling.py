@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 
 from ...api import SamplingOptions
 
-GRAMMAR_UNSUPPORTED = "structured output (grammar / JSON schema) is not supported on the MLX backend yet"
+if TYPE_CHECKING:
+    from .grammar import GrammarConstraint
+
+GRAMMAR_UNSUPPORTED = "structured output (grammar / JSON schema) on the MLX backend needs llguidance, not installed"
 
 
 # ------------------------------------------------------------------------------------------------------- sampling
@@ -67,15 +70,25 @@ def make_processors(opts: SamplingOptions, *, n_ctx: int, eog: set[int]) -> list
 
 
 class MlxSampler:
-    """mlx-lm's processors and filters, then a seeded draw; temperature 0 is greedy.
+    """mlx-lm's processors, the grammar's mask, mlx-lm's filters, then a seeded draw; temperature 0 is greedy. The
+    order is llama.cpp's chain: logit bias, penalties, grammar, then top-k, typical, top-p, min-p and temperature.
 
     The random key belongs to the sampler, not to MLX's global state, so a seeded request gives the same tokens
     whatever other slots sample in between."""
 
     def __init__(
-        self, row_logits: Callable[[int], mx.array], opts: SamplingOptions, *, n_ctx: int, n_vocab: int, eog: set[int]
+        self,
+        row_logits: Callable[[int], mx.array],
+        opts: SamplingOptions,
+        *,
+        n_ctx: int,
+        n_vocab: int,
+        eog: set[int],
+        grammar: GrammarConstraint | None = None,
     ):
         self._row_logits = row_logits  # a row of the model's last decode, as an MLX array [n_vocab]
+        self._grammar = grammar
+        self._end = min(eog, default=0)
         self._processors = make_processors(opts, n_ctx=n_ctx, eog=eog)
         self._filters = make_filters(opts, n_vocab)
         self._temperature = opts.temperature
@@ -90,8 +103,12 @@ class MlxSampler:
             history = mx.array(self._history, dtype=mx.int32)
             for process in self._processors:
                 logits = process(history, logits)
+        if self._grammar is not None:
+            logits = self._grammar.constrain(logits)
         token = int(cast(int, self._draw(logits).item()))
-        self.accept(token)
+        if self._grammar is not None and not self._grammar.advance(token):
+            token = self._end  # nothing the grammar allows was left to draw: the answer ends, the engine goes on
+        self._remember(token)
         return token
 
     def _draw(self, logits: mx.array) -> mx.array:
@@ -104,9 +121,14 @@ class MlxSampler:
         return mx.random.categorical(logprobs * (1.0 / self._temperature), key=draw_key)
 
     def accept(self, token: int) -> None:
+        """A token not sampled here (the prompt's): it counts for the penalties; the grammar is not advanced."""
+        self._remember(token)
+
+    def _remember(self, token: int) -> None:
         self._history.append(token)
         if len(self._history) > 2 * self._history_limit:  # the penalties only look at the last window
             del self._history[: -self._history_limit]
 
     def close(self) -> None:
         self._history = []
+        self._grammar = None
