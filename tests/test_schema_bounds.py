@@ -106,9 +106,16 @@ def test_a_tool_list_is_still_held_to_the_size_bounds():
         tool_choice_grammar(tools, "auto")
 
 
-@pytest.fixture(scope="module")
-def smollm2(smollm2_path: Path):
-    model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_ctx=64, num_parallel=1))
+@pytest.fixture(scope="module", params=["llama.cpp", pytest.param("mlx", marks=pytest.mark.mlx)])
+def smollm2(smollm2_path: Path, request):
+    """smollm2 on each backend, whose grammars hold the same GBNF."""
+    if request.param == "llama.cpp":
+        model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_ctx=64, num_parallel=1))
+    else:
+        pytest.importorskip("llguidance")
+        from localllm.backends.mlx import MlxBackend
+
+        model = MlxBackend().load(request.getfixturevalue("smollm2_mlx"), LoadOptions(num_ctx=64, num_parallel=1))
     yield model
     model.close()
 
