@@ -74,7 +74,9 @@ class MlxModel:
         self.states = MlxStates(self._kv)
         self._outputs: dict[int, mx.array] = {}  # batch row -> logits [n_vocab] of the last decode
         self._eog = {int(t) for t in tokenizer.eos_token_ids}
-        self._special = {i for i, tok in self._backend_tok.get_added_tokens_decoder().items() if tok.special}
+        added = self._backend_tok.get_added_tokens_decoder()  # a new dict each call: read once
+        self._special = {i for i, tok in added.items() if tok.special}
+        self._added = frozenset(added)
         self._piece_bytes = make_piece_decoder(self._backend_tok)
         self._bytes_cache: dict[int, bytes] = {}
         inner = getattr(model, "model", None)  # the trunk without the output head (mlx-lm's model classes)
@@ -115,7 +117,7 @@ class MlxModel:
         text = self._backend_tok.id_to_token(token)
         if text is None:
             raise InvalidInput(f"token {token} is outside the vocabulary of {self.meta.n_vocab}")
-        if token in self._backend_tok.get_added_tokens_decoder():
+        if token in self._added:
             return text.encode()
         return self._piece_bytes(text)
 
