@@ -171,7 +171,7 @@ def test_launch_opencode_qwen_continue_and_aider(launch_url, bin_dir, isolated_h
     qwen_settings = user / ".qwen" / "settings.json"
     qwen_settings.parent.mkdir()
     mine = {"openai": [{"id": "gpt-9", "envKey": "MY_KEY"}]}
-    qwen_settings.write_text(json.dumps({"theme": "dark", "modelProviders": mine}))
+    qwen_settings.write_text(json.dumps({"theme": "dark", "modelProviders": mine, "memory": {"mine": 1}}))
     qwen = launch(["qwen", "--model", CODER], path=_path(bin_dir), home=isolated_home, url=launch_url, user=user)
     assert qwen.returncode == 0, qwen.stderr
     written = json.loads(qwen_settings.read_text())
@@ -179,6 +179,8 @@ def test_launch_opencode_qwen_continue_and_aider(launch_url, bin_dir, isolated_h
     assert entry["id"] == CODER and entry["baseUrl"] == launch_url + "/v1" and kept["id"] == "gpt-9"
     assert written["security"]["auth"]["selectedType"] == "openai" and written["model"]["name"] == CODER
     assert written["theme"] == "dark" and json.loads(qwen.stdout)["env"][entry["envKey"]]
+    # Its managed auto-memory off (a request of its own after every turn), unless the user chose.
+    assert written["memory"] == {"mine": 1, "enableManagedAutoMemory": False}
 
     continue_ = launch(
         ["continue", "--model", CODER], path=_path(bin_dir), home=isolated_home, url=launch_url, user=user
