@@ -286,6 +286,11 @@ def tool_turns(recorder: Recorder) -> list[Exchange]:
     return [exchange for exchange in recorder.generations() if exchange.body.get("tools")]
 
 
+def written(exchange: Exchange) -> str:
+    """What the model wrote in a streamed answer (its text and any call), to show when it made no call."""
+    return bytes(exchange.response).decode(errors="replace")[-3000:]
+
+
 def ran_by_agent(exchange: Exchange, marker: str) -> bool:
     """Whether the request carries the result of a tool call that names `marker` (the agent ran the call)."""
     text = json.dumps(exchange.body)
@@ -308,43 +313,66 @@ def test_claude_code_runs_a_tool_the_model_calls(recorder, workdir, isolated_hom
     assert_second_turn_reuses(turns[0], turns[1])
 
 
-def test_codex_exec_through_launch_and_codex_oss_start(recorder, workdir, isolated_home):
+# Codex's prompt as small as its switches make it: no goal tools, no skills list, no question tool.
+CODEX_SMALL = [
+    "--disable",
+    "goals",
+    "-c",
+    "skills.include_instructions=false",
+    "-c",
+    "tools.experimental_request_user_input.enabled=false",
+]
+
+
+def test_codex_runs_a_tool_the_model_calls_and_codex_oss_starts(recorder, workdir, isolated_home):
+    """`codex exec`: the model's shell call reaches Codex, which runs it, and the next request (carrying the call's
+    output) reuses the first one's prompt. Then `codex --oss`, Codex's own Ollama provider, starts and answers."""
     home = isolated_home
-    exec_args = ["exec", "--skip-git-repo-check", "-c", "check_for_update_on_startup=false", "Say hi."]
-    done = run_agent("codex", exec_args, recorder=recorder, home=home, cwd=workdir)
-    (first,) = recorder.generations()
-    assert first.path == "/v1/responses", (done.stdout[-2000:], done.stderr[-2000:])
-    assert_opened_during_prefill(first)
+    quiet = ["exec", "--skip-git-repo-check", "-c", "check_for_update_on_startup=false", *CODEX_SMALL]
+    # Codex's sandbox needs kernel features a CI container may not grant; exec never asks for approval
+    unsandboxed = [*quiet, "--dangerously-bypass-approvals-and-sandbox"]
+    # The 0.5B copies `justification`'s description into its call, which Codex refuses, and then repeats the call.
+    # Codex sets no output limit: without "then say done" the 1.5B's answer to the call's output does not end.
+    prompt = "Call exec_command with cmd `mkdir made-by-codex`, then say done."
+    done = run_agent("codex", [*unsandboxed, prompt], recorder=recorder, home=home, cwd=workdir, model=FOLLOWER)
+    turns = recorder.generations()
+    assert len(turns) >= 2 and turns[0].path == "/v1/responses", (done.stdout[-2000:], done.stderr[-2000:])
+    assert_opened_during_prefill(turns[0])
+    assert (workdir / "made-by-codex").is_dir(), written(turns[0])  # the model's function_call reached Codex
+    assert ran_by_agent(turns[1], "made-by-codex")
+    assert_second_turn_reuses(turns[0], turns[1])
     assert done.returncode == 0, done.stderr[-2000:]
 
     # --oss: Codex's own Ollama provider checks /api/version and the model list, then asks /v1/responses.
     oss = {"CODEX_OSS_BASE_URL": recorder.url + "/v1"}
     # the name as /api/tags lists it: Codex pulls a model it does not find there
-    oss_args = [*exec_args[:-1], "--oss", "--local-provider", "ollama", "-m", f"{MODEL}:latest", "Say hi again."]
+    oss_args = [*quiet, "--oss", "--local-provider", "ollama", "-m", f"{FOLLOWER}:latest", "Say hi."]
     started = run_agent("codex", oss_args, recorder=recorder, home=home, cwd=workdir, extra=oss)
     assert started.returncode == 0, started.stderr[-2000:]
-    paths = [exchange.path for exchange in recorder.exchanges]
-    assert "/api/version" in paths
-    second = recorder.generations()[-1]
-    assert second is not first and second.status == 200
-    assert_second_turn_reuses(first, second)  # the same instructions and tools: the prefix is reused
+    assert "/api/version" in [exchange.path for exchange in recorder.exchanges]
+    assert recorder.generations()[-1].status == 200
 
 
-def test_opencode_answers_and_its_next_turn_reuses_the_first(recorder, workdir, isolated_home):
-    """opencode's first request is streamed, and the next turn of its session (`run --continue`) reuses its prompt.
-    The 0.5B does not follow opencode's prompt to a well-formed tool call (it names the command as the tool)."""
-    first_run = run_agent("opencode", ["run", "Say hi."], recorder=recorder, home=isolated_home, cwd=workdir)
-    assert first_run.returncode == 0, first_run.stderr[-2000:]
-    first_turns = len(tool_turns(recorder))  # its title requests offer no tools; a run may call tools, turn on turn
-    again = ["run", "--continue", "Say bye."]
-    second_run = run_agent("opencode", again, recorder=recorder, home=isolated_home, cwd=workdir)
-    assert second_run.returncode == 0, second_run.stderr[-2000:]
-    turns = tool_turns(recorder)
-    assert 1 <= first_turns < len(turns) and turns[0].path == "/v1/chat/completions", [t.path for t in turns]
+# opencode's prompt as small as its config makes it: the tools it denies are not offered, bash and read are.
+OPENCODE_DENIED = ("edit", "glob", "grep", "task", "todowrite", "webfetch", "skill")
+OPENCODE_SMALL = {"permission": dict.fromkeys(OPENCODE_DENIED, "deny")}
+
+
+def test_opencode_runs_a_tool_the_model_calls_and_its_next_turn_reuses_the_first(recorder, workdir, isolated_home):
+    """`opencode run`: the model's bash call reaches opencode, which runs it, and the next request (carrying the
+    call's output) reuses the first one's prompt. The 0.5B does not follow opencode's prompt to a well-formed tool
+    call (it names the command as the tool)."""
+    (workdir / "opencode.json").write_text(json.dumps(OPENCODE_SMALL))  # its project config, merged with launch's
+    prompt = "Use the bash tool to run `mkdir made-by-opencode`."
+    args = ["run", "--auto", prompt]  # --auto: what it would ask permission for is allowed, as no one can answer
+    done = run_agent("opencode", args, recorder=recorder, home=isolated_home, cwd=workdir, model=FOLLOWER)
+    turns = tool_turns(recorder)  # its title requests offer no tools
+    assert len(turns) >= 2 and turns[0].path == "/v1/chat/completions", (done.stdout[-2000:], done.stderr[-2000:])
     assert_opened_during_prefill(turns[0])
-    continued = turns[first_turns]  # the second run's first request: the same session, continued
-    assert "Say hi." in json.dumps(continued.body) and "Say bye." in json.dumps(continued.body)
-    assert_second_turn_reuses(turns[0], continued)
+    assert (workdir / "made-by-opencode").is_dir(), written(turns[0])  # the model's tool call reached opencode
+    assert ran_by_agent(turns[1], "made-by-opencode")
+    assert_second_turn_reuses(turns[0], turns[1])
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_qwen_code_answers_and_its_next_turn_reuses_the_first(recorder, workdir, isolated_home):
