@@ -29,13 +29,14 @@ from localllm.bench.engine import (
     engine_run,
     make_engine,
 )
-from localllm.bench.figures import BRACKET_REPEATS, Bracketed, Figure
+from localllm.bench.figures import Bracketed, Figure
 from localllm.bench.raw import RawLoop, raw_decode_rate, raw_process
 from localllm.chat.templates import render_chat
 from localllm.machine import physical_cores
 
 N_CTX = 4096
 BUSY_REPEATS = 5  # every one must hold: a collapse in one of them is what a user meets
+SERVER_REPEATS = 5  # against llama-server: the five, each right after llama-server's own run
 # Tokens of a run beside the busy core: at 128 a run lasts ~1.6 s on the EPYC and one burst of host load moved a
 # repeat by 10% either way (0.83 to 1.26 against the raw loop run before it), as much as the target allows.
 BUSY_TOKENS = 256
@@ -55,7 +56,7 @@ def thread_figures(
     figures += _cgroup_figures(path, story, n=n, log=log)
     if llama_server:
         streams = {"single stream": [story], "4 streams": four, "16 clients on 4 slots": sixteen}
-        figures += _servers_at_defaults(path, llama_server, streams, n=n, repeats=BRACKET_REPEATS, log=log)
+        figures += _servers_at_defaults(path, llama_server, streams, n=n, repeats=SERVER_REPEATS, log=log)
     else:
         log("no llama-server binary (LLAMA_SERVER=$(bash scripts/build_llama_server.sh)): its rows are skipped")
     return figures
