@@ -161,7 +161,7 @@ def test_tools_that_cannot_run_here_are_left_out(caplog):
     assert "web_search" in caplog.text and "apply_patch" in caplog.text
 
 
-def test_a_system_message_between_turns_is_folded_into_the_next_user_turn():
+def test_a_system_message_between_turns_becomes_a_reminder_in_a_user_turn():
     # Claude Code's mid-conversation-system beta: the agent list arrives as a system message after the first turn.
     body = messages_body(
         system="Be brief.",
@@ -179,9 +179,43 @@ def test_a_system_message_between_turns_is_folded_into_the_next_user_turn():
         ("system", "Be brief.\n\nAnswer in English."),
         ("user", "Hi"),
         ("assistant", "Hello."),
-        ("user", "<system-reminder>\nAgents: explore, plan.\n</system-reminder>\nPlan a trip."),
-        ("user", "<system-reminder>\nKeep it short.\n</system-reminder>\n"),
+        (
+            "user",
+            "<system-reminder>\nAgents: explore, plan.\n</system-reminder>\nPlan a trip.\n"
+            "<system-reminder>\nKeep it short.\n</system-reminder>\n",
+        ),
     ]
+
+
+@pytest.mark.parametrize(
+    "first_turn",
+    [
+        [{"role": "user", "content": [{"type": "text", "text": "Fix the bug."}]}],
+        [
+            {"role": "user", "content": "Run it."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]},
+        ],
+    ],
+    ids=["after-text", "after-tool-results"],
+)
+def test_a_reminder_after_the_last_turn_renders_the_same_once_turns_follow(first_turn):
+    # Claude Code sends its agent list after the last user turn; the next request keeps it there and adds turns
+    # after it, so the first request's messages must stay the second's prefix for the prompt cache to hold.
+    reminder = {"role": "system", "content": "Agents: explore, plan."}
+    first = anthropic.chat_request(messages_body(messages=[*first_turn, reminder])).messages
+    second = anthropic.chat_request(
+        messages_body(
+            messages=[
+                *first_turn,
+                reminder,
+                {"role": "assistant", "content": "Done."},
+                {"role": "user", "content": "Thanks"},
+            ]
+        )
+    ).messages
+    assert second[: len(first)] == first
+    assert "<system-reminder>\nAgents: explore, plan.\n</system-reminder>" in first[-1].content
 
 
 def test_a_conversation_of_system_messages_alone_is_refused():

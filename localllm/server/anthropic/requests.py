@@ -224,15 +224,23 @@ def _leading_system(messages: list[AnthropicMessage]) -> tuple[list[str], list[A
 
 def chat_messages(messages: list[AnthropicMessage], first: int = 0) -> list[api.Message]:
     """Anthropic messages as ours. A tool_result names its call by id; we name the tool, found from that id. A
-    system message between turns is folded into the next user turn as a `<system-reminder>`, as Anthropic's own
-    fallback for templates that take a system prompt only at the start (most local models' templates)."""
+    system message between turns becomes a `<system-reminder>` in a user turn (most local models' templates take a
+    system prompt only at the start), placed so that it renders the same once later turns follow: after a user turn
+    it joins that turn (Claude Code sends it there, last, and the next request's prefix must match); after an
+    assistant turn it leads the next user turn, as Anthropic's own fallback puts it."""
     tool_names: dict[str, str] = {}
     out: list[api.Message] = []
     reminders: list[str] = []
+    previous = ""
     for i, message in enumerate(messages, start=first):
         if message.role == "system":
-            reminders.append(_system_message_text(message, f"messages.{i}"))
+            text = _system_message_text(message, f"messages.{i}")
+            if previous == "user":
+                _join_reminder(out, text)
+            else:
+                reminders.append(text)
             continue
+        previous = message.role
         blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
         if message.role == "assistant":
             out.append(_assistant(blocks, f"messages.{i}.content", tool_names))
@@ -242,6 +250,20 @@ def chat_messages(messages: list[AnthropicMessage], first: int = 0) -> list[api.
     if reminders:  # nothing after them: they stand as a user turn of their own
         out.append(api.Message(role="user", content=_reminder_text(reminders)))
     return out
+
+
+def _join_reminder(out: list[api.Message], text: str) -> None:
+    """A reminder after the user turn that ends `out`: appended to its text, or its own user turn after tool
+    results (two user turns in a row break templates that check alternation)."""
+    if not text:
+        return
+    last = out[-1]
+    if last.role != "user":
+        out.append(api.Message(role="user", content=_reminder_text([text])))
+        return
+    content = last.content or ""
+    separator = "\n" if content and not content.endswith("\n") else ""
+    out[-1] = last.model_copy(update={"content": content + separator + _reminder_text([text])})
 
 
 def _system_message_text(message: AnthropicMessage, where: str) -> str:
