@@ -119,6 +119,7 @@ class FormulaMachine:
     def __init__(self, cpus: int = 2, others: float = 0.0):
         self.n_cpus, self.others = cpus, others
         self.t = self.cpu = self.busy_s = 0.0
+        self.lingering: list[int] = []  # run queue readings of a load that has just ended, read before the formula
 
     def run_step(self, threads: int) -> float:
         """Run one decode step at `threads`; its wall seconds."""
@@ -148,10 +149,15 @@ class FormulaMachine:
         return self.busy_s
 
     def runnable(self) -> int | None:
+        if self.lingering:
+            return 1 + self.lingering.pop(0)
         return 1 + round(self.others)  # the engine thread asking, and the others' threads
 
     def cpus(self) -> int:
         return self.n_cpus
+
+    def wait(self, seconds: float) -> None:
+        self.idle(seconds)
 
 
 def steps(tuner: ThreadTuner, box: FormulaMachine, n: int, kind: str = "decode") -> list[int]:
@@ -190,6 +196,24 @@ def test_a_request_after_a_pause_starts_on_what_the_machine_holds_now():
     box.others = 0.0
     box.idle(PAUSE_SECONDS)  # ended before the next request: its prefill runs on every core
     assert steps(tuner, box, 3, kind="batch") == [2] * 3
+
+
+def test_a_burst_that_has_just_ended_does_not_lower_a_prefills_count():
+    # Recorded on two cores right after llama-server streamed its last token: 3-4 other tasks runnable at once, 1-2
+    # after 2 ms, none after 6 ms.
+    box = FormulaMachine(cpus=2)
+    tuner = ThreadTuner(2, probe=box)
+    steps(tuner, box, 50)
+    box.others = 2.0
+    box.idle(9.0)  # the other server's prompt and answer, both cores
+    box.others = 0.0
+    box.lingering = [4, 2, 1, 0]
+    assert steps(tuner, box, 3, kind="batch") == [2] * 3
+    assert not box.lingering
+    # a load that still runs keeps the run queue full in every reading, and is met before the first step
+    box.others = 1.0
+    box.idle(3.0)
+    assert steps(tuner, box, 3, kind="batch") == [1] * 3
 
 
 def test_a_prefill_below_full_rechecks_the_window_under_way():

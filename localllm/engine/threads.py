@@ -10,11 +10,14 @@ Window values); ThreadTuner is the shell that reads the clocks (a Probe) and fee
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Protocol
+
+log = logging.getLogger(__name__)
 
 StepKind = Literal["decode", "batch"]  # batch: the step carries a prefill chunk (llama.cpp's n_threads_batch)
 
@@ -28,6 +31,11 @@ HOLD = 2  # windows in a row that must agree before the count moves (one can mee
 WINDOW_SECONDS = 0.25  # steps' wall time that make a window: a few scheduler ticks on every CPU
 PAUSE_SECONDS = 0.1  # an engine idle this long is re-checked before its next step: the load may have changed
 STEADY_WINDOWS = 64  # windows a count holds before a move up is trusted at once again (see ThreadPolicy.observe)
+# A process whose burst has just ended stays runnable for a few milliseconds (llama-server's threads spin, then
+# park): a run queue that would lower the count after a pause is read again this often, this many times, and its
+# least reading counts (docs/benchmark-notes.md, "the run queue right after a burst").
+RECHECK_SECONDS = 0.002
+RECHECKS = 5
 
 
 @dataclass(frozen=True)
@@ -141,6 +149,10 @@ class Probe(Protocol):
 
     def cpus(self) -> int: ...
 
+    def wait(self, seconds: float) -> None:
+        """Let `seconds` pass (the run queue is read again after it)."""
+        ...
+
 
 class LinuxProbe:
     """/proc/stat's CPU lines (only this process's CPUs) and /proc/loadavg's run queue; elsewhere the clocks only."""
@@ -182,6 +194,9 @@ class LinuxProbe:
 
     def cpus(self) -> int:
         return len(self._allowed) or os.cpu_count() or 1
+
+    def wait(self, seconds: float) -> None:
+        time.sleep(seconds)
 
 
 class ThreadTuner:
@@ -228,7 +243,7 @@ class ThreadTuner:
 
     def _close_window(self, *, fresh: bool = False) -> None:
         start, end = self._start, self._mark()
-        self.policy.observe(Window(self.policy.count, self._wall, self._cpu, _elsewhere(start, end)), fresh=fresh)
+        self._observe(Window(self.policy.count, self._wall, self._cpu, _elsewhere(start, end)), fresh=fresh)
         self._begin(end)
 
     def _observe_pause(self) -> None:
@@ -243,10 +258,31 @@ class ThreadTuner:
             elsewhere=_elsewhere(start, end),
             runnable=None if runnable is None else max(0, runnable - 1),  # less the engine thread asking
         )
+        if window.wall > 0 and self.policy.target(window) < self.policy.count:
+            window = replace(window, runnable=self._least_runnable(window.runnable))
         if window.wall > 0:
-            self.policy.observe(window, fresh=True)
+            self._observe(window, fresh=True)
         self._changed = False
         self._begin(end)
+
+    def _observe(self, window: Window, *, fresh: bool) -> None:
+        before = self.policy.count
+        if self.policy.observe(window, fresh=fresh) != before:
+            log.debug("threads %d -> %d after %s", before, self.policy.count, window)
+
+    def _least_runnable(self, first: int | None) -> int | None:
+        """The run queue's least reading over RECHECKS more, stopping at an empty one: a burst that just ended
+        leaves it empty within milliseconds, a load that still runs keeps it full."""
+        least = first
+        for _ in range(RECHECKS):
+            if not least:
+                break
+            self.probe.wait(RECHECK_SECONDS)
+            runnable = self.probe.runnable()
+            if runnable is None:
+                break
+            least = min(least, max(0, runnable - 1))
+        return least
 
     def _begin(self, mark: tuple[float, float, float | None]) -> None:
         self._wall = self._cpu = 0.0
