@@ -375,29 +375,29 @@ def test_opencode_runs_a_tool_the_model_calls_and_its_next_turn_reuses_the_first
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_qwen_code_answers_and_its_next_turn_reuses_the_first(recorder, workdir, isolated_home):
-    """Qwen Code's first request is streamed, and the next turn of its session (`--continue`) reuses its prompt.
-    Each run is one request: launch turns off its managed auto-memory, whose extraction request after every turn
-    (a prompt of its own, awaited before exit) would double each run's prefill. The 0.5B does not follow its prompt
-    to a well-formed tool call either."""
+def test_qwen_code_runs_a_tool_the_model_calls_and_its_next_turn_reuses_the_first(recorder, workdir, isolated_home):
+    """Qwen Code's first request is streamed, the model's shell call reaches Qwen Code, which runs it, and the next
+    request (carrying the call's output) reuses the first one's prompt. launch turns off its managed auto-memory,
+    whose extraction request after every turn (a prompt of its own, awaited before exit) would double the prefill.
+    The 0.5B does not follow its prompt to a well-formed tool call."""
     settings = workdir.parent / "user" / ".qwen" / "settings.json"
     settings.parent.mkdir(parents=True)
     settings.write_text(json.dumps(QWEN_OFFLINE))  # launch merges its provider into the user's settings
     small = ["--core-tools", "read_file", "run_shell_command", "--exclude-tools", *QWEN_EXTRA_TOOLS]
-    first_run = run_agent("qwen", ["Say hi.", *small], recorder=recorder, home=isolated_home, cwd=workdir)
-    assert first_run.returncode == 0, first_run.stderr[-2000:]
-    again = ["Say bye.", "--continue", *small]
-    second_run = run_agent("qwen", again, recorder=recorder, home=isolated_home, cwd=workdir)
-    assert second_run.returncode == 0, second_run.stderr[-2000:]
+    prompt = "Call run_shell_command with command `mkdir made-by-qwen`, then say done."
+    done = run_agent(
+        "qwen", [prompt, "--yolo", *small], recorder=recorder, home=isolated_home, cwd=workdir, model=FOLLOWER
+    )
     turns = tool_turns(recorder)
-    first, second = turns[0], turns[-1]
-    assert first.path == "/v1/chat/completions", first.path
+    assert len(turns) >= 2 and turns[0].path == "/v1/chat/completions", (done.stdout[-2000:], done.stderr[-2000:])
     # one system prompt throughout: no request of auto-memory's own
     assert len({json.dumps(t.body["messages"][0]) for t in turns}) == 1, len(turns)
-    assert [t["function"]["name"] for t in first.body["tools"]] == ["read_file", "run_shell_command"]
-    assert_opened_during_prefill(first)
-    assert "Say hi." in json.dumps(second.body) and "Say bye." in json.dumps(second.body)
-    assert_second_turn_reuses(first, second)
+    assert [t["function"]["name"] for t in turns[0].body["tools"]] == ["read_file", "run_shell_command"]
+    assert_opened_during_prefill(turns[0])
+    assert (workdir / "made-by-qwen").is_dir(), written(turns[0])  # the model's tool call reached Qwen Code
+    assert ran_by_agent(turns[1], "made-by-qwen")
+    assert_second_turn_reuses(turns[0], turns[1])
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_aider_answers_and_its_second_message_reuses_the_first(recorder, workdir, isolated_home):
