@@ -331,6 +331,9 @@ def _log_conversation(log: Callable[[str], None], name: str, run: Conversation) 
             f"agents: {name} {label}: first event {turn.ttfe():.2f} s, first token {turn.ttft():.2f} s, "
             f"prompt {turn.prompt()} tokens, {turn.reused()} reused"
         )
+    # what turn 2 carries back decides how much of turn 1's answer it can reuse
+    blocks = [block["type"] for block in run.first.content()]
+    log(f"agents: {name} turn 1 answered {', '.join(blocks) or 'nothing'}: {json.dumps(run.first.content())[:300]}")
 
 
 # ---------------------------------------------------------------------------------------------------------- figures
