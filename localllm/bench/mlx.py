@@ -1,5 +1,7 @@
 """MLX served: `localllm serve` on an MLX model against `mlx_lm.server` at its defaults, on the very same converted
-files, the same chat requests over /v1/chat/completions, one stream and four concurrent ones, interleaved."""
+files, the same chat requests over /v1/chat/completions, one stream and four concurrent ones, interleaved; then our
+own four streams in one batched forward against one slot (serial), and a returning turn's first token (the prefix
+cache) against a cold one."""
 
 from __future__ import annotations
 
@@ -64,17 +66,16 @@ def mlx_lm_server(folder: Path) -> Iterator[str]:
 
 
 def chat_run(base: str, model: str, prompts: list[str], n: int) -> EngineRun:
-    """Stream each prompt as a user message through /v1/chat/completions at once, greedy, up to `n` tokens; every
-    chunk that carries text counts as one token (both servers send one per token)."""
+    """Stream each prompt as a user message through /v1/chat/completions at once, greedy, up to `n` tokens."""
+    return conversations_run(base, model, [[{"role": "user", "content": prompt}] for prompt in prompts], n)
+
+
+def conversations_run(base: str, model: str, conversations: list[list[dict[str, str]]], n: int) -> EngineRun:
+    """Stream each conversation through /v1/chat/completions at once, greedy, up to `n` tokens; every chunk that
+    carries text counts as one token (both servers send one per token)."""
 
     def one(i: int, run: EngineRun) -> None:
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": prompts[i]}],
-            "max_tokens": n,
-            "temperature": 0,
-            "stream": True,
-        }
+        body = {"model": model, "messages": conversations[i], "max_tokens": n, "temperature": 0, "stream": True}
         with http_client().stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as resp:
             resp.raise_for_status()
             for line in resp.iter_lines():
@@ -84,7 +85,17 @@ def chat_run(base: str, model: str, prompts: list[str], n: int) -> EngineRun:
                 if choices[0].get("delta", {}).get("content"):
                     run.received(i, [0])
 
-    return concurrent_streams(EngineRun.start(len(prompts)), one)
+    return concurrent_streams(EngineRun.start(len(conversations)), one)
+
+
+def returning_turn(base: str, model: str, k: int, n: int) -> tuple[float, float]:
+    """(a cold first token, the returning turn's first token) on a conversation no earlier request began: the
+    first turn's ~500-token prompt is new (its number leads it), the second repeats it with the answer and asks on."""
+    document = f"Notes {k}. " + " ".join(f"Line {i}: the keeper lit lamp {i} at dusk and logged it." for i in range(40))
+    first = [{"role": "user", "content": f"{document}\nSummarise these notes."}]
+    cold = conversations_run(base, model, [first], n).ttft()
+    again = [*first, {"role": "assistant", "content": "The keeper lit the lamps."}, {"role": "user", "content": "Why?"}]
+    return cold, conversations_run(base, model, [again], n).ttft()
 
 
 def run_mlx_server_benchmarks(
@@ -114,7 +125,43 @@ def run_mlx_server_benchmarks(
             one = measure([LONG_STORY])
             log("MLX served: four streams")
             many = measure(four)
+            log("MLX served: a returning turn's first token")
+            turns = [returning_turn(ours, MODEL, k, 4) for k in range(repeats)]
+        log("MLX served: four streams, batched against one slot")
+        serial = _batched_against_serial(gguf, home, four, n, repeats)
     return [
         one.figure("MLX single stream: ours vs mlx_lm.server", 0.95, note=note),
         many.figure("MLX 4 concurrent streams (aggregate): ours vs mlx_lm.server", 1.0, note=note),
+        serial,
+        Figure(
+            "MLX returning turn's first token vs a cold one (prefix cache)",
+            max(returning for _, returning in turns),
+            max(cold for cold, _ in turns),
+            "s",
+            0.2,
+            lower_is_better=True,
+            note=f"ours; a new ~500-token conversation in each of {repeats} repeats, then its next turn; the worst",
+        ),
     ]
+
+
+def _batched_against_serial(gguf: Path, home: Path, prompts: list[str], n: int, repeats: int) -> Figure:
+    """Our four streams on four slots (one batched forward a step) against the same four on one slot, served one
+    after another: every token over the time from submission, alternating, the worst repeat of each."""
+    batched, serial = [], []
+    with served_model(gguf, slots=4, threads=None, n_ctx=2048, home=home) as four:
+        chat_run(four, MODEL, prompts, 8)
+        with served_model(gguf, slots=1, threads=None, n_ctx=2048, home=home) as one:
+            chat_run(one, MODEL, prompts[:1], 8)
+            for _ in range(repeats):
+                serial.append(chat_run(one, MODEL, prompts, n).throughput())
+                batched.append(chat_run(four, MODEL, prompts, n).throughput())
+    return Figure(
+        "MLX 4 streams (aggregate): 4 slots, one batched forward vs 1 slot (serial)",
+        min(batched),
+        max(serial),
+        "tok/s",
+        2.0,
+        note=f"ours on both sides, greedy, up to {n} tokens, every token over the time from submission; the worst "
+        f"batched repeat of {repeats} against the best serial one",
+    )
