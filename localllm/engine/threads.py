@@ -250,17 +250,16 @@ class ThreadTuner:
         """One window from the last one's end to now: the steps in it count as this engine's, the rest of this
         process's CPU time as its other work."""
         start, end = self._start, self._mark()
-        runnable = self.probe.runnable()
         window = Window(
             threads=0,
             wall=end[0] - start[0] - self._wall,
             cpu=max(0.0, end[1] - start[1] - self._cpu),
             elsewhere=_elsewhere(start, end),
-            runnable=None if runnable is None else max(0, runnable - 1),  # less the engine thread asking
+            runnable=self._others_runnable(),
         )
-        if window.wall > 0 and self.policy.target(window) < self.policy.count:
-            window = replace(window, runnable=self._least_runnable(window.runnable))
         if window.wall > 0:
+            if self.policy.target(window) < self.policy.count:
+                window = replace(window, runnable=self._least_runnable(window.runnable))
             self._observe(window, fresh=True)
         self._changed = False
         self._begin(end)
@@ -278,11 +277,16 @@ class ThreadTuner:
             if not least:
                 break
             self.probe.wait(RECHECK_SECONDS)
-            runnable = self.probe.runnable()
+            runnable = self._others_runnable()
             if runnable is None:
                 break
-            least = min(least, max(0, runnable - 1))
+            least = min(least, runnable)
         return least
+
+    def _others_runnable(self) -> int | None:
+        """The run queue less the engine thread asking; None where the OS does not say."""
+        runnable = self.probe.runnable()
+        return None if runnable is None else max(0, runnable - 1)
 
     def _begin(self, mark: tuple[float, float, float | None]) -> None:
         self._wall = self._cpu = 0.0
