@@ -275,7 +275,7 @@ def _single_slot(path: Path, *, n: int, threads: int, repeats: int, llama_server
                 rate, tokens, timings = server.complete(prompt, n)
                 if rate > best.get("server-" + name, (0.0,))[0]:
                     best["server-" + name] = (rate, tokens, timings)
-        cost = _cost_note(ours.speculation.cost)
+        cost = _cost_note(ours.speculation.cost.current)
     finally:
         for server in servers.values():
             server.close()
@@ -348,7 +348,7 @@ def _busy_figure(ours: SpecEngine, mix: str, prompts: list[list[int]], *, n: int
     bracket = Bracketed.measure(lambda: measured("none"), lambda: measured("auto"), repeats=repeats)
     (off_tokens, _), (on_tokens, on_timings) = last["none"], last["auto"]
     same = sum(a == b for a, b in zip(off_tokens, on_tokens))
-    cost = ours.speculation.cost
+    cost = ours.speculation.cost.current
     known = _cost_note(cost) if cost.identified else "no row cost measured yet, so a shared batch takes no drafts"
     return bracket.figure(
         f"4 busy slots, {mix}: speculation (auto) vs off, aggregate",

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from localllm.engine.speculative.drafters import PromptLookup, lookup_draft
-from localllm.engine.speculative.policy import DraftWindow, FixedWindow, StepCost, any_draft_pays
+from localllm.engine.speculative.policy import DepthCosts, DraftWindow, FixedWindow, StepCost, any_draft_pays
 
 # ---------------------------------------------------------------------------------------------------------- lookup
 
@@ -104,6 +104,83 @@ def test_window_does_not_try_drafts_in_a_shared_batch_before_the_row_cost_is_mea
     assert cost.identified
     assert cost.seconds(4) - cost.seconds(3) == pytest.approx(0.009, rel=0.3)
     assert window.cut([0.99] * 16, busy_slots=4) == 0  # measured: a row costs too much for four busy slots
+
+
+def _attention_cost(rows: int, depth: int) -> float:
+    """Seconds of a decode step on the measured 0.5B here: 11 ms of weights, and per row 8 ms plus its attention over
+    `depth` cells (2.3 ms per 1K): 10 ms a row at 1K, 26 ms at 8K."""
+    return 0.011 + rows * (0.008 + 0.0023 * depth / 1024)
+
+
+def _learn(costs: DepthCosts, depth: int, steps: int = 60) -> None:
+    for rows in (1, 1, 1, 4, 9) * (steps // 5):
+        costs.record(rows, rows, _attention_cost(rows, depth), depth=depth)
+
+
+def test_depth_bands_grow_by_a_root_of_two_from_1k():
+    depths = (0, 1023, 1024, 1448, 1449, 2048, 4096, 4160, 8150, 8192, 16384)
+    assert [DepthCosts.band(d) for d in depths] == [0, 0, 1, 1, 2, 3, 5, 5, 6, 7, 9]
+
+
+def test_drafts_that_pay_at_1k_are_not_taken_at_8k_where_rows_cost_more():
+    """The prompts section's loss: a cost learnt near the start of a conversation sized drafts deep in an 8K one,
+    where each draft row reads eight times the cells, and speculation ran below decoding without it."""
+    costs = DepthCosts()
+    _learn(costs, 1000)
+    _learn(costs, 8300)
+    window = DraftWindow(16, costs)
+    confidences = [0.75] * 16  # an n-gram match of two tokens, as in the section's code-like text
+    costs.at(900)
+    shallow = window.cut(confidences, busy_slots=1)
+    costs.at(8400)
+    deep = window.cut(confidences, busy_slots=1)
+    assert shallow >= 1 and deep == 0
+    assert DraftWindow(16, costs).cut([0.995] * 16, busy_slots=1) > 0  # a sure copy still pays deep in a context
+
+
+def test_a_band_learns_only_from_steps_at_its_depth():
+    costs = DepthCosts()
+    _learn(costs, 500)
+    assert costs.at(12000).measured is False  # nothing ran at that depth: it starts from the prior
+    assert costs.at(600).seconds(9) == pytest.approx(_attention_cost(9, 500), rel=0.1)
+    assert "<1K:" in costs.describe() and "11.3K-16K:" in costs.describe()
+
+
+def test_a_new_deep_band_prices_its_rows_from_one_plain_step():
+    """Crossing into a deeper band (an 8K prompt's answer passes 8,192 tokens) must not cost a trial of drafts: the
+    fixed part measured shallower holds at any depth, so one plain step there tells what a row costs."""
+    costs = DepthCosts()
+    _learn(costs, 1000)
+    costs.at(8400)
+    assert costs.learnt_elsewhere()  # the engine takes no drafts this step
+    costs.record(1, 1, _attention_cost(1, 8400), depth=8400)
+    deep = costs.at(8400)
+    assert not costs.learnt_elsewhere()
+    assert deep.seconds(9) == pytest.approx(_attention_cost(9, 8400), rel=0.15)
+    assert not DepthCosts().learnt_elsewhere()  # a model's first steps have nothing better: the prior as before
+
+
+def test_drafts_that_yielded_less_than_plain_steps_rest_then_try_again():
+    """Deep in an 8K context two rows cost 2.2 one-row steps here, so drafts accepted half the time lose, whatever
+    the linear fit says: what the steps delivered decides."""
+    cost = StepCost()
+    for _ in range(10):
+        cost.record_outcome(1, drafted=False, tokens=1, seconds=0.034)
+    for _ in range(5):
+        cost.record_outcome(1, drafted=True, tokens=2, seconds=0.076)
+    assert cost.drafts_lose(1) and not cost.drafts_lose(4)  # another batch size has its own record
+    rested = 0
+    while cost.drafts_lose(1):
+        cost.record_outcome(1, drafted=False, tokens=1, seconds=0.034)
+        rested += 1
+    assert rested == StepCost.REST_STEPS  # a while without drafts, then a new trial judged on its own steps
+    cost.record_outcome(1, drafted=True, tokens=5, seconds=0.080)
+    assert not cost.drafts_lose(1)
+    winning = StepCost()
+    for _ in range(10):
+        winning.record_outcome(1, drafted=False, tokens=1, seconds=0.020)
+        winning.record_outcome(1, drafted=True, tokens=5, seconds=0.060)
+    assert not winning.drafts_lose(1)
 
 
 def test_window_never_offers_more_than_the_room_left():

@@ -566,7 +566,8 @@ class ModelEngine:
         busy = len(self._scheduler.running)
         # When the batch makes rows too dear for even a certain draft, no drafter is asked: a step that cannot
         # speculate costs what it would with speculation off (only a request's spec_min_draft overrides that).
-        gate = self.speculation is None or self.speculation.may_draft(busy)
+        depth = max(len(req.prompt) + len(req.generated) for req in decoding)
+        gate = self.speculation is None or self.speculation.may_draft(busy, depth)
         for req in speculating:
             room = self._scheduler.draft_room(req)
             if room == 0 or req.drafter is None or req.slot is None or not (gate or req.drafter.insists):
@@ -618,7 +619,13 @@ class ModelEngine:
                 work.request.sink.verify_seconds += decoded - t0
         if self.speculation is not None:
             # CPU seconds of this thread: the step's work, which other load on the machine does not inflate.
-            self.speculation.record_step(step.batch, time.thread_time() - cpu0)
+            self.speculation.record_step(
+                step.batch,
+                time.thread_time() - cpu0,
+                busy=len(sampled),
+                emitted=sum(len(tokens) for tokens in sampled.values()),
+                drafted=any(work.draft for work in step.work),
+            )
         self._scheduler.update(step, sampled)
         self._drop_rejected(step)
         self._emit(step, sampled)

@@ -17,10 +17,14 @@ class StepCost:
     BASELINE_ROWS = 64  # steps of up to this many rows also keep their own mean (see baseline)
     BASELINE_STEPS = 4.0  # a batch size's own mean is believed once this many steps of it are counted
 
-    def __init__(self, *, prior: float = 0.05, memory: float = 0.999):
+    def __init__(self, *, prior: float = 0.05, memory: float = 0.999, fixed: float | None = None):
         # A long memory: what a few draft steps taught about the slope must outlive the same-sized steps between.
         self.prior = prior
         self.memory = memory
+        self.fixed = fixed  # the step's fixed seconds where another depth measured them: the prior's split
+        # (busy, drafted) -> decayed steps, tokens emitted and seconds; busy -> plain steps left before a new trial
+        self._outcomes: dict[tuple[int, bool], tuple[float, float, float]] = {}
+        self._rest: dict[int, int] = {}
         self._baseline: dict[int, tuple[float, float]] = {}  # rows -> (decayed steps, decayed seconds)
         # Decayed, row-weighted sums of the fit: weight, rows, rows², seconds, rows x seconds. Plain floats: this runs
         # after every decode step, and numpy's small arrays cost ten times more.
@@ -33,7 +37,7 @@ class StepCost:
         if rows <= 0 or outputs != rows or seconds <= 0:
             return
         if self._anchor is None:
-            self._anchor = self._coef * seconds / float(self._coef[0] + self._coef[1] * rows)
+            self._anchor = self._first_anchor(rows, seconds)
         # Each step weighs as many as its rows: large draft steps pay the slope, not the few small steps.
         m, w = self.memory, float(rows)
         n, sx, sxx, sy, sxy = self._sums
@@ -48,6 +52,43 @@ class StepCost:
         if rows <= self.BASELINE_ROWS:
             steps, total = self._baseline.get(rows, (0.0, 0.0))
             self._baseline[rows] = (self.memory * steps + 1.0, self.memory * total + seconds)
+
+    OUTCOME_STEPS = 3.0  # decayed steps of each kind before their rates are compared
+    DRAFT_MEMORY = 0.8  # draft steps: the last few decide
+    REST_STEPS = 48  # plain steps a batch size goes without drafts once they lost, before a new trial
+
+    def record_outcome(self, busy: int, *, drafted: bool, tokens: int, seconds: float) -> None:
+        """What a decode step of `busy` requests yielded: tokens emitted in `seconds`, with drafts or without."""
+        if busy <= 0 or seconds <= 0:
+            return
+        memory = self.DRAFT_MEMORY if drafted else self.memory
+        steps, emitted, total = self._outcomes.get((busy, drafted), (0.0, 0.0, 0.0))
+        self._outcomes[(busy, drafted)] = (memory * steps + 1.0, memory * emitted + tokens, memory * total + seconds)
+        if not drafted and self._rest.get(busy, 0) > 0:
+            self._rest[busy] -= 1
+            if self._rest[busy] == 0:  # the trial that follows is judged on its own steps
+                self._outcomes.pop((busy, True), None)
+
+    def drafts_lose(self, busy: int) -> bool:
+        """Have the recent steps with drafts yielded fewer tokens a second than plain steps of the same batch? (Then
+        none for REST_STEPS steps.) The cost model's guess checked against what drafting delivered: a step's cost
+        need not be linear in its rows (on a CPU deep in a context two rows cost more than twice one), and no model
+        of it may make speculation slower than none."""
+        if self._rest.get(busy, 0) > 0:
+            return True
+        drafted, plain = self._outcomes.get((busy, True)), self._outcomes.get((busy, False))
+        if drafted is None or plain is None or min(drafted[0], plain[0]) < self.OUTCOME_STEPS:
+            return False
+        if drafted[1] / drafted[2] >= plain[1] / plain[2]:
+            return False
+        self._rest[busy] = self.REST_STEPS
+        return True
+
+    def _first_anchor(self, rows: int, seconds: float) -> np.ndarray:
+        """The prior scaled to the first step; with a known fixed part, the rest of that step is the rows' cost."""
+        if self.fixed is not None and 0.0 < self.fixed < seconds:
+            return np.array([self.fixed, (seconds - self.fixed) / rows])
+        return self._coef * seconds / float(self._coef[0] + self._coef[1] * rows)
 
     @property
     def coef(self) -> np.ndarray:
@@ -113,6 +154,63 @@ class StepCost:
         return f"{a * 1e3:.1f} ms + {b * 1e3:.1f} ms/row"
 
 
+class DepthCosts:
+    """StepCost per depth band: a row's attention reads every cell before it, so what a draft row adds grows with the
+    context (on this CPU 10 ms a row at 1K tokens, 26 ms at 8K, for the 0.5B), and a cost learnt on short
+    conversations would make drafts deep in a long one look cheap (docs/benchmark-notes.md, "Speculation deep in a
+    long prompt"). A step counts in the band of its deepest row; the engine sizes each step's drafts in the band it
+    is about to run in (`at`), which `current` then names. A new band takes the fixed part of a step (the weights'
+    share, the same at any depth) from the nearest band that measured it, so its first plain step tells what a row
+    costs there, with no trial of drafts that a deep context makes dear."""
+
+    FIRST_BAND = 1024  # band 0 holds depths below this; each next band is √2 deeper (an 8K prompt's answer and a
+    # 4K one's do not share a band: deep in a context two rows can cost more than twice one)
+
+    def __init__(self) -> None:
+        self._bands: dict[int, StepCost] = {}
+        self.current = self.at(0)
+
+    @classmethod
+    def band(cls, depth: int) -> int:
+        return 0 if depth < cls.FIRST_BAND else 1 + int(2 * math.log2(depth / cls.FIRST_BAND))
+
+    def at(self, depth: int) -> StepCost:
+        """The band of `depth` (a new one the first time), made the current one."""
+        self.current = self._band(self.band(depth))
+        return self.current
+
+    def learnt_elsewhere(self) -> bool:
+        """Is the current band still unmeasured where another band has measured its steps? (Its drafts wait for one
+        plain step here.)"""
+        return not self.current.measured and any(cost.identified for cost in self._bands.values())
+
+    def record(self, rows: int, outputs: int, seconds: float, *, depth: int) -> None:
+        if rows > 0 and outputs == rows:  # a decode step (StepCost leaves prefill chunks out)
+            self._band(self.band(depth)).record(rows, outputs, seconds)
+
+    def record_outcome(self, busy: int, *, depth: int, drafted: bool, tokens: int, seconds: float) -> None:
+        self._band(self.band(depth)).record_outcome(busy, drafted=drafted, tokens=tokens, seconds=seconds)
+
+    def _band(self, band: int) -> StepCost:
+        cost = self._bands.get(band)
+        if cost is None:
+            known = [(abs(b - band), c) for b, c in self._bands.items() if c.identified]
+            fixed = float(min(known, key=lambda k: k[0])[1].coef[0]) if known else None
+            cost = self._bands[band] = StepCost(fixed=fixed)
+        return cost
+
+    def describe(self) -> str:
+        """Each band's fit, for benchmarks and logs: "<1K: 4.1 ms + 11.8 ms/row; 4K-5.66K: ..."."""
+        return "; ".join(f"{_band_label(b)}: {cost.describe()}" for b, cost in sorted(self._bands.items()))
+
+
+def _band_label(band: int) -> str:
+    if band == 0:
+        return f"<{DepthCosts.FIRST_BAND // 1024}K"
+    low, high = (DepthCosts.FIRST_BAND * 2 ** ((band - 1 + k) / 2) for k in (0, 1))
+    return f"{low / 1024:.3g}K-{high / 1024:.3g}K"
+
+
 class DraftWindow:
     """Per request: how often its drafts turn out right, and the rule that sizes each step's draft.
 
@@ -137,7 +235,7 @@ class DraftWindow:
     def __init__(
         self,
         limit: int,
-        cost: StepCost,
+        cost: StepCost | DepthCosts,
         *,
         floor: int = 0,
         memory: float = 0.95,
@@ -146,13 +244,19 @@ class DraftWindow:
     ):
         self.limit = limit
         self.floor = min(floor, limit)  # a draft of at least this many tokens is taken whatever it costs
-        self.cost = cost
+        self._costs = cost
         self.margin = margin
         self.memory = memory
         self.prior_weight = prior_weight
         self._hits = [0.0] * self.BANDS  # decayed counts per band: accepted tokens and verified tokens
         self._trials = [0.0] * self.BANDS
         self.offered: list[float] = []  # confidences of the draft last offered, to credit its band on record()
+
+    @property
+    def cost(self) -> StepCost:
+        """The cost drafts are sized by: the one given, or the band of the depth the engine runs at now."""
+        costs = self._costs
+        return costs.current if isinstance(costs, DepthCosts) else costs
 
     @classmethod
     def band(cls, confidence: float) -> int:

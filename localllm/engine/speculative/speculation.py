@@ -11,7 +11,7 @@ from ...backends.base import Batch, LoadCheck, MtpHead
 from ...errors import InvalidInput, LocalLLMError
 from ...machine import physical_cores
 from .drafters import Drafter, DraftModel, GrammarCheckedDrafter, NgramDrafter, SourceDrafter, check_same_vocab
-from .policy import DraftWindow, StepCost
+from .policy import DepthCosts, DraftWindow
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -50,10 +50,10 @@ class Speculation:
         self.draft_model = draft
         self._draft_check = draft_check  # what the draft's load check left for after the load (loaded())
         self.mtp = mtp
-        self.cost = StepCost()
+        self.cost = DepthCosts()
         self._window = window
         self._steps = 0
-        self._gate: dict[int, tuple[int, bool]] = {}  # busy slots -> (step, could any draft pay)
+        self._gate: dict[tuple[int, int], tuple[int, bool]] = {}  # (busy slots, band) -> (step, any pays)
         self._builders: dict[str, Callable[[DraftWindow], Drafter]] = {"ngram": NgramDrafter}
         if draft is not None:
             self._builders["draft"] = lambda window: SourceDrafter(draft, window, kind="draft")
@@ -97,13 +97,18 @@ class Speculation:
         probe = grammars.probe(grammar) if grammar and grammars is not None else None
         return drafter if probe is None else GrammarCheckedDrafter(drafter, probe, n_prompt=n_prompt)
 
-    def may_draft(self, busy_slots: int) -> bool:
-        """Before a step: is it worth asking the drafters at all? (No: they are skipped.) The answer for a batch size
-        is kept for GATE_STEPS steps: the step cost moves slowly."""
-        steps, answer = self._gate.get(busy_slots, (-1, False))
+    def may_draft(self, busy_slots: int, depth: int) -> bool:
+        """Before a step whose deepest generating request is at `depth`: is it worth asking the drafters at all?
+        (No: they are skipped.) It also sets the depth band the drafters size their drafts by. The answer for a
+        batch size and band is kept for GATE_STEPS steps: the step cost moves slowly."""
+        cost = self.cost.at(depth)
+        if self.cost.learnt_elsewhere() or cost.drafts_lose(busy_slots):
+            return False  # a plain step first: it prices a row at this depth, or fades the losing drafts' record
+        key = (busy_slots, DepthCosts.band(depth))
+        steps, answer = self._gate.get(key, (-1, False))
         if steps < 0 or self._steps - steps >= GATE_STEPS:
-            answer = self._window.any_draft_pays(self.cost, busy_slots)
-            self._gate[busy_slots] = (self._steps, answer)
+            answer = self._window.any_draft_pays(cost, busy_slots)
+            self._gate[key] = (self._steps, answer)
         return answer
 
     def observe(self, batch: Batch, copies: Sequence[tuple[int, int, int]]) -> None:
@@ -111,10 +116,14 @@ class Speculation:
         if self.mtp is not None:
             self.mtp.observe(batch, copies)
 
-    def record_step(self, batch: Batch, seconds: float) -> None:
+    def record_step(self, batch: Batch, seconds: float, *, busy: int, emitted: int, drafted: bool) -> None:
         """After sampling: what the step cost in CPU seconds of the engine thread (decode, MTP follow-up and
-        sampling), for the draft window."""
-        self.cost.record(len(batch), sum(batch.logits), seconds)
+        sampling), for the draft window, and what it yielded: `emitted` tokens for `busy` generating requests,
+        with drafts or without."""
+        depth = max(batch.positions, default=0)
+        self.cost.record(len(batch), sum(batch.logits), seconds, depth=depth)
+        if sum(batch.logits) == len(batch):  # a decode step: prefill rows yield nothing to compare
+            self.cost.record_outcome(busy, depth=depth, drafted=drafted, tokens=emitted, seconds=seconds)
         self._steps += 1
 
     def close(self) -> None:
