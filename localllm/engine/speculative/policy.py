@@ -156,12 +156,12 @@ class StepCost:
 
 class DepthCosts:
     """StepCost per depth band: a row's attention reads every cell before it, so what a draft row adds grows with the
-    context (on this CPU 10 ms a row at 1K tokens, 26 ms at 8K, for the 0.5B), and a cost learnt on short
-    conversations would make drafts deep in a long one look cheap (docs/benchmark-notes.md, "Speculation deep in a
-    long prompt"). A step counts in the band of its deepest row; the engine sizes each step's drafts in the band it
-    is about to run in (`at`), which `current` then names. A new band takes the fixed part of a step (the weights'
-    share, the same at any depth) from the nearest band that measured it, so its first plain step tells what a row
-    costs there, with no trial of drafts that a deep context makes dear."""
+    context, and a cost learnt on short conversations would make drafts deep in a long one look cheap
+    (docs/benchmark-notes.md, "Speculation deep in a long prompt"). A step counts in the band of its deepest row;
+    the engine sizes each step's drafts in the band it is about to run in (`at`), which `current` then names. A new
+    band takes the fixed part of a step (the weights' share, the same at any depth) from the nearest band that
+    measured it, so its first plain step tells what a row costs there, with no trial of drafts that a deep context
+    makes dear."""
 
     FIRST_BAND = 1024  # band 0 holds depths below this; each next band is √2 deeper (an 8K prompt's answer and a
     # 4K one's do not share a band: deep in a context two rows can cost more than twice one)
