@@ -58,31 +58,33 @@ class StepCost:
     REST_STEPS = 48  # plain steps a batch size goes without drafts once they lost, before a new trial
 
     def record_outcome(self, busy: int, *, drafted: bool, tokens: int, seconds: float) -> None:
-        """What a decode step of `busy` requests yielded: tokens emitted in `seconds`, with drafts or without."""
+        """What a decode step of `busy` requests yielded: tokens emitted in `seconds`, with drafts or without. Where
+        the recent steps with drafts yielded fewer tokens a second than plain steps of the same batch, that batch
+        size rests from drafts for REST_STEPS plain steps: the cost model's guess checked against what drafting
+        delivered (a step's cost need not be linear in its rows: on a CPU deep in a context two rows cost more than
+        twice one), so that no model of it makes speculation slower than none."""
         if busy <= 0 or seconds <= 0:
             return
         memory = self.DRAFT_MEMORY if drafted else self.memory
         steps, emitted, total = self._outcomes.get((busy, drafted), (0.0, 0.0, 0.0))
         self._outcomes[(busy, drafted)] = (memory * steps + 1.0, memory * emitted + tokens, memory * total + seconds)
-        if not drafted and self._rest.get(busy, 0) > 0:
+        if self._rest.get(busy, 0) == 0:
+            if self._drafts_yield_less(busy):
+                self._rest[busy] = self.REST_STEPS
+        elif not drafted:
             self._rest[busy] -= 1
             if self._rest[busy] == 0:  # the trial that follows is judged on its own steps
                 self._outcomes.pop((busy, True), None)
 
     def drafts_lose(self, busy: int) -> bool:
-        """Have the recent steps with drafts yielded fewer tokens a second than plain steps of the same batch? (Then
-        none for REST_STEPS steps.) The cost model's guess checked against what drafting delivered: a step's cost
-        need not be linear in its rows (on a CPU deep in a context two rows cost more than twice one), and no model
-        of it may make speculation slower than none."""
-        if self._rest.get(busy, 0) > 0:
-            return True
+        """Is a batch of `busy` resting from drafts, as they yielded less than plain steps (record_outcome)?"""
+        return self._rest.get(busy, 0) > 0
+
+    def _drafts_yield_less(self, busy: int) -> bool:
         drafted, plain = self._outcomes.get((busy, True)), self._outcomes.get((busy, False))
         if drafted is None or plain is None or min(drafted[0], plain[0]) < self.OUTCOME_STEPS:
             return False
-        if drafted[1] / drafted[2] >= plain[1] / plain[2]:
-            return False
-        self._rest[busy] = self.REST_STEPS
-        return True
+        return drafted[1] / drafted[2] < plain[1] / plain[2]
 
     def _first_anchor(self, rows: int, seconds: float) -> np.ndarray:
         """The prior scaled to the first step; with a known fixed part, the rest of that step is the rows' cost."""
@@ -126,6 +128,11 @@ class StepCost:
     def with_drafts(self, busy: int, drafts: int) -> float:
         """Seconds of a step of `busy` rows plus `drafts` draft rows: the batch's own cost and what each row adds."""
         return self.baseline(busy) + float(self.coef[1]) * drafts
+
+    @property
+    def current(self) -> StepCost:
+        """The cost a window sizes drafts by now: this one (DepthCosts answers with the band the engine runs in)."""
+        return self
 
     @property
     def measured(self) -> bool:
@@ -185,8 +192,7 @@ class DepthCosts:
         return not self.current.measured and any(cost.identified for cost in self._bands.values())
 
     def record(self, rows: int, outputs: int, seconds: float, *, depth: int) -> None:
-        if rows > 0 and outputs == rows:  # a decode step (StepCost leaves prefill chunks out)
-            self._band(self.band(depth)).record(rows, outputs, seconds)
+        self._band(self.band(depth)).record(rows, outputs, seconds)
 
     def record_outcome(self, busy: int, *, depth: int, drafted: bool, tokens: int, seconds: float) -> None:
         self._band(self.band(depth)).record_outcome(busy, drafted=drafted, tokens=tokens, seconds=seconds)
@@ -194,9 +200,9 @@ class DepthCosts:
     def _band(self, band: int) -> StepCost:
         cost = self._bands.get(band)
         if cost is None:
-            known = [(abs(b - band), c) for b, c in self._bands.items() if c.identified]
-            fixed = float(min(known, key=lambda k: k[0])[1].coef[0]) if known else None
-            cost = self._bands[band] = StepCost(fixed=fixed)
+            known = {b: c for b, c in self._bands.items() if c.identified}
+            nearest = min(known, key=lambda b: abs(b - band), default=None)
+            cost = self._bands[band] = StepCost(fixed=None if nearest is None else float(known[nearest].coef[0]))
         return cost
 
     def describe(self) -> str:
@@ -255,8 +261,7 @@ class DraftWindow:
     @property
     def cost(self) -> StepCost:
         """The cost drafts are sized by: the one given, or the band of the depth the engine runs at now."""
-        costs = self._costs
-        return costs.current if isinstance(costs, DepthCosts) else costs
+        return self._costs.current
 
     @classmethod
     def band(cls, confidence: float) -> int:

@@ -103,7 +103,7 @@ class Speculation:
         batch size and band is kept for GATE_STEPS steps: the step cost moves slowly."""
         cost = self.cost.at(depth)
         if self.cost.learnt_elsewhere() or cost.drafts_lose(busy_slots):
-            return False  # a plain step first: it prices a row at this depth, or fades the losing drafts' record
+            return False  # a plain step first: it prices a row at this depth, or counts down the losing drafts' rest
         key = (busy_slots, DepthCosts.band(depth))
         steps, answer = self._gate.get(key, (-1, False))
         if steps < 0 or self._steps - steps >= GATE_STEPS:
@@ -120,9 +120,9 @@ class Speculation:
         """After sampling: what the step cost in CPU seconds of the engine thread (decode, MTP follow-up and
         sampling), for the draft window, and what it yielded: `emitted` tokens for `busy` generating requests,
         with drafts or without."""
-        depth = max(batch.positions, default=0)
-        self.cost.record(len(batch), sum(batch.logits), seconds, depth=depth)
-        if sum(batch.logits) == len(batch):  # a decode step: prefill rows yield nothing to compare
+        if batch and sum(batch.logits) == len(batch):  # a decode step: prefill rows run other kernels, yield nothing
+            depth = max(batch.positions)
+            self.cost.record(len(batch), len(batch), seconds, depth=depth)
             self.cost.record_outcome(busy, depth=depth, drafted=drafted, tokens=emitted, seconds=seconds)
         self._steps += 1
 
