@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -257,6 +258,14 @@ def test_chunked_prefill_matches_one_pass(tiny):
     _prefill(tiny, 1, tokens[:4])
     chunked = tiny.logits(_prefill(tiny, 1, tokens[4:], start=4))
     np.testing.assert_allclose(chunked, whole, atol=1e-4)
+
+
+def test_the_step_clock_counts_the_callers_wait(tiny):
+    """MLX evaluates on its own stream threads while the caller waits: steps and drafts are priced on a clock that
+    counts that wait (the caller's CPU time priced four rows like one, so drafts that never paid looked free)."""
+    start = tiny.step_clock()
+    time.sleep(0.05)  # the caller waiting, as it does while MLX evaluates
+    assert tiny.step_clock() - start >= 0.05
 
 
 def _greedy_together(model, prompts: dict[int, list[int]], n: int) -> dict[int, list[tuple[int, np.ndarray]]]:

@@ -7,6 +7,7 @@ answer or an error."""
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -82,6 +83,9 @@ class ToyModel:
 
     def logits(self, row: int) -> np.ndarray:
         return self.rows[row]
+
+    def step_clock(self) -> float:
+        return time.thread_time()
 
     def make_sampler(self, options: SamplingOptions, *, grammar: str | None = None, triggers: object = None):
         model = self

@@ -5,6 +5,7 @@ accepts every draft; MTP on a tiny GLM-4-MoE written here. The draft policy on p
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import gguf
@@ -171,6 +172,16 @@ def test_model_as_its_own_draft_accepts_every_draft(smollm2_engines):
         assert timings.draft_count > 0
         assert timings.draft_accepted == timings.draft_count
         assert timings.draft_mean_accepted > 0
+
+
+@pytest.mark.models
+def test_llama_cpp_prices_steps_on_the_callers_own_cpu_time(smollm2_engines):
+    """llama.cpp's threads keep pace with the caller, whose CPU time follows the step and not the machine's other
+    load; a wait of the caller's is no work of the model's (MLX's clock counts it: tests/test_mlx_backend.py)."""
+    engine, _ = smollm2_engines["ngram"]
+    start = engine.model.step_clock()
+    time.sleep(0.05)
+    assert engine.model.step_clock() - start < 0.05
 
 
 @pytest.mark.models

@@ -141,7 +141,7 @@ class DraftSource(Protocol):
 
     n_vocab: int  # ids the target knows: a draft stops at any other
     n_ctx: int
-    seconds_per_token: float  # what drafting one token costs, on the engine's step clock (thread CPU time)
+    seconds_per_token: float  # what drafting one token costs, on the engine's step clock (LoadedModel.step_clock)
 
     def begin(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
         """Catch up with `tokens` (the request's prompt and output so far); the logits of the token after them."""
@@ -295,6 +295,12 @@ class LoadedModel(Protocol):
     def decode(self, batch: Batch) -> None:
         """Run the model over `batch`; raises LocalLLMError when the native call fails. Placeholder rows (images,
         encoded first) come after every token row, and none asks for logits (engine/scheduler.py keeps both)."""
+
+    def step_clock(self) -> float:
+        """Seconds on the clock that steps and drafts are priced on (engine/speculative): the calling thread's CPU
+        time where the decode runs on it and on helpers that keep pace with it, which other load on the machine
+        does not inflate; wall time where the work runs on threads or a device of the backend's own, which the
+        calling thread's CPU time does not see."""
 
     def logits(self, row: int) -> np.ndarray:
         """Raw logits of `row` of the last decode, shape [n_vocab]."""

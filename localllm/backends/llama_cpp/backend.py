@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
 from functools import partial
@@ -547,6 +548,10 @@ class LlamaCppModel:
                 f"llama_decode failed with status {status} on a batch of {n} tokens",
                 hint="1 means the KV cache is full: lower num_parallel or raise num_ctx",
             )
+
+    def step_clock(self) -> float:
+        # llama.cpp's threads wait for each other at every operation, so the calling thread's share follows the step.
+        return time.thread_time()
 
     def _decode_images(self, batch: Batch, start: int) -> None:
         if self.vision is None:

@@ -3,7 +3,6 @@ wrapper that stops a draft at the first token the request's grammar forbids."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -199,10 +198,10 @@ class DraftModel:
         batch = Batch()
         for i, token in enumerate(tokens):
             batch.add(token, start + i, seq, i == len(tokens) - 1)
-        t0 = time.thread_time()  # the same clock as the engine's step costs
+        t0 = self.model.step_clock()  # the same clock as the engine's step costs
         self.model.decode(batch)
         if len(tokens) == 1:  # the price of one drafted token, for the window's cost rule
-            seconds = time.thread_time() - t0
+            seconds = self.model.step_clock() - t0
             self.seconds_per_token += 0.2 * (seconds - self.seconds_per_token)
         self._cached[seq].extend(tokens)
         return len(tokens) - 1

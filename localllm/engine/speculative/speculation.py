@@ -117,8 +117,8 @@ class Speculation:
             self.mtp.observe(batch, copies)
 
     def record_step(self, batch: Batch, seconds: float, *, busy: int, emitted: int, drafted: bool) -> None:
-        """After sampling: what the step cost in CPU seconds of the engine thread (decode, MTP follow-up and
-        sampling), for the draft window, and what it yielded: `emitted` tokens for `busy` generating requests,
+        """After sampling: what the step cost on the model's step clock (decode, MTP follow-up and sampling), for
+        the draft window, and what it yielded: `emitted` tokens for `busy` generating requests,
         with drafts or without."""
         if batch and sum(batch.logits) == len(batch):  # a decode step: prefill rows run other kernels, yield nothing
             depth = max(batch.positions)
