@@ -248,14 +248,18 @@ class ChatScreen(Screen):
         if up != self._server_up and error is not None:
             self.post_message(ErrorReported(error, title="Server unreachable"))
         self._server_up = up
-        panel = self.query_one(EnginePanel)
-        panel.figures = replace(panel.figures, server="connected" if up else "unreachable")
+        for panel in self._engine_panel():
+            panel.figures = replace(panel.figures, server="connected" if up else "unreachable")
 
     def _show_process(self, processes: api.ProcessResponse) -> None:
         model = self.conversation.model
         process = next((p for p in processes.models if is_model(p, model)), None)
-        panel = self.query_one(EnginePanel)
-        panel.figures = replace(panel.figures, model=model, process=process)
+        for panel in self._engine_panel():
+            panel.figures = replace(panel.figures, model=model, process=process)
+
+    def _engine_panel(self) -> list[EnginePanel]:
+        """The panel, or none once the screen is taken down: a poll's answer can arrive after it."""
+        return list(self.query(EnginePanel))
 
     # ----------------------------------------------------------------------------------------------- actions
 
