@@ -590,7 +590,7 @@ class ModelEngine:
             return
         kind: StepKind = "decode" if all(step.batch.logits) else "batch"
         threads = self._set_threads(kind)
-        t0, cpu0 = time.perf_counter(), self.model.step_clock()
+        t0, clock0 = time.perf_counter(), self.model.step_clock()
         try:
             self._encode_images(step)
             self.model.decode(step.batch)
@@ -621,7 +621,7 @@ class ModelEngine:
             # On the model's step clock (its CPU time where that follows the work): what drafts are priced against.
             self.speculation.record_step(
                 step.batch,
-                self.model.step_clock() - cpu0,
+                self.model.step_clock() - clock0,
                 busy=len(sampled),
                 emitted=sum(len(tokens) for tokens in sampled.values()),
                 drafted=any(work.draft for work in step.work),

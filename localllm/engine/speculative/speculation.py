@@ -118,8 +118,8 @@ class Speculation:
 
     def record_step(self, batch: Batch, seconds: float, *, busy: int, emitted: int, drafted: bool) -> None:
         """After sampling: what the step cost on the model's step clock (decode, MTP follow-up and sampling), for
-        the draft window, and what it yielded: `emitted` tokens for `busy` generating requests,
-        with drafts or without."""
+        the draft window, and what it yielded: `emitted` tokens for `busy` generating requests, with drafts or
+        without."""
         if batch and sum(batch.logits) == len(batch):  # a decode step: prefill rows run other kernels, yield nothing
             depth = max(batch.positions)
             self.cost.record(len(batch), len(batch), seconds, depth=depth)
