@@ -750,6 +750,35 @@ def test_quantized_logits_correlate_with_llama_cpp(smollm2_path, smol_mlx):
 
 
 @pytest.mark.models
+@pytest.mark.slow
+def test_qwen2_converts_with_llama_cpp_tokens_and_logits(coder_home, tmp_path):
+    """qwen2.5-coder:0.5b (q/k/v biases, its own pre-tokenizer, K-quants requantized to MLX's 4 bits): the same
+    tokens as llama.cpp on the same GGUF, and logits that agree on the next token of a code prompt."""
+    from localllm.models.store import Store
+    from localllm.quant.mlx_convert import convert_gguf_to_mlx
+
+    gguf_path = Store(coder_home / "models").resolve("qwen2.5-coder:0.5b").weights
+    folder = convert_gguf_to_mlx(gguf_path, tmp_path / "qwen-mlx", quantize="q4")
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen2"
+    llama, mlx = _load_pair(gguf_path, folder)
+    try:
+        texts = ("def f(x):\n    return x**2  # 1234567\n", "I'm héllo  wörld\n\n\t🙂 ÜBER", "<|im_end|> raw")
+        for text in texts:
+            for special in (True, False):
+                assert mlx.tokenize(text, parse_special=special) == llama.tokenize(text, parse_special=special)
+        tokens = llama.tokenize(
+            "<|im_start|>user\nWrite a Python function that reverses a string.<|im_end|>\n<|im_start|>assistant\n"
+        )
+        a = llama.logits(_prefill(llama, 0, tokens))
+        b = mlx.logits(_prefill(mlx, 0, tokens))
+        assert float(np.corrcoef(a, b)[0, 1]) > 0.98
+        assert int(np.argmax(a)) == int(np.argmax(b))
+    finally:
+        llama.close()
+        mlx.close()
+
+
+@pytest.mark.models
 def test_create_format_mlx_then_chat_answers_paris(smollm2_path, tmp_path, isolated_home):
     """The acceptance path: `localllm create smollm2-mlx --from <smollm2> --format mlx`, then a chat through the
     same client, engine and scheduler as llama.cpp models."""

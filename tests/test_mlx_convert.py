@@ -188,8 +188,8 @@ class TinyExport:
         _write_metadata(writer, arch, config)
         for name, value in tree_flatten(self.model.parameters()):
             weight = rng.standard_normal(value.shape).astype(np.float32) * (0.02 if value.ndim == 2 else 0.1)
-            if value.ndim == 1:
-                weight += 1.0 if arch == "llama" else 0.0  # norm gains around 1 (gemma adds its 1 at run time)
+            if name.endswith("norm.weight"):
+                weight += 0.0 if arch == "gemma3" else 1.0  # norm gains around 1 (gemma adds its 1 at run time)
             self._write_tensor(writer, arch, name, weight, rng)
         if extra_tensor:
             writer.add_tensor(extra_tensor, np.zeros(64, dtype=np.float32))
@@ -200,8 +200,10 @@ class TinyExport:
         parts = name.split(".")
         if parts[1] == "layers":
             layer, kind = parts[2], ".".join(parts[3:-1])
-            names = LLAMA_LAYER_NAMES if arch == "llama" else GGUF_LAYER_NAMES
-            gguf_name, qtype = f"blk.{layer}.{names[kind]}.weight", LAYER_TYPES.get(kind, Q.F32)
+            names = GGUF_LAYER_NAMES if arch == "gemma3" else LLAMA_LAYER_NAMES
+            suffix = parts[-1]  # qwen2's q/k/v carry biases, stored as F32 as llama.cpp's converter does
+            qtype = LAYER_TYPES.get(kind, Q.F32) if suffix == "weight" else Q.F32
+            gguf_name = f"blk.{layer}.{names[kind]}.{suffix}"
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[
                 name
@@ -269,6 +271,10 @@ def llama_config(vocab: int) -> dict:
     }
 
 
+def qwen2_config(vocab: int) -> dict:
+    return {**llama_config(vocab), "model_type": "qwen2", "rope_theta": 1e6}
+
+
 def gemma3_config(vocab: int) -> dict:
     # Six layers so the pattern holds five sliding-window layers and one global one; a window of 4 tokens is
     # crossed by the prompts below.
@@ -316,7 +322,9 @@ def _reference_logits(export: TinyExport, tokens: list[int]) -> np.ndarray:
     return np.array(export.model(mx.array([tokens]))[0, -1].astype(mx.float32))
 
 
-@pytest.mark.parametrize("arch, make_config", [("llama", llama_config), ("gemma3", gemma3_config)])
+@pytest.mark.parametrize(
+    "arch, make_config", [("llama", llama_config), ("qwen2", qwen2_config), ("gemma3", gemma3_config)]
+)
 def test_tiny_model_converts_exactly(arch, make_config, vocab_size, tmp_path):
     export = TinyExport(arch, make_config(vocab_size), tmp_path / f"{arch}.gguf")
     folder = convert_gguf_to_mlx(tmp_path / f"{arch}.gguf", tmp_path / f"{arch}-mlx")
@@ -369,10 +377,10 @@ def test_quantize_modes(mode, bits, vocab_size, tmp_path):
 
 
 def test_unknown_architecture_is_refused_by_name(tmp_path):
-    writer = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "qwen2")
+    writer = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "mamba")
     writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     _finish(writer)
-    with pytest.raises(ModelFormatError, match="'qwen2'"):
+    with pytest.raises(ModelFormatError, match="'mamba'"):
         convert_gguf_to_mlx(tmp_path / "q.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

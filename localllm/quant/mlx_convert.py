@@ -118,6 +118,20 @@ def _llama_config(meta: _Metadata) -> dict[str, Any]:
     return config
 
 
+def _qwen2_config(meta: _Metadata) -> dict[str, Any]:
+    # The llama layout with biases on q/k/v (mlx-lm's qwen2 class has them); llama.cpp's converter leaves qwen2's
+    # q/k rows as Hugging Face wrote them, so nothing is unpermuted.
+    config = _llama_config(meta)
+    config.update({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})
+    head_dim = config.pop("head_dim", None)
+    if head_dim is not None and head_dim != config["hidden_size"] // config["num_attention_heads"]:
+        raise ModelFormatError(
+            f"this qwen2 GGUF has heads of {head_dim} values, which mlx-lm's qwen2 model cannot hold",
+            hint="run it on llama.cpp (the default backend)",
+        )
+    return config
+
+
 def _gemma3_config(meta: _Metadata) -> dict[str, Any]:
     head_dim = meta.require("attention.key_length")
     hidden, heads, layers = (
@@ -167,6 +181,7 @@ _ARCHS = {
     "llama": _ArchSpec(
         "llama", {**_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"}, _llama_config, permute_qk=True
     ),
+    "qwen2": _ArchSpec("qwen2", {**_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"}, _qwen2_config),
     "gemma3": _ArchSpec(
         "gemma3_text",
         {
@@ -601,7 +616,7 @@ def _check_request(out_dir: Path, quantize: str | None) -> None:
 
 
 def convert_gguf_to_mlx(gguf_path: Path, out_dir: Path, *, quantize: str | None = None) -> Path:
-    """Convert a llama or gemma3 GGUF into an MLX model folder at `out_dir` (created; must not exist).
+    """Convert a llama, qwen2 or gemma3 GGUF into an MLX model folder at `out_dir` (created; must not exist).
 
     Args:
         gguf_path: the GGUF file.
