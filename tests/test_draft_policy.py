@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
-from localllm.engine.speculative.drafters import PromptLookup, lookup_draft
+from localllm.engine.speculative.drafters import PromptLookup, draft_from, lookup_draft
 from localllm.engine.speculative.policy import DepthCosts, DraftWindow, FixedWindow, StepCost, any_draft_pays
 
 # ---------------------------------------------------------------------------------------------------------- lookup
@@ -296,3 +297,66 @@ def test_the_first_draft_is_a_short_trial_until_a_row_is_priced():
     while run.offer(0.999):
         pass
     assert run.position > DraftWindow.TRIAL
+
+
+# ---------------------------------------------------------------------------------------------------------- first trial
+# Before any draft was verified, what a row costs is a guess. These figures are the MLX CPU build's (qwen2.5-coder
+# 1.5B, drafted by its 0.5B), where every row multiplies the weights again: a prompt row 0.9 s, a one-row step 1.1 s,
+# a draft token 0.35 s; and a GPU's, where a prompt row costs a fiftieth of a step.
+
+
+def _first_step(prompt_row_seconds: float, step_seconds: float, *, prompt_rows: int = 246) -> DepthCosts:
+    costs = DepthCosts()
+    costs.observe_prompt(prompt_rows, prompt_rows * prompt_row_seconds)
+    costs.record(1, 1, step_seconds, depth=prompt_rows)
+    costs.at(prompt_rows + 1)
+    return costs
+
+
+def test_a_prompt_row_as_dear_as_a_step_keeps_a_priced_draft_model_from_its_first_trial():
+    dear = _first_step(0.9, 1.1)
+    assert not any_draft_pays(dear.current, 1, draft_seconds=0.35)
+    # Without the prompt's word the prior finds rows cheap, and the same draft model looks worth a trial.
+    unknown = _first_step(0.9, 1.1, prompt_rows=8)  # a chunk too small to price a row (its fixed part)
+    assert unknown.prompt_row is None
+    assert any_draft_pays(unknown.current, 1, draft_seconds=0.35)
+
+
+def test_a_prompt_row_cheap_beside_a_step_still_lets_drafts_be_tried():
+    gpu = _first_step(0.0002, 0.01)
+    assert gpu.current.seconds(9) < 2 * gpu.current.seconds(1)
+    assert any_draft_pays(gpu.current, 1, draft_seconds=0.002)
+
+
+class _ScriptedSource:
+    """A DraftSource that is sure of token 7 every time, at a given price per token."""
+
+    n_vocab, n_ctx = 16, 512
+
+    def __init__(self, price: float):
+        self.seconds_per_token, self.begun = price, 0
+
+    def begin(self, seq, tokens) -> np.ndarray:
+        self.begun += 1
+        return self.advance(seq, 0, len(tokens))
+
+    def advance(self, seq, token, pos) -> np.ndarray:
+        logits = np.full(self.n_vocab, -30.0, dtype=np.float32)
+        logits[7] = 0.0
+        return logits
+
+    def end(self, seq, n_tokens) -> None: ...
+
+    def accept(self, seq, *, start, accepted) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def test_a_source_that_cannot_pay_is_never_asked_to_catch_up():
+    tokens = list(range(200))
+    dear = _ScriptedSource(0.35)
+    assert draft_from(dear, 0, tokens, DraftWindow(8, _first_step(0.9, 1.1)), busy_slots=1, room=8) == []
+    assert dear.begun == 0  # its catch-up of the whole prompt would have cost more than the answer
+    cheap = _ScriptedSource(0.002)
+    assert draft_from(cheap, 0, tokens, DraftWindow(8, _first_step(0.0002, 0.01)), busy_slots=1, room=8)[:1] == [7]
+    assert cheap.begun == 1

@@ -185,6 +185,27 @@ def test_llama_cpp_prices_steps_on_the_callers_own_cpu_time(smollm2_engines):
 
 
 @pytest.mark.models
+def test_a_draft_model_is_priced_at_the_load_and_keeps_nothing_of_it(smollm2_path):
+    """Unpriced, a draft model looked free until its first trial, which could cost a whole prompt's catch-up; it is
+    priced as it loads, on tokens it then forgets: the model drafting for itself gives the target's own logits."""
+    from localllm.backends.base import Batch
+
+    model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_ctx=512, num_parallel=1))
+    draft = open_draft_model(smollm2_path, LoadOptions(num_ctx=512), model, name="itself")
+    try:
+        assert draft.seconds_per_token > 0.0
+        tokens = model.tokenize("The capital of France is Paris, and the capital of Italy is")
+        batch = Batch()
+        for pos, token in enumerate(tokens):
+            batch.add(token, pos, 0, pos == len(tokens) - 1)
+        model.decode(batch)
+        np.testing.assert_allclose(draft.begin(0, tokens), model.logits(len(tokens) - 1), atol=1e-3)
+    finally:
+        draft.close()
+        model.close()
+
+
+@pytest.mark.models
 def test_gemma3_lossless_with_both_drafters_and_four_slots(gemma3_path):
     engine, _ = _engine(gemma3_path, slots=4, draft=True, pooled=True)
     try:
@@ -306,8 +327,9 @@ def test_client_reports_drafter_and_statistics(models_home):
         assert row.speculation == "ngram"
         assert row.draft_count == final.draft_count and row.draft_accepted == final.draft_accepted
 
-        # The catalog's smollm2 carries repeat_penalty 1.1; the draft model drafts plain greedy, so turn it off.
-        request.options.update(draft="smollm2:135m", repeat_penalty=1.0)
+        # The catalog's smollm2 carries repeat_penalty 1.1; the draft model drafts plain greedy, so turn it off. A
+        # model drafting for itself never pays (its tokens cost what the target's do): the floor makes it draft.
+        request.options.update(draft="smollm2:135m", repeat_penalty=1.0, spec_min_draft=4)
         final = list(client.generate(request))[-1]
         assert client.ps().models[0].speculation == "draft"
         assert final.draft_accepted == final.draft_count > 0

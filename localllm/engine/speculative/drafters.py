@@ -165,19 +165,35 @@ class DraftModel:
         self.threads = threads  # of its decodes (0: the backend chooses)
         self.n_ctx = model.n_ctx
         self._cached: list[list[int]] = [[] for _ in range(model.n_seq)]
-        self.seconds_per_token = 0.0
+        self.seconds_per_token = 0.0  # what drafting one token costs (price())
+
+    def price(self) -> None:
+        """At the load, before any request: two tokens decoded one at a time at the start of sequence 0, then
+        forgotten; the faster prices a draft token (the first may carry a fresh context's warm-up). Unpriced, a
+        draft model looked free until its first trial, which could cost a whole prompt's catch-up on a backend
+        where drafts never pay."""
+        first = self.model.meta.bos_token if self.model.meta.bos_token is not None else 0
+        measured = [self._timed(0, [token], start=pos) for pos, token in enumerate((first, first))]
+        self._keep(0, 0)
+        self.seconds_per_token = min(measured)
 
     def begin(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
-        cached = self._cached[seq]
-        shared = 0
-        limit = min(len(cached), len(tokens) - 1)  # the last token is always decoded again: its logits are needed
-        while shared < limit and cached[shared] == tokens[shared]:
-            shared += 1
-        self._keep(seq, shared)
+        shared = self._shared(seq, tokens)
         row = -1
         for start in range(shared, len(tokens), self.model.n_batch):
             row = self._decode(seq, tokens[start : start + self.model.n_batch], start=start)
         return self.model.logits(row)
+
+    def _shared(self, seq: int, tokens: Sequence[int]) -> int:
+        """How much of `tokens` `seq` holds, the rest forgotten (the last token is always decoded again: its logits
+        are needed)."""
+        cached = self._cached[seq]
+        shared = 0
+        limit = min(len(cached), len(tokens) - 1)
+        while shared < limit and cached[shared] == tokens[shared]:
+            shared += 1
+        self._keep(seq, shared)
+        return shared
 
     def advance(self, seq: int, token: int, pos: int) -> np.ndarray:
         return self.model.logits(self._decode(seq, [token], start=pos))
@@ -195,16 +211,20 @@ class DraftModel:
             del self._cached[seq][n:]
 
     def _decode(self, seq: int, tokens: Sequence[int], *, start: int) -> int:
+        seconds = self._timed(seq, tokens, start=start)
+        if len(tokens) == 1:  # the price of one drafted token, for the window's cost rule
+            self.seconds_per_token += 0.2 * (seconds - self.seconds_per_token)
+        return len(tokens) - 1
+
+    def _timed(self, seq: int, tokens: Sequence[int], *, start: int) -> float:
+        """Decode `tokens` into `seq` from `start`, the last row read out; the seconds it took on the step clock."""
         batch = Batch()
         for i, token in enumerate(tokens):
             batch.add(token, start + i, seq, i == len(tokens) - 1)
         t0 = self.model.step_clock()  # the same clock as the engine's step costs
         self.model.decode(batch)
-        if len(tokens) == 1:  # the price of one drafted token, for the window's cost rule
-            seconds = self.model.step_clock() - t0
-            self.seconds_per_token += 0.2 * (seconds - self.seconds_per_token)
         self._cached[seq].extend(tokens)
-        return len(tokens) - 1
+        return self.model.step_clock() - t0
 
     def close(self) -> None:
         self.model.close()

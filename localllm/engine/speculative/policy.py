@@ -33,11 +33,13 @@ class StepCost:
         self._coef = np.array([1.0, prior])  # in one-row steps until something is measured
         self._stale = False
 
-    def record(self, rows: int, outputs: int, seconds: float) -> None:
+    def record(self, rows: int, outputs: int, seconds: float, *, row_hint: float | None = None) -> None:
+        """A decode step of `rows` rows, all read out, took `seconds`; `row_hint`: what a prompt's row cost lately
+        (seconds), which splits the first step between its fixed part and its rows where no other depth did."""
         if rows <= 0 or outputs != rows or seconds <= 0:
             return
         if self._anchor is None:
-            self._anchor = self._first_anchor(rows, seconds)
+            self._anchor = self._first_anchor(rows, seconds, row_hint)
         # Each step weighs as many as its rows: large draft steps pay the slope, not the few small steps.
         m, w = self.memory, float(rows)
         n, sx, sxx, sy, sxy = self._sums
@@ -86,10 +88,16 @@ class StepCost:
             return False
         return drafted[1] / drafted[2] < plain[1] / plain[2]
 
-    def _first_anchor(self, rows: int, seconds: float) -> np.ndarray:
-        """The prior scaled to the first step; with a known fixed part, the rest of that step is the rows' cost."""
+    def _first_anchor(self, rows: int, seconds: float, row_hint: float | None) -> np.ndarray:
+        """The prior scaled to the first step; with a known fixed part, the rest of that step is the rows' cost; else
+        with a prompt row's price, that is what each row costs (a verified row does at least a prompt row's work:
+        where rows cost what a step does, as on a CPU backend whose every row multiplies the weights again, no draft
+        looks cheap before one was tried)."""
         if self.fixed is not None and 0.0 < self.fixed < seconds:
             return np.array([self.fixed, (seconds - self.fixed) / rows])
+        if row_hint is not None and row_hint > 0.0:
+            per_row = min(row_hint, seconds / rows)
+            return np.array([max(seconds - per_row * rows, 0.01 * seconds), per_row])
         return self._coef * seconds / float(self._coef[0] + self._coef[1] * rows)
 
     @property
@@ -175,6 +183,7 @@ class DepthCosts:
 
     def __init__(self) -> None:
         self._bands: dict[int, StepCost] = {}
+        self.prompt_row: float | None = None  # seconds of a prompt row, from the latest large chunk
         self.current = self.at(0)
 
     @classmethod
@@ -192,7 +201,15 @@ class DepthCosts:
         return not self.current.measured and any(cost.identified for cost in self._bands.values())
 
     def record(self, rows: int, outputs: int, seconds: float, *, depth: int) -> None:
-        self._band(self.band(depth)).record(rows, outputs, seconds)
+        self._band(self.band(depth)).record(rows, outputs, seconds, row_hint=self.prompt_row)
+
+    PROMPT_ROWS = 32  # a prompt chunk of at least this many rows prices a row (its step's fixed part spread thin)
+
+    def observe_prompt(self, rows: int, seconds: float) -> None:
+        """A prompt chunk of `rows` rows took `seconds`: the latest large one prices a row for new bands' first
+        steps (StepCost.record's row_hint). The latest, as a long prompt's deep chunks price the deep band it opens."""
+        if rows >= self.PROMPT_ROWS and seconds > 0:
+            self.prompt_row = seconds / rows
 
     def record_outcome(self, busy: int, *, depth: int, drafted: bool, tokens: int, seconds: float) -> None:
         self._band(self.band(depth)).record_outcome(busy, drafted=drafted, tokens=tokens, seconds=seconds)

@@ -124,6 +124,8 @@ class Speculation:
             depth = max(batch.positions)
             self.cost.record(len(batch), len(batch), seconds, depth=depth)
             self.cost.record_outcome(busy, depth=depth, drafted=drafted, tokens=emitted, seconds=seconds)
+        elif batch:
+            self.cost.observe_prompt(len(batch), seconds)
         self._steps += 1
 
     def close(self) -> None:
@@ -175,4 +177,10 @@ def open_draft_model(weights: Path, load: LoadOptions, target: LoadedModel, *, n
         model.close()
         raise
     log.info("draft model %s loaded beside the model: %d slots x %d tokens", name, model.n_seq, model.n_ctx)
-    return DraftModel(model, name=name, n_vocab=target.meta.n_vocab, threads=threads)
+    draft = DraftModel(model, name=name, n_vocab=target.meta.n_vocab, threads=threads)
+    try:
+        draft.price()  # before the engine thread takes it over: no request waits for it
+    except BaseException:
+        draft.close()
+        raise
+    return draft
