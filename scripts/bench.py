@@ -161,6 +161,14 @@ def mlx_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     return run_mlx_benchmarks(path)
 
 
+def mlx_pair_section(path: Path, args: argparse.Namespace) -> list[Figure]:
+    """A real draft pair converted to MLX: the draft model against off (localllm/bench/mlx.py).
+    `python scripts/bench.py --models qwen2.5-coder:1.5b --only mlxpair` (the draft: --draft)."""
+    from localllm.bench.mlx import run_mlx_pair_benchmarks
+
+    return run_mlx_pair_benchmarks(path, model_path(args.draft), n=min(args.tokens, 32), repeats=args.repeats)
+
+
 def mlx_served_section(path: Path, args: argparse.Namespace) -> list[Figure]:
     """localllm serve on the GGUF converted with `create --format mlx` against mlx_lm.server at its defaults on the same
     files, over /v1/chat/completions (localllm/bench/mlx.py). `python scripts/bench.py --only mlxserve`."""
@@ -252,6 +260,7 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "firstload": ("First load of a new model", first_load_section),
     "mlx": ("MLX against llama.cpp (informational)", mlx_section),
     "mlxserve": ("MLX served against mlx_lm.server", mlx_served_section),
+    "mlxpair": ("MLX speculation on a real draft pair", mlx_pair_section),
     "rpc": ("RPC worker over loopback (informational)", rpc_section),
     "embed": ("Embeddings against llama-server", embed_section),
     "rerank": ("Reranking against llama-server", rerank_section),
