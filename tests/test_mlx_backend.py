@@ -739,14 +739,18 @@ def test_f32_weights_agree_greedily_with_llama_cpp(smollm2_path, tmp_path):
 def test_quantized_logits_correlate_with_llama_cpp(smollm2_path, smol_mlx):
     llama, mlx = _load_pair(smollm2_path, smol_mlx)
     try:
-        tokens = llama.tokenize(PROMPT)
-        a = llama.logits(_prefill(llama, 0, tokens))
-        b = mlx.logits(_prefill(mlx, 0, tokens))
-        assert float(np.corrcoef(a, b)[0, 1]) > 0.99
-        assert int(np.argmax(a)) == int(np.argmax(b))
+        _assert_next_token_agrees(llama, mlx, llama.tokenize(PROMPT), correlation=0.99)
     finally:
         llama.close()
         mlx.close()
+
+
+def _assert_next_token_agrees(llama, mlx, tokens: list[int], *, correlation: float) -> None:
+    """After the same prompt, both backends' logits correlate and pick the same next token."""
+    a = llama.logits(_prefill(llama, 0, tokens))
+    b = mlx.logits(_prefill(mlx, 0, tokens))
+    assert float(np.corrcoef(a, b)[0, 1]) > correlation
+    assert int(np.argmax(a)) == int(np.argmax(b))
 
 
 @pytest.mark.models
@@ -769,10 +773,7 @@ def test_qwen2_converts_with_llama_cpp_tokens_and_logits(coder_home, tmp_path):
         tokens = llama.tokenize(
             "<|im_start|>user\nWrite a Python function that reverses a string.<|im_end|>\n<|im_start|>assistant\n"
         )
-        a = llama.logits(_prefill(llama, 0, tokens))
-        b = mlx.logits(_prefill(mlx, 0, tokens))
-        assert float(np.corrcoef(a, b)[0, 1]) > 0.98
-        assert int(np.argmax(a)) == int(np.argmax(b))
+        _assert_next_token_agrees(llama, mlx, tokens, correlation=0.98)
     finally:
         llama.close()
         mlx.close()

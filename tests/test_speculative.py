@@ -318,7 +318,8 @@ def test_client_reports_drafter_and_statistics(models_home):
             model="smollm2:135m",
             prompt=REPEAT_PROMPT,
             raw=True,
-            options={"temperature": 0, "num_predict": 24, "num_parallel": 1},
+            # The floor asks for drafts outright: whether they pay on this machine now is not what is tested here.
+            options={"temperature": 0, "num_predict": 24, "num_parallel": 1, "spec_min_draft": 4},
         )
         final = list(client.generate(request))[-1]
         assert final.done and final.draft_count >= final.draft_accepted > 0
@@ -327,9 +328,9 @@ def test_client_reports_drafter_and_statistics(models_home):
         assert row.speculation == "ngram"
         assert row.draft_count == final.draft_count and row.draft_accepted == final.draft_accepted
 
-        # The catalog's smollm2 carries repeat_penalty 1.1; the draft model drafts plain greedy, so turn it off. A
-        # model drafting for itself never pays (its tokens cost what the target's do): the floor makes it draft.
-        request.options.update(draft="smollm2:135m", repeat_penalty=1.0, spec_min_draft=4)
+        # The catalog's smollm2 carries repeat_penalty 1.1; the draft model drafts plain greedy, so turn it off. (A
+        # model drafting for itself never pays: its tokens cost what the target's do.)
+        request.options.update(draft="smollm2:135m", repeat_penalty=1.0)
         final = list(client.generate(request))[-1]
         assert client.ps().models[0].speculation == "draft"
         assert final.draft_accepted == final.draft_count > 0
