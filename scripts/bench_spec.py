@@ -27,10 +27,9 @@ from pathlib import Path
 from localllm import config
 from localllm.api import LoadOptions, SamplingOptions
 from localllm.backends.llama_cpp.backend import LlamaCppBackend
-from localllm.bench.engine import FOUR_PROMPTS
+from localllm.bench.engine import FOUR_PROMPTS, user_turn_tokens
 from localllm.bench.figures import Bracketed, Figure
 from localllm.bench.rest import free_port, http_client
-from localllm.chat.templates import render_chat
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.engine.speculative.speculation import Speculation
 from localllm.machine import physical_cores
@@ -83,10 +82,7 @@ class SpecEngine:
         self.engine = ModelEngine(model, max_queue=16, speculation=self.speculation)
 
     def chat_tokens(self, content: str) -> list[int]:
-        model = self.engine.model
-        bos = model.token_text(model.meta.bos_token) if model.meta.bos_token is not None else ""
-        text = render_chat(model.meta.chat_template, [{"role": "user", "content": content}], bos_token=bos)
-        return self.engine.tokenize(text, add_special=not (bos and text.startswith(bos)))
+        return user_turn_tokens(self.engine, content)
 
     def run(self, prompts: list[list[int]], n: int, spec_type: str) -> tuple[float, list[list[int]], list]:
         """(tokens per second, each stream's tokens, each stream's final timings). One stream: its decode rate;

@@ -21,8 +21,8 @@ from bench_spec import LlamaServer, _same, edit_request
 
 from localllm.api import LoadOptions, SamplingOptions
 from localllm.backends.llama_cpp.backend import LlamaCppBackend
+from localllm.bench.engine import user_turn_tokens
 from localllm.bench.figures import Bracketed, Figure
-from localllm.chat.templates import render_chat
 from localllm.engine.runner import GenerationParams, ModelEngine
 from localllm.engine.speculative.speculation import Speculation, open_draft_model
 from localllm.machine import physical_cores
@@ -41,10 +41,7 @@ class PairEngine:
         self.engine = ModelEngine(model, max_queue=16, speculation=self.speculation)
 
     def chat_tokens(self, content: str) -> list[int]:
-        meta = self.engine.meta
-        bos = self.engine.token_text(meta.bos_token) if meta.bos_token is not None else ""
-        text = render_chat(meta.chat_template, [{"role": "user", "content": content}], bos_token=bos)
-        return self.engine.tokenize(text, add_special=not (bos and text.startswith(bos)))
+        return user_turn_tokens(self.engine, content)
 
     def stream(self, prompt: list[int], n: int, spec_type: str) -> tuple[float, list[int], object]:
         """(the client's rate, the tokens, the final timings) of one streamed greedy answer."""

@@ -99,6 +99,16 @@ def make_engine(path: Path, *, threads: int | None, n_ctx: int, n_slots: int = 1
     return ModelEngine(model, max_queue=16, threads=tuner, pinned_threads=threads or 0)
 
 
+def user_turn_tokens(engine: ModelEngine, content: str) -> list[int]:
+    """`content` as one user message in the model's chat template, tokenized with the template's BOS (not twice)."""
+    from ..chat.templates import render_chat
+
+    meta = engine.meta
+    bos = engine.token_text(meta.bos_token) if meta.bos_token is not None else ""
+    text = render_chat(meta.chat_template, [{"role": "user", "content": content}], bos_token=bos)
+    return engine.tokenize(text, add_special=not (bos and text.startswith(bos)))
+
+
 def engine_run(engine: ModelEngine, prompts: list[list[int]], n: int, **sampling) -> EngineRun:
     # Every stream runs exactly n tokens (EOS banned, in the raw loop too), so both sides decode the same work.
     opts = SamplingOptions(**{"temperature": 0, "num_predict": n, "spec_type": "none", "ignore_eos": True, **sampling})

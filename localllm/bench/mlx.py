@@ -180,10 +180,9 @@ def run_mlx_pair_benchmarks(
     cost the most; the figure is the worst repeat, as the issue asks never below off."""
     from ..api import LoadOptions
     from ..backends.mlx import MlxBackend
-    from ..chat.templates import render_chat
     from ..engine.runner import ModelEngine
     from ..engine.speculative.speculation import Speculation, open_draft_model
-    from .engine import engine_run
+    from .engine import engine_run, user_turn_tokens
 
     with tempfile.TemporaryDirectory(prefix="localllm-mlx-pair-") as tmp:
         home = Path(tmp)
@@ -195,10 +194,7 @@ def run_mlx_pair_benchmarks(
         speculation = Speculation(model, draft=open_draft_model(draft_folder, load, model, name="pair-draft"))
         engine = ModelEngine(model, max_queue=4, speculation=speculation)
         try:
-            meta = engine.meta
-            bos = engine.token_text(meta.bos_token) if meta.bos_token is not None else ""
-            text = render_chat(meta.chat_template, [{"role": "user", "content": PAIR_PROMPT}], bos_token=bos)
-            prompt = engine.tokenize(text, add_special=not (bos and text.startswith(bos)))
+            prompt = user_turn_tokens(engine, PAIR_PROMPT)
             log(f"MLX pair: prefilling the {len(prompt)}-token prompt once (the runs reuse it)")
             engine_run(engine, [prompt], 2)
             runs = []

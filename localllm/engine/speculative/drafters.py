@@ -178,22 +178,16 @@ class DraftModel:
         self.seconds_per_token = min(measured)
 
     def begin(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
-        shared = self._shared(seq, tokens)
+        cached = self._cached[seq]
+        shared = 0
+        limit = min(len(cached), len(tokens) - 1)  # the last token is always decoded again: its logits are needed
+        while shared < limit and cached[shared] == tokens[shared]:
+            shared += 1
+        self._keep(seq, shared)
         row = -1
         for start in range(shared, len(tokens), self.model.n_batch):
             row = self._decode(seq, tokens[start : start + self.model.n_batch], start=start)
         return self.model.logits(row)
-
-    def _shared(self, seq: int, tokens: Sequence[int]) -> int:
-        """How much of `tokens` `seq` holds, the rest forgotten (the last token is always decoded again: its logits
-        are needed)."""
-        cached = self._cached[seq]
-        shared = 0
-        limit = min(len(cached), len(tokens) - 1)
-        while shared < limit and cached[shared] == tokens[shared]:
-            shared += 1
-        self._keep(seq, shared)
-        return shared
 
     def advance(self, seq: int, token: int, pos: int) -> np.ndarray:
         return self.model.logits(self._decode(seq, [token], start=pos))
