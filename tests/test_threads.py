@@ -10,6 +10,7 @@ import pytest
 
 from localllm import machine as machine_facts
 from localllm.engine.threads import (
+    HANDOFF_SECONDS,
     PAUSE_SECONDS,
     STEADY_WINDOWS,
     WINDOW_SECONDS,
@@ -237,6 +238,21 @@ def test_retry_reads_the_machine_before_the_next_step():
     assert steps(tuner, box, 1) == [2]
 
 
+def test_a_first_token_is_handed_over_only_where_the_steps_take_every_cpu():
+    box = FormulaMachine(cpus=2)
+    tuner = ThreadTuner(2, probe=box)
+    steps(tuner, box, 10)
+    before = box.now()
+    tuner.hand_over()  # two threads on two CPUs: the next step waits for the token's way out
+    assert box.now() == pytest.approx(before + HANDOFF_SECONDS)
+    wide = FormulaMachine(cpus=4)
+    tuner = ThreadTuner(2, probe=wide)
+    steps(tuner, wide, 10)
+    before = wide.now()
+    tuner.hand_over()  # cores to spare: it goes at once
+    assert wide.now() == before
+
+
 def test_steady_windows_forget_an_earlier_wrong_move():
     policy = ThreadPolicy(2)
     for _ in range(3):  # up moves taken back at once, three times
@@ -327,6 +343,30 @@ def test_an_engine_told_the_machine_changed_reads_it_again(smollm2_path):
         engine.machine_changed()
         generate()
         assert Counting.reads > before
+    finally:
+        engine.close()
+
+
+@pytest.mark.models
+def test_the_engine_hands_over_each_requests_first_token_once(smollm2_path):
+    from localllm.api import LoadOptions, SamplingOptions
+    from localllm.backends.llama_cpp.backend import LlamaCppBackend
+    from localllm.engine.runner import GenerationParams, ModelEngine
+
+    class Counting(ThreadTuner):
+        handed = 0
+
+        def hand_over(self) -> None:
+            Counting.handed += 1
+
+    model = LlamaCppBackend().load(smollm2_path, LoadOptions(num_ctx=512, num_parallel=2))
+    engine = ModelEngine(model, max_queue=2, threads=Counting(2))
+    sampling = SamplingOptions(temperature=0, num_predict=20, ignore_eos=True, spec_type="none")
+    try:
+        streams = engine.submit_all([GenerationParams(engine.tokenize(t), sampling) for t in ("Once upon", "Hello")])
+        answers = [list(stream) for stream in streams]
+        assert all(sum(len(chunk.tokens) for chunk in answer) == 20 for answer in answers)
+        assert 1 <= Counting.handed <= 2  # once a step that starts answers (both may start in one), not a token
     finally:
         engine.close()
 

@@ -754,6 +754,7 @@ class ModelEngine:
 
     def _emit(self, step: Step, sampled: dict[int, list[int]]) -> None:
         now = time.perf_counter()
+        first = False
         for work in step.work:
             req = work.request
             tokens = sampled.get(req.id)
@@ -761,8 +762,10 @@ class ModelEngine:
                 continue
             out: _Output = req.sink
             if not out.t_first:
-                out.t_first = now
+                out.t_first, first = now, True
             self._emit_tokens(req, tokens)
+        if first and self.threads is not None:
+            self.threads.hand_over()
 
     def _emit_tokens(self, req: Request, tokens: list[int]) -> None:
         out: _Output = req.sink

@@ -36,6 +36,10 @@ STEADY_WINDOWS = 64  # windows a count holds before a move up is trusted at once
 # least reading counts (docs/benchmark-notes.md, "the run queue right after a burst").
 RECHECK_SECONDS = 0.002
 RECHECKS = 5
+# A first token waits in the server's stream and event loop threads, and the client's, for a core: the next step's
+# threads hold every one for a scheduler slice or more, so that step starts this much later (docs/benchmark-notes.md,
+# "the first token's hand-over").
+HANDOFF_SECONDS = 0.002
 
 
 @dataclass(frozen=True)
@@ -236,6 +240,12 @@ class ThreadTuner:
         as the flash attention trial, ended): the next step reads the machine afresh, as after a pause."""
         self.policy.reset()
         self._changed = True
+
+    def hand_over(self) -> None:
+        """A request's first token has just gone to its reader: where this engine's threads take every CPU the
+        process may use, let the threads carrying it to the client run before the next step takes them all."""
+        if self.policy.count >= self.probe.cpus():
+            self.probe.wait(HANDOFF_SECONDS)
 
     def settled(self, kind: StepKind) -> int:
         """The count the next step of `kind` runs at."""
