@@ -217,6 +217,20 @@ def test_a_burst_that_has_just_ended_does_not_lower_a_prefills_count():
     assert steps(tuner, box, 3, kind="batch") == [1] * 3
 
 
+def test_a_pause_is_read_when_work_comes_not_again_at_its_first_step():
+    box = FormulaMachine(cpus=2)
+    tuner = ThreadTuner(2, probe=box)
+    steps(tuner, box, 50)
+    box.idle(1.0)
+    tuner.resume()  # a request came: the machine is quiet
+    box.lingering = [1, 1, 1, 1, 1]  # then its admission woke the server's threads, which are no other load
+    before = box.now()
+    assert steps(tuner, box, 1, kind="batch") == [2]
+    assert len(box.lingering) == 5 and box.now() == pytest.approx(before + 0.005)  # no re-read, no wait
+    tuner.resume()  # mid-request: nothing to read
+    assert len(box.lingering) == 5
+
+
 def test_a_prefill_below_full_rechecks_the_window_under_way():
     box = FormulaMachine(cpus=2, others=1.0)
     tuner = ThreadTuner(2, probe=box)

@@ -445,6 +445,8 @@ class ModelEngine:
         lost = False
         try:
             while self._serve_inbox(block=self._scheduler.idle and not self._embeds):
+                if self.threads is not None:
+                    self.threads.resume()  # before _open's news wakes the server's threads
                 if self._embeds:
                     self._embeds.turn(self._embed)
                 self._propose_drafts()

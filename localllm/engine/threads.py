@@ -31,11 +31,12 @@ HOLD = 2  # windows in a row that must agree before the count moves (one can mee
 WINDOW_SECONDS = 0.25  # steps' wall time that make a window: a few scheduler ticks on every CPU
 PAUSE_SECONDS = 0.1  # an engine idle this long is re-checked before its next step: the load may have changed
 STEADY_WINDOWS = 64  # windows a count holds before a move up is trusted at once again (see ThreadPolicy.observe)
-# A process whose burst has just ended stays runnable for a few milliseconds (llama-server's threads spin, then
+# A process whose burst has just ended stays runnable for a millisecond or a few (llama-server's threads spin, then
 # park): a run queue that would lower the count after a pause is read again this often, this many times, and its
-# least reading counts (docs/benchmark-notes.md, "the run queue right after a burst").
-RECHECK_SECONDS = 0.002
-RECHECKS = 5
+# least reading counts; each re-read past the burst's end delays the first step (docs/benchmark-notes.md, "the run
+# queue right after a burst").
+RECHECK_SECONDS = 0.0005
+RECHECKS = 20
 # A first token waits in the server's stream and event loop threads, and the client's, for a core: the next step's
 # threads hold every one for a scheduler slice or more, so that step starts this much later (docs/benchmark-notes.md,
 # "the first token's hand-over").
@@ -215,13 +216,19 @@ class ThreadTuner:
         self.policy = ThreadPolicy(max_threads, self.probe.cpus())
         self._wall = self._cpu = 0.0  # the window's steps so far
         self._cpu_at_step = 0.0
-        self._last_end: float | None = None  # when the last step ended
+        self._last_end: float | None = None  # when the last step ended, or a pause was last read
         self._start = self._mark()  # (wall, process CPU, OS busy) where the window began
         self._changed = False
 
+    def resume(self) -> None:
+        """The engine has work after a pause: read the machine now, before the engine tells its new requests they
+        are in. That news wakes the server's threads that carry it (a stream's pump, the event loop), and a run queue
+        read while they run would count them as another process's load and hold the first step for re-reads."""
+        if self._paused():
+            self._observe_pause()
+
     def choose(self, kind: StepKind) -> int:
-        now = self.probe.now()
-        if self._changed or (self._last_end is not None and now - self._last_end >= PAUSE_SECONDS):
+        if self._changed or self._paused():
             self._observe_pause()
         elif kind == "batch" and self.policy.count < self.policy.full and self._wall > 0:
             self._close_window(fresh=True)
@@ -246,6 +253,9 @@ class ThreadTuner:
         process may use, let the threads carrying it to the client run before the next step takes them all."""
         if self.policy.count >= self.probe.cpus():
             self.probe.wait(HANDOFF_SECONDS)
+
+    def _paused(self) -> bool:
+        return self._last_end is not None and self.probe.now() - self._last_end >= PAUSE_SECONDS
 
     def settled(self, kind: StepKind) -> int:
         """The count the next step of `kind` runs at."""
@@ -272,6 +282,7 @@ class ThreadTuner:
                 window = replace(window, runnable=self._least_runnable(window.runnable))
             self._observe(window, fresh=True)
         self._changed = False
+        self._last_end = end[0]
         self._begin(end)
 
     def _observe(self, window: Window, *, fresh: bool) -> None:
