@@ -184,3 +184,45 @@ def test_a_client_that_leaves_during_the_prefill_frees_its_slot(url):
         next(opened)
         assert ps_row(url)["slots_busy"] == 1
     assert wait_for(lambda: ps_row(url)["slots_busy"] == 0)
+
+
+def test_pump_threads_are_kept_for_later_streams_and_leave_when_idle():
+    import threading
+
+    pumps = chunk_stream._PumpThreads()
+    ran: list[threading.Thread] = []
+    done = threading.Semaphore(0)
+
+    def job() -> None:
+        ran.append(threading.current_thread())
+        done.release()
+
+    pumps.run(job)
+    assert done.acquire(timeout=30)
+    # the first thread now waits for a job: a second stream takes it rather than a new thread (its count says so
+    # before the wait for the job's end, so the check cannot race the thread's return to the pool)
+    while pumps._idle == 0:
+        time.sleep(0.01)
+    pumps.run(job)
+    assert done.acquire(timeout=30)
+    assert ran[0] is ran[1]
+
+    # two streams at once get two threads
+    gate = threading.Event()
+    started = threading.Semaphore(0)
+
+    def held() -> None:
+        ran.append(threading.current_thread())
+        started.release()
+        gate.wait(30)
+
+    pumps.run(held)
+    pumps.run(held)
+    assert started.acquire(timeout=30) and started.acquire(timeout=30)
+    assert ran[2] is not ran[3]
+    pumps.IDLE_SECONDS = 0.05  # idle threads leave
+    gate.set()
+    for thread in {ran[2], ran[3]}:
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    assert pumps._idle == 0

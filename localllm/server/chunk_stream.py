@@ -1,17 +1,17 @@
 """The bridge from the client's blocking chunk iterators to the event loop.
 
 `Client.generate` / `Client.chat` return RequestStreams (client/protocol.py) that block while the engine works. Each
-stream gets one pump thread that runs its iterator and hands every chunk to the event loop; a hop through a worker
-thread per chunk cost the loop about twice the CPU. `ChunkStream.open` waits for the request's admission (the engine
-has taken it) or, for streams that have none, its first chunk: an error that comes before (unknown model, bad options,
-context overflow, a template error, full queue) raises there and becomes a real HTTP status, and a streamed response
-starts at once, not after a prefill that takes minutes on a CPU. `paced` then sends a keep-alive whenever the stream
-has been silent for KEEP_ALIVE_SECONDS, since agents give up on a stream that says nothing for long (a prefill, text
-the tool-call parser holds back). Closing the stream makes the pump close the client's iterator at its next chunk,
-which cancels the request in the engine and frees its slot. A request still queued has no next chunk to wait for, so
-closing also cancels the stream directly, and a client that leaves before its admission is noticed while it waits. At
-most BUFFERED chunks wait for a slow reader; then the pump waits too (and so does the request's output in the engine,
-bounded by its context).
+stream gets one pump thread (kept for a later stream once it ends) that runs its iterator and hands every chunk to the
+event loop; a hop through a worker thread per chunk cost the loop about twice the CPU. `ChunkStream.open` waits for the
+request's admission (the engine has taken it) or, for streams that have none, its first chunk: an error that comes
+before (unknown model, bad options, context overflow, a template error, full queue) raises there and becomes a real HTTP
+status, and a streamed response starts at once, not after a prefill that takes minutes on a CPU. `paced` then sends a
+keep-alive whenever the stream has been silent for KEEP_ALIVE_SECONDS, since agents give up on a stream that says
+nothing for long (a prefill, text the tool-call parser holds back). Closing the stream makes the pump close the client's
+iterator at its next chunk, which cancels the request in the engine and frees its slot. A request still queued has no
+next chunk to wait for, so closing also cancels the stream directly, and a client that leaves before its admission is
+noticed while it waits. At most BUFFERED chunks wait for a slow reader; then the pump waits too (and so does the
+request's output in the engine, bounded by its context).
 
 Why a pump thread, not a callback from the engine thread: the client's iterator does the per-request work between the
 engine and the wire (detokenized text, stop strings, tool-call parsing, thinking split), and that work must not run on
@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -46,6 +48,50 @@ KEEP_ALIVE_SECONDS = 10.0  # the longest a paced stream stays silent (well under
 # A pump thread spends its life waiting for the engine's next chunk. The limiter bounds how many exist at once (one
 # limiter per event loop, as anyio keeps its own); a stream beyond it waits for one to end.
 _STREAM_THREADS: RunVar[anyio.CapacityLimiter] = RunVar("localllm_stream_threads")
+
+
+class _PumpThreads:
+    """Daemon threads that run pumps, each kept for the next stream once its own has ended: starting a thread is on
+    every request's way to the engine (a third of a millisecond on a busy two-core machine), waking one is not. A
+    thread idle for IDLE_SECONDS ends. Daemons, since a pump may wait on an engine when the server exits."""
+
+    IDLE_SECONDS = 60.0
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a job, less the jobs already queued for them
+
+    def run(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+                self._jobs.put(job)
+                return
+        threading.Thread(target=self._work, args=(job,), name="localllm-stream", daemon=True).start()
+
+    def _work(self, job: Callable[[], None]) -> None:
+        while True:
+            job()
+            with self._lock:
+                self._idle += 1
+            next_job = self._next_job()
+            if next_job is None:
+                return
+            job = next_job
+
+    def _next_job(self) -> Callable[[], None] | None:
+        while True:
+            try:
+                return self._jobs.get(timeout=self.IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    if self._jobs.empty():  # no job was queued for this thread while it timed out: it leaves
+                        self._idle -= 1
+                        return None
+
+
+_PUMPS = _PumpThreads()
 
 
 def _stream_threads() -> anyio.CapacityLimiter:
@@ -146,9 +192,7 @@ class ChunkStream(Generic[T]):
                 loop.call_soon_threadsafe(limiter.release_on_behalf_of, stream)
             return True
 
-        threading.Thread(
-            target=_pump, args=(make, deliver, stream._stop, stream._started), name="localllm-stream", daemon=True
-        ).start()
+        _PUMPS.run(partial(_pump, make, deliver, stream._stop, stream._started))
         try:
             first = await stream._first_item(disconnected)
         except BaseException:
