@@ -15,6 +15,8 @@ import openai
 import pytest
 from server_harness import PINNED, SYSTEM, env, local_client, pinned_server, private_home, served
 
+from localllm.server.openai.requests import ChatCompletionRequest, chat_requests
+
 pytestmark = pytest.mark.models
 
 MODEL = "smollm2:135m"
@@ -272,8 +274,14 @@ def test_chat_n_choices(oai):
     assert [c.index for c in reply.choices] == [0, 1, 2]
     texts = [c.message.content for c in reply.choices]
     assert len(set(texts)) > 1  # seeds 11, 12, 13: different answers to one prompt
+    # Choice i samples with seed + i, so choice 0 is the request as sent. Compared between batches of one size: a
+    # one-row step may run another matmul kernel than a batch's (llama.cpp on an AMX/AVX-512 Xeon), with slightly
+    # different logits, which sampling at temperature 1 can turn into another word.
+    shifted = oai.chat.completions.create(model=PINNED, messages=HI, n=3, temperature=1.0, seed=12, max_tokens=12)
+    assert [c.message.content for c in shifted.choices][:2] == texts[1:]
+    body = ChatCompletionRequest.model_validate({"model": PINNED, "messages": HI, "n": 3, "seed": 11})
+    assert [r.options.get("seed") for r in chat_requests(body)] == [11, 12, 13]
     single = oai.chat.completions.create(model=PINNED, messages=HI, temperature=1.0, seed=11, max_tokens=12)
-    assert single.choices[0].message.content == texts[0]  # choice 0 is the request as sent
     assert reply.usage.prompt_tokens == single.usage.prompt_tokens  # the shared prompt counted once
     assert reply.usage.completion_tokens >= single.usage.completion_tokens + 2  # every choice's tokens
     chunks = list(
