@@ -199,10 +199,8 @@ def test_pump_threads_are_kept_for_later_streams_and_leave_when_idle():
 
     pumps.run(job)
     assert done.acquire(timeout=30)
-    # the first thread now waits for a job: a second stream takes it rather than a new thread (its count says so
-    # before the wait for the job's end, so the check cannot race the thread's return to the pool)
-    while pumps._idle == 0:
-        time.sleep(0.01)
+    # once the first thread is back in the pool (its idle count says so), a second stream takes it, not a new thread
+    assert wait_for(lambda: pumps._idle == 1)
     pumps.run(job)
     assert done.acquire(timeout=30)
     assert ran[0] is ran[1]

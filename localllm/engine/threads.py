@@ -254,9 +254,6 @@ class ThreadTuner:
         if self.policy.count >= self.probe.cpus():
             self.probe.wait(HANDOFF_SECONDS)
 
-    def _paused(self) -> bool:
-        return self._last_end is not None and self.probe.now() - self._last_end >= PAUSE_SECONDS
-
     def settled(self, kind: StepKind) -> int:
         """The count the next step of `kind` runs at."""
         return self.policy.count
@@ -265,6 +262,9 @@ class ThreadTuner:
         start, end = self._start, self._mark()
         self._observe(Window(self.policy.count, self._wall, self._cpu, _elsewhere(start, end)), fresh=fresh)
         self._begin(end)
+
+    def _paused(self) -> bool:
+        return self._last_end is not None and self.probe.now() - self._last_end >= PAUSE_SECONDS
 
     def _observe_pause(self) -> None:
         """One window from the last one's end to now: the steps in it count as this engine's, the rest of this

@@ -70,15 +70,12 @@ class _PumpThreads:
                 return
         threading.Thread(target=self._work, args=(job,), name="localllm-stream", daemon=True).start()
 
-    def _work(self, job: Callable[[], None]) -> None:
-        while True:
+    def _work(self, job: Callable[[], None] | None) -> None:
+        while job is not None:
             job()
             with self._lock:
                 self._idle += 1
-            next_job = self._next_job()
-            if next_job is None:
-                return
-            job = next_job
+            job = self._next_job()
 
     def _next_job(self) -> Callable[[], None] | None:
         while True:
