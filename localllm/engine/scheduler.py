@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -179,6 +180,7 @@ class Scheduler:
         self.kv_cells = kv_cells if kv_cells is not None and kv_cells < n_slots * n_ctx else None
         self._cells_used = 0  # batch rows added in the step being built: each takes a cell
         self._offered: dict[int, int] = {}  # seq -> the slot's last_used when its idle cache was last saved ahead
+        self._held_back: set[int] = set()  # seqs of idle caches a starting request left for after its first token
 
     # ----------------------------------------------------------------------------------------------- intake
 
@@ -293,13 +295,20 @@ class Scheduler:
             len(req.prompt) - req.n_prefilled for slot, req in self.table.serving() if slot.state is SlotState.PREFILL
         )
 
-    def _give_up_idle(self, step: Step, need: int, *, keep: tuple[Slot[Request[Any]] | None, ...] = ()) -> int:
-        """Empty idle slots' caches, coldest first (saved to the prefix cache first), until `need` cells are free;
-        the cells now free."""
+    def _give_up_idle(
+        self,
+        step: Step,
+        need: int,
+        *,
+        keep: tuple[Slot[Request[Any]] | None, ...] = (),
+        which: Callable[[Slot[Request[Any]]], bool] = lambda slot: True,
+    ) -> int:
+        """Empty idle slots' caches (those `which` picks), coldest first, saved to the prefix cache first, until
+        `need` cells are free; the cells now free."""
         free = self.cells_free()
         donors = {src for src, _, _ in step.copies}  # trims run before copies: a donor of this step stays whole
         idle = sorted(
-            (s for s in self.table.free() if s.cached and s not in keep and s.seq not in donors),
+            (s for s in self.table.free() if s.cached and s not in keep and s.seq not in donors and which(s)),
             key=lambda s: s.last_used,
         )
         for slot in idle:
@@ -326,8 +335,21 @@ class Scheduler:
         cache (saved first), as llama-server's --cache-idle-slots (its default, and off without its RAM cache) does:
         llama.cpp attends over every cell up to the highest one used, idle caches' too (docs/benchmark-notes.md).
         After every request of the step has its slot, so requests that arrive together each find their own cache."""
-        if self._take_slots(step) and self.kv_cells is not None and self.cache is not None:
-            self._give_up_idle(step, self.kv_cells)
+        taken = self._take_slots(step)
+        if self.kv_cells is None or self.cache is None:
+            return
+        if taken:
+            # Those a save must keep go once the new requests' first tokens are out: the copy would delay them.
+            self._give_up_idle(step, self.kv_cells, which=lambda slot: not self._unsaved(slot))
+            self._held_back = {slot.seq for slot in self.table.free() if slot.cached}
+        if not self.table.busy():
+            self._held_back.clear()  # nothing to slow down: they are saved ahead, and go when a request starts
+        elif self._held_back and not self._first_tokens_pending():
+            held, self._held_back = self._held_back, set()
+            self._give_up_idle(step, self.kv_cells, which=lambda slot: slot.seq in held)
+
+    def _first_tokens_pending(self) -> bool:
+        return any(slot.state is SlotState.PREFILL for slot, _ in self.table.serving())
 
     def _take_slots(self, step: Step) -> int:
         """Waiting requests take slots in order while they can; how many did."""
@@ -352,6 +374,9 @@ class Scheduler:
             # Keep at least the last prompt token to decode: its output is the first generated token.
             reuse = min(choice.reuse, len(req.prompt) - 1)
             saved = None if req.deterministic else self._saved_prefix(req.prompt, beats=reuse)
+            if saved is not None:
+                choice = SlotChoice(slot=self._restore_target(step, choice.slot), reuse=0)
+                slot = choice.slot
             if not self._pool_fits(step, req, choice, reuse, saved):
                 if self.table.busy():
                     return taken  # it waits for cells: requests ahead of it end, or idle caches go
@@ -423,9 +448,24 @@ class Scheduler:
         # _pool_fits with every other cache gone: the pool less what the prompt keeps of the state
         return self.kv_cells is None or restore_cells(prompt_len, match) + match.reuse <= self.kv_cells
 
+    def _restore_target(self, step: Step, chosen: Slot[Request[Any]]) -> Slot[Request[Any]]:
+        """The free slot a restore overwrites: one whose cache needs no save first (an empty one before a held
+        one), the coldest of them; the share a slot's cache has with the prompt is moot, the restore replaces it.
+        Restores run before copies: a donor of this step is not overwritten."""
+        donors = {src for src, _, _ in step.copies}
+        free = [s for s in self.table.free() if s.seq not in donors] or [chosen]
+        return min(free, key=lambda s: (self._unsaved(s), len(s.cached) > 0, s.last_used))
+
+    def _unsaved(self, slot: Slot[Request[Any]], *, keeps: int = 0) -> bool:
+        """Whether losing the slot's cache beyond `keeps` tokens would lose SAVE_MIN_TOKENS or more that no saved
+        entry holds."""
+        if self.cache is None or len(slot.cached) - keeps < SAVE_MIN_TOKENS:
+            return False
+        return not self.cache.holds(slot.cached)
+
     def _save_before_loss(self, step: Step, slot: Slot[Request[Any]], *, keeps: int) -> None:
         """Save the slot's state when it is about to lose SAVE_MIN_TOKENS or more that no saved entry holds."""
-        if self.cache is None or len(slot.cached) - keeps < SAVE_MIN_TOKENS or self.cache.holds(slot.cached):
+        if not self._unsaved(slot, keeps=keeps):
             return
         if any(save.seq == slot.seq for save in step.saves):
             return  # already saved this step (a keep_prefix request just ended there)
