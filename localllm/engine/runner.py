@@ -445,12 +445,14 @@ class ModelEngine:
         lost = False
         try:
             while self._serve_inbox(block=self._scheduler.idle and not self._embeds):
-                if self.threads is not None:
-                    self.threads.resume()  # before _open's news wakes the server's threads
                 if self._embeds:
                     self._embeds.turn(self._embed)
                 self._propose_drafts()
                 step = self._scheduler.schedule()
+                if self.threads is not None and step.batch.tokens:
+                    # Before _open's news wakes the server's threads; not for a step of copies alone (a restore's),
+                    # whose single thread leaves a burst elsewhere time to end before the decode after it reads.
+                    self.threads.resume()
                 self._open()
                 self._report(step.finished)
                 if step.batch.tokens or step.cache_ops:
