@@ -253,6 +253,7 @@ class PrefixCache:
             not entry.scoped
             and entry.n_tokens >= n
             and entry.floor <= floor
+            and (n == 0 or entry.tokens[n - 1] == tokens[n - 1])  # most entries differ there: no array compare
             and shared_length(entry.tokens, tokens) == n
         )
 
