@@ -334,14 +334,20 @@ class Scheduler:
         """Give waiting requests slots; once some have started, the idle caches of a shared pool go to the prefix
         cache (saved first), as llama-server's --cache-idle-slots (its default, and off without its RAM cache) does:
         llama.cpp attends over every cell up to the highest one used, idle caches' too (docs/benchmark-notes.md).
-        After every request of the step has its slot, so requests that arrive together each find their own cache."""
+        After every request of the step has its slot, so requests that arrive together each find their own cache.
+        Where only restores start, those a save must keep go once their first tokens are out."""
         taken = self._take_slots(step)
         if self.kv_cells is None or self.cache is None:
             return
-        if taken:
-            # Those a save must keep go once the new requests' first tokens are out: the copy would delay them.
+        if taken and self._only_restores_start():
+            # A restore's step is copies alone, its first token the step after: a save would wait in it, so those
+            # a save must keep go once that token is out. The restore frees the cells it needs in its own slot.
             self._give_up_idle(step, self.kv_cells, which=lambda slot: not self._unsaved(slot))
             self._held_back = {slot.seq for slot in self.table.free() if slot.cached}
+        elif taken:
+            # A prompt's cells go where the pool is free: given up now, idle caches leave it room below.
+            self._give_up_idle(step, self.kv_cells)
+            self._held_back.clear()
         if not self.table.busy():
             self._held_back.clear()  # nothing to slow down: they are saved ahead, and go when a request starts
         elif self._held_back and not self._first_tokens_pending():
@@ -350,6 +356,10 @@ class Scheduler:
 
     def _first_tokens_pending(self) -> bool:
         return any(slot.state is SlotState.PREFILL for slot, _ in self.table.serving())
+
+    def _only_restores_start(self) -> bool:
+        """Whether every request before its first token restores a saved prefix in this step."""
+        return all(req.restoring for slot, req in self.table.serving() if slot.state is SlotState.PREFILL)
 
     def _take_slots(self, step: Step) -> int:
         """Waiting requests take slots in order while they can; how many did."""
