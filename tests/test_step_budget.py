@@ -276,12 +276,9 @@ def test_requests_arriving_together_each_find_their_own_cache_first():
     assert (a2.slot, b2.slot) == (a.slot, b.slot) and (a2.n_cached, b2.n_cached) == (4, 3) and not step.trims
 
 
-def test_once_nothing_runs_the_older_idle_caches_are_saved_ahead():
-    # After sixteen clients, saving the idle caches took 4-8 ms of the next request's first token: they are saved
-    # while nothing runs, one a step, and stay in their slots; the latest is left for its conversation to continue.
-    cache = PrefixCache(SHAPE, ram_limit=10**7)
-    s = _pooled(128, n_batch=128, cache=cache)
-    older, latest = (Request(prompt=list(range(b, b + 40)), max_tokens=8, sink=None) for b in (100, 200))
+def _two_ended(s: Scheduler, older_prompt: list[int], latest_prompt: list[int]) -> tuple[Request, Request]:
+    """Two conversations run together and end, the latest a step after the older: two idle caches."""
+    older, latest = (Request(prompt=p, max_tokens=8, sink=None) for p in (older_prompt, latest_prompt))
     for req in (older, latest):
         s.admit(req)
     step = s.schedule()
@@ -289,6 +286,15 @@ def test_once_nothing_runs_the_older_idle_caches_are_saved_ahead():
     s.finish(older, "length")
     s.update(s.schedule(), {latest.id: [8]})  # the latest decodes a step longer
     s.finish(latest, "length")
+    return older, latest
+
+
+def test_once_nothing_runs_the_older_idle_caches_are_saved_ahead():
+    # After sixteen clients, saving the idle caches took 4-8 ms of the next request's first token: they are saved
+    # while nothing runs, one a step, and stay in their slots; the latest is left for its conversation to continue.
+    cache = PrefixCache(SHAPE, ram_limit=10**7)
+    s = _pooled(128, n_batch=128, cache=cache)
+    older, latest = _two_ended(s, list(range(100, 140)), list(range(200, 240)))
     assert not s.idle  # the older cache is due a save
     step = s.schedule()
     assert [(save.seq, len(save.tokens)) for save in step.saves] == [(older.slot.seq, 40)]
@@ -312,14 +318,7 @@ def test_a_restore_takes_a_slot_that_needs_no_save_first():
     cache = PrefixCache(SHAPE, ram_limit=10**7)
     story = [9] * 4 + list(range(500, 540))
     s = _pooled(100, slots=2, n_batch=128, cache=cache)
-    older, latest = (Request(prompt=p, max_tokens=8, sink=None) for p in (list(range(100, 140)), story[:4] + [7] * 36))
-    for req in (older, latest):
-        s.admit(req)
-    step = s.schedule()
-    s.update(step, {older.id: [5], latest.id: [5]})
-    s.finish(older, "length")
-    s.update(s.schedule(), {latest.id: [6]})  # the latest decodes a step longer
-    s.finish(latest, "length")
+    older, latest = _two_ended(s, list(range(100, 140)), story[:4] + [7] * 36)
     cache.put(story, b"story state")  # saved by an earlier load, say
     step = s.schedule()  # nothing runs: the older cache is saved ahead
     assert [save.seq for save in step.saves] == [older.slot.seq]
@@ -329,11 +328,11 @@ def test_a_restore_takes_a_slot_that_needs_no_save_first():
     s.admit(again)
     step = s.schedule()
     assert [(r.seq, r.keep) for r in step.restores] == [(older.slot.seq, 44)] and not step.saves
-    assert latest.slot.cached == latest.prompt + [5]  # neither saved nor given up in the restore's step
+    assert latest.slot.cached == latest.prompt + [7]  # neither saved nor given up in the restore's step
     s.restored(again, ok=True)  # as the engine's CacheKeeper does
     s.update(step, {})
     step = s.schedule()  # the prompt's last token: its first token comes from this step
-    assert step.batch.tokens == [1] and not step.saves and latest.slot.cached == latest.prompt + [5]
+    assert step.batch.tokens == [1] and not step.saves and latest.slot.cached == latest.prompt + [7]
     s.update(step, {again.id: [5]})
     step = s.schedule()  # it is out: the latest cache goes, saved first
     assert [save.seq for save in step.saves] == [latest.slot.seq] and step.trims == [(latest.slot.seq, 0)]
