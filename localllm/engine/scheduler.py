@@ -126,6 +126,11 @@ class Step:
     def cache_ops(self) -> bool:
         return bool(self.saves or self.restores or self.trims or self.copies)
 
+    @property
+    def donors(self) -> set[int]:
+        """Sequences this step copies from: their caches must stay whole until the copies (which run last)."""
+        return {src for src, _, _ in self.copies}
+
 
 def _text_end(prompt: list[int], start: int) -> int:
     """Where the run of text tokens from `start` ends: at the next image placeholder, or the prompt's end."""
@@ -306,7 +311,7 @@ class Scheduler:
         """Empty idle slots' caches (those `which` picks), coldest first, saved to the prefix cache first, until
         `need` cells are free; the cells now free."""
         free = self.cells_free()
-        donors = {src for src, _, _ in step.copies}  # trims run before copies: a donor of this step stays whole
+        donors = step.donors  # trims run before copies: a donor of this step stays whole
         idle = sorted(
             (s for s in self.table.free() if s.cached and s not in keep and s.seq not in donors and which(s)),
             key=lambda s: s.last_used,
@@ -462,7 +467,7 @@ class Scheduler:
         """The free slot a restore overwrites: one whose cache needs no save first (an empty one before a held
         one), the coldest of them; the share a slot's cache has with the prompt is moot, the restore replaces it.
         Restores run before copies: a donor of this step is not overwritten."""
-        donors = {src for src, _, _ in step.copies}
+        donors = step.donors
         free = [s for s in self.table.free() if s.seq not in donors] or [chosen]
         return min(free, key=lambda s: (self._unsaved(s), len(s.cached) > 0, s.last_used))
 
